@@ -1,0 +1,132 @@
+"""Django settings for the LLM engine debug server.
+
+Everything a deployment changes comes from the environment:
+``DATABASE_URL`` (default: SQLite file under ``var/``), ``REDIS_URL`` (default: the
+in-memory channel layer), ``SECRET_KEY`` (default: generated once and kept in
+``var/secret_key``), ``DEBUG`` and ``ALLOWED_HOSTS`` (comma-separated).
+"""
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+import dj_database_url
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = Path(os.environ.get("DEBUGSITE_VAR_DIR", BASE_DIR / "var"))
+VAR_DIR.mkdir(parents=True, exist_ok=True)
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    return value.strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _secret_key() -> str:
+    """The configured key, else one generated on first start and kept on disk."""
+    if os.environ.get("SECRET_KEY"):
+        return os.environ["SECRET_KEY"]
+    path = VAR_DIR / "secret_key"
+    if not path.exists():
+        path.write_text(secrets.token_urlsafe(50))
+        path.chmod(0o600)
+    return path.read_text().strip()
+
+
+SECRET_KEY = _secret_key()
+DEBUG = _env_bool("DEBUG", False)
+ALLOWED_HOSTS = [h.strip() for h in os.environ.get("ALLOWED_HOSTS", "127.0.0.1,localhost,[::1]").split(",") if h.strip()]
+
+INSTALLED_APPS = [
+    "daphne",
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "channels",
+    "engines",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "debugsite.urls"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+ASGI_APPLICATION = "debugsite.asgi.application"
+
+DATABASES = {
+    "default": dj_database_url.config(
+        env="DATABASE_URL",
+        default=f"sqlite:///{VAR_DIR / 'db.sqlite3'}",
+        conn_max_age=0,
+    )
+}
+# Tests that run a real server in another process need a file-backed test database.
+if DATABASES["default"]["ENGINE"].endswith("sqlite3"):
+    DATABASES["default"]["TEST"] = {"NAME": str(VAR_DIR / "test_db.sqlite3")}
+    DATABASES["default"].setdefault("OPTIONS", {})["timeout"] = 30
+else:
+    DATABASES["default"]["TEST"] = {"NAME": "test_debugsite"}
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+if os.environ.get("REDIS_URL"):
+    CHANNEL_LAYERS = {
+        "default": {
+            "BACKEND": "channels_redis.core.RedisChannelLayer",
+            "CONFIG": {"hosts": [os.environ["REDIS_URL"]]},
+        }
+    }
+else:
+    CHANNEL_LAYERS = {"default": {"BACKEND": "channels.layers.InMemoryChannelLayer"}}
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = VAR_DIR / "staticfiles"
+
+LOGIN_URL = "admin:login"
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "loggers": {"engines": {"handlers": ["console"], "level": os.environ.get("ENGINES_LOG_LEVEL", "INFO")}},
+}
+
+# Trace history retention (per engine); applied on save and by `manage.py prune_history`.
+TRACE_RETENTION_MAX_RECORDS = int(os.environ.get("TRACE_RETENTION_MAX_RECORDS", "500"))
+TRACE_RETENTION_MAX_DAYS = int(os.environ.get("TRACE_RETENTION_MAX_DAYS", "30"))
+METRICS_SNAPSHOT_INTERVAL_S = float(os.environ.get("METRICS_SNAPSHOT_INTERVAL_S", "10"))

@@ -1,0 +1,71 @@
+"""Model architecture configuration, read from a Hugging Face ``config.json``."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+class CheckpointError(Exception):
+    """A checkpoint cannot be loaded; the message says what is wrong and what to do."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a Llama-family decoder (Llama, Mistral, Qwen2)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # bias on the q/k/v projections (Qwen2)
+
+    @classmethod
+    def from_hf_dict(cls, raw: Mapping[str, Any]) -> "ModelConfig":
+        """Build from a parsed ``config.json``; raises :class:`CheckpointError` on what we can't run."""
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise CheckpointError(
+                f"unsupported model_type {model_type!r}: this engine runs {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in raw]
+        if missing:
+            raise CheckpointError(f"config.json lacks required field(s): {', '.join(missing)}")
+        rope_scaling = raw.get("rope_scaling")
+        if rope_scaling and (rope_scaling.get("rope_type") or rope_scaling.get("type")) not in (None, "default"):
+            raise CheckpointError(
+                f"rope_scaling {rope_scaling!r} is not supported yet: only plain rope_theta is"
+            )
+        heads = int(raw["num_attention_heads"])
+        hidden = int(raw["hidden_size"])
+        head_dim = int(raw.get("head_dim") or hidden // heads)
+        kv_heads = int(raw.get("num_key_value_heads") or heads)
+        if heads % kv_heads:
+            raise CheckpointError(
+                f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
+            )
+        return cls(
+            model_type=model_type,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_hidden_layers=int(raw["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(raw.get("rope_theta", 10000.0)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
+        )

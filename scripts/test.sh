@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Set up (virtualenv + pinned dependencies) and run the whole test suite:
+# every test on SQLite, then the database tests again on PostgreSQL.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source scripts/venv.sh dev
+
+if [ -n "${CI:-}" ] || [ "${ENSURE_SERVICES:-1}" = "1" ]; then
+  scripts/services.sh
+fi
+
+status=0
+python -m pytest "$@" || status=$?
+if [ "$status" -eq 0 ] && [ $# -eq 0 ]; then
+  echo "== database tests again on PostgreSQL =="
+  DATABASE_URL="${PG_TEST_URL:-postgres://postgres@127.0.0.1:5432/postgres}" \
+    python -m pytest -m "django_db" -p no:cacheprovider || status=$?
+fi
+exit "$status"
