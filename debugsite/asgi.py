@@ -1,4 +1,10 @@
-"""ASGI entry point: HTTP through Django, websockets through Channels."""
+"""ASGI entry point: HTTP through the API-key gate into Django, websockets through Channels.
+
+``manage.py serve`` fills the engine registry before handing this application
+to Daphne. Run under another ASGI server (``daphne debugsite.asgi:application``),
+set ``ENGINES_MODELS`` and the engines are built here, at import, from the
+``ENGINES_*`` variables (see :func:`engines.registry.configure_from_env`).
+"""
 import os
 
 from django.core.asgi import get_asgi_application
@@ -9,4 +15,10 @@ django_asgi_app = get_asgi_application()
 
 from channels.routing import ProtocolTypeRouter  # noqa: E402
 
-application = ProtocolTypeRouter({"http": django_asgi_app})
+from engines import registry as engine_registry  # noqa: E402
+from engines.auth import APIKeyMiddleware  # noqa: E402
+
+if os.environ.get("ENGINES_MODELS") and not len(engine_registry.registry):
+    engine_registry.configure_from_env()
+
+application = ProtocolTypeRouter({"http": APIKeyMiddleware(django_asgi_app)})

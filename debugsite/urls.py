@@ -1,7 +1,25 @@
-"""URL routes: the admin now; the API, debug and dashboard routes join as they land."""
+"""URL routes: the OpenAI API, MLC's debug endpoints, Prometheus metrics and health, the admin.
+
+``/debug/*`` is always routed but answers 404 unless the server runs with
+``--enable-debug`` (checked per request in :mod:`engines.views.debug`), so the
+switch can be set after this module is imported. The API-key gate sits in front
+of all of this in :mod:`debugsite.asgi`.
+"""
 from django.contrib import admin
 from django.urls import path
 
+from engines.views import debug, metrics, openai
+
 urlpatterns = [
+    path("v1/models", openai.list_models, name="v1-models"),
+    path("v1/completions", openai.completions, name="v1-completions"),
+    path("v1/chat/completions", openai.chat_completions, name="v1-chat-completions"),
+    path("debug/dump_event_trace", debug.dump_event_trace, name="debug-dump-event-trace"),
+    path("debug/dump_engine_metrics", debug.dump_engine_metrics, name="debug-dump-engine-metrics"),
+    path("debug/reset_engine", debug.reset_engine, name="debug-reset-engine"),
+    path("debug/cuda_profiler_start", debug.cuda_profiler_start, name="debug-cuda-profiler-start"),
+    path("debug/cuda_profiler_stop", debug.cuda_profiler_stop, name="debug-cuda-profiler-stop"),
+    path("metrics", metrics.prometheus_metrics, name="metrics"),
+    path("health", metrics.health, name="health"),
     path("admin/", admin.site.urls),
 ]

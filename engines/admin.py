@@ -1,0 +1,453 @@
+"""Django admin for the trace and metrics history.
+
+Pages: the trace list (filter, search, compare, retention, delete), the trace detail
+(metadata, statistics, the request table, ``.json`` / ``.json.gz`` downloads), the
+request summary list across all history, and metrics snapshots. Staff only; what a
+user may do follows Django's view / change / delete permissions.
+
+Lists never load the payload column (``defer``), and nothing on a list page issues a
+query per row: these pages stay fast with 100,000 records and 1,000,000 summaries
+(bench/trace_history.py).
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, AsyncIterator, Iterator
+
+import orjson
+from asgiref.sync import sync_to_async
+from django.contrib import admin, messages
+from django.contrib.admin.utils import unquote
+from django.core.exceptions import PermissionDenied
+from django.core.handlers.asgi import ASGIRequest
+from django.core.paginator import Paginator
+from django.db import connections
+from django.db.models import F, QuerySet
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect, StreamingHttpResponse
+from django.template.defaultfilters import filesizeformat
+from django.template.response import TemplateResponse
+from django.urls import path, reverse
+from django.utils.functional import cached_property
+from django.utils.html import format_html
+from django.utils.http import content_disposition_header, urlencode
+
+from engines.history.capture import normalize_tags
+from engines.history.payload import iter_json_chunks, payload_problem
+from engines.history.report import PHASE_STATS, REQUEST_STATS, compare_records, trace_report
+from engines.history.retention import apply_retention
+from engines.models import MetricsSnapshot, RequestSummary, TraceRecord
+
+# Statuses for a trace whose stored payload cannot be served: the record exists but
+# its bytes are unusable, which is a conflict with what was saved, not a server fault.
+PAYLOAD_ERROR_STATUS = 409
+REQUEST_TABLE_LIMIT = 200
+KNOWN_FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
+class EstimatedCountPaginator(Paginator):
+    """Exact counts, except for an unfiltered list of a large PostgreSQL table.
+
+    ``COUNT(*)`` over a million rows costs more than the rest of the page; the
+    planner's row estimate (``pg_class.reltuples``, kept fresh by autovacuum) is close
+    enough to number the pages, and any filter or search falls back to an exact count.
+    """
+
+    ESTIMATE_ABOVE = 100_000
+
+    @cached_property
+    def count(self) -> int:
+        qs = self.object_list
+        if isinstance(qs, QuerySet) and not qs.query.where and not qs.query.distinct:
+            connection = connections[qs.db]
+            if connection.vendor == "postgresql":
+                with connection.cursor() as cursor:
+                    cursor.execute("SELECT reltuples::bigint FROM pg_class WHERE oid = %s::regclass",
+                                   [qs.model._meta.db_table])
+                    row = cursor.fetchone()
+                if row and row[0] > self.ESTIMATE_ABOVE:
+                    return int(row[0])
+        return super().count
+
+
+def _ms(value_us: int | None) -> str:
+    return "—" if value_us is None else f"{value_us / 1000:,.1f}"
+
+
+def _safe_filename_part(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._") or "engine"
+
+
+@admin.register(TraceRecord)
+class TraceRecordAdmin(admin.ModelAdmin):
+    list_display = ("trace_label", "engine", "model", "captured_at", "duration_ms", "event_count",
+                    "request_count", "size", "source", "backend")
+    list_display_links = ("trace_label",)
+    list_filter = ("engine", "model", "backend", "source", "captured_at")
+    search_fields = ("note", "tags")
+    search_help_text = "Matches words of the note or tags, or an exact request id."
+    ordering = ("-captured_at", "-id")
+    list_per_page = 50
+    show_full_result_count = False
+    paginator = EstimatedCountPaginator
+    actions = ("compare_traces", "apply_retention_limits", "delete_selected")
+    fieldsets = (
+        (None, {"fields": ("engine", "model", "backend", "source", "captured_at", "engine_version")}),
+        ("Capture window", {"fields": ("window", "duration_ms", "event_count", "request_count",
+                                        "dropped_events")}),
+        ("Payload", {"fields": ("payload_size", "downloads")}),
+        ("Notes", {"fields": ("note", "tags")}),
+    )
+    readonly_fields = ("engine", "model", "backend", "source", "captured_at", "engine_version", "window",
+                       "duration_ms", "event_count", "request_count", "dropped_events", "payload_size",
+                       "downloads")
+
+    # --- list columns -------------------------------------------------------------
+
+    @admin.display(description="trace", ordering="id")
+    def trace_label(self, obj: TraceRecord) -> str:
+        return f"#{obj.pk}"
+
+    @admin.display(description="duration (ms)", ordering="duration_us")
+    def duration_ms(self, obj: TraceRecord) -> str:
+        return _ms(obj.duration_us)
+
+    @admin.display(description="size", ordering="compressed_bytes")
+    def size(self, obj: TraceRecord) -> str:
+        return filesizeformat(obj.compressed_bytes)
+
+    # --- detail fields ------------------------------------------------------------
+
+    @admin.display(description="window (µs since epoch)")
+    def window(self, obj: TraceRecord) -> str:
+        if obj.first_event_ts is None:
+            return "no events"
+        return f"{obj.first_event_ts} – {obj.last_event_ts}"
+
+    @admin.display(description="payload size")
+    def payload_size(self, obj: TraceRecord) -> str:
+        return f"{filesizeformat(obj.payload_bytes)} JSON, {filesizeformat(obj.compressed_bytes)} stored (gzip)"
+
+    @admin.display(description="download")
+    def downloads(self, obj: TraceRecord) -> str:
+        return format_html(
+            '<a href="{}">.json</a> · <a href="{}">.json.gz</a> (Chrome trace: opens in Perfetto)',
+            reverse("admin:engines_tracerecord_download_json", args=[obj.pk]),
+            reverse("admin:engines_tracerecord_download_gzip", args=[obj.pk]),
+        )
+
+    # --- permissions and querysets --------------------------------------------------
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False  # records come from saving a trace, never from a form
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[TraceRecord]:
+        # Never read payloads for lists, the detail page, actions or deletes.
+        return super().get_queryset(request).defer("payload")
+
+    def get_search_results(self, request: HttpRequest, queryset: QuerySet, search_term: str):
+        """Note/tags words (Django's search), or an exact request id of any summary.
+
+        The request-id branch is an indexed ``id IN (SELECT trace_id ...)`` rather than
+        a join through ``search_fields``, which would scan the summaries per term.
+        """
+        results, may_have_duplicates = super().get_search_results(request, queryset, search_term)
+        term = search_term.strip()
+        if term:
+            by_request = queryset.filter(
+                pk__in=RequestSummary.objects.filter(request_id=term).values("trace_id"))
+            results = results | by_request
+        return results, may_have_duplicates
+
+    def save_model(self, request: HttpRequest, obj: TraceRecord, form: Any, change: bool) -> None:
+        obj.tags = normalize_tags(obj.tags)
+        # Only note and tags are editable; the payload was deferred and must not be rewritten.
+        obj.save(update_fields=["note", "tags"])
+
+    def get_deleted_objects(self, objs: Any, request: HttpRequest):
+        """The delete confirmation's list, without loading every request summary.
+
+        Django's default walks all related rows to list them, which for traces with
+        thousands of requests each is slow and unreadable. Summaries are derived data:
+        deleting a trace needs only the trace's delete permission.
+        """
+        records = list(objs)
+        shown = [
+            format_html('Trace record: <a href="{}">{}</a> with its {} request summaries',
+                        reverse("admin:engines_tracerecord_change", args=[r.pk]), str(r), r.request_count)
+            for r in records[:100]
+        ]
+        if len(records) > 100:
+            shown.append(f"… and {len(records) - 100} more trace records")
+        model_count = {
+            TraceRecord._meta.verbose_name_plural: len(records),
+            RequestSummary._meta.verbose_name_plural: sum(r.request_count for r in records),
+        }
+        perms_needed = set() if self.has_delete_permission(request) else {TraceRecord._meta.verbose_name}
+        return shown, model_count, perms_needed, []
+
+    # --- actions --------------------------------------------------------------------
+
+    @admin.action(description="Compare the two selected traces", permissions=["view"])
+    def compare_traces(self, request: HttpRequest, queryset: QuerySet[TraceRecord]):
+        ids = list(queryset.order_by("captured_at", "id").values_list("pk", flat=True)[:3])
+        if len(ids) != 2:
+            count = queryset.count() if len(ids) > 2 else len(ids)
+            self.message_user(
+                request, f"Select exactly two trace records to compare ({count} selected).", messages.WARNING)
+            return None
+        query = urlencode({"a": ids[0], "b": ids[1]})
+        return HttpResponseRedirect(f"{reverse('admin:engines_tracerecord_compare')}?{query}")
+
+    @admin.action(description="Apply retention limits to the selected traces' engines", permissions=["delete"])
+    def apply_retention_limits(self, request: HttpRequest, queryset: QuerySet[TraceRecord]) -> None:
+        engines = sorted(set(queryset.order_by().values_list("engine", flat=True).distinct()))
+        results = [(engine, apply_retention(engine)) for engine in engines]
+        removed = sum(r.total_records for _, r in results)
+        if not removed:
+            self.message_user(request, f"Nothing past the retention limits for {', '.join(engines)}.",
+                              messages.INFO)
+            return
+        detail = "; ".join(f"{engine}: {r.total_records} records, {r.total_summaries} request summaries"
+                           for engine, r in results if r.total_records)
+        self.message_user(request, f"Retention removed {removed} trace records ({detail}).", messages.SUCCESS)
+
+    # --- extra views ------------------------------------------------------------------
+
+    def get_urls(self):
+        extra = [
+            path("compare/", self.admin_site.admin_view(self.compare_view), name="engines_tracerecord_compare"),
+            path("<path:object_id>/download.json", self.admin_site.admin_view(self.download_json_view),
+                 name="engines_tracerecord_download_json"),
+            path("<path:object_id>/download.json.gz", self.admin_site.admin_view(self.download_gzip_view),
+                 name="engines_tracerecord_download_gzip"),
+        ]
+        return extra + super().get_urls()
+
+    def change_view(self, request: HttpRequest, object_id: str, form_url: str = "",
+                    extra_context: dict | None = None):
+        record = self.get_object(request, unquote(object_id))
+        context = dict(extra_context or {})
+        if record is not None and self.has_view_or_change_permission(request, record):
+            context.update(
+                payload_problem=self._payload_problem(record),
+                report=trace_report(record),
+                phase_stat_names=PHASE_STATS,
+                request_stat_names=REQUEST_STATS,
+                **self._request_table(request, record),
+            )
+        return super().change_view(request, object_id, form_url, context)
+
+    def compare_view(self, request: HttpRequest) -> HttpResponse:
+        if not self.has_view_permission(request):
+            raise PermissionDenied
+        records = {str(r.pk): r for r in self.get_queryset(request).filter(
+            pk__in=[v for v in (request.GET.get("a"), request.GET.get("b")) if v and v.isdigit()])}
+        a, b = records.get(request.GET.get("a", "")), records.get(request.GET.get("b", ""))
+        if a is None or b is None or a.pk == b.pk:
+            self.message_user(request, "Compare needs two different existing trace records: select two "
+                                       "in the list and run the compare action.", messages.WARNING)
+            return HttpResponseRedirect(reverse("admin:engines_tracerecord_changelist"))
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.opts,
+            "title": f"Compare {a} with {b}",
+            "comparison": compare_records(a, b),
+        }
+        return TemplateResponse(request, "admin/engines/tracerecord/compare.html", context)
+
+    def download_json_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
+        return self._download(request, object_id, compressed=False)
+
+    def download_gzip_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
+        return self._download(request, object_id, compressed=True)
+
+    # --- helpers ------------------------------------------------------------------------
+
+    def _download(self, request: HttpRequest, object_id: str, *, compressed: bool) -> HttpResponse:
+        record = self.get_object(request, unquote(object_id))
+        if record is None:
+            return self._get_obj_does_not_exist_redirect(request, self.opts, object_id)
+        if not self.has_view_permission(request, record):
+            raise PermissionDenied
+        data = self._stored_payload(record)
+        problem = payload_problem(data, expected_size=record.compressed_bytes,
+                                  expected_crc32=record.payload_crc32)
+        if problem is not None:
+            context = {**self.admin_site.each_context(request), "opts": self.opts, "original": record,
+                       "title": "Trace payload unavailable", "problem": problem}
+            return TemplateResponse(request, "admin/engines/tracerecord/payload_error.html", context,
+                                    status=PAYLOAD_ERROR_STATUS)
+        stamp = record.captured_at.strftime("%Y%m%dT%H%M%S")
+        filename = f"trace-{_safe_filename_part(record.engine)}-{record.pk}-{stamp}.json"
+        if compressed:
+            response: HttpResponse | StreamingHttpResponse = HttpResponse(bytes(data),
+                                                                          content_type="application/gzip")
+            filename += ".gz"
+        else:
+            response = StreamingHttpResponse(_json_stream(request, bytes(data)), content_type="application/json")
+            if record.payload_crc32 is not None:
+                response["Content-Length"] = str(record.payload_bytes)
+        response["Content-Disposition"] = content_disposition_header(as_attachment=True, filename=filename)
+        return response
+
+    @staticmethod
+    def _stored_payload(record: TraceRecord) -> bytes | None:
+        data = TraceRecord.objects.filter(pk=record.pk).values_list("payload", flat=True).first()
+        return None if data is None else bytes(data)
+
+    def _payload_problem(self, record: TraceRecord) -> str | None:
+        return payload_problem(self._stored_payload(record), expected_size=record.compressed_bytes,
+                               expected_crc32=record.payload_crc32)
+
+    REQUEST_COLUMNS = (
+        ("request_id", "request id"), ("prompt_tokens", "prompt tokens"),
+        ("completion_tokens", "completion tokens"), ("queue_us", "queue (ms)"), ("ttft_us", "TTFT (ms)"),
+        ("prefill_us", "prefill (ms)"), ("decode_us", "decode (ms)"), ("e2e_us", "e2e (ms)"),
+        ("finish_reason", "finish"), ("preemptions", "preemptions"),
+    )
+
+    def _request_table(self, request: HttpRequest, record: TraceRecord) -> dict[str, Any]:
+        """The detail page's request table: sortable by any column, the first rows shown."""
+        fields = [f for f, _ in self.REQUEST_COLUMNS]
+        sort = request.GET.get("requests_sort", "-e2e_us")
+        if sort.lstrip("-") not in fields:
+            sort = "-e2e_us"
+        key = sort.lstrip("-")
+        descending = sort.startswith("-")
+        order = F(key).desc(nulls_last=True) if descending else F(key).asc(nulls_last=True)
+        rows = list(RequestSummary.objects.filter(trace=record).order_by(order, "id")
+                    .values_list(*fields)[:REQUEST_TABLE_LIMIT])
+        headers = []
+        for field, label in self.REQUEST_COLUMNS:
+            next_sort = field if field == key and descending else f"-{field}"
+            params = request.GET.copy()
+            params["requests_sort"] = next_sort
+            headers.append({"label": label, "url": "?" + params.urlencode(), "sorted": field == key,
+                            "descending": descending})
+        display = [[_ms(v) if f.endswith("_us") else ("—" if v is None else v) for f, v in zip(fields, row)]
+                   for row in rows]
+        all_url = (reverse("admin:engines_requestsummary_changelist")
+                   + "?" + urlencode({"trace__id__exact": record.pk}))
+        return {"request_headers": headers, "request_rows": display, "request_rows_limit": REQUEST_TABLE_LIMIT,
+                "request_list_url": all_url}
+
+
+def _json_stream(request: HttpRequest, data: bytes) -> Iterator[bytes] | AsyncIterator[bytes]:
+    """Inflate piece by piece; under ASGI asynchronously (Django would otherwise buffer
+    the whole sync iterator in memory), with each piece inflated on a worker thread."""
+    chunks = iter_json_chunks(data)
+    if not isinstance(request, ASGIRequest):
+        return chunks
+
+    async def pieces() -> AsyncIterator[bytes]:
+        step = sync_to_async(next, thread_sensitive=False)
+        while (piece := await step(chunks, None)) is not None:
+            yield piece
+    return pieces()
+
+
+class EngineFilter(admin.SimpleListFilter):
+    """Engines as listed by the trace table: a ``DISTINCT`` over a million summaries
+    would cost more than the whole request list page."""
+
+    title = "engine"
+    parameter_name = "engine"
+
+    def lookups(self, request: HttpRequest, model_admin: admin.ModelAdmin):
+        names = TraceRecord.objects.order_by("engine").values_list("engine", flat=True).distinct()
+        return [(name, name) for name in names]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet):
+        return queryset.filter(engine=self.value()) if self.value() else queryset
+
+
+class FinishReasonFilter(admin.SimpleListFilter):
+    """The finish reasons the engine emits, plus requests the trace shows unfinished."""
+
+    title = "finish reason"
+    parameter_name = "finish_reason"
+    UNFINISHED = "-"
+
+    def lookups(self, request: HttpRequest, model_admin: admin.ModelAdmin):
+        return [(r, r) for r in KNOWN_FINISH_REASONS] + [(self.UNFINISHED, "unfinished in the trace")]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet):
+        value = self.value()
+        if not value:
+            return queryset
+        return queryset.filter(finish_reason="" if value == self.UNFINISHED else value)
+
+
+@admin.register(RequestSummary)
+class RequestSummaryAdmin(admin.ModelAdmin):
+    """All requests of all saved traces: sort by TTFT or e2e to find the slowest."""
+
+    list_display = ("request_id", "trace_link", "engine", "finish_reason", "prompt_tokens", "completion_tokens",
+                    "queue_ms", "ttft_ms", "prefill_ms", "decode_ms", "e2e_ms", "preemptions")
+    list_filter = (EngineFilter, FinishReasonFilter)
+    search_fields = ("=request_id",)
+    search_help_text = "Exact request id."
+    ordering = ("-id",)
+    list_per_page = 100
+    show_full_result_count = False
+    paginator = EstimatedCountPaginator
+    # Summaries are derived from their trace: they go with it, never one by one.
+    actions = None
+
+    @admin.display(description="trace", ordering="trace_id")
+    def trace_link(self, obj: RequestSummary) -> str:
+        # trace_id only: linking back needs no join and no query per row.
+        return format_html('<a href="{}">{} #{}</a>',
+                           reverse("admin:engines_tracerecord_change", args=[obj.trace_id]), obj.engine,
+                           obj.trace_id)
+
+    @admin.display(description="queue (ms)", ordering="queue_us")
+    def queue_ms(self, obj: RequestSummary) -> str:
+        return _ms(obj.queue_us)
+
+    @admin.display(description="TTFT (ms)", ordering="ttft_us")
+    def ttft_ms(self, obj: RequestSummary) -> str:
+        return _ms(obj.ttft_us)
+
+    @admin.display(description="prefill (ms)")
+    def prefill_ms(self, obj: RequestSummary) -> str:
+        return _ms(obj.prefill_us)
+
+    @admin.display(description="decode (ms)")
+    def decode_ms(self, obj: RequestSummary) -> str:
+        return _ms(obj.decode_us)
+
+    @admin.display(description="e2e (ms)", ordering="e2e_us")
+    def e2e_ms(self, obj: RequestSummary) -> str:
+        return _ms(obj.e2e_us)
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: RequestSummary | None = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: RequestSummary | None = None) -> bool:
+        return False
+
+
+@admin.register(MetricsSnapshot)
+class MetricsSnapshotAdmin(admin.ModelAdmin):
+    list_display = ("engine", "model", "taken_at")
+    list_filter = ("engine", "taken_at")
+    ordering = ("-taken_at", "-id")
+    show_full_result_count = False
+    paginator = EstimatedCountPaginator
+    fields = ("engine", "model", "taken_at", "metrics_json")
+    readonly_fields = fields
+
+    @admin.display(description="metrics")
+    def metrics_json(self, obj: MetricsSnapshot) -> str:
+        text = orjson.dumps(obj.metrics, option=orjson.OPT_INDENT_2 | orjson.OPT_SORT_KEYS).decode()
+        return format_html("<pre>{}</pre>", text)
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: MetricsSnapshot | None = None) -> bool:
+        return False

@@ -1,0 +1,44 @@
+"""Trace and metrics history: saving engine traces into the database, deriving
+per-request summaries and statistics, retention, and comparing two traces.
+
+The public API (what the server, the dashboard and the admin call)::
+
+    save_trace(trace, *, engine, model, backend="", source="api", note="", tags=()) -> TraceRecord
+    await asave_trace(trace, **same)                      # off the event loop
+    save_metrics_snapshot(engine, model, metrics) -> MetricsSnapshot
+    await asave_metrics_snapshot(engine, model, metrics)
+    apply_retention(engine=None, *, max_records=None, max_days=None, dry_run=False) -> RetentionResult
+    compare_records(a, b) -> TraceComparison
+
+Modules: ``analysis`` (trace -> summaries, pure Python), ``payload`` (gzip storage),
+``capture`` (saving), ``retention``, ``report`` (detail and compare tables).
+"""
+from engines.history.analysis import TraceAnalysis, TraceFormatError, analyze_trace
+from engines.history.capture import (
+    asave_metrics_snapshot,
+    asave_trace,
+    normalize_tags,
+    save_metrics_snapshot,
+    save_trace,
+)
+from engines.history.payload import PayloadError
+from engines.history.report import TraceComparison, compare_records, trace_report
+from engines.history.retention import RetentionResult, apply_retention, prune_metrics_snapshots
+
+__all__ = [
+    "PayloadError",
+    "RetentionResult",
+    "TraceAnalysis",
+    "TraceComparison",
+    "TraceFormatError",
+    "analyze_trace",
+    "apply_retention",
+    "asave_metrics_snapshot",
+    "asave_trace",
+    "compare_records",
+    "normalize_tags",
+    "prune_metrics_snapshots",
+    "save_metrics_snapshot",
+    "save_trace",
+    "trace_report",
+]

@@ -1,0 +1,225 @@
+"""Saving traces and metrics snapshots into the history.
+
+``save_trace`` is what ``POST /debug/save_event_trace``, the dashboard and the
+``--trace-autosave`` loop call. It is synchronous and takes about a second for a
+million events: async callers use :func:`asave_trace`, which runs it on a worker
+thread so neither the event loop nor the engine thread waits on it.
+
+The steps, and why in this order: serialise the trace once (orjson); start gzip on a
+worker thread (zlib releases the GIL, so it overlaps the next step on a second core);
+walk the events for summaries and statistics; then one transaction inserts the record
+and bulk-inserts its request summaries; then retention for that engine runs.
+"""
+from __future__ import annotations
+
+import math
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
+from typing import Any, Iterable, Mapping
+
+import orjson
+from asgiref.sync import sync_to_async
+from django.db import connections, transaction
+from django.utils import timezone
+
+from engines.history.analysis import RequestStats, TraceFormatError, analyze_trace, trace_events
+from engines.history.payload import compress_json
+from engines.history.retention import apply_retention, prune_metrics_snapshots
+from engines.models import MetricsSnapshot, RequestSummary, TraceRecord
+
+SUMMARY_BATCH_SIZE = 2000
+_compressor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="trace-gzip")
+
+_MAX_ENGINE = TraceRecord._meta.get_field("engine").max_length
+_MAX_MODEL = TraceRecord._meta.get_field("model").max_length
+_MAX_BACKEND = TraceRecord._meta.get_field("backend").max_length
+_MAX_TAGS = TraceRecord._meta.get_field("tags").max_length
+_MAX_REQUEST_ID = RequestSummary._meta.get_field("request_id").max_length
+_MAX_FINISH_REASON = RequestSummary._meta.get_field("finish_reason").max_length
+
+
+def save_trace(
+    trace: Mapping[str, Any] | list[Any] | bytes,
+    *,
+    engine: str,
+    model: str,
+    backend: str = "",
+    source: str = TraceRecord.Source.API,
+    note: str = "",
+    tags: Iterable[str] | str = (),
+    captured_at: datetime | None = None,
+    retention: bool = True,
+) -> TraceRecord:
+    """Store ``trace`` (a Chrome trace dict, or its JSON bytes) as a new record of ``engine``.
+
+    Bytes are stored exactly as given (after checking they parse), so a download
+    returns them byte for byte. ``backend`` defaults to the trace's
+    ``otherData.backend``. With ``retention`` the engine's retention limits
+    (``TRACE_RETENTION_MAX_RECORDS`` / ``_MAX_DAYS``) are applied afterwards.
+
+    Raises :class:`TraceFormatError` (a ``ValueError``) for something that is not a
+    Chrome trace and ``ValueError`` for bad metadata; the message says which.
+    """
+    engine = _required_text("engine", engine, _MAX_ENGINE)
+    model = _required_text("model", model, _MAX_MODEL)
+    if source not in TraceRecord.Source.values:
+        raise ValueError(f"source must be one of {', '.join(TraceRecord.Source.values)}, not {source!r}")
+    tag_text = normalize_tags(tags)
+
+    if isinstance(trace, (bytes, bytearray, memoryview)):
+        raw = bytes(trace)
+        try:
+            parsed = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise TraceFormatError(f"the trace is not valid JSON: {exc}") from exc
+        trace_events(parsed)
+    else:
+        parsed = trace
+        trace_events(parsed)  # fail on a non-trace before spending time on it
+        try:
+            raw = orjson.dumps(parsed, option=orjson.OPT_SERIALIZE_NUMPY)
+        except TypeError as exc:
+            raise TraceFormatError(f"the trace cannot be serialised as JSON: {exc}") from exc
+
+    compressing = _compressor.submit(compress_json, raw)
+    try:
+        analysis = analyze_trace(parsed)
+    finally:
+        stored = compressing.result()  # never leave the worker busy behind an exception
+    other = analysis.other_data
+    backend = (backend or str(other.get("backend") or ""))[:_MAX_BACKEND]
+
+    record = TraceRecord(
+        engine=engine,
+        model=model,
+        backend=backend,
+        source=source,
+        captured_at=captured_at or timezone.now(),
+        engine_version=str(other.get("version") or "")[:64],
+        first_event_ts=_int_or_none(analysis.first_ts),
+        last_event_ts=_int_or_none(analysis.last_ts),
+        duration_us=_int_or_none(analysis.duration_us),
+        event_count=analysis.event_count,
+        request_count=len(analysis.requests),
+        dropped_events=analysis.dropped_events,
+        payload_bytes=stored.raw_size,
+        compressed_bytes=len(stored.data),
+        payload_crc32=stored.crc32,
+        payload=stored.data,
+        stats=analysis.stats_json(),
+        note=note,
+        tags=tag_text,
+    )
+    with transaction.atomic():
+        record.save(force_insert=True)
+        RequestSummary.objects.bulk_create(
+            _summary_rows(record, analysis.requests), batch_size=SUMMARY_BATCH_SIZE)
+    if retention:
+        apply_retention(engine)
+    return record
+
+
+async def asave_trace(trace: Mapping[str, Any] | list[Any] | bytes, **kwargs: Any) -> TraceRecord:
+    """:func:`save_trace` on a worker thread; same arguments, same result."""
+    return await sync_to_async(_closing_connections(save_trace), thread_sensitive=False)(trace, **kwargs)
+
+
+def save_metrics_snapshot(engine: str, model: str, metrics: Mapping[str, Any], *,
+                          taken_at: datetime | None = None, retention: bool = True) -> MetricsSnapshot:
+    """Store one sample of ``engine``'s metrics; prunes that engine's snapshots past
+    ``METRICS_RETENTION_MAX_DAYS`` (an indexed delete, cheap at the sampling interval)."""
+    if not isinstance(metrics, Mapping):
+        raise ValueError(f"metrics must be a mapping, not {type(metrics).__name__}")
+    snapshot = MetricsSnapshot.objects.create(
+        engine=_required_text("engine", engine, _MAX_ENGINE),
+        model=_required_text("model", model, _MAX_MODEL),
+        taken_at=taken_at or timezone.now(),
+        metrics=_finite_json(metrics),
+    )
+    if retention:
+        prune_metrics_snapshots(engine)
+    return snapshot
+
+
+async def asave_metrics_snapshot(engine: str, model: str, metrics: Mapping[str, Any],
+                                 **kwargs: Any) -> MetricsSnapshot:
+    """:func:`save_metrics_snapshot` on a worker thread."""
+    return await sync_to_async(_closing_connections(save_metrics_snapshot), thread_sensitive=False)(
+        engine, model, metrics, **kwargs)
+
+
+def normalize_tags(tags: Iterable[str] | str) -> str:
+    """``"a, b"`` or ``["a", "b"]`` -> ``"a,b"``: stripped, de-duplicated, order kept."""
+    items = tags.split(",") if isinstance(tags, str) else list(tags)
+    seen: dict[str, None] = {}
+    for tag in items:
+        tag = str(tag).strip()
+        if tag:
+            seen.setdefault(tag, None)
+    text = ",".join(seen)
+    if len(text) > _MAX_TAGS:
+        raise ValueError(f"tags are {len(text)} characters joined; at most {_MAX_TAGS} fit")
+    return text
+
+
+def _summary_rows(record: TraceRecord, requests: list[RequestStats]) -> list[RequestSummary]:
+    rows = []
+    seen: set[str] = set()
+    for r in requests:
+        request_id = r.request_id[:_MAX_REQUEST_ID]
+        if request_id in seen:  # two lanes with one id (hand-made traces): keep the first
+            continue
+        seen.add(request_id)
+        rows.append(RequestSummary(
+            trace=record,
+            engine=record.engine,
+            request_id=request_id,
+            added_ts=_int_or_none(r.added_ts),
+            prompt_tokens=r.prompt_tokens,
+            completion_tokens=r.completion_tokens,
+            queue_us=_int_or_none(r.queue_us),
+            ttft_us=_int_or_none(r.ttft_us),
+            prefill_us=_int_or_none(r.prefill_us),
+            decode_us=_int_or_none(r.decode_us),
+            e2e_us=_int_or_none(r.e2e_us),
+            finish_reason=r.finish_reason[:_MAX_FINISH_REASON],
+            preemptions=r.preemptions,
+        ))
+    return rows
+
+
+def _closing_connections(func):
+    """Run ``func`` and close the worker thread's database connections afterwards:
+    pool threads outlive the call, and an idle connection per thread would leak."""
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        finally:
+            connections.close_all()
+    run.__name__ = func.__name__
+    run.__doc__ = func.__doc__
+    return run
+
+
+def _required_text(name: str, value: Any, max_length: int) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"{name} must be a non-empty string")
+    if len(value) > max_length:
+        raise ValueError(f"{name} is {len(value)} characters long; at most {max_length} fit")
+    return value
+
+
+def _int_or_none(value: float | None) -> int | None:
+    return None if value is None else int(round(value))
+
+
+def _finite_json(value: Any) -> Any:
+    """Replace NaN and infinities by ``None``: PostgreSQL's jsonb rejects them."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {str(k): _finite_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_json(v) for v in value]
+    return value
+

@@ -1,0 +1,104 @@
+"""Retention: how much trace and metrics history each engine keeps.
+
+Limits are per engine, so one busy engine never pushes out another's history:
+at most ``TRACE_RETENTION_MAX_RECORDS`` records and none older than
+``TRACE_RETENTION_MAX_DAYS`` days (0 turns a limit off). Metrics snapshots older than
+``METRICS_RETENTION_MAX_DAYS`` go the same way.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+
+from django.conf import settings
+from django.db.models import Q, QuerySet
+from django.utils import timezone
+
+from engines.models import MetricsSnapshot, RequestSummary, TraceRecord
+
+
+@dataclass
+class RetentionResult:
+    """What retention removed (or, on a dry run, would remove), per engine."""
+
+    dry_run: bool
+    records: dict[str, int] = field(default_factory=dict)
+    summaries: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def total_records(self) -> int:
+        return sum(self.records.values())
+
+    @property
+    def total_summaries(self) -> int:
+        return sum(self.summaries.values())
+
+
+def expired_records(engine: str, *, max_records: int | None = None, max_days: float | None = None,
+                    now: datetime | None = None) -> QuerySet[TraceRecord]:
+    """The records of ``engine`` that fall outside its limits (``None``: from settings; 0: no limit)."""
+    max_records = settings.TRACE_RETENTION_MAX_RECORDS if max_records is None else max_records
+    max_days = settings.TRACE_RETENTION_MAX_DAYS if max_days is None else max_days
+    if max_records < 0 or max_days < 0:
+        raise ValueError("retention limits must be >= 0 (0 means no limit)")
+    records = TraceRecord.objects.filter(engine=engine)
+    expired = Q(pk__in=[])
+    if max_days:
+        expired |= Q(captured_at__lt=(now or timezone.now()) - timedelta(days=max_days))
+    if max_records:
+        # The newest record past the limit marks the boundary; the same (captured_at, id)
+        # order as the admin's, so "the newest N" means the same rows everywhere.
+        boundary = list(records.order_by("-captured_at", "-id")
+                        .values_list("captured_at", "id")[max_records:max_records + 1])
+        if boundary:
+            at, pk = boundary[0]
+            expired |= Q(captured_at__lt=at) | Q(captured_at=at, id__lte=pk)
+    return records.filter(expired)
+
+
+def apply_retention(engine: str | None = None, *, max_records: int | None = None,
+                    max_days: float | None = None, now: datetime | None = None,
+                    dry_run: bool = False) -> RetentionResult:
+    """Delete the records past the limits of ``engine`` (or of every engine, each on its own)."""
+    engines = [engine] if engine is not None else list(
+        TraceRecord.objects.order_by().values_list("engine", flat=True).distinct())
+    result = RetentionResult(dry_run=dry_run)
+    for name in engines:
+        doomed = expired_records(name, max_records=max_records, max_days=max_days, now=now)
+        if dry_run:
+            records = doomed.count()
+            summaries = RequestSummary.objects.filter(trace__in=doomed.values("pk")).count() if records else 0
+        else:
+            records, summaries = delete_records(doomed)
+        if records:
+            result.records[name] = records
+            result.summaries[name] = summaries
+    return result
+
+
+def delete_records(records: QuerySet[TraceRecord]) -> tuple[int, int]:
+    """Delete trace records with their summaries; returns (records, summaries) deleted.
+
+    The payload is deferred: Django's delete collector loads the rows it deletes, and
+    would otherwise read every payload just to discard it. Summaries go in one
+    ``DELETE ... WHERE trace_id IN`` (Django's fast path: no signals on them).
+    """
+    _, per_model = records.defer("payload", "stats").delete()
+    return (per_model.get(TraceRecord._meta.label, 0), per_model.get(RequestSummary._meta.label, 0))
+
+
+def prune_metrics_snapshots(engine: str | None = None, *, max_days: float | None = None,
+                            now: datetime | None = None, dry_run: bool = False) -> int:
+    """Delete (or count) metrics snapshots older than the limit; returns how many."""
+    max_days = settings.METRICS_RETENTION_MAX_DAYS if max_days is None else max_days
+    if max_days < 0:
+        raise ValueError("retention limits must be >= 0 (0 means no limit)")
+    if not max_days:
+        return 0
+    old = MetricsSnapshot.objects.filter(taken_at__lt=(now or timezone.now()) - timedelta(days=max_days))
+    if engine is not None:
+        old = old.filter(engine=engine)
+    if dry_run:
+        return old.count()
+    deleted, _ = old.delete()
+    return deleted

@@ -1,0 +1,193 @@
+"""``manage.py serve``: build the engines, then serve them over HTTP with Daphne in this process.
+
+The flags follow ``mlc_llm serve``. Engines are built and started *before* the
+server listens, in the same process as the ASGI app, so the first request
+finds them ready in the registry. Ctrl-C or SIGTERM stops Daphne (which cancels
+in-flight requests, aborting them in their engines) and then the engines.
+"""
+from __future__ import annotations
+
+# daphne.server installs Twisted's asyncio reactor on import; it must come
+# before anything else imports twisted.internet.reactor.
+from daphne.server import Server  # isort:skip
+
+import ipaddress
+import logging
+import os
+import signal
+import sys
+from argparse import ArgumentParser
+from typing import Any
+
+from daphne.endpoints import build_endpoint_description_strings
+from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
+from django.core.management import call_command
+from django.core.management.base import BaseCommand, CommandError
+from django.db import DEFAULT_DB_ALIAS, connections
+from django.db.migrations.executor import MigrationExecutor
+
+from engines.registry import ModelSpec, RegistryError, build_engines, configure, registry
+
+logger = logging.getLogger("engines.serve")
+
+DEBUG_ROUTES = ("dump_event_trace", "dump_engine_metrics", "reset_engine", "cuda_profiler_start", "cuda_profiler_stop")
+
+
+def is_loopback(host: str) -> bool:
+    """True when only this machine can reach ``host``. Other host names could resolve anywhere."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+class _Interrupted(Exception):
+    """SIGTERM arrived before Daphne took over signal handling (while engines were loading)."""
+
+
+class Command(BaseCommand):
+    help = "Serve engines (the demo model by default) over the OpenAI API, /debug, /metrics and the dashboard."
+
+    # Django's system checks run anyway in the ASGI app; skipping them here keeps start-up quick.
+    requires_system_checks: list[str] = []
+
+    def add_arguments(self, parser: ArgumentParser) -> None:
+        parser.add_argument(
+            "--model", action="append", dest="models", metavar="demo|PATH[:NAME]",
+            help="model to serve (repeatable): 'demo' or a local Hugging Face checkpoint folder, "
+                 "optionally ':NAME' for the served name (default: demo)",
+        )
+        parser.add_argument("--enable-debug", action="store_true",
+                            help="mount /debug/*, honour debug_config in requests and return usage.extra")
+        parser.add_argument("--enable-tracing", action="store_true",
+                            help="record the event trace that /debug/dump_event_trace returns")
+        parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+        parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+        parser.add_argument("--api-key", default=os.environ.get("API_KEY") or None,
+                            help="require 'Authorization: Bearer KEY' on /v1, /debug, /microserving and "
+                                 "/metrics (default: $API_KEY)")
+        parser.add_argument("--backend", choices=("auto", "cuda", "cpu"), default="auto",
+                            help="compute backend: cuda when a GPU is usable, else cpu (default auto)")
+        parser.add_argument("--dtype", choices=("float32", "float16"), default="float32",
+                            help="weight and KV-cache dtype (default float32)")
+        sizing = parser.add_argument_group("engine sizing")
+        sizing.add_argument("--max-num-seqs", type=int, help="concurrent running sequences per engine")
+        pages = sizing.add_mutually_exclusive_group()
+        pages.add_argument("--num-pages", type=int, help="KV-cache pages per engine")
+        pages.add_argument("--max-total-tokens", type=int, help="KV-cache capacity in tokens (sets the pages)")
+        sizing.add_argument("--page-size", type=int, help="tokens per KV-cache page")
+        sizing.add_argument("--prefill-chunk-size", type=int, help="per-step token budget (prefill + decode)")
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        host, port, api_key = options["host"], options["port"], options["api_key"]
+        if not is_loopback(host) and not api_key:
+            raise CommandError(
+                f"refusing to listen on {host} without an API key: anyone who can reach that address could "
+                "run prompts, read traces and reset the engines. Pass --api-key KEY (or set API_KEY), "
+                "or listen on 127.0.0.1."
+            )
+        specs = self._model_specs(options["models"] or ["demo"])
+        self._apply_migrations()
+
+        # Until Daphne installs its own handlers, SIGTERM must still unwind through `finally`.
+        previous_term = signal.signal(signal.SIGTERM, _raise_interrupted)
+        try:
+            self._load_engines(specs, options)
+            if options["enable_debug"]:
+                logger.info("Enable debug endpoint and debug_config in requests...")
+            self._print_urls(host, port, options["enable_debug"], api_key)
+            self._run_daphne(host, port, options["verbosity"])
+        except (KeyboardInterrupt, _Interrupted):
+            pass
+        finally:
+            signal.signal(signal.SIGTERM, previous_term)
+            had_engines = len(registry) > 0
+            registry.shutdown_all()
+            if had_engines:
+                self.stdout.write("Engines stopped. Bye.")
+
+    def _model_specs(self, values: list[str]) -> list[ModelSpec]:
+        try:
+            return [ModelSpec.parse(v) for v in values]
+        except RegistryError as exc:
+            raise CommandError(str(exc)) from exc
+
+    def _apply_migrations(self) -> None:
+        """Create or update the database on first run, quietly when there is nothing to do."""
+        executor = MigrationExecutor(connections[DEFAULT_DB_ALIAS])
+        plan = executor.migration_plan(executor.loader.graph.leaf_nodes())
+        if plan:
+            self.stdout.write(f"Applying {len(plan)} database migration(s)...")
+            call_command("migrate", interactive=False, verbosity=0)
+        # The server runs on an event loop; don't carry this thread's connection into it.
+        connections.close_all()
+
+    def _load_engines(self, specs: list[ModelSpec], options: dict[str, Any]) -> None:
+        from engines.runtime.config import CheckpointError
+        from engines.runtime.engine import EngineConfig
+
+        sizing = {
+            key: options[key]
+            for key in ("max_num_seqs", "num_pages", "max_total_tokens", "page_size", "prefill_chunk_size")
+            if options[key] is not None
+        }
+        for spec in specs:
+            self.stdout.write(f"Loading {spec.source}" + (f" as {spec.name}" if spec.name else "") + "...")
+        try:
+            engines = build_engines(
+                specs,
+                EngineConfig(**sizing),
+                backend=options["backend"],
+                dtype=options["dtype"],
+                enable_tracing=options["enable_tracing"],
+            )
+            configure(engines, enable_debug=options["enable_debug"], api_key=options["api_key"])
+        except (CheckpointError, RegistryError, ValueError) as exc:
+            raise CommandError(str(exc)) from exc
+        for engine in registry:
+            tracing = "tracing on" if engine.tracer is not None else "tracing off"
+            self.stdout.write(f"  {engine.name}: {engine.backend_name} backend, {tracing}")
+
+    def _print_urls(self, host: str, port: int, enable_debug: bool, api_key: str | None) -> None:
+        shown = f"[{host}]" if ":" in host else host
+        base = f"http://{shown}:{port}"
+        lines = [
+            f"OpenAI API   {base}/v1   (models: {', '.join(registry.model_names())})",
+            f"Metrics      {base}/metrics",
+            f"Health       {base}/health",
+            f"Admin        {base}/admin/",
+        ]
+        if enable_debug:
+            lines.insert(1, f"Debug        {base}/debug/  ({', '.join(DEBUG_ROUTES)})")
+        if api_key:
+            lines.append("API key required: send 'Authorization: Bearer <key>'.")
+        lines.append("Quit with CONTROL-C.")
+        self.stdout.write("\n".join(lines))
+        self.stdout.flush()
+
+    def _run_daphne(self, host: str, port: int, verbosity: int) -> None:
+        from debugsite.asgi import application
+
+        # Serve the admin's and dashboard's static files straight from the app folders: this is a
+        # single-process debug server, not a CDN, and it saves a collectstatic step.
+        server = Server(
+            application=ASGIStaticFilesHandler(application),
+            endpoints=build_endpoint_description_strings(host=host, port=port),
+            signal_handlers=True,  # Twisted stops the reactor on SIGINT/SIGTERM; we clean up after run()
+            action_logger=self._log_action if verbosity >= 2 else None,
+            verbosity=verbosity,
+        )
+        server.run()
+        if not server.listening_addresses:
+            raise CommandError(f"could not listen on {host}:{port} (is the port already in use?)")
+
+    def _log_action(self, protocol: Any, action: str, details: dict[str, Any]) -> None:
+        if protocol == "http" and action == "complete":
+            self.stdout.write(f"{details['method']} {details['path']} {details['status']} "
+                              f"{details['time_taken'] * 1000:.1f}ms")
+
+
+def _raise_interrupted(signum: int, frame: Any) -> None:
+    raise _Interrupted()

@@ -1,0 +1,623 @@
+"""OpenAI-compatible request and response models for ``/v1/completions``,
+``/v1/chat/completions`` and ``/v1/models``, with MLC LLM's ``debug_config`` extension.
+
+Requests
+    Validated here, completely, so a view only parses, calls the engine and shapes the
+    reply. Messages name the offending field; see :mod:`engines.protocol.errors` for how
+    a ``ValidationError`` becomes one line.
+
+    Unknown top-level fields are accepted and ignored: OpenAI clients and frameworks add
+    fields as the API grows (``store``, ``metadata``, ``parallel_tool_calls``,
+    ``service_tier``, ``prediction``, ``reasoning_effort``, ...) and none of those change
+    what a text model must generate. Fields that *would* change the output and that we
+    cannot honour (``tools`` with a tool choice other than ``"none"``, ``functions``,
+    audio output, image input, ``echo``, ``suffix``, ``best_of`` > 1, batch prompts) are
+    declared and refused with a message saying so, never silently dropped. Inside
+    ``debug_config`` unknown fields are errors (see :mod:`engines.protocol.debug`).
+
+    ``null`` for a top-level field means "not given", as in OpenAI's API, so the default
+    applies (``"n": null`` is ``n = 1``).
+
+Responses
+    Plain ``model_dump()`` (or ``model_dump_json()``) gives the wire shape: streaming
+    chunks keep ``finish_reason: null`` and every ``delta``, the usage chunk has
+    ``choices: []``, and ``usage.extra`` is left out unless set. The official ``openai``
+    client parses them; it builds responses without validation, so our extra finish
+    reasons (``"abort"`` after a reset, ``"preempt"`` in disaggregated mode) reach the
+    caller as strings instead of failing as they do with MLC's own schema.
+"""
+from __future__ import annotations
+
+import json
+import re
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+from .debug import DebugConfig
+from .errors import field_error
+
+__all__ = [
+    "CHAT_MAX_TOP_LOGPROBS",
+    "COMPLETION_MAX_LOGPROBS",
+    "MAX_N",
+    "MAX_STOP_SEQUENCES",
+    "ChatCompletionChunk",
+    "ChatCompletionRequest",
+    "ChatCompletionResponse",
+    "ChatChoice",
+    "ChatDelta",
+    "ChatLogprobs",
+    "ChatMessage",
+    "ChatResponseMessage",
+    "ChatStreamChoice",
+    "CompletionChoice",
+    "CompletionLogprobs",
+    "CompletionRequest",
+    "CompletionResponse",
+    "FinishReason",
+    "JSONSchemaFormat",
+    "ModelCard",
+    "ModelList",
+    "ResponseFormat",
+    "StreamOptions",
+    "TokenLogprob",
+    "TopLogprob",
+    "Usage",
+]
+
+#: OpenAI's limits on returned alternatives per token (MLC uses the same).
+COMPLETION_MAX_LOGPROBS = 5
+CHAT_MAX_TOP_LOGPROBS = 20
+#: Choices per request. OpenAI allows 128; every choice is a full sequence in the batch
+#: and its KV pages, so one request may not crowd out the rest of the engine.
+MAX_N = 16
+#: OpenAI's limit on stop sequences.
+MAX_STOP_SEQUENCES = 4
+
+#: Why a choice ended. OpenAI's ``stop``/``length``, plus MLC's ``abort`` (the request
+#: was aborted, e.g. by an engine reset) and ``preempt`` (disaggregated mode gave up the
+#: request; the router retries it).
+FinishReason = Literal["stop", "length", "abort", "preempt"]
+
+
+# --------------------------------------------------------------------------- requests
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` adds a final chunk with ``usage`` and no choices."""
+
+    # Newer OpenAI clients send more options here (e.g. include_obfuscation); they do not
+    # change what is generated, so they are ignored like unknown top-level fields.
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool | None = None
+
+
+_SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def _parse_schema(value: Any) -> Any:
+    """A JSON Schema given as an object, or (MLC's spelling) as JSON text."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise field_error(f"the schema is not valid JSON: {exc}") from None
+    if value is not None and not isinstance(value, dict):
+        raise field_error("the schema must be a JSON object (a JSON Schema)")
+    return value
+
+
+class JSONSchemaFormat(BaseModel):
+    """``response_format.json_schema``: the schema the output must satisfy, and its name."""
+
+    model_config = ConfigDict(extra="ignore", validate_by_name=True, serialize_by_alias=True)
+
+    name: str
+    description: str | None = None
+    # "schema" would shadow a BaseModel attribute, hence the alias.
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, name: str) -> str:
+        if not _SCHEMA_NAME.match(name):
+            raise field_error("must be 1 to 64 characters among a-z, A-Z, 0-9, '_' and '-'")
+        return name
+
+    @field_validator("schema_", mode="before")
+    @classmethod
+    def _check_schema(cls, value: Any) -> Any:
+        return _parse_schema(value)
+
+
+class ResponseFormat(BaseModel):
+    """``response_format``: ``text`` (default), ``json_object`` (any JSON object), or
+    ``json_schema`` (JSON matching ``json_schema.schema``).
+
+    MLC's own spelling, ``{"type": "json_object", "schema": "<JSON Schema as text>"}``, is
+    accepted too; :meth:`as_openai_dict` rewrites it into OpenAI's ``json_schema`` form so
+    the engine only ever sees OpenAI's two JSON forms.
+    """
+
+    model_config = ConfigDict(extra="ignore", validate_by_name=True, serialize_by_alias=True)
+
+    type: Literal["text", "json_object", "json_schema"] = "text"
+    json_schema: JSONSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+
+    @field_validator("schema_", mode="before")
+    @classmethod
+    def _check_schema(cls, value: Any) -> Any:
+        return _parse_schema(value)
+
+    @model_validator(mode="after")
+    def _check_type(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise field_error('type "json_schema" requires json_schema: {"name": ..., "schema": {...}}', "json_schema")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise field_error(f'json_schema is only read when type is "json_schema" (type is "{self.type}")', "type")
+        if self.schema_ is not None and self.type != "json_object":
+            raise field_error(
+                'schema (MLC\'s spelling) goes with type "json_object"; with OpenAI\'s spelling use '
+                '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}',
+                "schema",
+            )
+        return self
+
+    def as_openai_dict(self) -> dict[str, Any] | None:
+        """The format for the engine in OpenAI's spelling; ``None`` for plain text."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object" and self.schema_ is None:
+            return {"type": "json_object"}
+        schema = self.json_schema or JSONSchemaFormat(name="schema", schema_=self.schema_)
+        return {"type": "json_schema", "json_schema": schema.model_dump(exclude_none=True)}
+
+
+class _GenerationRequest(BaseModel):
+    """Fields shared by completion and chat requests: sampling, stopping, streaming, debug."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    #: Upper bound on generated tokens per choice; None = up to the context limit.
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    #: Extension (vLLM's): keep only the k most likely tokens. -1 and 0 mean "off",
+    #: the spellings vLLM clients send, and become None.
+    top_k: int | None = None
+    n: int = Field(default=1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    #: Up to four stop strings; a single string is accepted and becomes a one-element list.
+    stop: list[str] | None = None
+    #: Any 64-bit integer, signed or not, as clients send them; turning it into an RNG
+    #: seed is the sampler's job.
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    #: Extension: multiplicative penalty on tokens already present (1.0 = off).
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    #: Token id -> bias added to its logit, in [-100, 100]. JSON keys are strings; they are
+    #: parsed to ints here.
+    logit_bias: dict[int, float] | None = None
+    user: str | None = None
+    response_format: ResponseFormat | None = None
+    #: MLC's extension; honoured by the server only with --enable-debug.
+    debug_config: DebugConfig | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        # OpenAI's API treats an explicit null like an absent field; some clients send
+        # every parameter, null included.
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
+
+    @field_validator("top_k")
+    @classmethod
+    def _check_top_k(cls, top_k: int | None) -> int | None:
+        if top_k is None:
+            return None
+        if top_k < -1:
+            raise field_error(f"must be a positive integer, or -1 / 0 for no top-k filtering (got {top_k})")
+        return top_k if top_k > 0 else None
+
+    @field_validator("n")
+    @classmethod
+    def _check_n(cls, n: int) -> int:
+        if n > MAX_N:
+            raise field_error(
+                f"at most {MAX_N} choices per request on this server (got {n}); send several requests instead"
+            )
+        return n
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _check_stop(cls, stop: Any) -> Any:
+        if isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list):
+            raise field_error("must be a string or a list of strings")
+        if len(stop) > MAX_STOP_SEQUENCES:
+            raise field_error(f"at most {MAX_STOP_SEQUENCES} stop sequences (got {len(stop)})")
+        for item in stop:
+            if not isinstance(item, str):
+                raise field_error(f"stop sequences must be strings (got {item!r})")
+            if not item:
+                raise field_error("stop sequences must not be empty: an empty one would end every choice at once")
+        return stop
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _check_logit_bias(cls, logit_bias: Any) -> Any:
+        if not isinstance(logit_bias, dict):
+            raise field_error('must be an object mapping token ids to biases, e.g. {"50256": -100}')
+        parsed: dict[int, float] = {}
+        for key, bias in logit_bias.items():
+            token_id = key if isinstance(key, int) and not isinstance(key, bool) else None
+            if isinstance(key, str) and re.fullmatch(r"\d+", key.strip()):
+                token_id = int(key)
+            if token_id is None or token_id < 0:
+                raise field_error(f"key {key!r} is not a token id (a non-negative integer, as a string in JSON)")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
+                raise field_error(f"bias for token {token_id} must be a number in [-100, 100] (got {bias!r})")
+            parsed[token_id] = float(bias)
+        return parsed
+
+    def _check_streaming(self) -> None:
+        """MLC's checks on special requests (chat-only in MLC, both endpoints here) and
+        OpenAI's rule that stream_options needs stream."""
+        if self.debug_config is not None and self.debug_config.special_request is not None:
+            if not self.stream:
+                raise field_error("DebugConfig.special_request requires stream=True", "stream")
+            if self.stream_options is None or not self.stream_options.include_usage:
+                raise field_error(
+                    "DebugConfig.special_request requires include_usage in stream_options", "stream_options"
+                )
+        if self.stream_options is not None and not self.stream:
+            raise field_error("stream must be set to True when stream_options is present", "stream_options")
+
+    @property
+    def is_special_request(self) -> bool:
+        """True for a debug special request (answered without generating)."""
+        return self.debug_config is not None and self.debug_config.special_request is not None
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+TokenId = Annotated[int, Field(ge=0)]
+
+
+class CompletionRequest(_GenerationRequest):
+    """``POST /v1/completions``: one prompt, as text or token ids.
+
+    Batch prompts (a list of several strings or token lists) are refused: one HTTP request
+    is one engine request here, and concurrent requests batch just as well on the engine.
+    A one-element list is accepted and unwrapped, so after validation ``prompt`` is
+    ``str | list[int]``.
+    """
+
+    prompt: str | list[TokenId]
+    #: 0..5 alternatives per token (``logprobs: 0`` returns only the chosen token's).
+    logprobs: int | None = Field(default=None, ge=0, le=COMPLETION_MAX_LOGPROBS)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _single_prompt(cls, prompt: Any) -> Any:
+        if isinstance(prompt, str) or (isinstance(prompt, list) and not prompt):
+            return prompt
+        if not isinstance(prompt, list):
+            raise field_error("must be a string or a list of token ids (integers)")
+        if all(isinstance(item, str) for item in prompt) or all(isinstance(item, list) for item in prompt):
+            if len(prompt) > 1:
+                raise field_error(
+                    f"batch prompts are not supported (got {len(prompt)} prompts); "
+                    "send one request per prompt, concurrently if you like"
+                )
+            return prompt[0]
+        if all(isinstance(item, int) and not isinstance(item, bool) for item in prompt):
+            return prompt
+        raise field_error("must be a string or a list of token ids (integers)")
+
+    @model_validator(mode="after")
+    def _check_request(self) -> "CompletionRequest":
+        if self.echo:
+            raise field_error(
+                "echo is not supported: the reply holds only the completion; prepend the prompt yourself",
+                "echo",
+            )
+        if self.suffix:
+            raise field_error("suffix (insertion) is not supported by this server", "suffix")
+        if self.best_of not in (None, 1):
+            raise field_error(f"best_of is not supported (got {self.best_of}); use n for several choices", "best_of")
+        if not self.prompt and not self.is_special_request:
+            raise field_error("prompt must not be empty", "prompt")
+        self._check_streaming()
+        return self
+
+
+class ChatMessage(BaseModel):
+    """One message of a chat request. List content is joined into text at validation.
+
+    Content parts of type ``text`` are joined with newlines (as vLLM does); any other
+    part (images, audio, files) is refused, since the engines serve text-only models.
+    Tool calls in assistant messages are refused, as function calling is not supported.
+    ``developer`` (OpenAI's newer name for ``system``) is accepted.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_tool_calls(cls, data: Any) -> Any:
+        if isinstance(data, dict) and (data.get("tool_calls") or data.get("function_call")):
+            raise field_error("tool calls are not supported: this server does no function calling", "tool_calls")
+        return data
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _join_text_parts(cls, content: Any) -> Any:
+        if content is None:
+            raise field_error("required: a string or a list of text parts")
+        if not isinstance(content, list):
+            return content
+        texts: list[str] = []
+        for index, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text":
+                shown = f"type {kind!r}" if kind else "no type"
+                raise field_error(
+                    f"part {index} has {shown}: only text parts are supported "
+                    '({"type": "text", "text": "..."}); this server serves text-only models'
+                )
+            if not isinstance(part.get("text"), str):
+                raise field_error(f"part {index}: text must be a string")
+            texts.append(part["text"])
+        return "\n".join(texts)
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """``POST /v1/chat/completions``.
+
+    ``max_completion_tokens`` (OpenAI's newer name) wins over ``max_tokens``; after
+    validation ``max_tokens`` holds the effective limit.
+    """
+
+    messages: list[ChatMessage]
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=CHAT_MAX_TOP_LOGPROBS)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    modalities: list[str] | None = None
+    audio: Any = None
+
+    @model_validator(mode="after")
+    def _check_request(self) -> "ChatCompletionRequest":
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        if self.top_logprobs and not self.logprobs:
+            raise field_error('"logprobs" must be True to support "top_logprobs"', "logprobs")
+        self._check_tools()
+        if self.modalities is not None and any(m != "text" for m in self.modalities):
+            raise field_error(f'only the "text" modality is supported (got {self.modalities})', "modalities")
+        if self.audio is not None:
+            raise field_error("audio output is not supported: this server serves text-only models", "audio")
+        if not self.messages and not self.is_special_request:
+            raise field_error("messages must hold at least one message", "messages")
+        self._check_streaming()
+        return self
+
+    def _check_tools(self) -> None:
+        if self.functions or self.function_call not in (None, "none"):
+            raise field_error(
+                "functions / function_call are not supported: this server does no function calling", "functions"
+            )
+        if self.tool_choice not in (None, "none", "auto"):
+            raise field_error(
+                f"tool_choice {self.tool_choice!r} is not supported: this server does no function calling; "
+                'leave it out or set it to "none"',
+                "tool_choice",
+            )
+        if self.tools and self.tool_choice != "none":
+            raise field_error(
+                'tools are not supported: this server does no function calling; remove tools or set tool_choice to "none"',
+                "tools",
+            )
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """The messages for the chat template: ``role`` and ``content`` only, with
+        ``developer`` spelt ``system`` (chat templates know only the latter)."""
+        return [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.content} for m in self.messages
+        ]
+
+
+# -------------------------------------------------------------------------- responses
+
+
+def _created() -> int:
+    return int(time.time())
+
+
+class Usage(BaseModel):
+    """Token counts of a request; ``extra`` (MLC, with --enable-debug) holds its metrics,
+    or the engine metrics for a ``query_engine_metrics`` special request."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    extra: dict[str, Any] | None = None
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if self.extra is None:
+            data.pop("extra", None)
+        return data
+
+
+class CompletionLogprobs(BaseModel):
+    """Legacy completions logprobs, one entry per generated token in each list.
+
+    ``text_offset`` is each token's character offset in the returned text.
+    """
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    """A completion choice, or a piece of one in a stream (``finish_reason`` null until the end)."""
+
+    index: int = 0
+    text: str = ""
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class CompletionResponse(BaseModel):
+    """A ``text_completion`` object: the whole reply, or one stream chunk (OpenAI uses the
+    same object for both; the closing usage chunk has ``choices: []``)."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_created)
+    model: str
+    choices: list[CompletionChoice] = Field(default_factory=list)
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class TopLogprob(BaseModel):
+    """One alternative at a generated position."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(BaseModel):
+    """A generated token, its logprob and its best alternatives."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    """Chat logprobs: one entry per generated token."""
+
+    content: list[TokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    """The assistant message of a non-streaming chat choice."""
+
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    """A choice of a ``chat.completion``."""
+
+    index: int = 0
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    """A non-streaming ``chat.completion``."""
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_created)
+    model: str
+    choices: list[ChatChoice] = Field(default_factory=list)
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class ChatDelta(BaseModel):
+    """What a stream chunk adds to a choice: ``role`` on the first chunk, then ``content``.
+
+    Unset fields are left out (``{}`` on the chunk that only carries the finish reason),
+    as OpenAI sends them.
+    """
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _serialize(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class ChatStreamChoice(BaseModel):
+    """A choice of a ``chat.completion.chunk``; ``finish_reason`` stays null until its last chunk."""
+
+    index: int = 0
+    delta: ChatDelta = Field(default_factory=ChatDelta)
+    logprobs: ChatLogprobs | None = None
+    finish_reason: FinishReason | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """A ``chat.completion.chunk``; the closing usage chunk has ``choices: []`` and ``usage``."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=_created)
+    model: str
+    choices: list[ChatStreamChoice] = Field(default_factory=list)
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    """One entry of ``GET /v1/models``."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_created)
+    #: MLC answers "MLC-LLM"; clients only display it.
+    owned_by: str = "engines"
+
+
+class ModelList(BaseModel):
+    """``GET /v1/models``: ``{"object": "list", "data": [...]}``."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)

@@ -1,0 +1,230 @@
+"""The engines this server process serves, by served model name (MLC's ``ServerContext``).
+
+There is one process-wide :data:`registry`. Whoever starts the process fills it
+before requests arrive, and the ASGI views only look engines up:
+
+- ``manage.py serve`` parses ``--model`` specs, builds the engines with
+  :func:`build_engines`, and calls :func:`configure`;
+- tests build engines themselves and call :func:`configure`;
+- a bare ``daphne debugsite.asgi:application`` deployment sets ``ENGINES_MODELS``
+  (and friends) and ``debugsite.asgi`` calls :func:`configure_from_env`.
+
+Unlike MLC, lookup never guesses: a lone engine is *not* returned for any name,
+and an unknown name is always "not served".
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator, Sequence
+
+if TYPE_CHECKING:  # the runtime (numba and all) loads only when engines are built
+    from engines.runtime.engine import AsyncEngine, EngineConfig
+
+logger = logging.getLogger(__name__)
+
+DEMO_MODEL = "demo"
+
+
+class RegistryError(Exception):
+    """The registry cannot be configured as asked; the message says why."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One ``--model`` value: where the checkpoint is, and the name to serve it under."""
+
+    source: str  # "demo" or a local checkpoint folder
+    name: str | None = None  # served name; None: "demo", or the checkpoint folder's name
+
+    @classmethod
+    def parse(cls, text: str) -> "ModelSpec":
+        """Parse ``demo``, ``demo:NAME``, ``PATH`` or ``PATH:NAME``.
+
+        A path that exists exactly as given is never split, so a folder whose
+        name holds a colon still loads.
+        """
+        text = text.strip()
+        if not text:
+            raise RegistryError("--model needs a value: 'demo' or a checkpoint folder, optionally ':NAME'")
+        if text == DEMO_MODEL or Path(text).exists() or ":" not in text:
+            return cls(source=text)
+        source, _, name = text.rpartition(":")
+        if not name or "/" in name:
+            raise RegistryError(
+                f"--model {text!r}: the served name after ':' must be non-empty and contain no '/'"
+            )
+        return cls(source=source, name=name)
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """Process-wide switches that views and the auth gate read on every request."""
+
+    enable_debug: bool = False  # mounts /debug/*, honours debug_config, returns usage.extra
+    api_key: str | None = None  # required as "Authorization: Bearer <key>" when set
+
+
+@dataclass
+class _Entry:
+    engine: "AsyncEngine"
+    created: int = field(default_factory=lambda: int(time.time()))  # for /v1/models
+
+
+class EngineRegistry:
+    """Engines by served name, in the order they were added.
+
+    Filled before serving starts and read from the event loop afterwards, so it
+    needs no lock: nothing mutates it while requests are in flight.
+    """
+
+    def __init__(self) -> None:
+        self._entries: dict[str, _Entry] = {}
+        self.options = ServerOptions()
+
+    def add(self, engine: "AsyncEngine") -> None:
+        """Register an engine under ``engine.name`` (MLC's error text on a duplicate)."""
+        if engine.name in self._entries:
+            raise RegistryError(f"Model {engine.name} already running.")
+        self._entries[engine.name] = _Entry(engine)
+
+    def get(self, model: str | None) -> "AsyncEngine | None":
+        """The engine serving ``model``, or None. Never falls back to another engine."""
+        if model is None:
+            return None
+        entry = self._entries.get(model)
+        return entry.engine if entry else None
+
+    def first(self) -> "AsyncEngine | None":
+        """The first engine added: MLC's target for process-wide debug routes that name no model."""
+        return next(iter(self._entries.values())).engine if self._entries else None
+
+    def model_names(self) -> list[str]:
+        """Served names, in the order the engines were added."""
+        return list(self._entries)
+
+    def created(self, model: str) -> int:
+        """Unix time the model was registered (the ``created`` field of ``/v1/models``)."""
+        return self._entries[model].created
+
+    def __iter__(self) -> Iterator["AsyncEngine"]:
+        return (entry.engine for entry in list(self._entries.values()))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def start_all(self) -> None:
+        """Start every engine that is not running yet."""
+        for engine in self:
+            if not engine.is_alive:
+                engine.start()
+
+    def shutdown_all(self) -> None:
+        """Stop every engine and forget them; safe to call twice (signal handler and ``finally``)."""
+        engines = list(self)
+        self._entries.clear()
+        for engine in engines:
+            try:
+                engine.shutdown()
+            except Exception:  # one engine failing to stop must not keep the others running
+                logger.exception("engine %s did not shut down cleanly", engine.name)
+
+    def replace(self, engines: Sequence["AsyncEngine"], options: ServerOptions) -> None:
+        """Serve exactly ``engines`` with ``options`` from now on (does not stop the old ones)."""
+        self._entries.clear()
+        for engine in engines:
+            self.add(engine)
+        self.options = options
+
+
+registry = EngineRegistry()
+
+
+def configure(
+    engines: Sequence["AsyncEngine"],
+    *,
+    enable_debug: bool = False,
+    api_key: str | None = None,
+    start: bool = True,
+) -> EngineRegistry:
+    """Make the process-wide registry serve ``engines``; the one entry point for serve, tests and ASGI.
+
+    The caller keeps ownership of engines it replaces: tests swap options
+    between cases without restarting a shared engine.
+    """
+    registry.replace(engines, ServerOptions(enable_debug=enable_debug, api_key=api_key or None))
+    if start:
+        registry.start_all()
+    return registry
+
+
+def build_engines(
+    specs: Sequence[ModelSpec],
+    config: "EngineConfig",
+    *,
+    backend: str = "auto",
+    dtype: str = "float32",
+    enable_tracing: bool = False,
+) -> list["AsyncEngine"]:
+    """Load each checkpoint and make an (unstarted) engine for it.
+
+    Raises :class:`RegistryError` for two specs with one served name, and lets
+    ``CheckpointError`` (whose message names the file at fault) through.
+    """
+    from engines.runtime.checkpoint import load_checkpoint
+    from engines.runtime.demo_model import demo_checkpoint_path
+    from engines.runtime.engine import AsyncEngine
+
+    engines: list[AsyncEngine] = []
+    names: set[str] = set()
+    for spec in specs:
+        path = demo_checkpoint_path() if spec.source == DEMO_MODEL else Path(spec.source).expanduser()
+        checkpoint = load_checkpoint(path)
+        name = spec.name or (DEMO_MODEL if spec.source == DEMO_MODEL else checkpoint.name)
+        if name in names:
+            raise RegistryError(
+                f"two --model values are served as {name!r}: give one of them another name with ':NAME'"
+            )
+        names.add(name)
+        engines.append(
+            AsyncEngine(
+                checkpoint, name, config=config, backend=backend, dtype=dtype, enable_tracing=enable_tracing
+            )
+        )
+    return engines
+
+
+def _env_flag(env: dict[str, str], name: str) -> bool:
+    return env.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def configure_from_env(env: dict[str, str] | None = None) -> EngineRegistry:
+    """Build and register engines from ``ENGINES_*`` variables, for ASGI servers other than ``serve``.
+
+    ``ENGINES_MODELS`` (comma-separated ``--model`` specs), ``ENGINES_ENABLE_DEBUG``,
+    ``ENGINES_ENABLE_TRACING``, ``ENGINES_BACKEND``, ``ENGINES_DTYPE``,
+    ``ENGINES_MAX_NUM_SEQS``, ``ENGINES_NUM_PAGES``, ``ENGINES_MAX_TOTAL_TOKENS``,
+    ``ENGINES_PREFILL_CHUNK_SIZE`` and ``API_KEY`` mean what the serve flags mean.
+    """
+    from engines.runtime.engine import EngineConfig
+
+    env = dict(os.environ if env is None else env)
+    specs = [ModelSpec.parse(s) for s in env.get("ENGINES_MODELS", DEMO_MODEL).split(",") if s.strip()]
+    sizing = {
+        "max_num_seqs": env.get("ENGINES_MAX_NUM_SEQS"),
+        "num_pages": env.get("ENGINES_NUM_PAGES"),
+        "max_total_tokens": env.get("ENGINES_MAX_TOTAL_TOKENS"),
+        "prefill_chunk_size": env.get("ENGINES_PREFILL_CHUNK_SIZE"),
+    }
+    config = EngineConfig(**{k: int(v) for k, v in sizing.items() if v})
+    engines = build_engines(
+        specs,
+        config,
+        backend=env.get("ENGINES_BACKEND", "auto"),
+        dtype=env.get("ENGINES_DTYPE", "float32"),
+        enable_tracing=_env_flag(env, "ENGINES_ENABLE_TRACING"),
+    )
+    return configure(engines, enable_debug=_env_flag(env, "ENGINES_ENABLE_DEBUG"), api_key=env.get("API_KEY"))

@@ -1,0 +1,607 @@
+"""The serving engine: a synchronous step loop (``Engine``) and its asyncio front end (``AsyncEngine``).
+
+``Engine.step()`` reads as three verbs, as in vLLM's engine core: the scheduler
+picks this step's chunks, the model computes them, and the engine updates every
+request from the result (sampling, grammar, stop checks, detokenization,
+metrics, trace events). ``AsyncEngine`` runs that loop on its own thread and
+only moves commands in and outputs out; no request handler touches model state.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from engines.runtime.checkpoint import Checkpoint
+from engines.runtime.grammar import GrammarCompiler, GrammarError
+from engines.runtime.kv_cache import KVCachePool
+from engines.runtime.metrics import EngineMetrics, RequestMetrics
+from engines.runtime.model import ForwardBatch, LlamaModel
+from engines.runtime.request import (
+    ChoiceDelta,
+    EngineRequestError,
+    GenerationRequest,
+    RequestOutput,
+    RequestState,
+    Sequence,
+    SequenceStatus,
+)
+from engines.runtime.sampler import InvalidSamplingParams, Sampler, SamplingState
+from engines.runtime.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from engines.runtime.stop_checker import StopChecker
+from engines.runtime.trace import TraceRecorder
+
+logger = logging.getLogger("engines.runtime")
+
+__all__ = ["AsyncEngine", "Engine", "EngineConfig", "EngineDeadError"]
+
+
+@dataclass
+class EngineConfig:
+    """Engine sizing, fixed at start-up."""
+
+    max_num_seqs: int = 64
+    num_pages: int | None = None
+    page_size: int = 16
+    max_total_tokens: int = 65536
+    prefill_chunk_size: int = 512
+    max_trace_events: int = 1_000_000
+    enable_prefix_cache: bool = True
+
+    def resolved_num_pages(self) -> int:
+        if self.num_pages is not None:
+            return self.num_pages
+        return -(-self.max_total_tokens // self.page_size)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped on an internal error; the server reports 503 until restarted."""
+
+
+class Engine:
+    """One model's continuous-batching engine; single-threaded (the AsyncEngine thread owns it).
+
+    Args:
+        model: the model, weights already on its backend.
+        checkpoint: tokenizer, EOS ids and name come from here.
+        config: sizing.
+        tracer: the event recorder, or ``None`` when tracing is off (every call site
+            checks it, so a disabled trace costs one comparison).
+    """
+
+    def __init__(self, model: LlamaModel, checkpoint: Checkpoint, config: EngineConfig | None = None,
+                 tracer: TraceRecorder | None = None) -> None:
+        self.model = model
+        self.checkpoint = checkpoint
+        self.tokenizer = checkpoint.tokenizer
+        self.config = config or EngineConfig()
+        self.tracer = tracer
+        self.vocab_size = model.config.vocab_size
+        self.eos_token_ids = frozenset(checkpoint.eos_token_ids)
+        num_pages = self.config.resolved_num_pages()
+        self.kv = model.new_kv_cache(num_pages, self.config.page_size)
+        self.kv_pool = KVCachePool(num_pages, self.config.page_size, self.config.enable_prefix_cache)
+        self.scheduler = Scheduler(self.kv_pool, self.config.max_num_seqs, self.config.prefill_chunk_size)
+        self.sampler = Sampler(self.vocab_size)
+        self.grammars = GrammarCompiler(self.tokenizer.tokenizer_json, self.vocab_size, checkpoint.eos_token_ids)
+        self.metrics = EngineMetrics()
+        self.requests: dict[str, RequestState] = {}
+        # A sequence can never hold more tokens than the pool or the position table.
+        self.max_seq_len = min(num_pages * self.config.page_size, model.config.max_position_embeddings)
+        self.num_steps = 0
+        self._update_gauges()
+
+    # ------------------------------------------------------------------ requests
+
+    def validate(self, request: GenerationRequest) -> None:
+        """Raise :class:`EngineRequestError` if the request cannot be served (cheap; any thread)."""
+        if not request.prompt:
+            raise EngineRequestError("the prompt is empty: send at least one token")
+        if request.request_id in self.requests:
+            raise EngineRequestError(f"request id {request.request_id!r} is already running")
+        bad = [t for t in request.prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise EngineRequestError(f"prompt token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
+        try:
+            request.sampling.check_vocab(self.vocab_size)
+        except InvalidSamplingParams as e:
+            raise EngineRequestError(str(e)) from e
+        if len(request.prompt) >= self.max_seq_len:
+            raise EngineRequestError(
+                f"the prompt has {len(request.prompt)} tokens; this engine's context holds at most "
+                f"{self.max_seq_len} tokens including the output. Shorten the prompt."
+            )
+
+    def add_request(self, request: GenerationRequest) -> None:
+        """Queue a validated request; raises :class:`EngineRequestError` for a bad one."""
+        self.validate(request)
+        if request.debug_config is not None and request.debug_config.ignore_eos and not request.sampling.ignore_eos:
+            request.sampling = dataclasses.replace(request.sampling, ignore_eos=True)
+        try:
+            grammar = self.grammars.compile(request.response_format)
+        except GrammarError as e:
+            raise EngineRequestError(f"response_format: {e}") from e
+        state = RequestState(request, time.perf_counter())
+        max_output = self.max_seq_len - len(request.prompt)
+        for index in range(request.sampling.n):
+            seq = Sequence(state, index, request.prompt)
+            seq.sampling = SamplingState(request.sampling, self.vocab_size, request.prompt, index)
+            seq.detokenizer = self.tokenizer.detokenizer()
+            seq.stop_checker = StopChecker.from_params(request.sampling, self.eos_token_ids, max_output)
+            if grammar is not None:
+                seq.grammar = grammar.matcher()
+            state.sequences.append(seq)
+            self.scheduler.add(seq)
+        self.requests[request.request_id] = state
+        if self.tracer is not None:
+            self.tracer.add_event(request.request_id, "request added to engine",
+                                  {"prompt_tokens": len(request.prompt)})
+            self.tracer.add_event(request.request_id, "start queue")
+        self._update_gauges()
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now; returns its final output (finish reason ``abort``), or None if unknown."""
+        state = self.requests.get(request_id)
+        if state is None:
+            return None
+        for seq in state.sequences:
+            if not seq.finished:
+                self._finish_sequence(seq, "abort")
+        out = self._collect_output(state)
+        self._update_gauges()
+        return out
+
+    def reset(self, clear_trace: bool = False) -> list[RequestOutput]:
+        """Abort everything, free all KV pages and the prefix cache (pinned too), zero every metric."""
+        outputs = [o for rid in list(self.requests) if (o := self.abort_request(rid)) is not None]
+        self.scheduler.clear()
+        self.kv_pool.reset()
+        self.metrics.reset()
+        if clear_trace and self.tracer is not None:
+            self.tracer.clear()
+        self._update_gauges()
+        return outputs
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---------------------------------------------------------------------- step
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, update every scheduled request; returns the new outputs."""
+        sched = self.scheduler.schedule()
+        self._trace_schedule(sched)
+        if not sched.chunks:
+            return []
+        self.num_steps += 1
+        t0 = time.perf_counter()
+        sampled_chunks = [c for c in sched.chunks if c.samples]
+        token_ids = self._run_model(sched, sampled_chunks)
+        for chunk in sched.chunks:
+            seq = chunk.seq
+            self.kv_pool.commit(seq.seq_id, seq.token_ids[chunk.start:chunk.start + chunk.num_tokens])
+            seq.num_computed = chunk.start + chunk.num_tokens
+            state = seq.request
+            if chunk.is_prefill:
+                state.prefill_tokens += chunk.num_tokens
+            else:
+                state.decode_tokens += chunk.num_tokens
+        touched: dict[str, RequestState] = {}
+        for chunk, (token, logprob) in zip(sampled_chunks, token_ids):
+            self._append_sampled(chunk.seq, token, logprob)
+            touched[chunk.seq.request.request_id] = chunk.seq.request
+        for chunk in sched.chunks:
+            touched.setdefault(chunk.seq.request.request_id, chunk.seq.request)
+        elapsed = time.perf_counter() - t0
+        prefill_tokens = sched.num_prefill_tokens
+        decode_seqs = sched.num_decode_seqs
+        self.metrics.on_step(elapsed, prefill_tokens=prefill_tokens, decode_seqs=decode_seqs)
+        outputs = [o for state in touched.values() if (o := self._collect_output(state)) is not None]
+        self._update_gauges()
+        return outputs
+
+    def _run_model(self, sched: SchedulerOutput,
+                   sampled: list[ScheduledChunk]) -> list[tuple[int, Any]]:
+        """The forward pass and sampling; returns (token, logprob) per sampling chunk."""
+        chunks = sched.chunks
+        batch = ForwardBatch(
+            token_ids=np.fromiter((t for c in chunks for t in c.seq.token_ids[c.start:c.start + c.num_tokens]),
+                                  dtype=np.int32, count=sched.num_tokens),
+            query_starts=np.concatenate(([0], np.cumsum([c.num_tokens for c in chunks]))).astype(np.int32),
+            cached_lens=np.fromiter((c.start for c in chunks), dtype=np.int32, count=len(chunks)),
+            page_table=self.kv_pool.page_table([c.seq.seq_id for c in chunks]),
+        )
+        tracer = self.tracer
+        kind = "prefill" if sched.num_prefill_tokens else "decode"
+        lane_ids = [c.seq.request.request_id for c in chunks]
+        if tracer is not None:
+            tracer.add_event(lane_ids, f"start {kind}", {"batch_size": len(chunks)}, engine_lane=True)
+        if not sampled:
+            self.model.forward(batch, self.kv)
+            if tracer is not None:
+                tracer.add_event(lane_ids, f"finish {kind}", {"tokens": sched.num_tokens}, engine_lane=True)
+            return []
+        states = [c.seq.sampling for c in sampled]
+        needs_logits = any(c.seq.grammar is not None or not c.seq.request.params.is_greedy
+                           or c.seq.request.params.logprobs or c.seq.sampling.modifies_logits for c in sampled)
+        if not needs_logits:
+            # Argmax on the device: only the token ids come back, not [batch, vocab] logits.
+            ids = self.model.forward_greedy(batch, self.kv)
+            if tracer is not None:
+                tracer.add_event(lane_ids, f"finish {kind}", {"tokens": sched.num_tokens}, engine_lane=True)
+            rows = [i for i, c in enumerate(chunks) if c.samples]
+            return [(int(ids[r]), None) for r in rows]
+        logits = self.model.forward(batch, self.kv)
+        if tracer is not None:
+            tracer.add_event(lane_ids, f"finish {kind}", {"tokens": sched.num_tokens}, engine_lane=True)
+        rows = [i for i, c in enumerate(chunks) if c.samples]
+        logits = logits[rows]
+        sample_ids = [c.seq.request.request_id for c in sampled]
+        masks: list[np.ndarray | None] = [None] * len(sampled)
+        grammar_rows = [i for i, c in enumerate(sampled) if c.seq.grammar is not None]
+        if grammar_rows:
+            if tracer is not None:
+                tracer.add_event([sample_ids[i] for i in grammar_rows], "start apply logit mask")
+            rows_mask = np.empty((len(grammar_rows), self.vocab_size), dtype=np.bool_)
+            for j, i in enumerate(grammar_rows):
+                sampled[i].seq.grammar.fill_mask(rows_mask[j])
+                masks[i] = rows_mask[j]
+            if tracer is not None:
+                tracer.add_event([sample_ids[i] for i in grammar_rows], "finish apply logit mask")
+        if tracer is not None:
+            tracer.add_event(sample_ids, "start sampling")
+        result = self.sampler.sample(logits, states, masks)
+        if tracer is not None:
+            tracer.add_event(sample_ids, "finish sampling")
+        return [(int(result.token_ids[i]), result.logprobs[i] if result.logprobs else None)
+                for i in range(len(sampled))]
+
+    # -------------------------------------------------------------------- update
+
+    def _append_sampled(self, seq: Sequence, token: int, logprob: Any) -> None:
+        """Add a sampled token (and any tokens the grammar then forces) and check every stop rule."""
+        state = seq.request
+        now = time.perf_counter()
+        if state.first_token_time is None:
+            state.first_token_time = now
+            if self.tracer is not None:
+                self.tracer.add_event(state.request_id, "first token")
+        if self._accept_token(seq, token, logprob) or seq.grammar is None:
+            return
+        debug = state.debug
+        if debug is not None and debug.grammar_execution_mode == "constraint":
+            return
+        forced = seq.grammar.forced_tokens()
+        if not forced:
+            return
+        t0 = time.perf_counter()
+        budget = self._remaining_tokens(seq)
+        forced = forced[:budget]
+        seq.sampling.record_output(forced)
+        for t in forced:
+            state.jump_forward_tokens += 1
+            if self._accept_token(seq, t, None):
+                break
+        self.metrics.on_jump_forward(time.perf_counter() - t0, len(forced))
+        if self.tracer is not None:
+            self.tracer.add_event(state.request_id, "jump forward", {"tokens": len(forced)})
+
+    def _remaining_tokens(self, seq: Sequence) -> int:
+        limit = self.max_seq_len - len(seq.token_ids)
+        max_tokens = seq.request.params.max_tokens
+        if max_tokens is not None:
+            limit = min(limit, max_tokens - seq.num_output_tokens)
+        return max(limit, 0)
+
+    def _accept_token(self, seq: Sequence, token: int, logprob: Any) -> bool:
+        """Append one output token; finish the choice if a stop rule fires. Returns True if finished."""
+        seq.token_ids.append(token)
+        seq.pending_ids.append(token)
+        if logprob is not None:
+            seq.pending_logprobs.append(logprob)
+        if seq.grammar is not None and token not in self.eos_token_ids:
+            seq.grammar.consume([token])
+        check = seq.stop_checker.step(token, seq.detokenizer.add(token))
+        seq.pending_text += check.text
+        if check.finish_reason is not None:
+            self._finish_sequence(seq, check.finish_reason, flush=False)
+            return True
+        if seq.grammar is not None and seq.grammar.is_finished():
+            self._finish_sequence(seq, "stop")
+            return True
+        return False
+
+    def _finish_sequence(self, seq: Sequence, reason: str, flush: bool = True) -> None:
+        """End a choice. ``flush``: the engine ends it (grammar done, abort), so held-back text is output."""
+        if seq.finished:
+            return
+        if flush:
+            seq.pending_text += seq.stop_checker.flush() + seq.detokenizer.finish()
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.scheduler.remove(seq)
+        state = seq.request
+        if state.finished:
+            state.finish_time = time.perf_counter()
+            del self.requests[state.request_id]
+
+    def _collect_output(self, state: RequestState) -> RequestOutput | None:
+        """Turn what each choice produced since the last output into deltas (and usage when done)."""
+        choices = []
+        for seq in state.sequences:
+            reason_now = seq.finish_reason if seq.finished and not getattr(seq, "_reported", False) else None
+            if not seq.pending_ids and not seq.pending_text and reason_now is None:
+                continue
+            choices.append(ChoiceDelta(
+                index=seq.index,
+                text=seq.pending_text,
+                token_ids=seq.pending_ids,
+                logprobs=seq.pending_logprobs if state.params.logprobs else None,
+                finish_reason=reason_now,
+            ))
+            seq.pending_ids, seq.pending_text, seq.pending_logprobs = [], "", []
+            if reason_now is not None:
+                seq._reported = True  # type: ignore[attr-defined]
+        usage = None
+        if state.finished:
+            usage = self._finish_request(state)
+        if not choices and usage is None:
+            return None
+        return RequestOutput(state.request_id, choices, usage)
+
+    def _finish_request(self, state: RequestState) -> dict[str, Any]:
+        completion = sum(s.num_output_tokens for s in state.sequences)
+        prompt = len(state.request.prompt)
+        aborted = all(s.finish_reason == "abort" for s in state.sequences)
+        rm = RequestMetrics(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            prefill_tokens=state.prefill_tokens,
+            decode_tokens=state.decode_tokens,
+            jump_forward_tokens=state.jump_forward_tokens,
+            add_time=state.arrival_time,
+            first_scheduled_time=state.first_scheduled_time,
+            first_token_time=state.first_token_time,
+            finish_time=state.finish_time or time.perf_counter(),
+        )
+        if not aborted:
+            self.metrics.on_request_finished(rm)
+        if self.tracer is not None:
+            reasons = sorted({s.finish_reason or "" for s in state.sequences})
+            self.tracer.add_event(state.request_id, "finish", {
+                "finish_reason": reasons[0] if len(reasons) == 1 else ",".join(reasons),
+                "prompt_tokens": prompt, "completion_tokens": completion,
+                "prefill_tokens": state.prefill_tokens,
+            })
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "extra": rm.as_usage_extra(),
+        }
+
+    # ----------------------------------------------------------------- bookkeeping
+
+    def _trace_schedule(self, sched: SchedulerOutput) -> None:
+        now = time.perf_counter()
+        for seq in sched.admitted:
+            state = seq.request
+            if state.first_scheduled_time is None:
+                state.first_scheduled_time = now
+                if self.tracer is not None:
+                    self.tracer.add_event(state.request_id, "finish queue")
+            if state.debug is not None and state.debug.pinned_system_prompt and seq.index == 0:
+                pin = state.request.system_prompt_tokens or len(state.request.prompt)
+                self.kv_pool.pin(seq.seq_id, pin)
+        for seq in sched.preempted:
+            self.metrics.on_preemption()
+            if self.tracer is not None:
+                self.tracer.add_event(seq.request.request_id, "preempt")
+
+    def _update_gauges(self) -> None:
+        usage = self.kv_pool.usage()
+        self.metrics.set_gauges(
+            num_running_requests=len(self.scheduler.running),
+            num_waiting_requests=len(self.scheduler.waiting),
+            kv_pages_used=usage.used_pages,
+            kv_pages_total=usage.total_pages,
+            prefix_cache_hit_rate=usage.hit_rate,
+        )
+
+
+# --------------------------------------------------------------------------- async
+
+
+class AsyncEngine:
+    """Runs an :class:`Engine` on its own thread and serves asyncio callers.
+
+    ``generate`` is an async iterator of :class:`RequestOutput`; ``abort``, ``reset``
+    and ``metrics`` are safe from any event loop. The thread sleeps when there is
+    no work and wakes on the next command.
+    """
+
+    def __init__(self, checkpoint: Checkpoint, name: str, config: EngineConfig | None = None,
+                 backend: str = "auto", dtype: str = "float32", enable_tracing: bool = False) -> None:
+        self.name = name
+        self.checkpoint = checkpoint
+        self.tokenizer = checkpoint.tokenizer
+        self.config = config or EngineConfig()
+        model = LlamaModel.from_checkpoint(checkpoint, backend=backend, dtype=dtype)
+        self.backend_name = model.backend_name
+        self.dtype = model.dtype
+        self.tracer = (TraceRecorder(engine=name, model=checkpoint.name, backend=model.backend_name,
+                                     max_events=self.config.max_trace_events)
+                       if enable_tracing else None)
+        self.engine = Engine(model, checkpoint, self.config, self.tracer)
+        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.error: BaseException | None = None
+
+    # ------------------------------------------------------------- life cycle
+
+    def start(self) -> None:
+        """Start the engine thread (idempotent)."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name=f"engine-{self.name}", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort live requests and stop the thread."""
+        if self._thread is None:
+            return
+        self._stopping = True
+        self._commands.put(lambda: self._deliver(self.engine.reset()))
+        self._thread.join(timeout)
+        self._thread = None
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    def metrics(self) -> dict[str, Any]:
+        """MLC's engine metrics plus our gauges and latency distributions (JSON-ready)."""
+        return self.engine.metrics.as_dict()
+
+    # ---------------------------------------------------------------- requests
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """Run one request; yields outputs as tokens arrive, the last one carrying usage.
+
+        Raises :class:`EngineRequestError` before the first output for a bad request,
+        :class:`EngineDeadError` if the engine thread has died. Cancelling the
+        iteration (a client that went away) aborts the request and frees its pages.
+        """
+        self._check_alive()
+        self.engine.validate(request)
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+        added: asyncio.Future = loop.create_future()
+        rid = request.request_id
+        self._streams[rid] = (loop, outputs)
+
+        def add() -> None:
+            try:
+                self.engine.add_request(request)
+            except EngineRequestError as e:
+                loop.call_soon_threadsafe(_set_exception, added, e)
+                return
+            loop.call_soon_threadsafe(_set_result, added, None)
+
+        self._commands.put(add)
+        finished = False
+        try:
+            try:
+                await added
+            except EngineRequestError:
+                finished = True
+                raise
+            while True:
+                item = await outputs.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(rid, None)
+            if not finished:
+                self._commands.put(lambda: self.engine.abort_request(rid))
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its stream ends with finish reason ``abort``."""
+        self._commands.put(lambda: self._deliver([o] if (o := self.engine.abort_request(request_id)) else []))
+
+    async def reset(self, clear_trace: bool = False) -> None:
+        """Reset the engine and return once the reset has completed (MLC's is fire-and-forget)."""
+        self._check_alive()
+        await self._call(lambda: self._deliver(self.engine.reset(clear_trace)))
+
+    async def _call(self, fn: Callable[[], Any]) -> Any:
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+
+        def run() -> None:
+            try:
+                result = fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the awaiting caller
+                loop.call_soon_threadsafe(_set_exception, done, e)
+            else:
+                loop.call_soon_threadsafe(_set_result, done, result)
+
+        self._commands.put(run)
+        return await done
+
+    def _check_alive(self) -> None:
+        if self.error is not None:
+            raise EngineDeadError(f"engine {self.name!r} stopped on an internal error: {self.error!r}")
+        if self._thread is None:
+            raise EngineDeadError(f"engine {self.name!r} is not running")
+
+    # ------------------------------------------------------------------ thread
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            try:
+                # Block only when idle; otherwise take what is queued and step.
+                block = not engine.has_work
+                while True:
+                    try:
+                        command = self._commands.get(block=block, timeout=0.5 if block else None)
+                    except queue.Empty:
+                        break
+                    command()
+                    block = False
+                if self._stopping:
+                    return
+                if engine.has_work:
+                    self._deliver(engine.step())
+            except Exception as e:  # noqa: BLE001 - a dead engine must fail its streams, not hang them
+                logger.exception("engine %s stopped on an internal error", self.name)
+                self.error = e
+                err = EngineDeadError(f"engine {self.name!r} stopped on an internal error: {e!r}")
+                for loop, q in list(self._streams.values()):
+                    loop.call_soon_threadsafe(q.put_nowait, err)
+                return
+
+    def _deliver(self, outputs: Iterable[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream[0], []).append((stream[1], out))
+        # One wake-up per event loop per step, not one per request.
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # the caller's loop closed; nobody is listening
+                pass
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for q, out in items:
+        q.put_nowait(out)
+
+
+def _set_result(fut: asyncio.Future, value: Any) -> None:
+    if not fut.done():
+        fut.set_result(value)
+
+
+def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(exc)

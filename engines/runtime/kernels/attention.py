@@ -1,0 +1,172 @@
+"""Paged causal attention with grouped-query heads, for prefill chunks and decode alike.
+
+Every new token ``t`` (at absolute position ``positions[t]`` of sequence ``token_seq[t]``)
+attends to keys ``0 .. positions[t]`` of its sequence, found through the page table. The
+keys of the token's own chunk were appended by ``rope_kv`` just before, so one rule covers
+a prefill chunk (causal within the chunk, full over the cached prefix) and a decode step.
+
+q comes from the fused projection buffer ``qkv`` (already rotated), and the output
+``out[t, h*head_dim + d]`` has the q-head layout the output projection expects. q head
+``h`` reads kv head ``h // (num_q_heads // num_kv_heads)`` (transformers' ``repeat_kv``).
+"""
+import math
+
+import numpy as np
+from numba import cuda, float32, njit, prange
+
+ATTN_MAX_THREADS = 128   # largest blockDim.x: keys scored per chunk
+ATTN_MAX_GROUP = 16      # largest number of q heads sharing one kv head
+ATTN_MAX_HEAD_DIM = 256
+ATTN_MAX_PAIRS = 16      # (q head, dim) outputs per thread: group * head_dim <= 16 * blockDim.x
+
+
+@cuda.jit(cache=True)
+def paged_attention_cuda(qkv, positions, token_seq, page_table, k_cache, v_cache, layer, num_q_heads, scale, out):
+    """Grid ``(num_tokens, num_kv_heads)``, block ``(threads,)`` with threads a power of two.
+
+    Block (t, kv head) serves all q heads of the group, so each key and value is read from
+    memory once per group. Keys are taken ``blockDim.x`` at a time with an online softmax:
+    thread i scores key ``c0 + i`` against every q head of the group; one thread per head
+    folds the chunk into the running max and sum (rescaling by ``alpha``); then the threads
+    update the output accumulators, thread-strided over ``(head, dim)`` pairs so that
+    neighbouring threads read neighbouring values of a V row.
+    """
+    q_sh = cuda.shared.array((ATTN_MAX_GROUP, ATTN_MAX_HEAD_DIM), float32)
+    p_sh = cuda.shared.array((ATTN_MAX_GROUP, ATTN_MAX_THREADS), float32)
+    m_sh = cuda.shared.array(ATTN_MAX_GROUP, float32)
+    l_sh = cuda.shared.array(ATTN_MAX_GROUP, float32)
+    alpha_sh = cuda.shared.array(ATTN_MAX_GROUP, float32)
+    acc = cuda.local.array(ATTN_MAX_PAIRS, float32)
+
+    t = cuda.blockIdx.x
+    kv_head = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    nthreads = cuda.blockDim.x
+    num_kv_heads = k_cache.shape[2]
+    page_size = k_cache.shape[3]
+    head_dim = k_cache.shape[4]
+    group = num_q_heads // num_kv_heads
+    pairs = group * head_dim
+    q_base = kv_head * pairs
+    seq = token_seq[t]
+    num_keys = positions[t] + 1
+
+    for p in range(tid, pairs, nthreads):
+        q_sh[p // head_dim, p % head_dim] = qkv[t, q_base + p] * scale
+    if tid < group:
+        m_sh[tid] = float32(-math.inf)
+        l_sh[tid] = float32(0.0)
+    for a in range(ATTN_MAX_PAIRS):
+        acc[a] = float32(0.0)
+    cuda.syncthreads()
+
+    for c0 in range(0, num_keys, nthreads):
+        n = min(nthreads, num_keys - c0)
+        if tid < n:
+            j = c0 + tid
+            page = page_table[seq, j // page_size]
+            slot = j % page_size
+            for g in range(group):
+                s = float32(0.0)
+                for d in range(head_dim):
+                    s += q_sh[g, d] * float32(k_cache[layer, page, kv_head, slot, d])
+                p_sh[g, tid] = s
+        cuda.syncthreads()
+        if tid < group:
+            m_old = m_sh[tid]
+            m_new = m_old
+            for i in range(n):
+                m_new = max(m_new, p_sh[tid, i])
+            alpha = math.exp(m_old - m_new)
+            total = l_sh[tid] * alpha
+            for i in range(n):
+                e = math.exp(p_sh[tid, i] - m_new)
+                p_sh[tid, i] = e
+                total += e
+            m_sh[tid] = m_new
+            l_sh[tid] = total
+            alpha_sh[tid] = alpha
+        cuda.syncthreads()
+        a = 0
+        for p in range(tid, pairs, nthreads):
+            g = p // head_dim
+            d = p % head_dim
+            v_acc = acc[a] * alpha_sh[g]
+            for i in range(n):
+                j = c0 + i
+                page = page_table[seq, j // page_size]
+                v_acc += p_sh[g, i] * float32(v_cache[layer, page, kv_head, j % page_size, d])
+            acc[a] = v_acc
+            a += 1
+        # p_sh is overwritten by the next chunk's scores.
+        cuda.syncthreads()
+
+    a = 0
+    for p in range(tid, pairs, nthreads):
+        out[t, q_base + p] = acc[a] / l_sh[p // head_dim]
+        a += 1
+
+
+def _paged_attention(qkv, positions, token_seq, page_table, k_cache, v_cache, layer, num_q_heads, scale, out):
+    """Exact two-pass softmax per (token, kv head); see :func:`paged_attention_cuda`."""
+    num_kv_heads = k_cache.shape[2]
+    page_size = k_cache.shape[3]
+    head_dim = k_cache.shape[4]
+    group = num_q_heads // num_kv_heads
+    for item in prange(qkv.shape[0] * num_kv_heads):
+        t = item // num_kv_heads
+        kv_head = item % num_kv_heads
+        seq = token_seq[t]
+        num_keys = positions[t] + 1
+        q_base = kv_head * group * head_dim
+        q = np.empty((group, head_dim), np.float32)
+        for g in range(group):
+            for d in range(head_dim):
+                q[g, d] = qkv[t, q_base + g * head_dim + d] * scale
+        scores = np.empty((group, num_keys), np.float32)
+        for j in range(num_keys):
+            key = k_cache[layer, page_table[seq, j // page_size], kv_head, j % page_size]
+            for g in range(group):
+                s = float32(0.0)
+                for d in range(head_dim):
+                    s += q[g, d] * key[d]
+                scores[g, j] = s
+        totals = np.empty(group, np.float32)
+        for g in range(group):
+            m = scores[g, 0]
+            for j in range(1, num_keys):
+                m = max(m, scores[g, j])
+            total = float32(0.0)
+            for j in range(num_keys):
+                e = math.exp(scores[g, j] - m)
+                scores[g, j] = e
+                total += e
+            totals[g] = total
+        acc = np.zeros((group, head_dim), np.float32)
+        for j in range(num_keys):
+            value = v_cache[layer, page_table[seq, j // page_size], kv_head, j % page_size]
+            for g in range(group):
+                p = scores[g, j]
+                for d in range(head_dim):
+                    acc[g, d] += p * value[d]
+        for g in range(group):
+            for d in range(head_dim):
+                out[t, q_base + g * head_dim + d] = acc[g, d] / totals[g]
+
+
+# Reassociation lets LLVM vectorise the q.k dot products (the hot loop); no flags that
+# assume finite values or approximate exp, so NaN/inf still propagate as they should.
+_FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
+paged_attention_cpu = njit(nogil=True, cache=True, parallel=True, fastmath=_FASTMATH)(_paged_attention)
+paged_attention_cpu.__doc__ = """CPU twin of :func:`paged_attention_cuda`: (token, kv head) pairs spread over
+numba's threads. For large batches and prefill chunks."""
+paged_attention_serial_cpu = njit(nogil=True, cache=True, fastmath=_FASTMATH)(_paged_attention)
+paged_attention_serial_cpu.__doc__ = """Single-threaded :func:`paged_attention_cpu`, for small steps (batch-1
+decode), where waking a thread pool costs more than the work."""
+
+CUDA_SIGNATURES = {
+    paged_attention_cuda: (
+        "void(float32[:, ::1], int32[::1], int32[::1], int32[:, ::1], {dt}[:, :, :, :, ::1],"
+        " {dt}[:, :, :, :, ::1], int64, int64, float32, float32[:, ::1])"
+    ),
+}

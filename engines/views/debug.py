@@ -1,0 +1,136 @@
+"""MLC's ``/debug/*`` endpoints: event trace, engine metrics, reset, CUDA profiler start/stop.
+
+They exist only with ``--enable-debug``; otherwise every route answers 404 as if
+it were not mounted (the gate is checked per request so tests and ``serve`` can
+configure it after URLs are loaded). Bodies are parsed as MLC does (raw UTF-8
+JSON, extra keys ignored) and refused with MLC's exact texts, with the fixes
+listed in the reference's "where we differ": errors are a JSON object, not a
+string; unknown models are always "not served"; an empty body to
+``dump_engine_metrics`` means ``{}``; reset answers after it completed; the
+profiler routes accept ``model`` and answer a status.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from typing import Any
+
+import orjson
+from django.http import HttpRequest, HttpResponse, HttpResponseBase
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr, ValidationError
+
+from engines.protocol.errors import ProtocolError
+from engines.registry import registry
+from engines.views.errors import AsyncView, api_view, json_response
+
+logger = logging.getLogger(__name__)
+
+NOT_MOUNTED = "Not found: the /debug endpoints exist only when the server runs with --enable-debug."
+
+
+class DebugRequest(BaseModel):
+    """The body every debug route accepts. Keys MLC does not know are ignored, as MLC does."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: StrictStr | None = None
+    clear_trace: StrictBool = False  # reset_engine only: also empty the event trace
+
+
+def debug_view(view: AsyncView) -> AsyncView:
+    """POST-only JSON endpoint that exists only with ``--enable-debug``."""
+
+    @functools.wraps(view)
+    async def gated(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
+        if not registry.options.enable_debug:
+            raise ProtocolError(404, NOT_MOUNTED)
+        return await view(request, *args, **kwargs)
+
+    return api_view("POST")(gated)
+
+
+def parse_body(request: HttpRequest, *, model_required: bool, empty_ok: bool = False) -> DebugRequest:
+    """Parse a debug body; anything unusable is MLC's ``Invalid request {raw_body}``."""
+    raw = request.body.decode("utf-8", errors="replace")
+    if empty_ok and not raw.strip():
+        return DebugRequest()
+    try:
+        body = DebugRequest.model_validate(orjson.loads(raw))
+    except (orjson.JSONDecodeError, ValidationError):
+        raise ProtocolError(400, f"Invalid request {raw}") from None
+    if model_required and body.model is None:
+        raise ProtocolError(400, f"Invalid request {raw}")
+    return body
+
+
+def lookup(model: str | None):  # -> AsyncEngine
+    """The engine named ``model``; with no name, the first engine (MLC's process-wide routes do that)."""
+    engine = registry.get(model) if model is not None else registry.first()
+    if engine is None:
+        raise ProtocolError(400, f'The requested model "{model}" is not served.')
+    return engine
+
+
+@debug_view
+async def dump_event_trace(request: HttpRequest) -> HttpResponse:
+    """The engine's event trace as Chrome Trace JSON (object form, loadable in Perfetto)."""
+    body = parse_body(request, model_required=True)
+    engine = lookup(body.model)
+    if engine.tracer is None:
+        raise ProtocolError(400, f'The requested model "{body.model}" does not enable tracing')
+    # Serialising a big trace takes a while; keep the event loop (and every stream) moving meanwhile.
+    payload = await asyncio.to_thread(engine.tracer.dump_json)
+    return HttpResponse(payload, content_type="application/json")
+
+
+@debug_view
+async def dump_engine_metrics(request: HttpRequest) -> HttpResponse:
+    """``{"metrics": {...}}``: the engine's MLC metrics (``model`` optional, empty body allowed)."""
+    body = parse_body(request, model_required=False, empty_ok=True)
+    engine = lookup(body.model)
+    return json_response({"metrics": engine.metrics()})
+
+
+@debug_view
+async def reset_engine(request: HttpRequest) -> HttpResponse:
+    """Abort everything in flight and zero the metrics; answers once the reset has completed."""
+    body = parse_body(request, model_required=True)
+    engine = lookup(body.model)
+    await engine.reset(clear_trace=body.clear_trace)
+    return json_response({"status": "reset", "model": engine.name, "trace_cleared": body.clear_trace})
+
+
+async def _cuda_profiler(request: HttpRequest, start: bool) -> HttpResponse:
+    """Start or stop ``cudaProfilerStart``/``Stop`` capture (for Nsight Systems' ``--capture-range=cudaProfilerApi``).
+
+    The CUDA profiler API is process-wide, so it is applied once, on behalf of
+    the named engine or the first one. On a CPU backend there is nothing to
+    capture, and saying so beats MLC's silent ``null``.
+    """
+    body = parse_body(request, model_required=False, empty_ok=True)
+    engine = lookup(body.model)
+    if engine.backend_name != "cuda":
+        raise ProtocolError(
+            400,
+            f'The CUDA profiler is unavailable: model "{engine.name}" runs on the {engine.backend_name} backend. '
+            "Serve it with --backend cuda on a machine with an NVIDIA GPU.",
+        )
+    from numba import cuda
+
+    # The driver calls need a CUDA context on the calling thread; numba makes the device's primary
+    # context (the one the engine uses) current on the worker thread.
+    await asyncio.to_thread(cuda.profile_start if start else cuda.profile_stop)
+    return json_response({"status": "started" if start else "stopped", "model": engine.name, "backend": "cuda"})
+
+
+@debug_view
+async def cuda_profiler_start(request: HttpRequest) -> HttpResponse:
+    """Begin a CUDA profiler capture range."""
+    return await _cuda_profiler(request, start=True)
+
+
+@debug_view
+async def cuda_profiler_stop(request: HttpRequest) -> HttpResponse:
+    """End the CUDA profiler capture range."""
+    return await _cuda_profiler(request, start=False)

@@ -1,0 +1,1 @@
+"""Tests of engines.protocol: request/response models and error replies."""

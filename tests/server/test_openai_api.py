@@ -1,0 +1,292 @@
+"""The OpenAI-compatible API through the ASGI app, on the real demo engine."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import httpx
+import orjson
+import pytest
+
+from debugsite.asgi import application
+from engines.registry import registry
+from tests.server.conftest import TRACED, UNTRACED, assert_error, sse_payloads, wait_until
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+HELLO = [{"role": "user", "content": "Tell me a story."}]
+
+
+def chat_body(**extra):
+    return {"model": TRACED, "messages": HELLO, "max_tokens": 8, **extra}
+
+
+# ----------------------------------------------------------------------------- models
+
+
+async def test_models_lists_every_engine_in_order(client: httpx.AsyncClient) -> None:
+    response = await client.get("/v1/models")
+    assert response.status_code == 200
+    body = response.json()
+    assert body["object"] == "list"
+    assert [m["id"] for m in body["data"]] == [TRACED, UNTRACED]
+    assert all(m["object"] == "model" and isinstance(m["created"], int) for m in body["data"])
+
+
+async def test_wrong_method_is_405_in_error_shape(client: httpx.AsyncClient) -> None:
+    assert_error(await client.get(CHAT), 405)
+    assert_error(await client.post("/v1/models"), 405)
+
+
+# ------------------------------------------------------------------------ chat, whole
+
+
+async def test_chat_non_streaming_ignore_eos_returns_max_tokens(client: httpx.AsyncClient) -> None:
+    response = await client.post(CHAT, json=chat_body(debug_config={"ignore_eos": True}, max_tokens=7))
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert body["object"] == "chat.completion"
+    assert body["id"].startswith("chatcmpl-") and len(body["id"]) == len("chatcmpl-") + 32
+    assert body["model"] == TRACED
+    (choice,) = body["choices"]
+    assert choice["message"]["role"] == "assistant" and isinstance(choice["message"]["content"], str)
+    assert choice["finish_reason"] == "length"
+    usage = body["usage"]
+    assert usage["completion_tokens"] == 7
+    assert usage["total_tokens"] == usage["prompt_tokens"] + 7
+    # --enable-debug: the request's own metrics come back as usage.extra (MLC).
+    assert usage["extra"]["completion_tokens"] == 7 and "ttft_s" in usage["extra"]
+
+
+async def test_user_becomes_the_request_id(client: httpx.AsyncClient) -> None:
+    response = await client.post(CHAT, json=chat_body(user="my-request-1"))
+    assert response.json()["id"] == "my-request-1"
+    assert "my-request-1" in registry.get(TRACED).tracer.request_ids()
+
+
+async def test_max_completion_tokens_wins_over_max_tokens(client: httpx.AsyncClient) -> None:
+    body = chat_body(max_tokens=20, max_completion_tokens=3, debug_config={"ignore_eos": True})
+    response = await client.post(CHAT, json=body)
+    assert response.json()["usage"]["completion_tokens"] == 3
+
+
+async def test_n_choices(client: httpx.AsyncClient) -> None:
+    body = chat_body(n=3, temperature=1.0, seed=1, debug_config={"ignore_eos": True}, max_tokens=4)
+    response = (await client.post(CHAT, json=body)).json()
+    assert [c["index"] for c in response["choices"]] == [0, 1, 2]
+    assert response["usage"]["completion_tokens"] == 12
+
+
+async def test_seed_makes_sampling_reproducible(client: httpx.AsyncClient) -> None:
+    body = chat_body(temperature=1.0, seed=1234, max_tokens=12)
+    first = (await client.post(CHAT, json=body)).json()["choices"][0]["message"]["content"]
+    second = (await client.post(CHAT, json=body)).json()["choices"][0]["message"]["content"]
+    assert first == second
+
+
+async def test_logit_bias_bans_the_greedy_token(client: httpx.AsyncClient) -> None:
+    body = chat_body(temperature=0, max_tokens=1, logprobs=True, debug_config={"ignore_eos": True})
+    first = (await client.post(CHAT, json=body)).json()["choices"][0]["logprobs"]["content"][0]
+    greedy_id = registry.get(TRACED).tokenizer.token_to_id(first["token"])
+    assert greedy_id is not None
+    banned = (await client.post(CHAT, json={**body, "logit_bias": {str(greedy_id): -100}})).json()
+    assert banned["choices"][0]["logprobs"]["content"][0]["token"] != first["token"]
+
+
+async def test_chat_logprobs_one_entry_per_token(client: httpx.AsyncClient) -> None:
+    body = chat_body(logprobs=True, top_logprobs=3, max_tokens=5, debug_config={"ignore_eos": True})
+    choice = (await client.post(CHAT, json=body)).json()["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert len(content) == 5
+    for entry in content:
+        assert entry["logprob"] <= 0 and isinstance(entry["bytes"], list)
+        assert 1 <= len(entry["top_logprobs"]) <= 3
+
+
+async def test_penalties_and_stop_are_accepted(client: httpx.AsyncClient) -> None:
+    body = chat_body(frequency_penalty=0.5, presence_penalty=0.5, repetition_penalty=1.1, stop=["\n\n"])
+    response = await client.post(CHAT, json=body)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+async def test_response_format_json_schema(client: httpx.AsyncClient) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "blue"]}},
+        "required": ["color"],
+        "additionalProperties": False,
+    }
+    body = chat_body(max_tokens=40, response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
+    choice = (await client.post(CHAT, json=body)).json()["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert json.loads(choice["message"]["content"])["color"] in ("red", "blue")
+
+
+# --------------------------------------------------------------------- chat, streaming
+
+
+async def test_chat_streaming_sse_with_usage(client: httpx.AsyncClient) -> None:
+    body = chat_body(stream=True, stream_options={"include_usage": True}, max_tokens=6,
+                     debug_config={"ignore_eos": True})
+    response = await client.post(CHAT, json=body)
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/event-stream")
+    events = sse_payloads(response.text)
+    assert events[-1] == "[DONE]"
+    chunks, usage_chunk = events[:-2], events[-2]
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 6
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text  # the demo model's token soup, but something
+
+
+async def test_streaming_without_include_usage_has_no_usage_chunk(client: httpx.AsyncClient) -> None:
+    response = await client.post(CHAT, json=chat_body(stream=True))
+    events = sse_payloads(response.text)
+    assert events[-1] == "[DONE]"
+    assert all(e["choices"] for e in events[:-1])
+
+
+async def test_client_disconnect_aborts_the_request(client: httpx.AsyncClient, monkeypatch) -> None:
+    """A client gone mid-stream: Django cancels the stream, the view aborts the request in the engine."""
+    engine = registry.get(TRACED)
+    aborted: list[str] = []
+    real_abort = engine.abort
+
+    async def spy(request_id: str) -> None:
+        aborted.append(request_id)
+        await real_abort(request_id)
+
+    monkeypatch.setattr(engine, "abort", spy)
+    body = orjson.dumps(chat_body(stream=True, max_tokens=1000, user="gone-1", debug_config={"ignore_eos": True}))
+    got_chunk = asyncio.Event()
+    request_sent = False
+
+    async def receive():
+        nonlocal request_sent
+        if not request_sent:
+            request_sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await got_chunk.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        if message["type"] == "http.response.body" and message.get("body"):
+            got_chunk.set()
+
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+        "scheme": "http", "path": CHAT, "raw_path": CHAT.encode(), "query_string": b"", "root_path": "",
+        "headers": [(b"host", b"127.0.0.1"), (b"content-type", b"application/json")],
+        "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 80),
+    }
+    await asyncio.wait_for(application(scope, receive, send), timeout=30)
+    assert aborted == ["gone-1"]
+    metrics = engine.metrics()
+    await wait_until(lambda: engine.metrics()["num_running_requests"] == 0)
+    trace = engine.tracer.dump()
+    finishes = [e for e in trace["traceEvents"] if e["name"] == "finish" and e["args"].get("request_id") == "gone-1"]
+    assert finishes and finishes[-1]["args"]["finish_reason"] == "abort"
+    assert metrics is not None
+
+
+# ------------------------------------------------------------------------- completions
+
+
+async def test_completions_text_prompt(client: httpx.AsyncClient) -> None:
+    body = {"model": TRACED, "prompt": "Once upon a time", "max_tokens": 5, "debug_config": {"ignore_eos": True}}
+    response = await client.post(COMPLETIONS, json=body)
+    assert response.status_code == 200, response.text
+    payload = response.json()
+    assert payload["object"] == "text_completion" and payload["id"].startswith("cmpl-")
+    assert payload["choices"][0]["finish_reason"] == "length"
+    assert payload["usage"]["completion_tokens"] == 5
+
+
+async def test_completions_token_prompt_streaming_with_logprobs(client: httpx.AsyncClient) -> None:
+    body = {"model": TRACED, "prompt": [1, 200, 300, 400], "max_tokens": 4, "stream": True, "logprobs": 2,
+            "stream_options": {"include_usage": True}, "debug_config": {"ignore_eos": True}}
+    events = sse_payloads((await client.post(COMPLETIONS, json=body)).text)
+    assert events[-1] == "[DONE]"
+    assert events[-2]["usage"]["prompt_tokens"] == 4 and events[-2]["usage"]["completion_tokens"] == 4
+    chunks = events[:-2]
+    tokens = [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]]
+    assert len(tokens) == 4
+    offsets = [o for c in chunks for o in c["choices"][0]["logprobs"]["text_offset"]]
+    assert offsets == sorted(offsets) and offsets[0] == 0
+
+
+# ------------------------------------------------------------------------ debug_config
+
+
+async def test_debug_config_ignored_without_enable_debug(serve, caplog) -> None:
+    async with serve(enable_debug=False) as http:
+        with caplog.at_level(logging.WARNING, logger="engines"):
+            response = await http.post(CHAT, json=chat_body(debug_config={"ignore_eos": True}))
+    assert response.status_code == 200
+    assert "extra" not in response.json()["usage"]
+    assert any("debug_config" in r.getMessage() and "--enable-debug" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+async def test_query_engine_metrics_special_request(client: httpx.AsyncClient, path: str) -> None:
+    body = {"model": TRACED, "stream": True, "stream_options": {"include_usage": True},
+            "debug_config": {"special_request": "query_engine_metrics"}, "user": "metrics-query"}
+    body |= {"messages": []} if path == CHAT else {"prompt": ""}
+    response = await client.post(path, json=body)
+    assert response.status_code == 200, response.text
+    (chunk, done) = sse_payloads(response.text)
+    assert done == "[DONE]" and chunk["choices"] == []
+    assert chunk["usage"]["prompt_tokens"] == 0 and chunk["usage"]["completion_tokens"] == 0
+    assert "engine_prefill_time_sum" in chunk["usage"]["extra"]
+    # Internal queries never show up in the trace (a fix over MLC).
+    assert "metrics-query" not in registry.get(TRACED).tracer.request_ids()
+
+
+async def test_special_request_without_stream_is_422(client: httpx.AsyncClient) -> None:
+    body = chat_body(debug_config={"special_request": "query_engine_metrics"})
+    error = assert_error(await client.post(CHAT, json=body), 422)
+    assert error["message"].endswith("DebugConfig.special_request requires stream=True")
+
+
+# ------------------------------------------------------------------------------ errors
+
+
+async def test_body_not_json_is_400(client: httpx.AsyncClient) -> None:
+    error = assert_error(await client.post(CHAT, content=b"{not json"), 400)
+    assert "not valid JSON" in error["message"]
+    assert_error(await client.post(CHAT, content=b"[1, 2]"), 400, "the request body must be a JSON object")
+
+
+async def test_bad_parameter_is_400_naming_the_field(client: httpx.AsyncClient) -> None:
+    error = assert_error(await client.post(CHAT, json=chat_body(temperature=5)), 400)
+    assert error["param"] == "temperature" and "temperature" in error["message"]
+    error = assert_error(await client.post(CHAT, json=chat_body(debug_config={"ignore_eso": True})), 400)
+    assert "ignore_eso" in error["message"]
+
+
+async def test_unknown_model_is_404(client: httpx.AsyncClient) -> None:
+    error = assert_error(await client.post(CHAT, json=chat_body(model="gpt-17")), 404)
+    assert error["message"].startswith('The requested model "gpt-17" is not served.')
+
+
+async def test_missing_model_is_400(client: httpx.AsyncClient) -> None:
+    body = chat_body()
+    del body["model"]
+    error = assert_error(await client.post(CHAT, json=body), 400)
+    assert error["param"] == "model"
+
+
+async def test_engine_refusals_are_400(client: httpx.AsyncClient) -> None:
+    too_long = {"model": TRACED, "prompt": [5] * 4000, "max_tokens": 1}
+    error = assert_error(await client.post(COMPLETIONS, json=too_long), 400)
+    assert "Shorten the prompt" in error["message"]
+    outside = {"model": TRACED, "prompt": [10**6], "max_tokens": 1}
+    assert "outside the vocabulary" in assert_error(await client.post(COMPLETIONS, json=outside), 400)["message"]
+    bias = {"model": TRACED, "prompt": "hi", "logit_bias": {str(10**6): 5}}
+    assert_error(await client.post(COMPLETIONS, json=bias), 400)
