@@ -30,9 +30,10 @@ class TraceRecord(models.Model):
     first_event_ts = models.BigIntegerField(null=True, blank=True, help_text="µs since the Unix epoch.")
     last_event_ts = models.BigIntegerField(null=True, blank=True, help_text="µs since the Unix epoch.")
     duration_us = models.BigIntegerField(null=True, blank=True)
-    event_count = models.PositiveIntegerField(default=0)
-    request_count = models.PositiveIntegerField(default=0)
-    dropped_events = models.PositiveIntegerField(default=0)
+    event_count = models.PositiveIntegerField("events", default=0)
+    request_count = models.PositiveIntegerField("requests", default=0)
+    dropped_events = models.PositiveIntegerField("dropped events", default=0,
+                                                 help_text="Events the recorder dropped past its limit.")
 
     payload_bytes = models.BigIntegerField(default=0, help_text="Size of the trace JSON.")
     compressed_bytes = models.BigIntegerField(default=0, help_text="Size of the stored gzip payload.")

@@ -12,8 +12,11 @@ and bulk-inserts its request summaries; then retention for that engine runs.
 """
 from __future__ import annotations
 
+import gc
 import math
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from datetime import datetime
 from typing import Any, Iterable, Mapping
 
@@ -53,7 +56,8 @@ def save_trace(
     """Store ``trace`` (a Chrome trace dict, or its JSON bytes) as a new record of ``engine``.
 
     Bytes are stored exactly as given (after checking they parse), so a download
-    returns them byte for byte. ``backend`` defaults to the trace's
+    returns them byte for byte: from a live engine pass ``tracer.dump_json()``, which
+    is also the cheaper path end to end (one serialisation instead of two). ``backend`` defaults to the trace's
     ``otherData.backend``. With ``retention`` the engine's retention limits
     (``TRACE_RETENTION_MAX_RECORDS`` / ``_MAX_DAYS``) are applied afterwards.
 
@@ -66,26 +70,31 @@ def save_trace(
         raise ValueError(f"source must be one of {', '.join(TraceRecord.Source.values)}, not {source!r}")
     tag_text = normalize_tags(tags)
 
-    if isinstance(trace, (bytes, bytearray, memoryview)):
-        raw = bytes(trace)
-        try:
-            parsed = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            raise TraceFormatError(f"the trace is not valid JSON: {exc}") from exc
-        trace_events(parsed)
-    else:
-        parsed = trace
-        trace_events(parsed)  # fail on a non-trace before spending time on it
-        try:
-            raw = orjson.dumps(parsed, option=orjson.OPT_SERIALIZE_NUMPY)
-        except TypeError as exc:
-            raise TraceFormatError(f"the trace cannot be serialised as JSON: {exc}") from exc
+    # The collector stays paused over parsing and analysis: see _gc_paused.
+    with _gc_paused():
+        if isinstance(trace, (bytes, bytearray, memoryview)):
+            raw = bytes(trace)
+            try:
+                parsed = orjson.loads(raw)
+            except orjson.JSONDecodeError as exc:
+                raise TraceFormatError(f"the trace is not valid JSON: {exc}") from exc
+            trace_events(parsed)
+        else:
+            parsed = trace
+            trace_events(parsed)  # fail on a non-trace before spending time on it
+            try:
+                raw = orjson.dumps(parsed, option=orjson.OPT_SERIALIZE_NUMPY)
+            except TypeError as exc:
+                raise TraceFormatError(f"the trace cannot be serialised as JSON: {exc}") from exc
 
-    compressing = _compressor.submit(compress_json, raw)
-    try:
-        analysis = analyze_trace(parsed)
-    finally:
-        stored = compressing.result()  # never leave the worker busy behind an exception
+        compressing = _compressor.submit(compress_json, raw)
+        try:
+            analysis = analyze_trace(parsed)
+        finally:
+            stored = compressing.result()  # never leave the worker busy behind an exception
+        # Free a trace parsed here by reference counting, before the collector resumes
+        # and would walk its millions of objects once more.
+        del parsed
     other = analysis.other_data
     backend = (backend or str(other.get("backend") or ""))[:_MAX_BACKEND]
 
@@ -119,9 +128,23 @@ def save_trace(
     return record
 
 
-async def asave_trace(trace: Mapping[str, Any] | list[Any] | bytes, **kwargs: Any) -> TraceRecord:
-    """:func:`save_trace` on a worker thread; same arguments, same result."""
-    return await sync_to_async(_closing_connections(save_trace), thread_sensitive=False)(trace, **kwargs)
+async def asave_trace(
+    trace: Mapping[str, Any] | list[Any] | bytes,
+    *,
+    engine: str,
+    model: str,
+    backend: str = "",
+    source: str = TraceRecord.Source.API,
+    note: str = "",
+    tags: Iterable[str] | str = (),
+    captured_at: datetime | None = None,
+    retention: bool = True,
+) -> TraceRecord:
+    """:func:`save_trace` on a worker thread with its own database connection, so the
+    event loop keeps serving while a large trace is parsed, compressed and inserted."""
+    save = sync_to_async(_closing_connections(save_trace), thread_sensitive=False)
+    return await save(trace, engine=engine, model=model, backend=backend, source=source, note=note, tags=tags,
+                      captured_at=captured_at, retention=retention)
 
 
 def save_metrics_snapshot(engine: str, model: str, metrics: Mapping[str, Any], *,
@@ -186,6 +209,26 @@ def _summary_rows(record: TraceRecord, requests: list[RequestStats]) -> list[Req
             preemptions=r.preemptions,
         ))
     return rows
+
+
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector while a large trace is parsed and walked.
+
+    Parsing a million events allocates millions of dicts, and the allocation bursts
+    trigger collections that walk every young object again and again: measured on a
+    155 MB trace, 4.3 s to parse with the collector running against 1.4 s paused, and
+    a save through bytes took 5.5 s instead of 2.3 s when the collector resumed
+    between parsing and the analysis. Nothing built here forms reference cycles. The
+    collector is re-enabled only if it was on (another thread may be doing the same).
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def _closing_connections(func):

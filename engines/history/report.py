@@ -13,6 +13,10 @@ from engines.models import TraceRecord
 
 PHASE_STATS = ("count", "total", "mean", "p50", "p90", "p99", "max")
 REQUEST_STATS = ("count", "mean", "p50", "p90", "p99", "max")
+# Side by side, fewer statistics keep the page scannable; the detail pages have the rest.
+COMPARE_PHASE_STATS = ("count", "total", "p50", "p99")
+COMPARE_REQUEST_STATS = ("mean", "p50", "p90", "p99")
+COUNT_STATS = frozenset({"count", "events", "requests"})
 # (key in stats["requests"], label, is a duration)
 REQUEST_METRICS = (
     ("ttft_us", "Time to first token", True),
@@ -42,6 +46,10 @@ class Change:
     a: float | None
     b: float | None
     change: float | None  # (b - a) / a; None where undefined
+
+    @property
+    def is_count(self) -> bool:
+        return self.stat in COUNT_STATS
 
     @property
     def change_percent(self) -> float | None:
@@ -89,12 +97,13 @@ def compare_records(a: TraceRecord, b: TraceRecord) -> TraceComparison:
     """Per-phase durations, request latency percentiles and throughput of ``a`` and ``b``."""
     phases_a, phases_b = _phase_map(a), _phase_map(b)
     phases = [
-        _change_row(label, "ms", phases_a.get(label), phases_b.get(label), PHASE_STATS, True)
+        _change_row(label, "ms", phases_a.get(label), phases_b.get(label), COMPARE_PHASE_STATS, True)
         for label in sorted(phases_a.keys() | phases_b.keys(), key=_phase_sort_key)
     ]
     req_a, req_b = _request_map(a), _request_map(b)
     requests = [
-        _change_row(label, "ms" if duration else "tokens", req_a.get(key), req_b.get(key), REQUEST_STATS, duration)
+        _change_row(label, "ms" if duration else "tokens", req_a.get(key), req_b.get(key), COMPARE_REQUEST_STATS,
+                    duration)
         for key, label, duration in REQUEST_METRICS
         if key in req_a or key in req_b
     ]
@@ -120,7 +129,7 @@ def _overview_row(a: TraceRecord, b: TraceRecord) -> ChangeRow:
             "output tokens/s": tokens / seconds if seconds and tokens is not None else None,
         }
     fa, fb = figures(a), figures(b)
-    return ChangeRow("Trace", "", [Change(k, fa[k], fb[k], relative_change(fa[k], fb[k])) for k in fa])
+    return ChangeRow("whole trace", "", [Change(k, fa[k], fb[k], relative_change(fa[k], fb[k])) for k in fa])
 
 
 def _change_row(label: str, unit: str, a: Mapping[str, Any] | None, b: Mapping[str, Any] | None,

@@ -2,7 +2,7 @@
 :class:`CudaBackend` (numba.cuda kernels, weights and KV cache resident on the GPU).
 
 Both have the same methods, and the model calls nothing else: array allocation
-(``to_storage``, ``empty``), the per-step upload of the batch metadata (``upload_step``),
+(``to_storage``, ``store_linear``, ``empty``), the per-step upload of the batch metadata (``upload_step``),
 the ops (``embedding``, ``rmsnorm``, ``matmul``, ``rope_kv_append``, ``attention``,
 ``silu_mul``, ``argmax``) and the copy of results back to the host (``to_host``).
 Activation buffers live in a :class:`Workspace` that grows to the largest step seen and is
@@ -136,13 +136,17 @@ class CpuBackend:
     name = "cpu"
     dtypes = ("float32",)
 
-    # Attention work items (token x kv head) below which the single-threaded twin runs: for
-    # a small decode step, waking numba's thread pool costs more than the work.
-    parallel_attention_min_items = 8
+    # Multiply-adds below which attention runs single-threaded: for a small decode step,
+    # waking numba's thread pool costs more than the work (a few hundred microseconds).
+    parallel_attention_min_work = 1 << 21
 
     def to_storage(self, array: np.ndarray, dtype: str) -> np.ndarray:
         """A C-contiguous copy of ``array`` in storage dtype ``dtype``."""
         return np.ascontiguousarray(array, dtype=_check_dtype(dtype, self.dtypes, self.name))
+
+    def store_linear(self, weight: np.ndarray, dtype: str) -> np.ndarray:
+        """A linear layer's ``[out, in]`` weight, kept in that layout (what ``matmul`` reads)."""
+        return self.to_storage(weight, dtype)
 
     def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
         """An uninitialised C-contiguous array."""
@@ -165,9 +169,9 @@ class CpuBackend:
         """``x[r] += residual[r]`` (unless ``residual`` has no rows), ``out[i] = rmsnorm(x[r])``."""
         rmsnorm.rmsnorm_cpu(x, residual, rows, weight, eps, out)
 
-    def matmul(self, x: np.ndarray, w_t: np.ndarray, bias: np.ndarray, out: np.ndarray) -> None:
-        """``out = x @ w_t + bias`` (``bias`` may be empty)."""
-        matmul.matmul_cpu(x, w_t, bias, out)
+    def matmul(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray, out: np.ndarray) -> None:
+        """``out = x @ W.T + bias`` for ``weight`` from :meth:`store_linear` (``bias`` may be empty)."""
+        matmul.matmul_cpu(x, weight, bias, out)
 
     def rope_kv_append(self, qkv: np.ndarray, step: StepInputs, cos: np.ndarray, sin: np.ndarray,
                        k_cache: np.ndarray, v_cache: np.ndarray, layer: int, num_q_heads: int) -> None:
@@ -178,8 +182,8 @@ class CpuBackend:
     def attention(self, qkv: np.ndarray, step: StepInputs, k_cache: np.ndarray, v_cache: np.ndarray,
                   layer: int, num_q_heads: int, scale: np.float32, out: np.ndarray) -> None:
         """Causal paged attention of every new token over its sequence's cached keys."""
-        items = qkv.shape[0] * k_cache.shape[2]
-        kernel = (attention.paged_attention_cpu if items >= self.parallel_attention_min_items
+        work = (int(step.positions.sum()) + qkv.shape[0]) * num_q_heads * k_cache.shape[4] * 2
+        kernel = (attention.paged_attention_cpu if work >= self.parallel_attention_min_work
                   else attention.paged_attention_serial_cpu)
         kernel(qkv, step.positions, step.token_seq, step.page_table, k_cache, v_cache, layer, num_q_heads, scale, out)
 
@@ -276,6 +280,11 @@ class CudaBackend:
         """``array`` in storage dtype ``dtype``, copied to the device."""
         return cuda.to_device(np.ascontiguousarray(array, dtype=_check_dtype(dtype, self.dtypes, self.name)))
 
+    def store_linear(self, weight: np.ndarray, dtype: str) -> Array:
+        """A linear layer's ``[out, in]`` weight, transposed to ``[in, out]`` for coalesced
+        loads, on the device."""
+        return self.to_storage(weight.T, dtype)
+
     def empty(self, shape: tuple[int, ...], dtype: Any) -> Array:
         """An uninitialised C-contiguous device array."""
         return cuda.device_array(shape, dtype=dtype)
@@ -322,8 +331,10 @@ class CudaBackend:
         """``x[r] += residual[r]`` (unless ``residual`` has no rows), ``out[i] = rmsnorm(x[r])``."""
         self._rmsnorm((rows.shape[0],), (self.shapes.row_threads,), x, residual, rows, weight, eps, out)
 
-    def matmul(self, x: Array, w_t: Array, bias: Array, out: Array) -> None:
-        """``out = x @ w_t + bias``: GEMV kernel for few rows, tiled kernel otherwise."""
+    def matmul(self, x: Array, weight: Array, bias: Array, out: Array) -> None:
+        """``out = x @ W.T + bias`` for ``weight`` from :meth:`store_linear`: GEMV kernel for
+        few rows, tiled kernel otherwise."""
+        w_t = weight
         rows, cols = x.shape[0], w_t.shape[1]
         if rows <= self.shapes.gemv_max_rows:
             bx, by = self.shapes.gemv_block

@@ -73,14 +73,21 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         raise CheckpointError(f"{folder} is not a folder: pass the checkpoint folder that holds config.json")
 
     raw_config = _read_json(folder, "config.json", required=True)
-    config = ModelConfig.from_hf_dict(raw_config)
+    try:
+        config = ModelConfig.from_hf_dict(raw_config)
+    except (TypeError, ValueError, ArithmeticError, AttributeError) as exc:
+        # A field of the wrong type ("hidden_size": "512x", "rope_scaling": 2, zero heads).
+        raise CheckpointError(f"{folder / 'config.json'} has an invalid value: {exc}") from None
     tokenizer_config = _read_json(folder, "tokenizer_config.json", required=False)
     generation_config = _read_json(folder, "generation_config.json", required=False)
 
-    tokenizer_path = _require_file(folder, "tokenizer.json")
-    tokenizer = Tokenizer.from_json(
-        _read_text(tokenizer_path), tokenizer_config, chat_template=_read_chat_template_file(folder, tokenizer_config)
-    )
+    tokenizer_json = _read_text(_require_file(folder, "tokenizer.json"))
+    try:
+        tokenizer = Tokenizer.from_json(
+            tokenizer_json, tokenizer_config, chat_template=_read_chat_template_file(folder, tokenizer_config)
+        )
+    except CheckpointError as exc:
+        raise CheckpointError(f"{folder}: {exc}") from None
     if tokenizer.vocab_size > config.vocab_size:
         raise CheckpointError(
             f"tokenizer.json has {tokenizer.vocab_size} tokens but config.json's vocab_size is "
@@ -90,6 +97,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
     weights = _load_weights(folder, config)
     return Checkpoint(
         path=folder.resolve(),
+        # The demo build marks its config.json so; any other checkpoint is named after its folder.
         name="demo" if raw_config.get("_name_or_path") == "demo" else folder.resolve().name,
         config=config,
         weights=weights,
@@ -101,9 +109,9 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
 
 def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The HF tensor names a Llama-family checkpoint must hold for ``config``, with shapes."""
-    h, kv_dim, q_dim = config.hidden_size, config.num_key_value_heads * config.head_dim, (
-        config.num_attention_heads * config.head_dim
-    )
+    h = config.hidden_size
+    q_dim = config.num_attention_heads * config.head_dim
+    kv_dim = config.num_key_value_heads * config.head_dim
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}"

@@ -93,6 +93,11 @@ def demo_checkpoint_path(cache_dir: Path | None = None) -> Path:
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}-build-", dir=root))
     try:
         build_demo_checkpoint(staging)
+        # Durable before visible: after a crash the cache holds a whole checkpoint or none.
+        for file in staging.iterdir():
+            with open(file, "rb") as f:
+                os.fsync(f.fileno())
+        os.chmod(staging, 0o755)  # mkdtemp makes it private; the cache is ordinary user data
         try:
             os.rename(staging, final)
         except OSError:

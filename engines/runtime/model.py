@@ -49,37 +49,37 @@ class Attention:
     """Grouped-query self-attention of one layer: fused q/k/v projection (+ bias for Qwen2),
     RoPE + KV append, paged attention, output projection."""
 
-    def __init__(self, backend: Backend, config: ModelConfig, layer: int, qkv_t: Array, qkv_bias: Array,
-                 o_t: Array, no_bias: Array, rope: tuple[Array, Array]) -> None:
+    def __init__(self, backend: Backend, config: ModelConfig, layer: int, qkv_w: Array, qkv_bias: Array,
+                 o_w: Array, no_bias: Array, rope: tuple[Array, Array]) -> None:
         self.backend = backend
         self.layer = layer
         self.num_q_heads = config.num_attention_heads
         self.scale = np.float32(config.head_dim ** -0.5)
-        self.qkv_t, self.qkv_bias, self.o_t, self.no_bias = qkv_t, qkv_bias, o_t, no_bias
+        self.qkv_w, self.qkv_bias, self.o_w, self.no_bias = qkv_w, qkv_bias, o_w, no_bias
         self.cos, self.sin = rope
 
     def __call__(self, x: Array, act: Activations, step: StepInputs, kv: PagedKVCache) -> None:
         """Attend from the normed input ``x``; the result lands in ``act.delta``."""
         be = self.backend
-        be.matmul(x, self.qkv_t, self.qkv_bias, act.qkv)
+        be.matmul(x, self.qkv_w, self.qkv_bias, act.qkv)
         be.rope_kv_append(act.qkv, step, self.cos, self.sin, kv.k, kv.v, self.layer, self.num_q_heads)
         be.attention(act.qkv, step, kv.k, kv.v, self.layer, self.num_q_heads, self.scale, act.attn)
-        be.matmul(act.attn, self.o_t, self.no_bias, act.delta)
+        be.matmul(act.attn, self.o_w, self.no_bias, act.delta)
 
 
 class MLP:
     """SwiGLU feed-forward: fused gate/up projection, ``silu(gate) * up``, down projection."""
 
-    def __init__(self, backend: Backend, gate_up_t: Array, down_t: Array, no_bias: Array) -> None:
+    def __init__(self, backend: Backend, gate_up_w: Array, down_w: Array, no_bias: Array) -> None:
         self.backend = backend
-        self.gate_up_t, self.down_t, self.no_bias = gate_up_t, down_t, no_bias
+        self.gate_up_w, self.down_w, self.no_bias = gate_up_w, down_w, no_bias
 
     def __call__(self, x: Array, act: Activations) -> None:
         """Transform the normed input ``x``; the result lands in ``act.delta``."""
         be = self.backend
-        be.matmul(x, self.gate_up_t, self.no_bias, act.gate_up)
+        be.matmul(x, self.gate_up_w, self.no_bias, act.gate_up)
         be.silu_mul(act.gate_up, act.act)
-        be.matmul(act.act, self.down_t, self.no_bias, act.delta)
+        be.matmul(act.act, self.down_w, self.no_bias, act.delta)
 
 
 class DecoderLayer:
@@ -125,10 +125,10 @@ class LlamaModel:
         def store(array: np.ndarray) -> Array:
             return be.to_storage(array, dtype)
 
-        def store_t(*parts: np.ndarray) -> Array:
-            # HF's [out, in] matrices, concatenated along out (fused projections), transposed
-            # to [in, out] for the kernels.
-            return store(np.concatenate(parts, axis=0).T)
+        def linear(*parts: np.ndarray) -> Array:
+            # HF's [out, in] matrices, concatenated along out: q/k/v and gate/up become one
+            # matmul each.
+            return be.store_linear(np.concatenate(parts, axis=0), dtype)
 
         def norm(name: str) -> Array:
             return be.to_storage(weights[name], "float32")  # tiny: kept float32 whatever the dtype
@@ -146,16 +146,16 @@ class LlamaModel:
                         if c.attention_bias else no_bias)
             attention = Attention(
                 be, c, i,
-                qkv_t=store_t(*(weights[attn + f"{n}_proj.weight"] for n in "qkv")),
+                qkv_w=linear(*(weights[attn + f"{n}_proj.weight"] for n in "qkv")),
                 qkv_bias=qkv_bias,
-                o_t=store_t(weights[attn + "o_proj.weight"]),
+                o_w=linear(weights[attn + "o_proj.weight"]),
                 no_bias=no_bias,
                 rope=rope,
             )
             mlp = MLP(
                 be,
-                gate_up_t=store_t(weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]),
-                down_t=store_t(weights[p + "mlp.down_proj.weight"]),
+                gate_up_w=linear(weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]),
+                down_w=linear(weights[p + "mlp.down_proj.weight"]),
                 no_bias=no_bias,
             )
             self.layers.append(DecoderLayer(be, self.eps, norm(p + "input_layernorm.weight"), attention,
@@ -164,7 +164,7 @@ class LlamaModel:
         head = weights.get("lm_head.weight")
         if head is None or c.tie_word_embeddings:
             head = weights["model.embed_tokens.weight"]
-        self.lm_head_t = store_t(head)
+        self.lm_head_w = linear(head)
         self.no_bias = no_bias
         q_dim = c.num_attention_heads * c.head_dim
         self.workspace = Workspace(be, {
@@ -207,7 +207,7 @@ class LlamaModel:
             layer(act, residual, step, kv)
             residual = act.delta
         be.rmsnorm(act.hidden, act.delta, step.logit_rows, self.norm, self.eps, act.final)
-        be.matmul(act.final, self.lm_head_t, self.no_bias, act.logits)
+        be.matmul(act.final, self.lm_head_w, self.no_bias, act.logits)
         return act
 
     def _step_inputs(self, batch: ForwardBatch, kv: PagedKVCache) -> StepInputs:

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import jinja2
 import jinja2.ext
@@ -194,10 +195,11 @@ class Tokenizer:
         """
         return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """Text of ``ids``. ``clean_up_tokenization_spaces`` is not applied: transformers ignores
-        it for BPE tokenizers too, and every Llama-family tokenizer is BPE."""
-        return self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens)
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """Text of ``ids`` (ints or numpy integers). ``clean_up_tokenization_spaces`` is not
+        applied: transformers ignores it for BPE tokenizers too, and every Llama-family
+        tokenizer is BPE."""
+        return self._tk.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def detokenizer(self, skip_special_tokens: bool = True) -> "IncrementalDetokenizer":
         """A fresh streaming detokenizer for one generated sequence."""
@@ -373,10 +375,11 @@ class IncrementalDetokenizer:
 
     def add(self, token_ids: int | Iterable[int]) -> str:
         """Take the next generated id(s); return the text they complete (maybe "")."""
-        if isinstance(token_ids, int):
-            self._ids.append(token_ids)
+        # int() also takes numpy integers, which samplers hand out and tokenizers rejects.
+        if isinstance(token_ids, Iterable):
+            self._ids.extend(int(t) for t in token_ids)
         else:
-            self._ids.extend(token_ids)
+            self._ids.append(int(token_ids))
         return self._step(final=False)
 
     def finish(self) -> str:

@@ -320,10 +320,16 @@ def metrics_reply(engine: AsyncEngine, shaper: "ResponseShaper") -> HttpResponse
     """
     usage = Usage(extra=engine.metrics())
     return StreamingHttpResponse(
-        iter([_sse(shaper.usage_chunk(usage)), SSE_DONE]),
+        _aiter([_sse(shaper.usage_chunk(usage)), SSE_DONE]),
         content_type="text/event-stream",
         headers={"Cache-Control": "no-cache"},
     )
+
+
+async def _aiter(items: list[bytes]) -> AsyncIterator[bytes]:
+    # Django consumes a sync iterator on a worker thread (with a warning); this stays on the loop.
+    for item in items:
+        yield item
 
 
 # ------------------------------------------------------------------------------- shaping

@@ -308,3 +308,30 @@ def test_metrics_snapshots_admin(admin_client):
     detail = admin_client.get(reverse("admin:engines_metricssnapshot_change", args=[snap.pk]))
     assert detail.status_code == 200 and "num_running" in detail.text and "&lt;k&gt;" in detail.text
     assert MetricsSnapshot.objects.count() == 1
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_json_download_streams_asynchronously_under_asgi(async_client, django_user_model):
+    from asgiref.sync import sync_to_async
+
+    trace = serving_trace(num_requests=2)
+    record = await sync_to_async(save_trace)(trace, engine="eng-a", model="demo")
+    user = await django_user_model.objects.acreate(username="root", is_staff=True, is_superuser=True)
+    await async_client.aforce_login(user)
+    response = await async_client.get(reverse("admin:engines_tracerecord_download_json", args=[record.pk]))
+    assert response.status_code == 200 and response.is_async
+    assert int(response["Content-Length"]) == record.payload_bytes
+    assert orjson.loads(b"".join([piece async for piece in response.streaming_content])) == trace
+
+
+def test_request_summary_detail_links_trace_without_loading_payload(admin_client, saved_trace):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    record, _ = saved_trace
+    summary = RequestSummary.objects.get(trace=record, request_id="req-1")
+    with CaptureQueriesContext(connection) as queries:
+        page = admin_client.get(reverse("admin:engines_requestsummary_change", args=[summary.pk]))
+    assert page.status_code == 200
+    assert change_url(record) in page.text and "req-1" in page.text
+    assert not any('"payload"' in q["sql"] for q in queries.captured_queries)

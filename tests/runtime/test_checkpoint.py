@@ -262,3 +262,24 @@ def test_bad_offsets(broken: Path) -> None:
 def test_bad_shard_index(broken: Path) -> None:
     (broken / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
     assert "weight_map" in _error(broken)
+
+
+@pytest.mark.parametrize("field,value", [("hidden_size", "wide"), ("num_attention_heads", 0),
+                                         ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}),
+                                         ("num_key_value_heads", 3)])
+def test_invalid_config_values(broken: Path, field: str, value: object) -> None:
+    config = json.loads((broken / "config.json").read_text())
+    config[field] = value
+    (broken / "config.json").write_text(json.dumps(config))
+    _error(broken)
+
+
+def test_chat_template_files(broken: Path) -> None:
+    (broken / "chat_template.jinja").unlink(missing_ok=True)
+    (broken / "chat_template.json").write_text(json.dumps({"chat_template": "from json"}))
+    assert load_checkpoint(broken).chat_template == "from json"
+    config = json.loads((broken / "tokenizer_config.json").read_text())
+    (broken / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "from config"}))
+    assert load_checkpoint(broken).chat_template == "from config"
+    (broken / "chat_template.jinja").write_text("from jinja")
+    assert load_checkpoint(broken).chat_template == "from jinja"

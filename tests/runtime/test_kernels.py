@@ -10,6 +10,8 @@ float32, so the tolerance stays tight.
 """
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
 import math
 import os
 import zlib
@@ -30,6 +32,17 @@ VOCAB = 32000 if REAL_GPU else 37
 HEAD_DIM = 128 if REAL_GPU else 8
 Q_HEADS, KV_HEADS = (32, 8) if REAL_GPU else (4, 2)
 PAGE_SIZE = 16 if REAL_GPU else 4
+
+
+@pytest.fixture(autouse=True, scope="module")
+def quick_simulator_barriers() -> Iterator[None]:
+    """The simulator's block manager polls its threads while holding the GIL, so at the
+    default 5 ms switch interval every barrier costs several intervals; 0.5 ms makes the
+    simulated kernels about 3x faster. Harmless on a real GPU."""
+    previous = sys.getswitchinterval()
+    sys.setswitchinterval(5e-4)
+    yield
+    sys.setswitchinterval(previous)
 
 
 @pytest.fixture
@@ -99,7 +112,7 @@ def test_rmsnorm(rng: np.random.Generator, mode: str) -> None:
 
 MATMUL_CASES = {
     # (rows, inner, cols): inner and cols deliberately not multiples of the tile/block sizes.
-    "gemv": [(1, 4096, 4096), (5, 4096, 1000), (16, 1024, 14336)] if REAL_GPU else [(1, 19, 10), (3, 40, 21)],
+    "gemv": [(1, 4096, 4096), (5, 4096, 1000), (16, 1024, 14336)] if REAL_GPU else [(1, 19, 10), (6, 40, 21)],
     "tiled": [(64, 4096, 4096), (333, 4096, 1027)] if REAL_GPU else [(9, 40, 21)],
 }
 
@@ -143,7 +156,7 @@ def device_step(step: StepInputs) -> StepInputs:
     return StepInputs(**{k: cuda.to_device(v) for k, v in step.__dict__.items()})
 
 
-SEQS = ([40, 0, 257], [1, 64, 3]) if REAL_GPU else ([5, 0, 2], [1, 6, 3])  # (cached, new) per sequence
+SEQS = ([40, 0, 257], [1, 64, 3]) if REAL_GPU else ([13, 0, 2], [1, 6, 3])  # (cached, new) per sequence; several key chunks
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

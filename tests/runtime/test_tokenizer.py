@@ -327,3 +327,12 @@ def test_stream_decodes_a_short_window(pair: tuple[Tokenizer, object], monkeypat
     deltas = _stream(ours, ids, [1] * len(ids), True)
     assert "".join(deltas) == decode(ids)
     assert max(sizes) <= 8
+
+
+def test_numpy_ids_are_accepted(pair: tuple[Tokenizer, object]) -> None:
+    np = pytest.importorskip("numpy")
+    ours, _ = pair
+    ids = np.array(ours.encode(TEXTS[0]), dtype=np.int32)
+    detok = ours.detokenizer()
+    text = "".join(detok.add(t) for t in ids[:3]) + detok.add(ids[3:]) + detok.finish()
+    assert text == ours.decode(ids) == ours.decode(ids.tolist())

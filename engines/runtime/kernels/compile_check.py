@@ -27,17 +27,24 @@ class CompileResult:
     error: str = ""
 
 
-def kernel_signatures() -> list[tuple[str, object, str]]:
-    """Every ``(qualified name, kernel, signature)`` the backend may launch."""
+def kernel_signatures() -> tuple[list[tuple[str, object, str]], list[str]]:
+    """Every ``(qualified name, kernel, signature)`` the backend may launch, and the names of
+    kernels defined in a kernel module but missing from its ``CUDA_SIGNATURES``."""
+    from numba.cuda.dispatcher import CUDADispatcher
+
     from engines.runtime.kernels import KERNEL_MODULES, STORAGE_DTYPES
 
-    out = []
+    out, unlisted = [], []
     for module in KERNEL_MODULES:
+        short = module.__name__.rsplit(".", 1)[-1]
         for kernel, template in module.CUDA_SIGNATURES.items():
-            name = f"{module.__name__.rsplit('.', 1)[-1]}.{kernel.py_func.__name__}"
             variants = sorted({template.format(dt=dt) for dt in STORAGE_DTYPES})
-            out.extend((name, kernel, sig) for sig in variants)
-    return out
+            out.extend((f"{short}.{kernel.py_func.__name__}", kernel, sig) for sig in variants)
+        unlisted.extend(
+            f"{short}.{attr}" for attr, value in vars(module).items()
+            if isinstance(value, CUDADispatcher) and value not in module.CUDA_SIGNATURES
+        )
+    return out, unlisted
 
 
 def compile_all(cc: tuple[int, int]) -> list[CompileResult]:
@@ -46,8 +53,10 @@ def compile_all(cc: tuple[int, int]) -> list[CompileResult]:
 
     if config.ENABLE_CUDASIM:
         raise RuntimeError("compile_check needs the real CUDA target: unset NUMBA_ENABLE_CUDASIM")
-    results = []
-    for name, kernel, sig in kernel_signatures():
+    signatures, unlisted = kernel_signatures()
+    results = [CompileResult(name, "-", False, 0.0, "kernel missing from its module's CUDA_SIGNATURES")
+               for name in unlisted]
+    for name, kernel, sig in signatures:
         start = time.perf_counter()
         try:
             cuda.compile_ptx(kernel.py_func, sig, cc=cc)

@@ -1,0 +1,262 @@
+"""Serving overhead under load: tokens/s through HTTP vs the engine alone, TTFT, debug-endpoint latency.
+
+For each client count (default 16 and 64) the same requests run twice in one run:
+
+1. **engine alone**: an in-process ``AsyncEngine`` (the demo model, same sizing),
+   one coroutine per client calling ``generate`` directly;
+2. **through HTTP**: ``manage.py serve`` in a subprocess, one streaming
+   ``/v1/chat/completions`` client per connection (httpx), while a side task
+   polls ``/debug/dump_engine_metrics`` to time it under load.
+
+Every request uses ``debug_config.ignore_eos`` so each produces exactly
+``--max-tokens`` tokens and both sides do identical work. Reported: output
+tokens/s of each, their ratio (HTTP / engine; the goal is >= 0.9), TTFT p50/p99
+of both, and the metrics endpoint's p99 latency while serving.
+
+    .venv/bin/python bench/serve_load.py                  # 16 and 64 clients
+    .venv/bin/python bench/serve_load.py --clients 16 --max-tokens 128 --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+PROMPT = [{"role": "user", "content": "Tell me everything you know about lighthouses and the people who keep them."}]
+
+
+@dataclass
+class PhaseResult:
+    """One load phase: throughput, time to first token, and (HTTP only) metrics-endpoint latency."""
+
+    tokens: int
+    seconds: float
+    ttft_s: list[float] = field(default_factory=list)
+    metrics_latency_s: list[float] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile (0..1), linearly interpolated between order statistics; 0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+# ------------------------------------------------------------------------- engine alone
+
+
+async def run_engine_alone(engine, clients: int, requests_per_client: int, max_tokens: int) -> PhaseResult:
+    """The same requests as the HTTP phase, straight into ``AsyncEngine.generate``."""
+    from engines.protocol import DebugConfig
+    from engines.runtime.request import GenerationRequest
+    from engines.runtime.sampler import SamplingParams
+
+    tokenizer = engine.tokenizer
+    prompt = tokenizer.encode(tokenizer.apply_chat_template(PROMPT), add_special_tokens=False)
+    ttfts: list[float] = []
+    tokens = 0
+    counter = 0
+
+    async def client() -> None:
+        nonlocal tokens, counter
+        for _ in range(requests_per_client):
+            counter += 1
+            request = GenerationRequest(
+                request_id=f"bench-{counter}", prompt=list(prompt),
+                sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens),
+                debug_config=DebugConfig(ignore_eos=True),
+            )
+            start = time.perf_counter()
+            first = True
+            async for output in engine.generate(request):
+                if first and any(c.token_ids for c in output.choices):
+                    ttfts.append(time.perf_counter() - start)
+                    first = False
+                if output.usage is not None:
+                    tokens += output.usage["completion_tokens"]
+
+    start = time.perf_counter()
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return PhaseResult(tokens=tokens, seconds=time.perf_counter() - start, ttft_s=ttfts)
+
+
+def engine_phase(args: argparse.Namespace, clients: int) -> PhaseResult:
+    from engines.registry import ModelSpec, build_engines
+    from engines.runtime.engine import EngineConfig
+
+    (engine,) = build_engines([ModelSpec("demo")], EngineConfig(**sizing(args)), backend=args.backend)
+    engine.start()
+    try:
+        # Warm-up: JIT compilation and first-touch costs are not what we measure.
+        asyncio.run(run_engine_alone(engine, clients, 1, 4))
+        return asyncio.run(run_engine_alone(engine, clients, args.requests_per_client, args.max_tokens))
+    finally:
+        engine.shutdown()
+
+
+# ------------------------------------------------------------------------------- HTTP
+
+
+async def run_http(base: str, clients: int, requests_per_client: int, max_tokens: int,
+                   poll_metrics: bool) -> PhaseResult:
+    """N streaming chat clients on their own connections, plus an optional metrics poller."""
+    ttfts: list[float] = []
+    metrics_latency: list[float] = []
+    tokens = 0
+    limits = httpx.Limits(max_connections=clients + 2, max_keepalive_connections=clients + 2)
+    body = {"model": "demo", "messages": PROMPT, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+            "stream_options": {"include_usage": True}, "debug_config": {"ignore_eos": True}}
+
+    async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as http:
+        async def client() -> None:
+            nonlocal tokens
+            for _ in range(requests_per_client):
+                start = time.perf_counter()
+                first = True
+                async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                    response.raise_for_status()
+                    async for line in response.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunk = json.loads(line[6:])
+                        if first and chunk["choices"]:
+                            ttfts.append(time.perf_counter() - start)
+                            first = False
+                        if chunk.get("usage"):
+                            tokens += chunk["usage"]["completion_tokens"]
+
+        done = asyncio.Event()
+
+        async def poller() -> None:
+            while not done.is_set():
+                start = time.perf_counter()
+                response = await http.post("/debug/dump_engine_metrics", content=b"{}")
+                response.raise_for_status()
+                metrics_latency.append(time.perf_counter() - start)
+                await asyncio.sleep(0.05)
+
+        poll_task = asyncio.create_task(poller()) if poll_metrics else None
+        start = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(clients)))
+        seconds = time.perf_counter() - start
+        done.set()
+        if poll_task is not None:
+            await poll_task
+    return PhaseResult(tokens=tokens, seconds=seconds, ttft_s=ttfts, metrics_latency_s=metrics_latency)
+
+
+def http_phase(args: argparse.Namespace, clients: int) -> PhaseResult:
+    port = _free_port()
+    command = [sys.executable, "manage.py", "serve", "--enable-debug", "--port", str(port), "--backend", args.backend]
+    for key, value in sizing(args).items():
+        command += [f"--{key.replace('_', '-')}", str(value)]
+    env = {k: v for k, v in os.environ.items() if k != "API_KEY"}
+    env["DEBUGSITE_VAR_DIR"] = str(Path(args.var_dir).resolve())
+    server = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(server, base)
+        asyncio.run(run_http(base, clients, 1, 4, poll_metrics=False))  # warm-up
+        return asyncio.run(run_http(base, clients, args.requests_per_client, args.max_tokens, poll_metrics=True))
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+def _wait_healthy(server: subprocess.Popen, base: str, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise SystemExit(f"the server exited: {server.stderr.read() if server.stderr else ''}")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise SystemExit("the server did not become healthy in time")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def sizing(args: argparse.Namespace) -> dict[str, int]:
+    """Engine sizing shared by both phases, so they serve the same way."""
+    return {"max_num_seqs": args.max_num_seqs, "max_total_tokens": args.max_total_tokens,
+            "prefill_chunk_size": args.prefill_chunk_size}
+
+
+# ------------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--clients", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--backend", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-total-tokens", type=int, default=16384)
+    parser.add_argument("--prefill-chunk-size", type=int, default=512)
+    parser.add_argument("--var-dir", default=str(REPO / "var" / "bench"), help="database folder for the server")
+    parser.add_argument("--json", help="also write the results here")
+    args = parser.parse_args()
+    Path(args.var_dir).mkdir(parents=True, exist_ok=True)
+
+    rows = []
+    for clients in args.clients:
+        alone = engine_phase(args, clients)
+        http = http_phase(args, clients)
+        row = {
+            "clients": clients,
+            "requests": clients * args.requests_per_client,
+            "max_tokens": args.max_tokens,
+            "engine_tok_s": round(alone.tokens_per_s, 1),
+            "http_tok_s": round(http.tokens_per_s, 1),
+            "ratio": round(http.tokens_per_s / alone.tokens_per_s, 3) if alone.tokens_per_s else None,
+            "engine_ttft_p50_ms": round(1000 * percentile(alone.ttft_s, 0.5), 1),
+            "engine_ttft_p99_ms": round(1000 * percentile(alone.ttft_s, 0.99), 1),
+            "http_ttft_p50_ms": round(1000 * percentile(http.ttft_s, 0.5), 1),
+            "http_ttft_p99_ms": round(1000 * percentile(http.ttft_s, 0.99), 1),
+            "metrics_p99_ms": round(1000 * percentile(http.metrics_latency_s, 0.99), 1),
+            "metrics_samples": len(http.metrics_latency_s),
+            "engine_seconds": round(alone.seconds, 3),
+            "http_seconds": round(http.seconds, 3),
+        }
+        rows.append(row)
+        print(
+            f"{clients:>3} clients: engine {row['engine_tok_s']:>8.1f} tok/s | HTTP {row['http_tok_s']:>8.1f} tok/s "
+            f"| ratio {row['ratio']:.3f} | TTFT p50/p99 engine {row['engine_ttft_p50_ms']}/{row['engine_ttft_p99_ms']} "
+            f"ms, HTTP {row['http_ttft_p50_ms']}/{row['http_ttft_p99_ms']} ms | dump_engine_metrics p99 "
+            f"{row['metrics_p99_ms']} ms ({row['metrics_samples']} calls)",
+            flush=True,
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()

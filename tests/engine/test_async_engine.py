@@ -1,0 +1,95 @@
+"""AsyncEngine: the engine thread behind asyncio callers."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from engines.protocol.debug import DebugConfig
+from engines.runtime.engine import AsyncEngine, EngineConfig
+from engines.runtime.request import EngineRequestError
+
+from .conftest import Result, collect, request
+from .test_engine import prompts
+
+
+@pytest.fixture
+def async_engine(demo):
+    engine = AsyncEngine(demo, "demo", EngineConfig(max_num_seqs=32, num_pages=256, prefill_chunk_size=256),
+                         backend="cpu", enable_tracing=True)
+    engine.start()
+    yield engine
+    engine.shutdown()
+
+
+async def consume(engine: AsyncEngine, req) -> Result:
+    results: dict[str, Result] = {}
+    async for out in engine.generate(req):
+        collect(results, [out])
+    return results[req.request_id]
+
+
+async def test_32_concurrent_requests_complete(async_engine, demo):
+    reqs = [request(f"c{i}", p, max_tokens=8, debug_config=DebugConfig(ignore_eos=True))
+            for i, p in enumerate(prompts(demo, 32, length=12))]
+    results = await asyncio.gather(*(consume(async_engine, r) for r in reqs))
+    assert all(len(r.tokens) == 8 and r.finish_reason == "length" for r in results)
+    assert all(r.usage["completion_tokens"] == 8 for r in results)
+    m = async_engine.metrics()
+    assert m["completion_tokens_sum"] == 256
+    # Several requests shared decode steps: continuous batching, not one at a time.
+    assert any(k.startswith("count{batch_size=") and int(k.split("=")[1][:-1]) > 1
+               for k in m["decode_time_by_batch_size"])
+
+
+async def test_streams_deliver_deltas_as_they_come(async_engine, demo):
+    outputs = []
+    async for out in async_engine.generate(request("s", prompts(demo, 1)[0], max_tokens=6,
+                                                   debug_config=DebugConfig(ignore_eos=True))):
+        outputs.append(out)
+    assert len(outputs) == 6  # one delta per token
+    assert outputs[-1].usage is not None and all(o.usage is None for o in outputs[:-1])
+
+
+async def test_bad_request_raises_before_output_and_engine_keeps_serving(async_engine, demo):
+    with pytest.raises(EngineRequestError):
+        async for _ in async_engine.generate(request("bad", [demo.config.vocab_size + 1])):
+            pass
+    res = await consume(async_engine, request("ok", prompts(demo, 1)[0], max_tokens=3))
+    assert res.usage is not None and async_engine.is_alive
+
+
+async def test_cancelled_consumer_aborts_and_frees_pages(async_engine, demo):
+    gen = async_engine.generate(request("gone", prompts(demo, 1)[0], max_tokens=500,
+                                        debug_config=DebugConfig(ignore_eos=True)))
+    await gen.__anext__()
+    await gen.aclose()  # what a client disconnect does to a streaming view
+    for _ in range(100):
+        if not async_engine.engine.has_work:
+            break
+        await asyncio.sleep(0.02)
+    assert not async_engine.engine.has_work
+    assert async_engine.engine.kv_pool.num_used_pages == 0
+
+
+async def test_reset_aborts_live_streams_and_completes_before_returning(async_engine, demo):
+    reqs = [request(f"l{i}", p, max_tokens=400, debug_config=DebugConfig(ignore_eos=True))
+            for i, p in enumerate(prompts(demo, 4))]
+    tasks = [asyncio.create_task(consume(async_engine, r)) for r in reqs]
+    while async_engine.metrics()["num_running_requests"] < 4:
+        await asyncio.sleep(0.01)
+    await async_engine.reset()
+    m = async_engine.metrics()  # read right after: the reset already happened
+    assert m["num_running_requests"] == 0 and m["kv_pages_used"] == 0
+    results = await asyncio.gather(*tasks)
+    assert all(r.finish_reason == "abort" for r in results)
+    assert async_engine.is_alive
+
+
+async def test_special_request_returns_metrics_without_a_step(async_engine, demo):
+    await consume(async_engine, request("warm", prompts(demo, 1)[0], max_tokens=2))
+    steps = async_engine.engine.num_steps
+    res = await consume(async_engine, request("m", [], debug_config=DebugConfig(special_request="query_engine_metrics")))
+    assert res.usage["completion_tokens"] == 0
+    assert res.usage["extra"]["prompt_tokens_sum"] > 0
+    assert async_engine.engine.num_steps == steps

@@ -1,0 +1,157 @@
+"""End to end: ``manage.py serve`` in a subprocess, driven by the official ``openai`` client.
+
+One server for the module; the tests run in file order and build on each other
+(generate, then inspect the trace and metrics, then reset, then SIGTERM).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+MAX_TOKENS = 16
+STREAM_USER = "e2e-stream-1"
+
+
+class Server:
+    def __init__(self, process: subprocess.Popen, port: int) -> None:
+        self.process = process
+        self.base = f"http://127.0.0.1:{port}"
+        self.http = httpx.Client(base_url=self.base, timeout=60)
+        self.openai = openai.OpenAI(base_url=f"{self.base}/v1", api_key="not-needed", max_retries=0)
+
+    def output(self) -> str:
+        """Everything the server printed (only once it has exited)."""
+        return self.process.stdout.read() if self.process.stdout else ""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Iterator[Server]:
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("API_KEY", "DATABASE_URL", "DJANGO_SETTINGS_MODULE")}
+    env |= {"DEBUGSITE_VAR_DIR": str(tmp_path_factory.mktemp("var")), "PYTHONUNBUFFERED": "1"}
+    process = subprocess.Popen(
+        [sys.executable, "manage.py", "serve", "--enable-debug", "--enable-tracing", "--port", str(port),
+         "--backend", "cpu", "--max-num-seqs", "4", "--max-total-tokens", "2048", "--prefill-chunk-size", "128"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    srv = Server(process, port)
+    deadline = time.monotonic() + 180
+    while True:
+        if process.poll() is not None:
+            pytest.fail(f"the server exited with {process.returncode}:\n{srv.output()}")
+        try:
+            if srv.http.get("/health").status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"the server did not answer /health in time:\n{srv.output()}")
+        time.sleep(0.2)
+    yield srv
+    if process.poll() is None:
+        process.kill()
+        process.wait(10)
+
+
+def test_openai_client_streaming_chat_returns_exactly_max_tokens(server: Server) -> None:
+    assert [m.id for m in server.openai.models.list()] == ["demo"]
+    stream = server.openai.chat.completions.create(
+        model="demo",
+        messages=[{"role": "user", "content": "Write a long story about a lighthouse."}],
+        max_tokens=MAX_TOKENS,
+        stream=True,
+        stream_options={"include_usage": True},
+        user=STREAM_USER,
+        extra_body={"debug_config": {"ignore_eos": True}},
+    )
+    chunks = list(stream)
+    assert chunks[-1].usage.completion_tokens == MAX_TOKENS
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == ["length"]
+    assert all(c.id == STREAM_USER for c in chunks)
+
+
+def test_openai_client_completions_and_errors(server: Server) -> None:
+    completion = server.openai.completions.create(
+        model="demo", prompt="The lighthouse keeper", max_tokens=4, extra_body={"debug_config": {"ignore_eos": True}}
+    )
+    assert completion.usage.completion_tokens == 4 and completion.choices[0].finish_reason == "length"
+    with pytest.raises(openai.NotFoundError, match="is not served"):
+        server.openai.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        server.openai.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}],
+                                              temperature=7)
+
+
+def test_trace_holds_the_requests_prefill_and_decode_spans(server: Server) -> None:
+    response = server.http.post("/debug/dump_event_trace", json={"model": "demo"})
+    assert response.status_code == 200
+    events = response.json()["traceEvents"]
+    tid = next(e["tid"] for e in events if e["name"] == "thread_name" and e["args"]["name"] == STREAM_USER)
+    spans = {(e["name"].rsplit(" (", 1)[0], e["ph"]) for e in events if e.get("tid") == tid}
+    assert {("prefill", "B"), ("prefill", "E"), ("decode", "B"), ("decode", "E")} <= spans
+    decodes = [e for e in events if e.get("tid") == tid and e["name"].startswith("decode") and e["ph"] == "B"]
+    assert len(decodes) == MAX_TOKENS - 1  # the first token comes from the prefill
+
+
+def _metrics(server: Server) -> dict[str, dict]:
+    response = server.http.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain")
+    return {f.name: f for f in text_string_to_metric_families(response.text)}
+
+
+def _value(family, sample_name: str, **labels: str) -> float:
+    for sample in family.samples:
+        if sample.name == sample_name and all(sample.labels.get(k) == v for k, v in labels.items()):
+            return sample.value
+    raise AssertionError(f"no sample {sample_name} {labels} in {family.name}")
+
+
+def test_metrics_parse_as_prometheus_exposition(server: Server) -> None:
+    families = _metrics(server)
+    assert _value(families["engine_prefill_time_sum"], "engine_prefill_time_sum", model="demo") > 0
+    assert _value(families["completion_tokens_sum"], "completion_tokens_sum", model="demo") == MAX_TOKENS + 4
+    assert _value(families["generation_tokens"], "generation_tokens_total", model="demo") == MAX_TOKENS + 4
+    assert families["time_to_first_token_seconds"].type == "histogram"
+    assert _value(families["time_to_first_token_seconds"], "time_to_first_token_seconds_count", model="demo") == 2
+    assert _value(families["num_requests_running"], "num_requests_running", model="demo") == 0
+
+
+def test_reset_brings_metrics_back_to_zero(server: Server) -> None:
+    response = server.http.post("/debug/reset_engine", json={"model": "demo"})
+    assert response.status_code == 200
+    families = _metrics(server)
+    assert _value(families["engine_prefill_time_sum"], "engine_prefill_time_sum", model="demo") == 0
+    assert _value(families["completion_tokens_sum"], "completion_tokens_sum", model="demo") == 0
+    assert _value(families["generation_tokens"], "generation_tokens_total", model="demo") == 0
+    assert _value(families["time_to_first_token_seconds"], "time_to_first_token_seconds_count", model="demo") == 0
+
+
+def test_sigterm_stops_engines_and_exits_cleanly(server: Server) -> None:
+    server.process.send_signal(signal.SIGTERM)
+    assert server.process.wait(30) == 0
+    output = server.output()
+    assert "Engines stopped." in output
+    assert "Traceback" not in output
