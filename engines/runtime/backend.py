@@ -2,9 +2,10 @@
 :class:`CudaBackend` (numba.cuda kernels, weights and KV cache resident on the GPU).
 
 Both have the same methods, and the model calls nothing else: array allocation
-(``to_storage``, ``store_linear``, ``empty``), the per-step upload of the batch metadata (``upload_step``),
-the ops (``embedding``, ``rmsnorm``, ``matmul``, ``rope_kv_append``, ``attention``,
-``silu_mul``, ``argmax``) and the copy of results back to the host (``to_host``).
+(``to_storage``, ``store_linear``, ``empty``), the per-step upload of the batch metadata
+(``upload_step``), the ops (``embedding``, ``rmsnorm``, ``matmul``, ``rope_kv_append``,
+``attention``, ``silu_mul``, ``argmax``), running a step's ops (``run_step``: replayed from
+a CUDA graph on a GPU) and the copy of results back to the host (``to_host``).
 Activation buffers live in a :class:`Workspace` that grows to the largest step seen and is
 reused after that, so a steady decode loop allocates nothing, on either backend.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any, Callable, Union
 
 import numba
 import numpy as np
@@ -156,6 +157,10 @@ class CpuBackend:
         """The step metadata, ready for the kernels (host arrays are used as they are)."""
         return host
 
+    def run_step(self, buffers: tuple[Any, ...], num_tokens: int, launches: Callable[[], None]) -> None:
+        """Run a step's kernels (``launches()``); the other arguments matter to CUDA only."""
+        launches()
+
     def to_host(self, array: np.ndarray) -> np.ndarray:
         """A copy the caller owns (workspace buffers are overwritten by the next step)."""
         return array.copy()
@@ -220,19 +225,19 @@ class _LaunchableKernel:
     """A kernel bound to the one signature this backend launches it with.
 
     On a GPU it is compiled up front and launched directly, which skips numba's per-call
-    argument typing (tens of microseconds per launch: at batch 1 that is most of a decode
-    step). The simulator has no compiled form; there the dispatcher is called as usual.
+    argument typing. The simulator has no compiled form; there the dispatcher is called as
+    usual.
     """
 
     def __init__(self, dispatcher: Any, signature: str, simulated: bool) -> None:
         self._dispatcher = dispatcher
         self._compiled = None if simulated else dispatcher.compile(signature)
 
-    def __call__(self, grid: tuple[int, ...], block: tuple[int, ...], *args: Any) -> None:
+    def __call__(self, stream: Any, grid: tuple[int, ...], block: tuple[int, ...], *args: Any) -> None:
         if self._compiled is None:
             self._dispatcher[grid, block](*args)
         else:
-            self._compiled.launch(args, _dim3(grid), _dim3(block), 0, 0)
+            self._compiled.launch(args, _dim3(grid), _dim3(block), stream, 0)
 
 
 def _dim3(dims: tuple[int, ...]) -> tuple[int, int, int]:
@@ -249,10 +254,18 @@ class CudaBackend:
     Weights and the KV cache stay on the device. Per step, the batch metadata goes up in
     one host-to-device copy (:meth:`upload_step`) and only logits or greedy ids come back.
     Storage dtype float16 halves weight and KV bytes; arithmetic stays float32.
+
+    A numba launch costs tens of microseconds of Python, and a decode step of a small model
+    is a few microseconds of GPU work per kernel, so :meth:`run_step` records each small
+    step's launches once as a CUDA graph and replays it: one launch per step.
     """
 
     name = "cuda"
     dtypes = ("float32", "float16")
+    # Steps of at most this many tokens (decode, short chunks) are replayed from graphs;
+    # longer prefill chunks vary in size too much to be worth recording.
+    graph_max_tokens = 64
+    max_graphs = 64
 
     def __init__(self, dtype: str = "float32", shapes: LaunchShapes | None = None) -> None:
         self.simulated = bool(numba.config.ENABLE_CUDASIM)
@@ -274,7 +287,49 @@ class CudaBackend:
         # The step metadata is packed into one pinned host buffer and copied up at once.
         self._meta_host = cuda.pinned_array(4096, np.int32)
         self._meta_device = cuda.device_array(4096, np.int32)
-        self._meta_views: dict[tuple[int, ...], StepInputs] = {}
+        self._meta_views: dict[tuple[int, ...], tuple[Array, StepInputs]] = {}
+        # Kernels go to the legacy default stream, which orders them after the synchronous
+        # metadata copy and before the copy of results; while a graph is being recorded
+        # they go to its builder instead. Graph recording needs a stream of its own (the
+        # legacy stream cannot be captured). None under the simulator: no graphs there.
+        self._graphs: dict[tuple[int, ...], tuple[Any, tuple[Any, ...]]] = {}
+        if self.simulated:
+            self._default_stream = self._stream = self._record_stream = None
+        else:
+            from numba.cuda.cudadrv import driver
+
+            self._default_stream = self._stream = driver._to_core_stream(0)
+            self._record_stream = driver._to_core_stream(cuda.stream())
+
+    def run_step(self, buffers: tuple[Any, ...], num_tokens: int, launches: Callable[[], None]) -> None:
+        """Run a step's kernels: ``launches()`` launches them, reading and writing only
+        ``buffers`` (device arrays, or objects holding them) and the model's weights.
+
+        On a GPU, a step of at most ``graph_max_tokens`` tokens is recorded as a CUDA graph
+        the first time these ``buffers`` are seen, then replayed; the buffers' contents may
+        change between replays, not their addresses or shapes.
+        """
+        if self._record_stream is None or num_tokens > self.graph_max_tokens:
+            launches()
+            return
+        key = tuple(id(b) for b in buffers)
+        # The entry keeps ``buffers`` alive, so their ids cannot be reused while it exists.
+        graph, _ = self._graphs.pop(key, None) or (self._record(launches), buffers)
+        self._graphs[key] = (graph, buffers)  # most recently used last
+        if len(self._graphs) > self.max_graphs:
+            del self._graphs[next(iter(self._graphs))]
+        graph.launch(self._default_stream)
+
+    def _record(self, launches: Callable[[], None]) -> Any:
+        builder = self._record_stream.create_graph_builder()
+        builder.begin_building()
+        self._stream = builder
+        try:
+            launches()
+        finally:
+            self._stream = self._default_stream
+            builder.end_building()
+        return builder.complete()
 
     def to_storage(self, array: np.ndarray, dtype: str) -> Array:
         """``array`` in storage dtype ``dtype``, copied to the device."""
@@ -290,9 +345,13 @@ class CudaBackend:
         return cuda.device_array(shape, dtype=dtype)
 
     def upload_step(self, host: StepInputs) -> StepInputs:
-        """Copy the step metadata to the device in one transfer; returns device views."""
+        """Copy the step metadata to the device in one transfer; returns device views.
+
+        Views are cached per layout: building a DeviceNDArray view costs tens of
+        microseconds, and a decode loop repeats the same few layouts.
+        """
         parts = (host.token_ids, host.positions, host.token_seq, host.rows, host.logit_rows, host.page_table)
-        sizes = [p.size for p in parts]
+        sizes = tuple(p.size for p in parts)
         total = sum(sizes)
         if total > self._meta_host.size:
             capacity = max(total, 2 * self._meta_host.size)
@@ -303,19 +362,21 @@ class CudaBackend:
         for part, size in zip(parts, sizes):
             self._meta_host[offset:offset + size] = part.reshape(-1)
             offset += size
-        self._meta_device[:total].copy_to_device(self._meta_host[:total])
-        key = tuple(sizes) + host.page_table.shape
-        views = self._meta_views.get(key)
-        if views is None:
-            bounds = np.cumsum([0] + sizes)
+        key = sizes + host.page_table.shape
+        cached = self._meta_views.get(key)
+        if cached is None:
+            bounds = np.cumsum((0,) + sizes)
             ids, pos, seq, rows, logit_rows, table = (
                 self._meta_device[bounds[i]:bounds[i + 1]] for i in range(len(parts))
             )
             views = StepInputs(token_ids=ids, positions=pos, token_seq=seq, rows=rows, logit_rows=logit_rows,
                                page_table=table.reshape(host.page_table.shape))
+            cached = (self._meta_device[:total], views)
             if len(self._meta_views) >= 64:
                 self._meta_views.clear()
-            self._meta_views[key] = views
+            self._meta_views[key] = cached
+        device_front, views = cached
+        device_front.copy_to_device(self._meta_host[:total])
         return views
 
     def to_host(self, array: Array) -> np.ndarray:
@@ -325,11 +386,11 @@ class CudaBackend:
     def embedding(self, token_ids: Array, table: Array, out: Array) -> None:
         """``out[t] = table[token_ids[t]]``, widened to float32."""
         threads = self.shapes.row_threads
-        self._embedding((out.shape[0], _blocks(out.shape[1], threads)), (threads,), token_ids, table, out)
+        self._embedding(self._stream, (out.shape[0], _blocks(out.shape[1], threads)), (threads,), token_ids, table, out)
 
     def rmsnorm(self, x: Array, residual: Array, rows: Array, weight: Array, eps: np.float32, out: Array) -> None:
         """``x[r] += residual[r]`` (unless ``residual`` has no rows), ``out[i] = rmsnorm(x[r])``."""
-        self._rmsnorm((rows.shape[0],), (self.shapes.row_threads,), x, residual, rows, weight, eps, out)
+        self._rmsnorm(self._stream, (rows.shape[0],), (self.shapes.row_threads,), x, residual, rows, weight, eps, out)
 
     def matmul(self, x: Array, weight: Array, bias: Array, out: Array) -> None:
         """``out = x @ W.T + bias`` for ``weight`` from :meth:`store_linear`: GEMV kernel for
@@ -338,16 +399,16 @@ class CudaBackend:
         rows, cols = x.shape[0], w_t.shape[1]
         if rows <= self.shapes.gemv_max_rows:
             bx, by = self.shapes.gemv_block
-            self._gemv((_blocks(cols, bx), _blocks(rows, matmul.GEMV_ROWS)), (bx, by), x, w_t, bias, out)
+            self._gemv(self._stream, (_blocks(cols, bx), _blocks(rows, matmul.GEMV_ROWS)), (bx, by), x, w_t, bias, out)
         else:
             bx, by = self.shapes.tile_block
-            self._tiled((_blocks(cols, 4 * bx), _blocks(rows, 4 * by)), (bx, by), x, w_t, bias, out)
+            self._tiled(self._stream, (_blocks(cols, 4 * bx), _blocks(rows, 4 * by)), (bx, by), x, w_t, bias, out)
 
     def rope_kv_append(self, qkv: Array, step: StepInputs, cos: Array, sin: Array,
                        k_cache: Array, v_cache: Array, layer: int, num_q_heads: int) -> None:
         """Rotate q in place and write rotated k and v into each token's page slot."""
         heads = num_q_heads + k_cache.shape[2]
-        self._rope_kv((qkv.shape[0], heads), (k_cache.shape[4] // 2,), qkv, step.positions, step.token_seq,
+        self._rope_kv(self._stream, (qkv.shape[0], heads), (k_cache.shape[4] // 2,), qkv, step.positions, step.token_seq,
                       step.page_table, cos, sin, k_cache, v_cache, layer, num_q_heads)
 
     def attention(self, qkv: Array, step: StepInputs, k_cache: Array, v_cache: Array,
@@ -355,7 +416,7 @@ class CudaBackend:
         """Causal paged attention of every new token over its sequence's cached keys."""
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[4]
         threads = self.attention_threads(num_q_heads // num_kv_heads, head_dim)
-        self._attention((qkv.shape[0], num_kv_heads), (threads,), qkv, step.positions, step.token_seq,
+        self._attention(self._stream, (qkv.shape[0], num_kv_heads), (threads,), qkv, step.positions, step.token_seq,
                         step.page_table, k_cache, v_cache, layer, num_q_heads, scale, out)
 
     def attention_threads(self, group: int, head_dim: int) -> int:
@@ -374,11 +435,11 @@ class CudaBackend:
     def silu_mul(self, gate_up: Array, out: Array) -> None:
         """``out = silu(gate) * up`` over ``gate_up = [gate | up]``."""
         threads = self.shapes.row_threads
-        self._silu_mul((out.shape[0], _blocks(out.shape[1], threads)), (threads,), gate_up, out)
+        self._silu_mul(self._stream, (out.shape[0], _blocks(out.shape[1], threads)), (threads,), gate_up, out)
 
     def argmax(self, logits: Array, out: Array) -> None:
         """``out[r] = argmax(logits[r])`` on the device."""
-        self._argmax((logits.shape[0],), (self.shapes.row_threads,), logits, out)
+        self._argmax(self._stream, (logits.shape[0],), (self.shapes.row_threads,), logits, out)
 
 
 def cuda_usable() -> bool:

@@ -174,6 +174,8 @@ class LlamaModel:
             "final": c.hidden_size, "logits": c.vocab_size,
         })
         self._identity_rows = np.arange(0, dtype=np.int32)
+        # Distinct objects that tell a greedy step's graph from a logits step's.
+        self._greedy_marker, self._logits_marker = object(), object()
 
     @classmethod
     def from_checkpoint(cls, ckpt: "Checkpoint", backend: str = "auto", dtype: str = "float32") -> "LlamaModel":
@@ -187,20 +189,27 @@ class LlamaModel:
     def forward(self, batch: ForwardBatch, kv: PagedKVCache) -> np.ndarray:
         """Run one step; float32 host logits ``[num_seqs, vocab]`` (each sequence's last new
         token), or ``[num_tokens, vocab]`` with ``batch.all_logits``."""
-        act = self._run(batch, kv)
+        act = self._run(batch, kv, greedy=False)
         return self.backend.to_host(act.logits)
 
     def forward_greedy(self, batch: ForwardBatch, kv: PagedKVCache) -> np.ndarray:
         """Run one step and take the argmax on the device: int32 ``[num_seqs]`` (or
         ``[num_tokens]`` with ``batch.all_logits``)."""
-        act = self._run(batch, kv)
-        self.backend.argmax(act.logits, act.next_ids)
+        act = self._run(batch, kv, greedy=True)
         return self.backend.to_host(act.next_ids)
 
-    def _run(self, batch: ForwardBatch, kv: PagedKVCache) -> Activations:
+    def _run(self, batch: ForwardBatch, kv: PagedKVCache, greedy: bool) -> Activations:
         be = self.backend
         step = be.upload_step(self._step_inputs(batch, kv))
         act = self.workspace.activations(step.token_ids.shape[0], step.logit_rows.shape[0])
+        # The same buffers (hence the same CUDA graph) serve every step of the same shape.
+        buffers = (step, act, kv, self._greedy_marker if greedy else self._logits_marker)
+        be.run_step(buffers, step.token_ids.shape[0], lambda: self._launch(step, act, kv, greedy))
+        return act
+
+    def _launch(self, step: StepInputs, act: Activations, kv: PagedKVCache, greedy: bool) -> None:
+        """The forward pass proper: embedding, decoder layers, final norm, LM head."""
+        be = self.backend
         be.embedding(step.token_ids, self.embed_tokens, act.hidden)
         residual = act.no_residual
         for layer in self.layers:
@@ -208,7 +217,8 @@ class LlamaModel:
             residual = act.delta
         be.rmsnorm(act.hidden, act.delta, step.logit_rows, self.norm, self.eps, act.final)
         be.matmul(act.final, self.lm_head_w, self.no_bias, act.logits)
-        return act
+        if greedy:
+            be.argmax(act.logits, act.next_ids)
 
     def _step_inputs(self, batch: ForwardBatch, kv: PagedKVCache) -> StepInputs:
         """Check the batch and derive the per-token metadata the kernels read (host arrays).
@@ -241,6 +251,16 @@ class LlamaModel:
         used = table[np.arange(table.shape[1])[None, :] < pages_used[:, None]]
         if used.min() < 0 or used.max() >= kv.num_pages:
             raise ValueError(f"page_table holds page ids outside [0, {kv.num_pages}) where tokens live")
+
+        # Page tables are passed at a power-of-two width: a growing sequence then changes
+        # the step's layout (and CUDA graph) only log2(pages) times. Entries past a
+        # sequence's last page are never read.
+        width = 1 << int(pages_used.max() - 1).bit_length()
+        if width != table.shape[1]:
+            padded = np.full((num_seqs, width), -1, np.int32)
+            keep = min(width, table.shape[1])
+            padded[:, :keep] = table[:, :keep]
+            table = padded
 
         token_seq = np.repeat(np.arange(num_seqs, dtype=np.int32), lens)
         positions = (cached[token_seq] + np.arange(num_tokens) - starts[token_seq]).astype(np.int32)

@@ -31,17 +31,17 @@ Choices the contract leaves open, and why:
   takes its name (``"decode (3)"``). Spans on one lane are expected to nest, as Chrome's ``B``/``E``
   require; the engine emits them that way.
 * **Ordering.** The timestamp is read under the lock, so buffer order is timestamp order and,
-  per lane, causal order. Within a lane, events at an equal ``ts`` keep that order except that an
-  ``E`` closing an earlier-started span moves before them (the contract's "E before B"); an ``E``
-  whose ``B`` has the same ``ts`` stays after it, so a zero-length span never underflows.
+  per lane, causal order. Within a lane, events at an equal ``ts`` keep that order except that
+  the ``E``s closing spans begun earlier move first, innermost first (the contract's "E before
+  B"; it also untangles a finish recorded late by another thread). An ``E`` whose ``B`` has the
+  same ``ts`` stays after it, so a zero-length span never underflows.
 """
 from __future__ import annotations
 
-import functools
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from itertools import chain
 from operator import itemgetter
 from typing import Any
@@ -73,9 +73,14 @@ class TraceRecorder:
     """
 
     def __init__(self, engine: str = "engine", model: str = "", backend: str = "",
-                 max_events: int = DEFAULT_MAX_EVENTS, version: str = "dev") -> None:
+                 max_events: int = DEFAULT_MAX_EVENTS, version: str = "dev", *,
+                 clock: Callable[[], int] = time.perf_counter_ns) -> None:
         """``engine`` names the process in the trace; ``model``, ``backend`` and ``version`` go to
-        ``otherData``; ``max_events`` bounds the buffer (trace events, not calls)."""
+        ``otherData``; ``max_events`` bounds the buffer (trace events, not calls).
+
+        ``clock`` is a monotonic nanosecond counter on ``time.perf_counter_ns``'s timebase (tests
+        inject one to make timestamps collide on purpose).
+        """
         if not isinstance(max_events, int) or max_events < 1:
             raise ValueError(f"max_events must be a positive integer, got {max_events!r}")
         self.engine = engine
@@ -88,7 +93,7 @@ class TraceRecorder:
         self._calls: deque[tuple[int, tuple[str, ...], str, Mapping[str, Any] | None, bool]] = deque()
         self._held = 0      # trace events the held calls expand to
         self._dropped = 0   # trace events evicted since the last clear()
-        self._clock = time.perf_counter_ns
+        self._clock = clock
 
     # ------------------------------------------------------------------ recording
 
@@ -172,13 +177,15 @@ class TraceRecorder:
 
 # ====================================================================== export
 #
-# An exported event is the concatenation of byte segments from a small table plus two numbers:
+# An exported event is a concatenation of byte segments plus two numbers:
 #
-#   {"name":"decode  +  ' (3)"'  +  ,"cat":"request","ph":"B","ts":  +  <ts>
-#     + ,"pid":1,"tid":7,"args":{"request_id":"<id>"  +  ,"batch_size":3}  +  }
+#   {"name":"decode   (3)"   ,"cat":"request","ph":"B","ts":   <ts>   ,"pid":1,"tid":   <tid>
+#   ,"args":{"request_id":   "<id>"   ,   "batch_size":3}   }
 #
-# Python builds the table (one entry per distinct name, lane, args dict, engine batch) and
-# per-event segment ids with numpy; numba copies the bytes. No per-event Python object is made.
+# Python builds the segment table with a handful of bulk calls (the args of all calls, the
+# request ids, the engine batches: one orjson call each, split by a numba scan), numpy works out
+# each event's segment ids, and numba copies the bytes. No per-event Python object is made.
+
 
 def _json_default(value: Any) -> Any:
     # Args come from engine code: a non-dict mapping becomes an object; anything else orjson
@@ -188,31 +195,106 @@ def _json_default(value: Any) -> Any:
     return str(value)
 
 
-# numpy scalars are common in args (batch sizes from array lengths).
-_json = functools.partial(orjson.dumps, default=_json_default, option=orjson.OPT_SERIALIZE_NUMPY)
+def _json(value: Any) -> bytes:
+    # numpy scalars are common in args (batch sizes from array lengths); a non-str key
+    # (a token id) should not fail the whole dump.
+    return orjson.dumps(value, default=_json_default,
+                        option=orjson.OPT_SERIALIZE_NUMPY | orjson.OPT_NON_STR_KEYS)
 
-# Fixed segments, at known ids (the numba assembler uses these ids as constants).
+
+# Fixed segments at known ids; the numba loops use the ids as constants.
 _FIXED_SEGMENTS = (
-    # phase: id = kind * 2 + (1 on the engine lane)
+    # 0-5, phase: id = kind * 2 + (1 on the engine lane)
     b',"cat":"request","ph":"B","ts":',
     b',"cat":"engine","ph":"B","ts":',
     b',"cat":"request","ph":"E","ts":',
     b',"cat":"engine","ph":"E","ts":',
     b',"cat":"request","ph":"i","s":"t","ts":',
     b',"cat":"engine","ph":"i","s":"t","ts":',
-    b"}}",                                          # 6: close args and event
-    b',"unclosed":true}}',                          # 7: span closed at dump, request lane
-    b'"unclosed":true}}',                           # 8: same on the engine lane (args empty so far)
-    b'"request_ids":',                              # 9: engine lane: the batch instead of one id
-    b',"pid":%d,"tid":%d,"args":{' % (_PID, _ENGINE_TID),  # 10: engine lane
+    b',"pid":%d,"tid":' % _PID,                         # 6
+    b',"args":{',                                       # 7: engine lane
+    b',"args":{"request_id":',                          # 8: request lane
+    b'"request_ids":',                                  # 9: engine lane: the batch, not one id
+    b"}}",                                              # 10: close args and the event
+    b',"unclosed":true}}',                              # 11: closing E at dump, request lane
+    b'"unclosed":true}}',                               # 12: same, engine lane (args empty so far)
+    b',{"name":"thread_name","ph":"M","pid":%d,"tid":' % _PID,  # 13: a request lane's name
+    b',"args":{"name":',                                # 14
 )
-_SEG_CLOSE = 6
-_SEG_UNCLOSED_REQUEST = 7
-_SEG_UNCLOSED_ENGINE = 8
+_SEG_PID_TID = 6
+_SEG_ARGS_ENGINE = 7
+_SEG_ARGS_REQUEST = 8
 _SEG_REQUEST_IDS = 9
-_SEG_ENGINE_LANE = 10
+_SEG_CLOSE = 10
+_SEG_UNCLOSED_REQUEST = 11
+_SEG_UNCLOSED_ENGINE = 12
+_SEG_META_LANE = 13
+_SEG_META_NAME = 14
+
+# Bytes an event or a lane's metadata may take beyond its variable segments (an upper bound):
+# the fixed segments around them, up to three 20-digit numbers (ts, tid, counter) and ' ()"' ','.
+_EVENT_EXTRA = sum(map(len, _FIXED_SEGMENTS[_SEG_PID_TID:_SEG_CLOSE + 1])) + 3 * 20 + 8
+_LANE_EXTRA = sum(map(len, _FIXED_SEGMENTS[_SEG_META_LANE:])) + len(_FIXED_SEGMENTS[_SEG_CLOSE]) + 20
 
 _get_ns, _get_ids, _get_event, _get_args, _get_engine_lane = (itemgetter(i) for i in range(5))
+
+
+class _Segments:
+    """The byte strings the assembler copies from: one blob, addressed by segment id."""
+
+    def __init__(self, first: Iterable[bytes]) -> None:
+        parts = list(first)
+        lens = np.fromiter(map(len, parts), np.int64, len(parts))
+        self._parts = parts
+        self._lens = [lens]
+        self._offs = [_offsets(lens)]
+        self._size = int(lens.sum())
+        self._count = len(parts)
+        self._small: list[bytes] = []   # added one by one; flushed before a bulk add
+
+    def add(self, segment: bytes) -> int:
+        """Add one segment; returns its id."""
+        self._small.append(segment)
+        self._count += 1
+        return self._count - 1
+
+    def add_json_items(self, values: list[Any]) -> int:
+        """Add the JSON of each value (one orjson call for all); returns the first id."""
+        self._flush()
+        first = self._count
+        array = _json(values)
+        starts, lens = _split_json_array(np.frombuffer(array, np.uint8))
+        if starts.size != len(values):  # orjson output is canonical; this would be our bug
+            raise AssertionError(f"split {starts.size} JSON items, expected {len(values)}")
+        self._parts.append(array)
+        self._lens.append(lens)
+        self._offs.append(starts + self._size)
+        self._size += len(array)
+        self._count += len(values)
+        return first
+
+    def _flush(self) -> None:
+        if self._small:
+            lens = np.fromiter(map(len, self._small), np.int64, len(self._small))
+            self._parts.extend(self._small)
+            self._lens.append(lens)
+            self._offs.append(_offsets(lens) + self._size)
+            self._size += int(lens.sum())
+            self._small = []
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(blob, offsets, lengths)``; ``lengths`` has one extra 0, the length of id -1."""
+        self._flush()
+        blob = np.frombuffer(b"".join(self._parts), np.uint8)
+        offs = np.concatenate(self._offs)
+        lens = np.concatenate(self._lens + [np.zeros(1, np.int64)])
+        return blob, offs, lens
+
+
+def _offsets(lens: np.ndarray) -> np.ndarray:
+    offs = np.zeros(lens.size, np.int64)
+    np.cumsum(lens[:-1], out=offs[1:])
+    return offs
 
 
 def _export(rec: TraceRecorder) -> bytes:
@@ -222,10 +304,6 @@ def _export(rec: TraceRecorder) -> bytes:
         dropped = rec._dropped
         now_ns = rec._clock()  # >= every recorded timestamp: closes still-open spans
     now_us = (now_ns + _EPOCH_ANCHOR_NS) // 1000
-    if not calls:
-        header, trailer = _frame(rec, [], event_count=0, dropped=dropped, first_ts=None,
-                                 last_ts=None, unclosed=0, orphans=0)
-        return header + trailer
 
     # -- columns per call
     n_calls = len(calls)
@@ -261,7 +339,7 @@ def _export(rec: TraceRecorder) -> bytes:
     n_lanes = len(lane_ids) + 1
 
     # -- distinct event strings: kind, span name, name segment
-    segs = list(_FIXED_SEGMENTS)
+    segs = _Segments(_FIXED_SEGMENTS)
     n_ev = len(events)
     ev_kind = np.empty(n_ev, np.int8)
     ev_base = np.full(n_ev, -1, np.int64)       # span name id for start/finish, -1 for instants
@@ -271,12 +349,11 @@ def _export(rec: TraceRecorder) -> bytes:
         kind, name = _classify(event)
         ev_kind[i] = kind
         if kind == _I:
-            ev_nameseg[i] = len(segs)
-            segs.append(b'{"name":' + _json(name))
+            ev_nameseg[i] = segs.add(b'{"name":' + _json(name))
             continue
         if name not in bases:
-            bases[name] = (len(bases), len(segs))
-            segs.append(b'{"name":' + _json(name)[:-1])  # left open: ' (n)"' completes it
+            # left open: ' (n)"' completes the name
+            bases[name] = (len(bases), segs.add(b'{"name":' + _json(name)[:-1]))
         ev_base[i], ev_nameseg[i] = bases[name]
     row_kind = ev_kind[row_ev]
 
@@ -291,7 +368,8 @@ def _export(rec: TraceRecorder) -> bytes:
             group[is_span] = key
             n_groups = n_lanes * n_bases
         else:  # many lanes x names: compact the keys rather than allocate a huge table
-            uniq, group[is_span] = np.unique(key, return_inverse=True)
+            uniq, inverse = np.unique(key, return_inverse=True)
+            group[is_span] = inverse
             n_groups = uniq.size
     partner, counter, unclosed = _pair_spans(group, row_kind, n_groups)
     orphan = (row_kind == _E) & (partner < 0)
@@ -312,34 +390,32 @@ def _export(rec: TraceRecorder) -> bytes:
     out_start = partner[src]              # for an E, the row of its B
     out_start[n_keep:] = open_rows
 
-    # "E before B at equal ts": an E whose B started earlier goes first in its equal-ts run.
+    # "E before B at equal ts": the E's of spans begun earlier go first in their equal-ts run,
+    # innermost first (a finish recorded late by another thread still nests).
     key2 = np.ones(n_out, np.int8)
     e_out = np.flatnonzero(out_kind == _E)
     key2[e_out[row_ts[out_start[e_out]] < out_ts[e_out]]] = 0
-    order = _lane_order(out_tid, out_ts, key2, n_lanes)
+    order = _lane_order(out_tid, out_ts, key2, out_start, n_lanes)
     if order is None:  # unreachable while timestamps come from the lock-held monotonic clock
         order = np.lexsort((np.arange(n_out), key2, out_ts, out_tid))
 
-    # -- lanes, args and engine batches as segments
-    rid_json = list(map(_json, lane_ids))
-    lane_seg = np.empty(n_lanes, np.int64)
-    lane_seg[_ENGINE_TID] = _SEG_ENGINE_LANE
-    lane_seg[1:] = np.arange(len(segs), len(segs) + len(lane_ids))
-    segs.extend([b',"pid":%d,"tid":%d,"args":{"request_id":%s' % (_PID, t, j)
-                 for t, j in enumerate(rid_json, 1)])
-    call_argseg = np.full(n_calls, -1, np.int64)
+    # -- request ids, args and engine batches: one bulk JSON call each
+    lane_seg = np.full(n_lanes, -1, np.int64)
+    lane_seg[1:] = segs.add_json_items(lane_ids) + np.arange(len(lane_ids))
     arg_calls = np.flatnonzero(np.fromiter(map(bool, args_col), np.bool_, n_calls))
+    call_argseg = np.full(n_calls, -1, np.int64)
     if arg_calls.size:
-        call_argseg[arg_calls] = np.arange(len(segs), len(segs) + arg_calls.size)
-        segs.extend(map(_json, map(args_col.__getitem__, arg_calls.tolist())))
+        first = segs.add_json_items(list(map(args_col.__getitem__, arg_calls.tolist())))
+        call_argseg[arg_calls] = first + np.arange(arg_calls.size)
     row_idsseg = np.full(n_rows, -1, np.int64)
-    row_idsseg[n_req:] = np.arange(len(segs), len(segs) + eng_call.size)
-    segs.extend(map(_json, map(ids_col.__getitem__, eng_call.tolist())))
+    if eng_call.size:
+        first = segs.add_json_items(list(map(ids_col.__getitem__, eng_call.tolist())))
+        row_idsseg[n_req:] = first + np.arange(eng_call.size)
     del args_col, ids_col
+    blob, seg_off, seg_len = segs.arrays()
 
     out_name = ev_nameseg[row_ev[src]]
     out_phase = out_kind * 2 + out_eng
-    out_mid = lane_seg[out_tid]
     out_args = call_argseg[row_call[src]]
     out_ids = row_idsseg[src]
     out_fixed = np.full(n_out, -1, np.int64)
@@ -347,24 +423,18 @@ def _export(rec: TraceRecorder) -> bytes:
     out_args[n_keep:] = -1
     out_ids[n_keep:] = -1
 
-    blob = np.frombuffer(b"".join(segs), np.uint8)
-    seg_len = np.zeros(len(segs) + 1, np.int64)  # the extra 0 is the length of id -1 (absent)
-    seg_len[:-1] = np.fromiter(map(len, segs), np.int64, len(segs))
-    seg_off = np.zeros(len(segs), np.int64)
-    np.cumsum(seg_len[:-2], out=seg_off[1:])
-    del segs
-
     header, trailer = _frame(
-        rec, rid_json, event_count=n_out, dropped=dropped, first_ts=int(out_ts.min()),
-        last_ts=int(out_ts.max()), unclosed=int(open_rows.size), orphans=n_orphans)
-    # Segments, plus at most: 20 ts digits, ' (n)"' with 19 digits, '"request_ids":' and 3 bytes.
-    bound = int(seg_len[out_name].sum() + seg_len[out_phase].sum() + seg_len[out_mid].sum()
-                + seg_len[out_args].sum() + seg_len[out_ids].sum() + seg_len[out_fixed].sum()
-                ) + n_out * 64
+        rec, event_count=n_out, request_count=len(lane_ids), dropped=dropped,
+        first_ts=int(out_ts.min()) if n_out else None, last_ts=int(out_ts.max()) if n_out else None,
+        unclosed=int(open_rows.size), orphans=n_orphans)
+    bound = (int(seg_len[out_name].sum() + seg_len[out_phase].sum() + seg_len[out_args].sum()
+                 + seg_len[out_ids].sum() + seg_len[out_fixed].sum() + seg_len[lane_seg].sum()
+                 + seg_len[lane_seg[out_tid]].sum())
+             + n_out * _EVENT_EXTRA + n_lanes * _LANE_EXTRA)
     buf = np.empty(len(header) + bound + len(trailer), np.uint8)
     buf[:len(header)] = np.frombuffer(header, np.uint8)
-    end = _assemble(buf, len(header), order, out_name, out_counter, out_phase, out_ts, out_mid,
-                    out_args, out_ids, out_fixed, blob, seg_off, seg_len)
+    end = _assemble(buf, len(header), lane_seg, order, out_name, out_counter, out_phase, out_ts,
+                    out_tid, out_args, out_ids, out_fixed, blob, seg_off, seg_len)
     buf[end:end + len(trailer)] = np.frombuffer(trailer, np.uint8)
     return buf[:end + len(trailer)].tobytes()
 
@@ -380,22 +450,13 @@ def _classify(event: str) -> tuple[int, str]:
     return _I, event
 
 
-def _frame(rec: TraceRecorder, rid_json: list[bytes], *, event_count: int, dropped: int,
+def _frame(rec: TraceRecorder, *, event_count: int, request_count: int, dropped: int,
            first_ts: int | None, last_ts: int | None, unclosed: int, orphans: int
            ) -> tuple[bytes, bytes]:
-    """The JSON before the events (metadata) and after them (otherData).
-
-    ``rid_json`` holds the request ids, JSON-encoded, in lane order.
-    """
-    meta = [
-        b'{"name":"process_name","ph":"M","pid":%d,"tid":%d,"args":{"name":%s}}'
-        % (_PID, _ENGINE_TID, _json(rec.engine)),
-        b'{"name":"thread_name","ph":"M","pid":%d,"tid":%d,"args":{"name":"engine"}}'
-        % (_PID, _ENGINE_TID),
-    ]
-    meta.extend([b'{"name":"thread_name","ph":"M","pid":%d,"tid":%d,"args":{"name":%s}}' % (_PID, t, j)
-                 for t, j in enumerate(rid_json, 1)])
-    header = b'{"traceEvents":[' + b",".join(meta) + (b"," if event_count else b"")
+    """The JSON before the lanes' metadata and after the events (otherData)."""
+    header = (b'{"traceEvents":[{"name":"process_name","ph":"M","pid":%d,"tid":%d,"args":{"name":%s}},'
+              b'{"name":"thread_name","ph":"M","pid":%d,"tid":%d,"args":{"name":"engine"}}'
+              % (_PID, _ENGINE_TID, _json(rec.engine), _PID, _ENGINE_TID))
     other = {
         "engine": rec.engine,
         "model": rec.model,
@@ -404,7 +465,7 @@ def _frame(rec: TraceRecorder, rid_json: list[bytes], *, event_count: int, dropp
         "window": {"first_ts": first_ts, "last_ts": last_ts},
         "event_count": event_count,        # non-metadata entries of traceEvents
         "dropped_events": dropped,         # evicted by the bound since the last clear()
-        "request_count": len(rid_json),
+        "request_count": request_count,
         "max_events": rec.max_events,
         "unclosed_spans": unclosed,        # closed at dump time, args.unclosed = true
         "orphan_finishes": orphans,        # finishes whose start was evicted or cleared: omitted
@@ -416,6 +477,44 @@ def _frame(rec: TraceRecorder, rid_json: list[bytes], *, event_count: int, dropp
 # ---------------------------------------------------------------------- numba loops
 # Plain loops over int arrays, nogil so the engine thread keeps stepping during a dump, and
 # cached on disk so only the first dump after an install pays the compile.
+
+
+@numba.njit(cache=True, nogil=True)
+def _split_json_array(a):
+    """Start offsets and lengths of the top-level items of a compact JSON array (orjson's)."""
+    n = a.shape[0]
+    starts = np.empty(n // 2 + 1, np.int64)
+    lens = np.empty(n // 2 + 1, np.int64)
+    k = 0
+    depth = 0
+    in_str = False
+    escaped = False
+    item = 1
+    for i in range(n):
+        c = a[i]
+        if in_str:
+            if escaped:
+                escaped = False
+            elif c == 92:    # backslash
+                escaped = True
+            elif c == 34:    # "
+                in_str = False
+        elif c == 34:
+            in_str = True
+        elif c == 91 or c == 123:    # [ {
+            depth += 1
+        elif c == 93 or c == 125:    # ] }
+            depth -= 1
+            if depth == 0 and i > item:
+                starts[k] = item
+                lens[k] = i - item
+                k += 1
+        elif c == 44 and depth == 1:  # , between items
+            starts[k] = item
+            lens[k] = i - item
+            k += 1
+            item = i + 1
+    return starts[:k].copy(), lens[:k].copy()
 
 
 @numba.njit(cache=True, nogil=True)
@@ -458,8 +557,10 @@ def _pair_spans(group, kind, n_groups):
 
 
 @numba.njit(cache=True, nogil=True)
-def _lane_order(tid, ts, key2, n_lanes):
-    """Output order: by lane, then ts, then ``key2`` (0 first), then input order.
+def _lane_order(tid, ts, key2, start_row, n_lanes):
+    """Output order: by lane, then ts; within an equal-ts run, the ``key2 == 0`` events (ends of
+    spans begun earlier) first, innermost (latest ``start_row``) first, then the rest in input
+    order.
 
     Input order is already ts order within each lane (timestamps are read under the recorder's
     lock), so a stable counting sort by lane plus one pass over each equal-ts run does it in
@@ -489,13 +590,21 @@ def _lane_order(tid, ts, key2, n_lanes):
                 j += 1
             if j < end and ts[by_lane[j]] < t0:
                 return None
+            first = w
             for k in range(i, j):
-                if key2[by_lane[k]] == 0:
-                    order[w] = by_lane[k]
+                e = by_lane[k]
+                if key2[e] == 0:
+                    # insertion sort, descending start row: runs are a handful of events
+                    m = w
+                    while m > first and start_row[order[m - 1]] < start_row[e]:
+                        order[m] = order[m - 1]
+                        m -= 1
+                    order[m] = e
                     w += 1
             for k in range(i, j):
-                if key2[by_lane[k]] != 0:
-                    order[w] = by_lane[k]
+                e = by_lane[k]
+                if key2[e] != 0:
+                    order[w] = e
                     w += 1
             i = j
     return order
@@ -525,18 +634,24 @@ def _put_int(buf, pos, v):
 
 
 @numba.njit(cache=True, nogil=True)
-def _assemble(buf, pos, order, name, counter, phase, ts, mid, args, ids, fixed,
+def _assemble(buf, pos, lane_seg, order, name, counter, phase, ts, tid, args, ids, fixed,
               blob, seg_off, seg_len):
-    """Write the events' JSON, comma separated, into ``buf`` from ``pos``; returns the end.
+    """Write the request lanes' metadata, then the events, into ``buf`` from ``pos``.
 
-    Per event: name [' (n)"'] phase ts lane, then either a fixed tail (closing E) or
-    ['"request_ids":' ids] [',' args-members] '}}'. Segment id -1 means "absent".
+    Per event: name [' (n)"'] phase ts ',"pid":1,"tid":' tid args-open, then either a fixed
+    tail (closing E) or ['"request_ids":' ids] [',' args-members] '}}'. Segment id -1 means
+    "absent". Returns the end position.
     """
+    for t in range(1, lane_seg.shape[0]):
+        pos = _put(buf, pos, blob, seg_off, seg_len, _SEG_META_LANE)
+        pos = _put_int(buf, pos, t)
+        pos = _put(buf, pos, blob, seg_off, seg_len, _SEG_META_NAME)
+        pos = _put(buf, pos, blob, seg_off, seg_len, lane_seg[t])
+        pos = _put(buf, pos, blob, seg_off, seg_len, _SEG_CLOSE)
     for w in range(order.shape[0]):
         e = order[w]
-        if w:
-            buf[pos] = 44  # ,
-            pos += 1
+        buf[pos] = 44  # , (the metadata always comes first)
+        pos += 1
         pos = _put(buf, pos, blob, seg_off, seg_len, name[e])
         c = counter[e]
         if c >= 0:
@@ -548,7 +663,14 @@ def _assemble(buf, pos, order, name, counter, phase, ts, mid, args, ids, fixed,
             pos += 2
         pos = _put(buf, pos, blob, seg_off, seg_len, phase[e])
         pos = _put_int(buf, pos, ts[e])
-        pos = _put(buf, pos, blob, seg_off, seg_len, mid[e])
+        pos = _put(buf, pos, blob, seg_off, seg_len, _SEG_PID_TID)
+        t = tid[e]
+        pos = _put_int(buf, pos, t)
+        if t == 0:
+            pos = _put(buf, pos, blob, seg_off, seg_len, _SEG_ARGS_ENGINE)
+        else:
+            pos = _put(buf, pos, blob, seg_off, seg_len, _SEG_ARGS_REQUEST)
+            pos = _put(buf, pos, blob, seg_off, seg_len, lane_seg[t])
         if fixed[e] >= 0:
             pos = _put(buf, pos, blob, seg_off, seg_len, fixed[e])
             continue
@@ -557,7 +679,7 @@ def _assemble(buf, pos, order, name, counter, phase, ts, mid, args, ids, fixed,
             pos = _put(buf, pos, blob, seg_off, seg_len, ids[e])
         a = args[e]
         if a >= 0:
-            # the args object without its '{': its members, then its own '}' closes "args"
+            # the args object minus its '{': its members, then its own '}' closes "args"
             buf[pos] = 44  # ,
             o = seg_off[a] + 1
             n = seg_len[a] - 1

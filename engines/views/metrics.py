@@ -1,22 +1,203 @@
-"""``GET /metrics`` (Prometheus text exposition) and ``GET /health``.
+"""``GET /metrics`` (Prometheus exposition of every engine) and ``GET /health``.
 
-Placeholder body until engines/runtime/metrics.py lands; replaced below.
+MLC's ``/metrics`` is tab-separated text without TYPE/HELP lines, for the first
+engine only. Ours is real Prometheus exposition built by ``prometheus_client``
+from a custom collector that reads the registry at scrape time: every engine,
+each sample labelled ``model="<served name>"``. It carries
+
+- MLC's engine metric names as gauges (``engine_prefill_time_sum``, ...,
+  ``prefill_tokens_per_s``, ``decode_tokens_per_s``), ``last_finished_request_*``
+  and ``decode_time_by_batch_size_{mean,count}{batch_size=...}`` as MLC's own
+  ``prometheus_text()`` names them;
+- the serving series dashboards expect (vLLM's names, without its prefix):
+  ``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc``,
+  ``prompt_tokens_total``, ``generation_tokens_total``, ..., and the latency
+  histograms the engine keeps (``time_to_first_token_seconds``,
+  ``e2e_request_latency_seconds``, ...) with vLLM's bucket boundaries.
+
+MLC's sums are gauges, not counters, because ``/debug/reset_engine`` zeroes them
+(and a counter's ``_total`` suffix would rename them). The token counters count
+at request finish, as MLC's sums do; ``*_tokens_processed_total`` move every step.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
 from django.http import HttpRequest, HttpResponse
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector, CollectorRegistry
+from prometheus_client.utils import floatToGoString
 
 from engines.registry import registry
+from engines.runtime.engine import AsyncEngine
+from engines.runtime.metrics import HistogramSnapshot
 from engines.views.errors import api_view, json_response
+
+# MLC's engine-wide scalars (reference §5), exposed under their own names.
+MLC_GAUGES: dict[str, str] = {
+    "engine_prefill_time_sum": "Seconds spent in prefill steps (MLC).",
+    "engine_decode_time_sum": "Seconds spent in decode steps (MLC).",
+    "engine_jump_forward_time_sum": "Seconds spent appending grammar-forced tokens (MLC).",
+    "prompt_tokens_sum": "Prompt tokens of finished requests (MLC).",
+    "completion_tokens_sum": "Completion tokens of finished requests (MLC).",
+    "prefill_tokens_sum": "Tokens actually prefilled by finished requests, prefix-cache hits excluded (MLC).",
+    "decode_tokens_sum": "Tokens processed in decode steps by finished requests (MLC).",
+    "jump_forward_tokens_sum": "Grammar-forced tokens of finished requests (MLC).",
+    "prefill_tokens_per_s": "prefill_tokens_sum / engine_prefill_time_sum (MLC; absent until defined).",
+    "decode_tokens_per_s": "decode_tokens_sum / engine_decode_time_sum (MLC; absent until defined).",
+}
+
+# Standard serving gauges: exposed name -> (engine metrics key, help).
+SERVING_GAUGES: dict[str, tuple[str, str]] = {
+    "num_requests_running": ("num_running_requests", "Requests running in the engine's batch."),
+    "num_requests_waiting": ("num_waiting_requests", "Requests waiting to be scheduled."),
+    "kv_cache_usage_perc": ("kv_cache_usage", "Fraction of KV-cache pages in use (0-1)."),
+    "kv_cache_pages_used": ("kv_pages_used", "KV-cache pages in use."),
+    "kv_cache_pages_total": ("kv_pages_total", "KV-cache pages in the pool."),
+    "prefix_cache_hit_rate": ("prefix_cache_hit_rate", "Fraction of prompt tokens served from the prefix cache."),
+}
+
+# Counters: exposed name (prometheus_client appends _total) -> (engine metrics key, help).
+SERVING_COUNTERS: dict[str, tuple[str, str]] = {
+    "prompt_tokens": ("prompt_tokens_sum", "Prompt tokens of finished requests."),
+    "generation_tokens": ("completion_tokens_sum", "Generated tokens of finished requests."),
+    "request_success": ("num_finished_requests", "Requests that finished (not aborted)."),
+    "num_preemptions": ("num_preemptions", "Sequences preempted for lack of KV pages."),
+    "prefill_tokens_processed": ("prefill_tokens_processed", "Prompt tokens prefilled, counted every step."),
+    "decode_tokens_processed": ("decode_tokens_processed", "Tokens decoded, counted every step."),
+    "jump_forward_tokens_processed": ("jump_forward_tokens_processed", "Grammar-forced tokens, counted as appended."),
+    "engine_prefill_steps": ("num_prefill_steps", "Engine steps that prefilled."),
+    "engine_decode_steps": ("num_decode_steps", "Decode-only engine steps."),
+}
+
+HISTOGRAM_HELP: dict[str, str] = {
+    "time_to_first_token_seconds": "Time from arrival to the first generated token.",
+    "request_time_per_output_token_seconds": "Per request, the mean gap between output tokens.",
+    "e2e_request_latency_seconds": "Time from arrival to finish.",
+    "request_queue_time_seconds": "Time from arrival to first scheduling.",
+}
+
+
+@dataclass(frozen=True)
+class EngineReading:
+    """One engine's metrics, read once per scrape so every family agrees."""
+
+    engine: AsyncEngine
+    metrics: dict[str, Any]
+    histograms: dict[str, HistogramSnapshot]
+
+    @classmethod
+    def read(cls, engine: AsyncEngine) -> "EngineReading":
+        # The histogram buckets live on the engine core's metrics (thread-safe reads).
+        return cls(engine, engine.metrics(), engine.engine.metrics.histograms())
+
+
+class EngineCollector(Collector):
+    """Prometheus families over every engine in the registry, read at scrape time."""
+
+    def __init__(self, engines: Iterable[AsyncEngine]) -> None:
+        self.engines = engines
+
+    def collect(self) -> Iterator[Metric]:
+        readings = [EngineReading.read(engine) for engine in self.engines]
+        yield self._info(readings)
+        for name, help_text in MLC_GAUGES.items():
+            yield self._family(GaugeMetricFamily(name, help_text, labels=["model"]), readings, name)
+        yield from self._last_finished_request(readings)
+        yield from self._decode_time_by_batch_size(readings)
+        for name, (key, help_text) in SERVING_GAUGES.items():
+            yield self._family(GaugeMetricFamily(name, help_text, labels=["model"]), readings, key)
+        for name, (key, help_text) in SERVING_COUNTERS.items():
+            yield self._family(CounterMetricFamily(name, help_text, labels=["model"]), readings, key)
+        yield from self._histograms(readings)
+
+    @staticmethod
+    def _family(family: Metric, readings: list[EngineReading], key: str) -> Metric:
+        # A value MLC leaves out (a rate before anything ran) is left out here too, not faked as 0.
+        for reading in readings:
+            value = reading.metrics.get(key)
+            if isinstance(value, (int, float)):
+                family.add_metric([reading.engine.name], float(value))
+        return family
+
+    @staticmethod
+    def _info(readings: list[EngineReading]) -> Metric:
+        family = GaugeMetricFamily(
+            "engine_info", "Served engines (value 1): backend, dtype and whether tracing is on.",
+            labels=["model", "checkpoint", "backend", "dtype", "tracing"],
+        )
+        for r in readings:
+            tracing = "true" if r.engine.tracer is not None else "false"
+            family.add_metric([r.engine.name, r.engine.checkpoint.name, r.engine.backend_name, r.engine.dtype, tracing], 1)
+        return family
+
+    @staticmethod
+    def _last_finished_request(readings: list[EngineReading]) -> Iterator[Metric]:
+        """``last_finished_request_<key>`` gauges, as MLC's ``prometheus_text()`` flattens the dict."""
+        keys: dict[str, None] = {}
+        for r in readings:
+            keys.update(dict.fromkeys(r.metrics.get("last_finished_request", {})))
+        for key in keys:
+            family = GaugeMetricFamily(f"last_finished_request_{key}", f"{key} of the last finished request (MLC).",
+                                       labels=["model"])
+            for r in readings:
+                value = r.metrics.get("last_finished_request", {}).get(key)
+                if isinstance(value, (int, float)):
+                    family.add_metric([r.engine.name], float(value))
+            yield family
+
+    @staticmethod
+    def _decode_time_by_batch_size(readings: list[EngineReading]) -> Iterator[Metric]:
+        """MLC's ``mean{batch_size=N}`` / ``count{batch_size=N}`` keys as two labelled gauges."""
+        families = {
+            "mean": GaugeMetricFamily("decode_time_by_batch_size_mean",
+                                      "Mean decode step time at this batch size, first step discarded (MLC).",
+                                      labels=["model", "batch_size"]),
+            "count": GaugeMetricFamily("decode_time_by_batch_size_count",
+                                       "Decode steps timed at this batch size (MLC).",
+                                       labels=["model", "batch_size"]),
+        }
+        for r in readings:
+            for key, value in r.metrics.get("decode_time_by_batch_size", {}).items():
+                stat, _, rest = key.partition("{batch_size=")
+                if stat in families and rest.endswith("}"):
+                    families[stat].add_metric([r.engine.name, rest[:-1]], float(value))
+        yield from families.values()
+
+    @staticmethod
+    def _histograms(readings: list[EngineReading]) -> Iterator[Metric]:
+        names: dict[str, None] = {}
+        for r in readings:
+            names.update(dict.fromkeys(r.histograms))
+        for name in names:
+            family = HistogramMetricFamily(name, HISTOGRAM_HELP.get(name, name.replace("_", " ")), labels=["model"])
+            for r in readings:
+                snap = r.histograms.get(name)
+                if snap is not None:
+                    buckets = [(floatToGoString(le), float(count)) for le, count in snap.cumulative()]
+                    family.add_metric([r.engine.name], buckets, sum_value=snap.sum)
+            yield family
+
+
+# One exposition registry for the process; the collector finds the engines through the
+# engine registry on every scrape, so engines configured later are included.
+PROMETHEUS = CollectorRegistry(auto_describe=False)
+PROMETHEUS.register(EngineCollector(registry))
 
 
 @api_view("GET")
 async def prometheus_metrics(request: HttpRequest) -> HttpResponse:
-    return HttpResponse("", content_type="text/plain")
+    """Every engine's metrics in the exposition format the scraper asks for (0.0.4 text by default)."""
+    encode, content_type = choose_encoder(request.headers.get("Accept", ""))
+    return HttpResponse(encode(PROMETHEUS), content_type=content_type)
 
 
 @api_view("GET")
 async def health(request: HttpRequest) -> HttpResponse:
+    """200 ``{"status": "ok"}`` while every engine runs; 503 naming the dead ones (vLLM's contract)."""
     dead = [engine.name for engine in registry if not engine.is_alive]
     if dead:
         return json_response({"status": "unhealthy", "dead_engines": dead}, status=503)

@@ -124,14 +124,27 @@ def test_matmul(rng: np.random.Generator, kernel: str, dtype: str, with_bias: bo
     be = backend(dtype, gemv_max_rows=10**9 if kernel == "gemv" else 0)
     for rows, inner, cols in MATMUL_CASES[kernel]:
         x = rng.standard_normal((rows, inner)).astype(np.float32)
-        w_dev, w_t = stored(rng.standard_normal((inner, cols)) / math.sqrt(inner), dtype)
+        weight = (rng.standard_normal((cols, inner)) / math.sqrt(inner)).astype(dtype)  # HF [out, in]
         bias_dev, bias = stored(rng.standard_normal(cols if with_bias else 0), dtype)
         out = poisoned((rows, cols))
-        be.matmul(cuda.to_device(x), w_dev, bias_dev, out)
+        be.matmul(cuda.to_device(x), be.store_linear(weight, dtype), bias_dev, out)
         want = np.empty((rows, cols), np.float32)
-        matmul.matmul_cpu(x, w_t, bias, want)
-        np.testing.assert_allclose(want, x.astype(np.float64) @ w_t + (bias if with_bias else 0), rtol=1e-4, atol=1e-4)
+        matmul.matmul_cpu(x, weight.astype(np.float32), bias, want)
         assert_close(out.copy_to_host(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, matmul.CPU_ROWS_KERNEL_MAX_ROWS, 45])
+def test_cpu_matmul_paths(rng: np.random.Generator, rows: int) -> None:
+    """Both CPU paths (the register-blocked kernel up to CPU_ROWS_KERNEL_MAX_ROWS rows, BLAS
+    beyond) against float64, with row and column counts that leave remainder blocks."""
+    inner, cols = 37, 23
+    x = rng.standard_normal((rows, inner)).astype(np.float32)
+    weight = rng.standard_normal((cols, inner)).astype(np.float32)
+    for bias in (np.zeros(0, np.float32), rng.standard_normal(cols).astype(np.float32)):
+        out = np.full((rows, cols), np.nan, np.float32)
+        matmul.matmul_cpu(x, weight, bias, out)
+        want = x.astype(np.float64) @ weight.T.astype(np.float64) + (bias if bias.size else 0)
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
 
 
 def ragged_step(rng: np.random.Generator, cached: list[int], new: list[int], num_pages: int) -> tuple[StepInputs, int]:

@@ -1,0 +1,499 @@
+"""Engine and request metrics: MLC's names and meanings, plus live gauges and latency distributions.
+
+:class:`RequestMetrics` is one request's counts and time points; its :meth:`~RequestMetrics.as_usage_extra`
+is the ``usage.extra`` object of the final response. :class:`EngineMetrics` accumulates over the
+engine's life (until :meth:`~EngineMetrics.reset`); :meth:`~EngineMetrics.as_dict` is what
+``/debug/dump_engine_metrics`` and the ``query_engine_metrics`` special request return.
+
+MLC semantics kept on purpose (see ``reference/mlc-debug-surface.md`` §5, "where we differ"):
+
+* The ``*_tokens_sum`` counters move only when a request finishes; the step times move every
+  step. Our ``*_tokens_processed`` counters and the gauges are the live view.
+* ``decode_time_by_batch_size``: MLC's ``TimeCost``, whose first update per batch size is
+  discarded as warm-up; :meth:`EngineMetrics.reset` re-arms the warm-up. Batch sizes above
+  ``max_tracked_batch_size`` (MLC: 64) are not tracked.
+* ``inter_token_latency_s`` of a request is MLC's total time / completion tokens; we add
+  ``inter_token_latency_standard_s`` = (e2e - ttft) / (n - 1), and the engine-wide
+  ``inter_token_latency_s`` distribution uses the standard one.
+* Ratios with a zero denominator are omitted (``*_tokens_per_s``) or 0.0 (latencies), never
+  ``inf``/``nan``: those broke MLC's clients (#2519, #2959).
+
+Fixed: a reset zeroes every field of ``last_finished_request`` (MLC left some stale).
+
+Latency distributions (TTFT, inter-token latency, end-to-end, queue time) take bounded memory:
+count, sum, min and max are exact since the last reset; p50/p90/p99 are over the most recent
+``latency_window`` requests (a ring buffer: a live server's "now" matters more than its first
+hour); and bucket counts with vLLM's boundaries (:data:`TTFT_BUCKETS`, ...) are exact since the
+reset, so the server can expose real Prometheus histograms (:meth:`EngineMetrics.histograms`).
+
+Times are ``time.perf_counter()`` seconds. Updates come from the engine thread and reads from
+server threads; one lock, held for a few attribute updates, makes that safe.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import threading
+from bisect import bisect_left
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "RequestMetrics", "EngineMetrics", "TimeCost", "LatencyDistribution", "HistogramSnapshot",
+    "TTFT_BUCKETS", "INTER_TOKEN_LATENCY_BUCKETS", "REQUEST_LATENCY_BUCKETS",
+]
+
+# vLLM's histogram boundaries (seconds), so dashboards and SLO thresholds carry over.
+# time_to_first_token_seconds:
+TTFT_BUCKETS: tuple[float, ...] = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+# inter_token_latency_seconds and request_time_per_output_token_seconds:
+INTER_TOKEN_LATENCY_BUCKETS: tuple[float, ...] = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0)
+# e2e_request_latency_seconds and request_{queue,inference,prefill,decode}_time_seconds:
+REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+    240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+DEFAULT_MAX_TRACKED_BATCH_SIZE = 64
+DEFAULT_LATENCY_WINDOW = 4096
+
+
+def _span(start: float | None, end: float | None) -> float:
+    """``end - start`` in seconds, 0.0 when either is unknown (never negative)."""
+    if start is None or end is None:
+        return 0.0
+    return max(end - start, 0.0)
+
+
+def _finite(x: float) -> float:
+    return x if math.isfinite(x) else 0.0
+
+
+# ---------------------------------------------------------------------- per request
+
+
+@dataclass(slots=True)
+class RequestMetrics:
+    """One request's token counts and time points (summed over its ``n`` choices).
+
+    Time points are ``time.perf_counter()`` seconds; ``None`` when the moment never came (a
+    request aborted before its first token has no ``first_token_time``).
+    """
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prefill_tokens: int = 0        # actually prefilled: prefix-cache hits excluded
+    decode_tokens: int = 0         # processed in decode steps
+    jump_forward_tokens: int = 0   # appended by the grammar without a model step
+    add_time: float | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def ttft_s(self) -> float:
+        """Time to first token (MLC: also the prefill time), from the request's arrival."""
+        return _span(self.add_time, self.first_token_time)
+
+    @property
+    def end_to_end_latency_s(self) -> float:
+        return _span(self.add_time, self.finish_time)
+
+    @property
+    def queue_time_s(self) -> float:
+        """Arrival to first scheduling."""
+        return _span(self.add_time, self.first_scheduled_time)
+
+    @property
+    def decode_time_s(self) -> float:
+        """First token to finish."""
+        return _span(self.first_token_time, self.finish_time)
+
+    @property
+    def inter_token_latency_s(self) -> float:
+        """MLC's definition: end-to-end time / completion tokens (0.0 without tokens)."""
+        if self.completion_tokens <= 0:
+            return 0.0
+        return self.end_to_end_latency_s / self.completion_tokens
+
+    @property
+    def inter_token_latency_standard_s(self) -> float:
+        """The usual definition, (e2e - ttft) / (n - 1): the mean gap between output tokens
+        (0.0 with fewer than two tokens or no first token)."""
+        if self.completion_tokens <= 1 or self.first_token_time is None:
+            return 0.0
+        return self.decode_time_s / (self.completion_tokens - 1)
+
+    def as_usage_extra(self) -> dict[str, Any]:
+        """MLC's ``usage.extra`` object (same keys, same order), plus
+        ``inter_token_latency_standard_s`` and ``queue_time_s``. JSON-ready, always finite."""
+        extra: dict[str, Any] = {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "prefill_tokens": self.prefill_tokens,
+            "decode_tokens": self.decode_tokens,
+            "jump_forward_tokens": self.jump_forward_tokens,
+        }
+        ttft = self.ttft_s
+        decode_time = self.decode_time_s
+        # MLC: prefill speed over (first token - arrival), decode speed over (finish - first
+        # token); omitted when there is nothing to divide (or nothing to divide by).
+        if self.prefill_tokens and ttft > 0.0:
+            extra["prefill_tokens_per_s"] = self.prefill_tokens / ttft
+        if self.decode_tokens and decode_time > 0.0:
+            extra["decode_tokens_per_s"] = self.decode_tokens / decode_time
+        extra["end_to_end_latency_s"] = self.end_to_end_latency_s
+        extra["ttft_s"] = ttft
+        extra["inter_token_latency_s"] = self.inter_token_latency_s
+        extra["inter_token_latency_standard_s"] = self.inter_token_latency_standard_s
+        extra["queue_time_s"] = self.queue_time_s
+        return {k: _finite(v) if isinstance(v, float) else v for k, v in extra.items()}
+
+
+# ---------------------------------------------------------------------- building blocks
+
+
+class TimeCost:
+    """MLC's ``TimeCost``: a mean of step times whose first update is discarded (warm-up:
+    compilation and first-touch allocations make the first step of a shape unrepresentative)."""
+
+    __slots__ = ("sum", "count", "warmed_up")
+
+    def __init__(self) -> None:
+        self.sum = 0.0
+        self.count = 0
+        self.warmed_up = False
+
+    def update(self, seconds: float) -> None:
+        if self.warmed_up:
+            self.sum += seconds
+            self.count += 1
+        else:
+            self.warmed_up = True
+
+    def as_dict(self) -> dict[str, Any]:
+        """``{"count", "mean"}``, ``mean`` only when ``count > 0`` (as MLC)."""
+        out: dict[str, Any] = {"count": self.count}
+        if self.count:
+            out["mean"] = _finite(self.sum / self.count)
+        return out
+
+
+@dataclass(frozen=True)
+class HistogramSnapshot:
+    """Bucket counts of one distribution, ready for a Prometheus histogram.
+
+    ``bucket_counts[i]`` counts observations ``<= bounds[i]`` and ``> bounds[i-1]``; the last
+    entry counts those above every bound (the ``+Inf`` bucket's own share).
+    """
+
+    bounds: tuple[float, ...]
+    bucket_counts: tuple[int, ...]
+    sum: float
+    count: int
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """Prometheus ``(le, cumulative count)`` pairs, ending with ``(math.inf, count)``."""
+        out = []
+        total = 0
+        for le, n in zip((*self.bounds, math.inf), self.bucket_counts):
+            total += n
+            out.append((le, total))
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready: ``le`` of the last bucket is the string ``"+Inf"`` (JSON has no inf)."""
+        return {
+            "buckets": [["+Inf" if math.isinf(le) else le, n] for le, n in self.cumulative()],
+            "sum": self.sum,
+            "count": self.count,
+        }
+
+
+class LatencyDistribution:
+    """One latency's distribution in bounded memory.
+
+    Exact since the last reset: count, sum, min, max and bucket counts over ``bounds``.
+    Percentiles: over the most recent ``window`` observations (ring buffer). Not thread-safe
+    on its own: :class:`EngineMetrics` guards it with its lock.
+    """
+
+    __slots__ = ("bounds", "window", "count", "sum", "min", "max", "_buckets", "_recent")
+
+    def __init__(self, bounds: Sequence[float], window: int = DEFAULT_LATENCY_WINDOW) -> None:
+        if list(bounds) != sorted(bounds) or not all(math.isfinite(b) for b in bounds):
+            raise ValueError(f"histogram bounds must be finite and increasing, got {bounds!r}")
+        if window < 1:
+            raise ValueError(f"latency window must be at least 1, got {window}")
+        self.bounds = tuple(float(b) for b in bounds)
+        self.window = window
+        self._recent = np.zeros(window, np.float64)
+        self.reset()
+
+    def reset(self) -> None:
+        self.count = 0
+        self.sum = 0.0
+        self.min = 0.0
+        self.max = 0.0
+        self._buckets = [0] * (len(self.bounds) + 1)
+
+    def observe(self, seconds: float) -> None:
+        """Add one observation; non-finite values are ignored (they'd poison every statistic)."""
+        if not math.isfinite(seconds):
+            return
+        if self.count == 0 or seconds < self.min:
+            self.min = seconds
+        if self.count == 0 or seconds > self.max:
+            self.max = seconds
+        self._recent[self.count % self.window] = seconds
+        self.count += 1
+        self.sum += seconds
+        self._buckets[bisect_left(self.bounds, seconds)] += 1
+
+    def snapshot(self) -> tuple[int, float, float, float, np.ndarray]:
+        """``(count, sum, min, max, recent)``, ``recent`` a copy of the (at most ``window``)
+        observations the percentiles are over: cheap, to take under a lock."""
+        recent = self._recent[:min(self.count, self.window)].copy()
+        return self.count, self.sum, self.min, self.max, recent
+
+    def summary(self) -> dict[str, Any]:
+        """``count``, ``sum``, ``mean``, ``min``, ``max`` (since reset) and ``p50``/``p90``/``p99``
+        (numpy's linear interpolation over the recent window); 0.0 when empty."""
+        return _summary(*self.snapshot())
+
+    def histogram(self) -> HistogramSnapshot:
+        return HistogramSnapshot(self.bounds, tuple(self._buckets), self.sum, self.count)
+
+
+def _summary(count: int, total: float, lo: float, hi: float, recent: np.ndarray) -> dict[str, Any]:
+    if recent.size:
+        p50, p90, p99 = (float(v) for v in np.percentile(recent, (50.0, 90.0, 99.0)))
+    else:
+        p50 = p90 = p99 = 0.0
+    return {"count": count, "sum": total, "mean": total / count if count else 0.0,
+            "min": lo, "max": hi, "p50": p50, "p90": p90, "p99": p99}
+
+
+# ---------------------------------------------------------------------- engine-wide
+
+
+# Engine-wide distributions: as_dict key, Prometheus family name (vLLM's), bounds.
+_DISTRIBUTIONS: tuple[tuple[str, str, tuple[float, ...]], ...] = (
+    ("ttft_s", "time_to_first_token_seconds", TTFT_BUCKETS),
+    # per request: the standard ITL, i.e. vLLM's time per output token (not per-gap samples)
+    ("inter_token_latency_s", "request_time_per_output_token_seconds", INTER_TOKEN_LATENCY_BUCKETS),
+    ("end_to_end_latency_s", "e2e_request_latency_seconds", REQUEST_LATENCY_BUCKETS),
+    ("queue_time_s", "request_queue_time_seconds", REQUEST_LATENCY_BUCKETS),
+)
+
+
+class EngineMetrics:
+    """Engine-wide metrics: MLC's ``EngineMetrics`` plus live gauges and latency distributions.
+
+    The engine thread calls the ``on_*`` methods and :meth:`set_gauges`; any thread may call
+    :meth:`as_dict` and :meth:`histograms`.
+    """
+
+    def __init__(self, max_tracked_batch_size: int = DEFAULT_MAX_TRACKED_BATCH_SIZE,
+                 latency_window: int = DEFAULT_LATENCY_WINDOW) -> None:
+        """``max_tracked_batch_size``: largest batch size with a decode timer (MLC: 64).
+        ``latency_window``: how many recent requests the percentiles cover."""
+        self.max_tracked_batch_size = max_tracked_batch_size
+        self._lock = threading.Lock()
+        self._distributions = {key: LatencyDistribution(bounds, latency_window)
+                               for key, _, bounds in _DISTRIBUTIONS}
+        self.kv_pages_total = 0  # capacity: set by the engine, kept by reset()
+        self._zero()
+
+    def _zero(self) -> None:
+        # MLC's fields.
+        self.engine_prefill_time_sum = 0.0
+        self.engine_decode_time_sum = 0.0
+        self.engine_jump_forward_time_sum = 0.0
+        self.prompt_tokens_sum = 0
+        self.completion_tokens_sum = 0
+        self.prefill_tokens_sum = 0
+        self.decode_tokens_sum = 0
+        self.jump_forward_tokens_sum = 0
+        self.last_finished_request = RequestMetrics()
+        self.decode_time_by_batch_size: dict[int, TimeCost] = {}
+        # Ours: live counters (move every step) and gauges.
+        self.num_prefill_steps = 0
+        self.num_decode_steps = 0
+        self.prefill_tokens_processed = 0
+        self.decode_tokens_processed = 0
+        self.jump_forward_tokens_processed = 0
+        self.num_finished_requests = 0
+        self.num_preemptions = 0
+        self.num_running_requests = 0
+        self.num_waiting_requests = 0
+        self.kv_pages_used = 0
+        self.prefix_cache_hit_rate = 0.0
+        for dist in self._distributions.values():
+            dist.reset()
+
+    # ------------------------------------------------------------------ engine thread
+
+    def on_prefill_step(self, seconds: float, tokens: int) -> None:
+        """A step that prefilled ``tokens`` prompt tokens (decodes riding along included)."""
+        with self._lock:
+            self.engine_prefill_time_sum += seconds
+            self.prefill_tokens_processed += tokens
+            self.num_prefill_steps += 1
+
+    def on_decode_step(self, seconds: float, batch_size: int, tokens: int | None = None) -> None:
+        """A decode-only step over ``batch_size`` sequences (``tokens`` processed, default one
+        per sequence)."""
+        with self._lock:
+            self.engine_decode_time_sum += seconds
+            self.decode_tokens_processed += batch_size if tokens is None else tokens
+            self.num_decode_steps += 1
+            if 1 <= batch_size <= self.max_tracked_batch_size:
+                cost = self.decode_time_by_batch_size.get(batch_size)
+                if cost is None:
+                    cost = self.decode_time_by_batch_size[batch_size] = TimeCost()
+                cost.update(seconds)
+
+    def on_step(self, seconds: float, *, prefill_tokens: int, decode_seqs: int) -> None:
+        """One engine step as the scheduler shaped it. A step with any prefill is a prefill step
+        (MLC times hybrid steps as prefill, and they don't feed the per-batch-size decode
+        timers); otherwise it is a decode step of ``decode_seqs`` sequences."""
+        if prefill_tokens:
+            with self._lock:
+                self.engine_prefill_time_sum += seconds
+                self.prefill_tokens_processed += prefill_tokens
+                self.decode_tokens_processed += decode_seqs
+                self.num_prefill_steps += 1
+        elif decode_seqs:
+            self.on_decode_step(seconds, decode_seqs)
+
+    def on_jump_forward(self, seconds: float, tokens: int) -> None:
+        """Tokens the grammar forced (appended without a model step)."""
+        with self._lock:
+            self.engine_jump_forward_time_sum += seconds
+            self.jump_forward_tokens_processed += tokens
+
+    def on_preemption(self, count: int = 1) -> None:
+        with self._lock:
+            self.num_preemptions += count
+
+    def on_request_finished(self, request: RequestMetrics) -> None:
+        """Fold a finished request in: MLC's token sums, ``last_finished_request``, latencies."""
+        snapshot = dataclasses.replace(request)  # the caller may keep mutating its object
+        dist = self._distributions
+        with self._lock:
+            self.prompt_tokens_sum += request.prompt_tokens
+            self.completion_tokens_sum += request.completion_tokens
+            self.prefill_tokens_sum += request.prefill_tokens
+            self.decode_tokens_sum += request.decode_tokens
+            self.jump_forward_tokens_sum += request.jump_forward_tokens
+            self.last_finished_request = snapshot
+            self.num_finished_requests += 1
+            if request.add_time is not None and request.finish_time is not None:
+                dist["end_to_end_latency_s"].observe(snapshot.end_to_end_latency_s)
+            if request.add_time is not None and request.first_token_time is not None:
+                dist["ttft_s"].observe(snapshot.ttft_s)
+            if request.completion_tokens > 1 and request.first_token_time is not None \
+                    and request.finish_time is not None:
+                dist["inter_token_latency_s"].observe(snapshot.inter_token_latency_standard_s)
+            if request.add_time is not None and request.first_scheduled_time is not None:
+                dist["queue_time_s"].observe(snapshot.queue_time_s)
+
+    def set_gauges(self, *, num_running_requests: int | None = None,
+                   num_waiting_requests: int | None = None, kv_pages_used: int | None = None,
+                   kv_pages_total: int | None = None,
+                   prefix_cache_hit_rate: float | None = None) -> None:
+        """Update the live gauges given (``None`` leaves one as it is)."""
+        with self._lock:
+            if num_running_requests is not None:
+                self.num_running_requests = num_running_requests
+            if num_waiting_requests is not None:
+                self.num_waiting_requests = num_waiting_requests
+            if kv_pages_used is not None:
+                self.kv_pages_used = kv_pages_used
+            if kv_pages_total is not None:
+                self.kv_pages_total = kv_pages_total
+            if prefix_cache_hit_rate is not None:
+                self.prefix_cache_hit_rate = prefix_cache_hit_rate
+
+    def reset(self) -> None:
+        """Zero every metric, ``last_finished_request`` included, and re-arm the decode timers'
+        warm-up (as MLC). ``kv_pages_total`` is capacity, not a measurement: it stays."""
+        with self._lock:
+            self._zero()
+
+    # ------------------------------------------------------------------ readers
+
+    def as_dict(self) -> dict[str, Any]:
+        """MLC's engine metrics JSON (same keys, same conditions) followed by ours.
+
+        JSON-ready and never ``inf``/``nan``. MLC's ``spec_decode``, ``draft_time_by_batch_size``
+        and ``verify_time_by_batch_size`` are absent: this engine has no speculative decoding.
+        """
+        with self._lock:
+            out: dict[str, Any] = {
+                "engine_prefill_time_sum": self.engine_prefill_time_sum,
+                "engine_decode_time_sum": self.engine_decode_time_sum,
+                "engine_jump_forward_time_sum": self.engine_jump_forward_time_sum,
+                "prompt_tokens_sum": self.prompt_tokens_sum,
+                "completion_tokens_sum": self.completion_tokens_sum,
+                "prefill_tokens_sum": self.prefill_tokens_sum,
+                "decode_tokens_sum": self.decode_tokens_sum,
+                "jump_forward_tokens_sum": self.jump_forward_tokens_sum,
+            }
+            # MLC guards prefill on the token sum only (time 0 gave inf); we guard both.
+            if self.prefill_tokens_sum and self.engine_prefill_time_sum > 0.0:
+                out["prefill_tokens_per_s"] = self.prefill_tokens_sum / self.engine_prefill_time_sum
+            if self.engine_decode_time_sum > 0.0:
+                out["decode_tokens_per_s"] = self.decode_tokens_sum / self.engine_decode_time_sum
+            out["last_finished_request"] = self.last_finished_request.as_usage_extra()
+            by_batch: dict[str, Any] = {}
+            for size in sorted(self.decode_time_by_batch_size):
+                cost = self.decode_time_by_batch_size[size]
+                if cost.count:
+                    by_batch[f"mean{{batch_size={size}}}"] = cost.sum / cost.count
+                    by_batch[f"count{{batch_size={size}}}"] = cost.count
+            out["decode_time_by_batch_size"] = by_batch
+            total = self.kv_pages_total
+            out.update({
+                "num_running_requests": self.num_running_requests,
+                "num_waiting_requests": self.num_waiting_requests,
+                "kv_pages_used": self.kv_pages_used,
+                "kv_pages_total": total,
+                "kv_cache_usage": self.kv_pages_used / total if total else 0.0,
+                "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
+                "num_preemptions": self.num_preemptions,
+                "num_finished_requests": self.num_finished_requests,
+                "num_prefill_steps": self.num_prefill_steps,
+                "num_decode_steps": self.num_decode_steps,
+                "prefill_tokens_processed": self.prefill_tokens_processed,
+                "decode_tokens_processed": self.decode_tokens_processed,
+                "jump_forward_tokens_processed": self.jump_forward_tokens_processed,
+            })
+            snapshots = {key: d.snapshot() for key, d in self._distributions.items()}
+        # Percentiles outside the lock: the engine thread shouldn't wait on numpy.
+        for key, snap in snapshots.items():
+            out[key] = _summary(*snap)
+        return _sanitize(out)
+
+    def histograms(self) -> dict[str, HistogramSnapshot]:
+        """Bucket counts per distribution, keyed by vLLM's Prometheus family name
+        (``time_to_first_token_seconds``, ``request_time_per_output_token_seconds``,
+        ``e2e_request_latency_seconds``, ``request_queue_time_seconds``)."""
+        with self._lock:
+            return {family: self._distributions[key].histogram() for key, family, _ in _DISTRIBUTIONS}
+
+
+def _sanitize(value: Any) -> Any:
+    """Replace any non-finite float (from a caller passing one in) by 0.0, recursively."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else 0.0
+    if isinstance(value, dict):
+        return {k: _sanitize(v) for k, v in value.items()}
+    return value

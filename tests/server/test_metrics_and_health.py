@@ -1,0 +1,97 @@
+"""``GET /metrics`` parses as Prometheus exposition with MLC's names and the serving series; ``GET /health``."""
+from __future__ import annotations
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from engines.registry import ModelSpec, build_engines
+from engines.runtime.engine import EngineConfig
+from tests.server.conftest import SMALL_ENGINE, TRACED, UNTRACED, assert_error
+
+
+async def scrape(http: httpx.AsyncClient) -> dict:
+    response = await http.get("/metrics")
+    assert response.status_code == 200
+    assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
+    return {family.name: family for family in text_string_to_metric_families(response.text)}
+
+
+def sample(families: dict, family: str, name: str | None = None, **labels: str) -> float:
+    for s in families[family].samples:
+        if s.name == (name or family) and all(s.labels.get(k) == v for k, v in labels.items()):
+            return s.value
+    raise AssertionError(f"no sample {name or family} {labels}")
+
+
+async def test_metrics_cover_every_engine_with_a_model_label(client: httpx.AsyncClient) -> None:
+    body = {"model": TRACED, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6,
+            "debug_config": {"ignore_eos": True}}
+    assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+    families = await scrape(client)
+    for model in (TRACED, UNTRACED):
+        assert sample(families, "engine_decode_time_sum", model=model) >= 0
+        assert sample(families, "engine_info", model=model, backend="cpu") == 1
+    assert sample(families, "engine_info", model=TRACED, tracing="true") == 1
+    assert sample(families, "engine_info", model=UNTRACED, tracing="false") == 1
+    assert sample(families, "engine_prefill_time_sum", model=TRACED) > 0
+    assert sample(families, "completion_tokens_sum", model=TRACED) == 6
+    assert sample(families, "decode_tokens_per_s", model=TRACED) > 0
+    assert sample(families, "last_finished_request_completion_tokens", model=TRACED) == 6
+    assert families["prompt_tokens"].type == "counter"
+    assert sample(families, "generation_tokens", "generation_tokens_total", model=TRACED) == 6
+    assert sample(families, "request_success", "request_success_total", model=TRACED) == 1
+    assert sample(families, "num_requests_running", model=TRACED) == 0
+    assert sample(families, "num_requests_waiting", model=TRACED) == 0
+    assert 0 <= sample(families, "kv_cache_usage_perc", model=TRACED) <= 1
+    # Histograms with vLLM's buckets: cumulative, ending at +Inf == count.
+    ttft = families["time_to_first_token_seconds"]
+    assert ttft.type == "histogram"
+    buckets = [s for s in ttft.samples if s.name.endswith("_bucket") and s.labels["model"] == TRACED]
+    assert buckets[-1].labels["le"] == "+Inf" and buckets[-1].value == 1
+    assert [b.value for b in buckets] == sorted(b.value for b in buckets)
+    assert sample(families, "time_to_first_token_seconds", "time_to_first_token_seconds_count", model=TRACED) == 1
+    assert sample(families, "e2e_request_latency_seconds", "e2e_request_latency_seconds_sum", model=TRACED) > 0
+
+
+async def test_decode_time_by_batch_size_is_labelled(client: httpx.AsyncClient) -> None:
+    body = {"model": TRACED, "prompt": "hello", "max_tokens": 8, "debug_config": {"ignore_eos": True}}
+    assert (await client.post("/v1/completions", json=body)).status_code == 200
+    families = await scrape(client)
+    counts = [s for s in families["decode_time_by_batch_size_count"].samples if s.labels["model"] == TRACED]
+    assert counts and all(s.labels["batch_size"].isdigit() for s in counts)
+
+
+async def test_metrics_speaks_openmetrics_when_asked(client: httpx.AsyncClient) -> None:
+    response = await client.get("/metrics", headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+    assert response.headers["content-type"].startswith("application/openmetrics-text")
+    assert response.text.rstrip().endswith("# EOF")
+
+
+async def test_metrics_not_gated_by_debug(serve) -> None:
+    async with serve(enable_debug=False) as http:
+        assert (await http.get("/metrics")).status_code == 200
+
+
+async def test_health_ok(client: httpx.AsyncClient) -> None:
+    response = await client.get("/health")
+    assert response.status_code == 200 and response.json() == {"status": "ok"}
+
+
+@pytest.fixture(scope="module")
+def stopped_engine():
+    """A demo engine that was started and then stopped: what a dead engine looks like from outside."""
+    (engine,) = build_engines([ModelSpec("demo", "stopped")], EngineConfig(**SMALL_ENGINE), backend="cpu")
+    engine.start()
+    engine.shutdown()
+    return engine
+
+
+async def test_health_503_names_a_dead_engine(serve, engines, stopped_engine) -> None:
+    async with serve(serving=[engines[TRACED], stopped_engine]) as http:
+        response = await http.get("/health")
+        assert response.status_code == 503
+        assert response.json() == {"status": "unhealthy", "dead_engines": ["stopped"]}
+        # Requests to it fail with 503 rather than hanging.
+        body = {"model": "stopped", "prompt": "hi", "max_tokens": 1}
+        assert_error(await http.post("/v1/completions", json=body), 503)
