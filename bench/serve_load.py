@@ -6,7 +6,11 @@ For each client count (default 16 and 64) the same requests run twice in one run
    one coroutine per client calling ``generate`` directly;
 2. **through HTTP**: ``manage.py serve`` in a subprocess, one streaming
    ``/v1/chat/completions`` client per connection (httpx), while a side task
-   polls ``/debug/dump_engine_metrics`` to time it under load.
+   polls ``/debug/dump_engine_metrics`` (every 100 ms) to time it under load.
+
+The two alternate (``--repeats`` times) so that load drifting on a shared machine
+hits both sides alike; the client's own CPU use counts against HTTP, as it would
+on one box.
 
 Every request uses ``debug_config.ignore_eos`` so each produces exactly
 ``--max-tokens`` tokens and both sides do identical work. Reported: output
@@ -39,16 +43,56 @@ PROMPT = [{"role": "user", "content": "Tell me everything you know about lightho
 
 @dataclass
 class PhaseResult:
-    """One load phase: throughput, time to first token, and (HTTP only) metrics-endpoint latency."""
+    """One load phase: throughput, time to first token, (HTTP only) metrics-endpoint latency, and CPU use.
+
+    CPU seconds are split by where they went: ``engine_cpu_s`` every thread of the process that
+    holds the engine except its main thread (the engine thread and the numba/BLAS workers),
+    ``loop_cpu_s`` that process's main thread (the server's event loop; for the engine alone
+    the client coroutines), ``client_cpu_s`` the HTTP load generator (this process).
+    """
 
     tokens: int
     seconds: float
     ttft_s: list[float] = field(default_factory=list)
     metrics_latency_s: list[float] = field(default_factory=list)
+    engine_cpu_s: float = 0.0
+    loop_cpu_s: float = 0.0
+    client_cpu_s: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
+
+
+def thread_cpu(pid: int) -> tuple[float, float]:
+    """CPU seconds of ``pid``'s main thread and of all its other threads together (Linux /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    main = others = 0.0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+        seconds = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+        if int(task.name) == pid:
+            main += seconds
+        else:
+            others += seconds
+    return main, others
+
+
+def timed(pid: int, run, with_client: bool = False) -> PhaseResult:
+    """Run a phase coroutine and charge the CPU that ``pid`` (and, for HTTP, this process) spent."""
+    main0, others0 = thread_cpu(pid)
+    client0 = os.times()
+    result = asyncio.run(run)
+    main1, others1 = thread_cpu(pid)
+    client1 = os.times()
+    result.loop_cpu_s = main1 - main0
+    result.engine_cpu_s = others1 - others0
+    if with_client:
+        result.client_cpu_s = (client1.user - client0.user) + (client1.system - client0.system)
+    return result
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -100,26 +144,22 @@ async def run_engine_alone(engine, clients: int, requests_per_client: int, max_t
     return PhaseResult(tokens=tokens, seconds=time.perf_counter() - start, ttft_s=ttfts)
 
 
-def engine_phase(args: argparse.Namespace, clients: int) -> PhaseResult:
+def start_engine(args: argparse.Namespace):
+    """The in-process engine of the "engine alone" runs, sized like the server's."""
     from engines.registry import ModelSpec, build_engines
     from engines.runtime.engine import EngineConfig
 
     (engine,) = build_engines([ModelSpec("demo")], EngineConfig(**sizing(args)), backend=args.backend)
     engine.start()
-    try:
-        # Warm-up: JIT compilation and first-touch costs are not what we measure.
-        asyncio.run(run_engine_alone(engine, clients, 1, 4))
-        return asyncio.run(run_engine_alone(engine, clients, args.requests_per_client, args.max_tokens))
-    finally:
-        engine.shutdown()
+    return engine
 
 
 # ------------------------------------------------------------------------------- HTTP
 
 
 async def run_http(base: str, clients: int, requests_per_client: int, max_tokens: int,
-                   poll_metrics: bool) -> PhaseResult:
-    """N streaming chat clients on their own connections, plus an optional metrics poller."""
+                   poll_interval: float | None) -> PhaseResult:
+    """N streaming chat clients on their own connections, plus a metrics poller every ``poll_interval`` s."""
     ttfts: list[float] = []
     metrics_latency: list[float] = []
     tokens = 0
@@ -129,21 +169,26 @@ async def run_http(base: str, clients: int, requests_per_client: int, max_tokens
 
     async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as http:
         async def client() -> None:
+            # A lean load generator: on a shared box every microsecond it spends is taken from the
+            # server, so it splits events on raw bytes and decodes only the usage chunk.
             nonlocal tokens
             for _ in range(requests_per_client):
                 start = time.perf_counter()
                 first = True
+                last_event = b""
+                buffer = b""
                 async with http.stream("POST", "/v1/chat/completions", json=body) as response:
                     response.raise_for_status()
-                    async for line in response.aiter_lines():
-                        if not line.startswith("data: ") or line == "data: [DONE]":
-                            continue
-                        chunk = json.loads(line[6:])
-                        if first and chunk["choices"]:
+                    async for data in response.aiter_raw():
+                        if first:
                             ttfts.append(time.perf_counter() - start)
                             first = False
-                        if chunk.get("usage"):
-                            tokens += chunk["usage"]["completion_tokens"]
+                        *events, buffer = (buffer + data).split(b"\n\n")
+                        for event in events:
+                            if event == b"data: [DONE]":
+                                usage = json.loads(last_event[len(b"data: "):])["usage"]
+                                tokens += usage["completion_tokens"]
+                            last_event = event
 
         done = asyncio.Event()
 
@@ -153,9 +198,9 @@ async def run_http(base: str, clients: int, requests_per_client: int, max_tokens
                 response = await http.post("/debug/dump_engine_metrics", content=b"{}")
                 response.raise_for_status()
                 metrics_latency.append(time.perf_counter() - start)
-                await asyncio.sleep(0.05)
+                await asyncio.sleep(poll_interval)
 
-        poll_task = asyncio.create_task(poller()) if poll_metrics else None
+        poll_task = asyncio.create_task(poller()) if poll_interval else None
         start = time.perf_counter()
         await asyncio.gather(*(client() for _ in range(clients)))
         seconds = time.perf_counter() - start
@@ -165,7 +210,8 @@ async def run_http(base: str, clients: int, requests_per_client: int, max_tokens
     return PhaseResult(tokens=tokens, seconds=seconds, ttft_s=ttfts, metrics_latency_s=metrics_latency)
 
 
-def http_phase(args: argparse.Namespace, clients: int) -> PhaseResult:
+def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
+    """``manage.py serve`` with the same sizing, debug on (for the metrics endpoint), tracing off."""
     port = _free_port()
     command = [sys.executable, "manage.py", "serve", "--enable-debug", "--port", str(port), "--backend", args.backend]
     for key, value in sizing(args).items():
@@ -174,13 +220,8 @@ def http_phase(args: argparse.Namespace, clients: int) -> PhaseResult:
     env["DEBUGSITE_VAR_DIR"] = str(Path(args.var_dir).resolve())
     server = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(server, base)
-        asyncio.run(run_http(base, clients, 1, 4, poll_metrics=False))  # warm-up
-        return asyncio.run(run_http(base, clients, args.requests_per_client, args.max_tokens, poll_metrics=True))
-    finally:
-        server.terminate()
-        server.wait(30)
+    _wait_healthy(server, base)
+    return server, base
 
 
 def _wait_healthy(server: subprocess.Popen, base: str, timeout: float = 180) -> None:
@@ -212,11 +253,61 @@ def sizing(args: argparse.Namespace) -> dict[str, int]:
 # ------------------------------------------------------------------------------- main
 
 
+def merge(results: list[PhaseResult]) -> PhaseResult:
+    """Several runs as one: tokens and seconds add up, samples pool."""
+    return PhaseResult(
+        tokens=sum(r.tokens for r in results),
+        seconds=sum(r.seconds for r in results),
+        ttft_s=[t for r in results for t in r.ttft_s],
+        metrics_latency_s=[t for r in results for t in r.metrics_latency_s],
+        engine_cpu_s=sum(r.engine_cpu_s for r in results),
+        loop_cpu_s=sum(r.loop_cpu_s for r in results),
+        client_cpu_s=sum(r.client_cpu_s for r in results),
+    )
+
+
+def measure(args: argparse.Namespace, engine, server: subprocess.Popen, base: str,
+            clients: int) -> dict[str, object]:
+    """Warm both sides up, then alternate engine-alone and HTTP runs so drifting machine load hits both."""
+    asyncio.run(run_engine_alone(engine, clients, 1, 4))  # JIT and first-touch costs are not what we measure
+    asyncio.run(run_http(base, clients, 1, 4, poll_interval=None))
+    alone_runs, http_runs = [], []
+    for _ in range(args.repeats):
+        alone_runs.append(timed(os.getpid(), run_engine_alone(engine, clients, args.requests_per_client,
+                                                              args.max_tokens)))
+        http_runs.append(timed(server.pid, run_http(base, clients, args.requests_per_client, args.max_tokens,
+                                                    poll_interval=args.poll_interval), with_client=True))
+    alone, http = merge(alone_runs), merge(http_runs)
+    return {
+        "clients": clients,
+        "requests": clients * args.requests_per_client * args.repeats,
+        "max_tokens": args.max_tokens,
+        "engine_tok_s": round(alone.tokens_per_s, 1),
+        "http_tok_s": round(http.tokens_per_s, 1),
+        "ratio": round(http.tokens_per_s / alone.tokens_per_s, 3) if alone.tokens_per_s else 0.0,
+        "run_ratios": [round(h.tokens_per_s / a.tokens_per_s, 3) for a, h in zip(alone_runs, http_runs)],
+        "engine_ttft_p50_ms": round(1000 * percentile(alone.ttft_s, 0.5), 1),
+        "engine_ttft_p99_ms": round(1000 * percentile(alone.ttft_s, 0.99), 1),
+        "http_ttft_p50_ms": round(1000 * percentile(http.ttft_s, 0.5), 1),
+        "http_ttft_p99_ms": round(1000 * percentile(http.ttft_s, 0.99), 1),
+        "metrics_p99_ms": round(1000 * percentile(http.metrics_latency_s, 0.99), 1),
+        "metrics_calls": len(http.metrics_latency_s),
+        # CPU time per generated token, in microseconds: where the cores went.
+        "engine_cpu_us_per_token": round(1e6 * alone.engine_cpu_s / alone.tokens),
+        "http_engine_cpu_us_per_token": round(1e6 * http.engine_cpu_s / http.tokens),
+        "http_server_loop_cpu_us_per_token": round(1e6 * http.loop_cpu_s / http.tokens),
+        "http_client_cpu_us_per_token": round(1e6 * http.client_cpu_s / http.tokens),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2, help="alternating engine/HTTP runs per client count")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--poll-interval", type=float, default=0.1,
+                        help="seconds between /debug/dump_engine_metrics calls during the HTTP runs")
     parser.add_argument("--backend", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-total-tokens", type=int, default=16384)
@@ -226,34 +317,28 @@ def main() -> None:
     args = parser.parse_args()
     Path(args.var_dir).mkdir(parents=True, exist_ok=True)
 
+    engine = start_engine(args)
+    server, base = start_server(args)
     rows = []
-    for clients in args.clients:
-        alone = engine_phase(args, clients)
-        http = http_phase(args, clients)
-        row = {
-            "clients": clients,
-            "requests": clients * args.requests_per_client,
-            "max_tokens": args.max_tokens,
-            "engine_tok_s": round(alone.tokens_per_s, 1),
-            "http_tok_s": round(http.tokens_per_s, 1),
-            "ratio": round(http.tokens_per_s / alone.tokens_per_s, 3) if alone.tokens_per_s else None,
-            "engine_ttft_p50_ms": round(1000 * percentile(alone.ttft_s, 0.5), 1),
-            "engine_ttft_p99_ms": round(1000 * percentile(alone.ttft_s, 0.99), 1),
-            "http_ttft_p50_ms": round(1000 * percentile(http.ttft_s, 0.5), 1),
-            "http_ttft_p99_ms": round(1000 * percentile(http.ttft_s, 0.99), 1),
-            "metrics_p99_ms": round(1000 * percentile(http.metrics_latency_s, 0.99), 1),
-            "metrics_samples": len(http.metrics_latency_s),
-            "engine_seconds": round(alone.seconds, 3),
-            "http_seconds": round(http.seconds, 3),
-        }
-        rows.append(row)
-        print(
-            f"{clients:>3} clients: engine {row['engine_tok_s']:>8.1f} tok/s | HTTP {row['http_tok_s']:>8.1f} tok/s "
-            f"| ratio {row['ratio']:.3f} | TTFT p50/p99 engine {row['engine_ttft_p50_ms']}/{row['engine_ttft_p99_ms']} "
-            f"ms, HTTP {row['http_ttft_p50_ms']}/{row['http_ttft_p99_ms']} ms | dump_engine_metrics p99 "
-            f"{row['metrics_p99_ms']} ms ({row['metrics_samples']} calls)",
-            flush=True,
-        )
+    try:
+        for clients in args.clients:
+            row = measure(args, engine, server, base, clients)
+            rows.append(row)
+            print(
+                f"{clients:>3} clients: engine {row['engine_tok_s']:>7.1f} tok/s | HTTP {row['http_tok_s']:>7.1f} tok/s"
+                f" | ratio {row['ratio']:.3f} (runs {row['run_ratios']}) | TTFT p50/p99 engine "
+                f"{row['engine_ttft_p50_ms']}/{row['engine_ttft_p99_ms']} ms, HTTP {row['http_ttft_p50_ms']}/"
+                f"{row['http_ttft_p99_ms']} ms | dump_engine_metrics p99 {row['metrics_p99_ms']} ms "
+                f"({row['metrics_calls']} calls)\n"
+                f"     CPU us/token: engine alone {row['engine_cpu_us_per_token']}; HTTP: engine "
+                f"{row['http_engine_cpu_us_per_token']}, server event loop {row['http_server_loop_cpu_us_per_token']}, "
+                f"client {row['http_client_cpu_us_per_token']}",
+                flush=True,
+            )
+    finally:
+        server.terminate()
+        server.wait(30)
+        engine.shutdown()
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 

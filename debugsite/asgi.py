@@ -1,8 +1,23 @@
-"""ASGI entry point: HTTP through the API-key gate into Django, websockets through Channels.
+"""ASGI entry point.
 
-``manage.py serve`` fills the engine registry before handing this application
-to Daphne. Run under another ASGI server (``daphne debugsite.asgi:application``),
-set ``ENGINES_MODELS`` and the engines are built here, at import, from the
+HTTP first passes the API-key gate (:mod:`engines.auth`), then goes to one of
+two Django handlers over the same URLconf:
+
+- the machine-facing routes (``/v1``, ``/debug``, ``/microserving``, ``/metrics``,
+  ``/health``) to :class:`APIHandler`, which runs no middleware;
+- everything else (admin, dashboard) to Django's usual handler with
+  ``settings.MIDDLEWARE``.
+
+Why two: under ASGI every ``MiddlewareMixin`` hook runs through
+``sync_to_async``, so the seven browser middleware (sessions, CSRF, auth,
+messages, ...) cost about fourteen thread hops per request, each waiting for
+the GIL against the busy engine thread. Under load that added ~100 ms to time
+to first token and to ``/debug`` latency, for routes that use none of it: API
+clients authenticate with a bearer key, and the views are CSRF-exempt JSON.
+
+``manage.py serve`` fills the engine registry before handing this application to
+Daphne. Under another ASGI server (``daphne debugsite.asgi:application``), set
+``ENGINES_MODELS`` and the engines are built here, at import, from the
 ``ENGINES_*`` variables (see :func:`engines.registry.configure_from_env`).
 """
 import os
@@ -14,11 +29,51 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "debugsite.settings")
 django_asgi_app = get_asgi_application()
 
 from channels.routing import ProtocolTypeRouter  # noqa: E402
+from django.core.handlers.asgi import ASGIHandler  # noqa: E402
+from django.core.handlers.exception import convert_exception_to_response  # noqa: E402
+from django.http import HttpRequest, HttpResponseBase  # noqa: E402
 
 from engines import registry as engine_registry  # noqa: E402
 from engines.auth import APIKeyMiddleware  # noqa: E402
 
+API_PREFIXES = ("/v1", "/debug", "/microserving", "/metrics", "/health")
+
+
+class APIHandler(ASGIHandler):
+    """Django's ASGI handler without middleware, for the JSON API routes.
+
+    It keeps the one check the API needs from the stack it skips: the Host header must be
+    in ``ALLOWED_HOSTS`` (CommonMiddleware checked it), which is what stops a DNS-rebinding
+    page in a browser from reaching a loopback server that has no API key.
+    """
+
+    def load_middleware(self, is_async: bool = False) -> None:
+        # BaseHandler.load_middleware with MIDDLEWARE = [] plus the host check; exceptions
+        # (DisallowedHost included: a 400) still become Django's error responses.
+        self._view_middleware = []
+        self._template_response_middleware = []
+        self._exception_middleware = []
+        self._middleware_chain = convert_exception_to_response(self._checked_response)
+
+    async def _checked_response(self, request: HttpRequest) -> HttpResponseBase:
+        request.get_host()  # raises DisallowedHost for a Host not in ALLOWED_HOSTS
+        return await self._get_response_async(request)
+
+
+class PathRouter:
+    """Send API paths to the bare handler and the rest to the full Django stack."""
+
+    def __init__(self, api_app, site_app) -> None:
+        self.api_app = api_app
+        self.site_app = site_app
+
+    async def __call__(self, scope, receive, send) -> None:
+        path = scope["path"]
+        is_api = any(path == p or path.startswith(p + "/") for p in API_PREFIXES)
+        await (self.api_app if is_api else self.site_app)(scope, receive, send)
+
+
 if os.environ.get("ENGINES_MODELS") and not len(engine_registry.registry):
     engine_registry.configure_from_env()
 
-application = ProtocolTypeRouter({"http": APIKeyMiddleware(django_asgi_app)})
+application = ProtocolTypeRouter({"http": APIKeyMiddleware(PathRouter(APIHandler(), django_asgi_app))})

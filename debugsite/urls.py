@@ -6,9 +6,9 @@ switch can be set after this module is imported. The API-key gate sits in front
 of all of this in :mod:`debugsite.asgi`.
 """
 from django.contrib import admin
-from django.urls import path
+from django.urls import path, re_path
 
-from engines.views import debug, metrics, openai
+from engines.views import debug, errors, metrics, openai
 
 urlpatterns = [
     path("v1/models", openai.list_models, name="v1-models"),
@@ -22,4 +22,6 @@ urlpatterns = [
     path("metrics", metrics.prometheus_metrics, name="metrics"),
     path("health", metrics.health, name="health"),
     path("admin/", admin.site.urls),
+    # Last: anything else under the API prefixes gets a JSON 404, not Django's HTML page.
+    re_path(r"^(?P<path>(v1|debug)/.*)$", errors.api_not_found, name="api-not-found"),
 ]

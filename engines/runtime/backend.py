@@ -113,8 +113,8 @@ class Workspace:
             next_ids=self._flat["next_ids"][:num_rows],
             no_residual=self._no_residual,
         )
-        # Decode steps repeat the same few shapes: keep their views (cheap on the host,
-        # but a DeviceNDArray view costs microseconds to build).
+        # Decode steps repeat the same few shapes: keep their views (cheap on the host, but
+        # a DeviceNDArray view costs tens of microseconds to build).
         if len(self._views) >= 64:
             self._views.clear()
         self._views[(num_tokens, num_rows)] = views
@@ -212,9 +212,10 @@ class LaunchShapes:
     gemv_max_rows: int            # matmuls with at most this many rows use the GEMV kernel
 
 
-# Real GPUs: blocks big enough to hide memory latency.
-GPU_LAUNCH_SHAPES = LaunchShapes(row_threads=128, attention_threads=64, gemv_block=(32, 8),
-                                 tile_block=(16, 16), gemv_max_rows=16)
+# Real GPUs: enough threads in flight to hide memory latency (a GEMV block of 32 x 32
+# threads keeps 4 loads in flight per thread).
+GPU_LAUNCH_SHAPES = LaunchShapes(row_threads=128, attention_threads=64, gemv_block=(32, 32),
+                                 tile_block=(16, 16), gemv_max_rows=32)
 # The simulator runs one Python thread per CUDA thread: the smallest blocks that still
 # exercise every code path (several threads per reduction, several slices, partial tiles).
 SIMULATOR_LAUNCH_SHAPES = LaunchShapes(row_threads=8, attention_threads=8, gemv_block=(8, 2),
@@ -425,10 +426,11 @@ class CudaBackend:
         needed = -(-group * head_dim // attention.ATTN_MAX_PAIRS)
         threads = max(self.shapes.attention_threads, 1 << max(0, math.ceil(math.log2(needed))))
         if (threads > attention.ATTN_MAX_THREADS or group > attention.ATTN_MAX_GROUP
-                or head_dim > attention.ATTN_MAX_HEAD_DIM):
+                or head_dim > attention.ATTN_MAX_HEAD_DIM or head_dim % 4):
             raise ValueError(
-                f"attention with {group} q heads per kv head and head_dim {head_dim} exceeds the CUDA kernel's "
-                f"limits (group <= {attention.ATTN_MAX_GROUP}, head_dim <= {attention.ATTN_MAX_HEAD_DIM})"
+                f"attention with {group} q heads per kv head and head_dim {head_dim} is outside the CUDA kernel's "
+                f"limits (group <= {attention.ATTN_MAX_GROUP}, head_dim <= {attention.ATTN_MAX_HEAD_DIM} and a "
+                "multiple of 4)"
             )
         return threads
 

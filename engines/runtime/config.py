@@ -41,11 +41,15 @@ class ModelConfig:
                                "num_attention_heads") if k not in raw]
         if missing:
             raise CheckpointError(f"config.json lacks required field(s): {', '.join(missing)}")
-        rope_scaling = raw.get("rope_scaling")
-        if rope_scaling and (rope_scaling.get("rope_type") or rope_scaling.get("type")) not in (None, "default"):
-            raise CheckpointError(
-                f"rope_scaling {rope_scaling!r} is not supported yet: only plain rope_theta is"
-            )
+        # transformers 5 writes the RoPE settings as "rope_parameters" (and no top-level
+        # rope_theta); older checkpoints use rope_theta + rope_scaling.
+        rope_parameters = raw.get("rope_parameters") or {}
+        for rope in (raw.get("rope_scaling"), rope_parameters):
+            if rope and (rope.get("rope_type") or rope.get("type")) not in (None, "default"):
+                raise CheckpointError(
+                    f"RoPE scaling {rope!r} is not supported yet: only plain rope_theta is"
+                )
+        rope_theta = raw.get("rope_theta", rope_parameters.get("rope_theta", 10000.0))
         heads = int(raw["num_attention_heads"])
         hidden = int(raw["hidden_size"])
         head_dim = int(raw.get("head_dim") or hidden // heads)
@@ -64,7 +68,7 @@ class ModelConfig:
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(raw.get("rope_theta", 10000.0)),
+            rope_theta=float(rope_theta),
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),

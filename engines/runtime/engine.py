@@ -20,6 +20,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from engines import __version__
 from engines.runtime.checkpoint import Checkpoint
 from engines.runtime.grammar import GrammarCompiler, GrammarError
 from engines.runtime.kv_cache import KVCachePool
@@ -399,6 +400,11 @@ class Engine:
                 state.first_scheduled_time = now
                 if self.tracer is not None:
                     self.tracer.add_event(state.request_id, "finish queue")
+            if self.tracer is not None:
+                # What the prefix cache gave back and what the pool handed out.
+                self.tracer.add_event(state.request_id, "kv cache admit", {
+                    "cached_tokens": seq.num_cached_prefix_tokens,
+                    "pages": len(self.kv_pool.pages(seq.seq_id))})
             if state.debug is not None and state.debug.pinned_system_prompt and seq.index == 0:
                 pin = state.request.system_prompt_tokens or len(state.request.prompt)
                 self.kv_pool.pin(seq.seq_id, pin)
@@ -439,7 +445,7 @@ class AsyncEngine:
         self.backend_name = model.backend_name
         self.dtype = model.dtype
         self.tracer = (TraceRecorder(engine=name, model=checkpoint.name, backend=model.backend_name,
-                                     max_events=self.config.max_trace_events)
+                                     max_events=self.config.max_trace_events, version=__version__)
                        if enable_tracing else None)
         self.engine = Engine(model, checkpoint, self.config, self.tracer)
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()

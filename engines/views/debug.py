@@ -13,18 +13,17 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import logging
 from typing import Any
 
 import orjson
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
+from django.views.decorators.csrf import csrf_exempt
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr, ValidationError
 
 from engines.protocol.errors import ProtocolError
 from engines.registry import registry
-from engines.views.errors import AsyncView, api_view, json_response
-
-logger = logging.getLogger(__name__)
+from engines.runtime.engine import AsyncEngine
+from engines.views.errors import AsyncView, api_view, error_response, json_response
 
 NOT_MOUNTED = "Not found: the /debug endpoints exist only when the server runs with --enable-debug."
 
@@ -39,15 +38,16 @@ class DebugRequest(BaseModel):
 
 
 def debug_view(view: AsyncView) -> AsyncView:
-    """POST-only JSON endpoint that exists only with ``--enable-debug``."""
+    """POST-only JSON endpoint that exists only with ``--enable-debug`` (404 for any method otherwise)."""
+    endpoint = api_view("POST")(view)
 
     @functools.wraps(view)
     async def gated(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
         if not registry.options.enable_debug:
-            raise ProtocolError(404, NOT_MOUNTED)
-        return await view(request, *args, **kwargs)
+            return error_response(ProtocolError(404, NOT_MOUNTED))
+        return await endpoint(request, *args, **kwargs)
 
-    return api_view("POST")(gated)
+    return csrf_exempt(gated)
 
 
 def parse_body(request: HttpRequest, *, model_required: bool, empty_ok: bool = False) -> DebugRequest:
@@ -64,7 +64,7 @@ def parse_body(request: HttpRequest, *, model_required: bool, empty_ok: bool = F
     return body
 
 
-def lookup(model: str | None):  # -> AsyncEngine
+def lookup(model: str | None) -> AsyncEngine:
     """The engine named ``model``; with no name, the first engine (MLC's process-wide routes do that)."""
     engine = registry.get(model) if model is not None else registry.first()
     if engine is None:

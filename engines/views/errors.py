@@ -70,3 +70,9 @@ def api_view(*methods: str) -> Callable[[AsyncView], AsyncView]:
         return csrf_exempt(wrapper)
 
     return decorate
+
+
+@api_view("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS")
+async def api_not_found(request: HttpRequest, path: str = "") -> HttpResponse:
+    """404 in the error shape for API paths no route matches (Django's would be an HTML page)."""
+    raise ProtocolError(404, f"No endpoint {request.method} {request.path} on this server.")

@@ -298,6 +298,7 @@ async def sse_events(
 
 
 def _sse(model: BaseModel) -> bytes:
+    """One SSE event; the serializer writes JSON bytes directly (no str round trip per token)."""
     return b"data: " + model.__pydantic_serializer__.to_json(model) + b"\n\n"
 
 

@@ -62,3 +62,11 @@ def test_bearer_parsing_and_compare() -> None:
     assert bearer_token([(b"authorization", b"Basic abc")]) is None
     assert bearer_token([]) is None
     assert key_matches(b"abc", "abc") and not key_matches(b"abd", "abc") and not key_matches(None, "abc")
+
+
+async def test_api_refuses_a_foreign_host_header(serve) -> None:
+    """ALLOWED_HOSTS still guards the API (against DNS rebinding to a key-less loopback server)."""
+    async with serve(api_key=None) as http:
+        response = await http.get("/v1/models", headers={"Host": "evil.example"})
+        assert response.status_code == 400
+        assert (await http.get("/v1/models", headers={"Host": "localhost:8000"})).status_code == 200

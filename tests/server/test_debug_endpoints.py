@@ -27,6 +27,7 @@ async def generate(http: httpx.AsyncClient, user: str, max_tokens: int = 4, mode
 async def test_debug_routes_absent_without_enable_debug(serve, route: str) -> None:
     async with serve(enable_debug=False) as http:
         error = assert_error(await http.post(f"/debug/{route}", json={"model": TRACED}), 404)
+        assert_error(await http.get(f"/debug/{route}"), 404)
     assert "--enable-debug" in error["message"]
 
 

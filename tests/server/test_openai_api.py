@@ -288,3 +288,8 @@ async def test_engine_refusals_are_400(client: httpx.AsyncClient) -> None:
     assert "outside the vocabulary" in assert_error(await client.post(COMPLETIONS, json=outside), 400)["message"]
     bias = {"model": TRACED, "prompt": "hi", "logit_bias": {str(10**6): 5}}
     assert_error(await client.post(COMPLETIONS, json=bias), 400)
+
+
+async def test_unknown_api_path_is_a_json_404(client: httpx.AsyncClient) -> None:
+    assert_error(await client.get("/v1/engines"), 404, "No endpoint GET /v1/engines on this server.")
+    assert_error(await client.post("/debug/nothing", json={}), 404)

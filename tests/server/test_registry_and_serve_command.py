@@ -1,11 +1,18 @@
 """The registry (MLC's ServerContext) and the serve command's checks that run before any engine loads."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from django.core.management import CommandError, call_command
 
 from engines.management.commands.serve import is_loopback
-from engines.registry import EngineRegistry, ModelSpec, RegistryError, ServerOptions
+from engines.registry import EngineRegistry, ModelSpec, RegistryError, ServerOptions, configure_from_env
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 class FakeEngine:
@@ -77,3 +84,32 @@ def test_serve_refuses_a_public_host_without_a_key(monkeypatch) -> None:
 def test_serve_rejects_a_bad_model_spec() -> None:
     with pytest.raises(CommandError, match="served name"):
         call_command("serve", "--model", "demo:")
+
+
+def test_serve_reports_a_bad_checkpoint_and_exits(tmp_path) -> None:
+    """A wrong --model path ends the command with the loader's message, not a traceback."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "API_KEY")}
+    env["DEBUGSITE_VAR_DIR"] = str(tmp_path)
+    missing = tmp_path / "no-such-model"
+    result = subprocess.run(
+        [sys.executable, "manage.py", "serve", "--model", f"{missing}:mine", "--port", "1"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 1
+    assert "CommandError" in result.stderr and str(missing) in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_configure_from_env_builds_and_starts_engines() -> None:
+    """The path a bare ``daphne debugsite.asgi:application`` deployment takes."""
+    env = {"ENGINES_MODELS": "demo:env-demo", "ENGINES_ENABLE_DEBUG": "1", "ENGINES_ENABLE_TRACING": "yes",
+           "ENGINES_BACKEND": "cpu", "ENGINES_MAX_NUM_SEQS": "2", "ENGINES_MAX_TOTAL_TOKENS": "512", "API_KEY": "k"}
+    reg = configure_from_env(env)
+    try:
+        engine = reg.get("env-demo")
+        assert reg.model_names() == ["env-demo"] and engine.is_alive
+        assert engine.tracer is not None and engine.config.max_num_seqs == 2
+        assert reg.options == ServerOptions(enable_debug=True, api_key="k")
+    finally:
+        reg.shutdown_all()
+        reg.options = ServerOptions()

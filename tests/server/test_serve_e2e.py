@@ -150,7 +150,18 @@ def test_reset_brings_metrics_back_to_zero(server: Server) -> None:
 
 
 def test_sigterm_stops_engines_and_exits_cleanly(server: Server) -> None:
-    server.process.send_signal(signal.SIGTERM)
+    """SIGTERM with a stream in flight: the stream is cut, the engine stopped, the exit status 0."""
+    body = {"model": "demo", "messages": [{"role": "user", "content": "go on forever"}], "max_tokens": 1500,
+            "stream": True, "debug_config": {"ignore_eos": True}}
+    with server.http.stream("POST", "/v1/chat/completions", json=body) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+        server.process.send_signal(signal.SIGTERM)
+        try:
+            rest = list(lines)
+        except httpx.HTTPError:  # the server may drop the connection mid-chunk
+            rest = []
+    assert "data: [DONE]" not in rest  # it did not run to its end
     assert server.process.wait(30) == 0
     output = server.output()
     assert "Engines stopped." in output

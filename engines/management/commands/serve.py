@@ -11,11 +11,11 @@ from __future__ import annotations
 # before anything else imports twisted.internet.reactor.
 from daphne.server import Server  # isort:skip
 
+import asyncio
 import ipaddress
 import logging
 import os
 import signal
-import sys
 from argparse import ArgumentParser
 from typing import Any
 
@@ -89,11 +89,12 @@ class Command(BaseCommand):
                 "or listen on 127.0.0.1."
             )
         specs = self._model_specs(options["models"] or ["demo"])
-        self._apply_migrations()
 
-        # Until Daphne installs its own handlers, SIGTERM must still unwind through `finally`.
+        # Until Daphne installs its own handlers, SIGTERM must unwind like Ctrl-C: a migration
+        # rolls back and engines built so far are stopped, rather than the process dying mid-step.
         previous_term = signal.signal(signal.SIGTERM, _raise_interrupted)
         try:
+            self._apply_migrations()
             self._load_engines(specs, options)
             if options["enable_debug"]:
                 logger.info("Enable debug endpoint and debug_config in requests...")
@@ -180,6 +181,7 @@ class Command(BaseCommand):
             verbosity=verbosity,
         )
         server.run()
+        _finish_pending_tasks()
         if not server.listening_addresses:
             raise CommandError(f"could not listen on {host}:{port} (is the port already in use?)")
 
@@ -191,3 +193,21 @@ class Command(BaseCommand):
 
 def _raise_interrupted(signum: int, frame: Any) -> None:
     raise _Interrupted()
+
+
+def _finish_pending_tasks() -> None:
+    """Cancel what is still running on Daphne's event loop and let it unwind, before engines stop.
+
+    Daphne cancels each connection's application task on shutdown, but Django runs the
+    view in an inner task that the cancellation does not reach, so a stream in flight
+    would stay suspended forever and be torn down by the garbage collector at exit
+    (which crashed the interpreter). Cancelling it here runs the stream's cleanup (the
+    request is aborted in its engine) while the loop and the engines still exist.
+    """
+    loop = asyncio.get_event_loop()
+    pending = [task for task in asyncio.all_tasks(loop) if not task.done()]
+    for task in pending:
+        task.cancel()
+    if pending:
+        loop.run_until_complete(asyncio.wait(pending, timeout=10))
+    loop.run_until_complete(loop.shutdown_asyncgens())

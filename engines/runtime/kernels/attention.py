@@ -12,7 +12,7 @@ q comes from the fused projection buffer ``qkv`` (already rotated), and the outp
 import math
 
 import numpy as np
-from numba import cuda, float32, njit, prange
+from numba import cuda, float32, int32, njit, prange
 
 ATTN_MAX_THREADS = 128   # largest blockDim.x: keys scored per chunk
 ATTN_MAX_GROUP = 16      # largest number of q heads sharing one kv head
@@ -22,7 +22,7 @@ ATTN_MAX_PAIRS = 16      # (q head, dim) outputs per thread: group * head_dim <=
 
 @cuda.jit(cache=True)
 def paged_attention_cuda(qkv, positions, token_seq, page_table, k_cache, v_cache, layer, num_q_heads, scale, out):
-    """Grid ``(num_tokens, num_kv_heads)``, block ``(threads,)`` with threads a power of two.
+    """Grid ``(num_tokens, num_kv_heads)``, block ``(threads,)``; ``head_dim`` a multiple of 4.
 
     Block (t, kv head) serves all q heads of the group, so each key and value is read from
     memory once per group. Keys are taken ``blockDim.x`` at a time with an online softmax:
@@ -33,6 +33,8 @@ def paged_attention_cuda(qkv, positions, token_seq, page_table, k_cache, v_cache
     """
     q_sh = cuda.shared.array((ATTN_MAX_GROUP, ATTN_MAX_HEAD_DIM), float32)
     p_sh = cuda.shared.array((ATTN_MAX_GROUP, ATTN_MAX_THREADS), float32)
+    page_sh = cuda.shared.array(ATTN_MAX_THREADS, int32)
+    slot_sh = cuda.shared.array(ATTN_MAX_THREADS, int32)
     m_sh = cuda.shared.array(ATTN_MAX_GROUP, float32)
     l_sh = cuda.shared.array(ATTN_MAX_GROUP, float32)
     alpha_sh = cuda.shared.array(ATTN_MAX_GROUP, float32)
@@ -60,16 +62,24 @@ def paged_attention_cuda(qkv, positions, token_seq, page_table, k_cache, v_cache
         acc[a] = float32(0.0)
     cuda.syncthreads()
 
+    # The inner loops below are unrolled by four: memory latency, not bandwidth, bounds
+    # this kernel, so each thread keeps four loads in flight.
     for c0 in range(0, num_keys, nthreads):
         n = min(nthreads, num_keys - c0)
         if tid < n:
             j = c0 + tid
             page = page_table[seq, j // page_size]
             slot = j % page_size
+            page_sh[tid] = page
+            slot_sh[tid] = slot
             for g in range(group):
                 s = float32(0.0)
-                for d in range(head_dim):
-                    s += q_sh[g, d] * float32(k_cache[layer, page, kv_head, slot, d])
+                for d in range(0, head_dim, 4):
+                    k0 = float32(k_cache[layer, page, kv_head, slot, d])
+                    k1 = float32(k_cache[layer, page, kv_head, slot, d + 1])
+                    k2 = float32(k_cache[layer, page, kv_head, slot, d + 2])
+                    k3 = float32(k_cache[layer, page, kv_head, slot, d + 3])
+                    s += q_sh[g, d] * k0 + q_sh[g, d + 1] * k1 + q_sh[g, d + 2] * k2 + q_sh[g, d + 3] * k3
                 p_sh[g, tid] = s
         cuda.syncthreads()
         if tid < group:
@@ -88,17 +98,25 @@ def paged_attention_cuda(qkv, positions, token_seq, page_table, k_cache, v_cache
             alpha_sh[tid] = alpha
         cuda.syncthreads()
         a = 0
+        last = n - 1
         for p in range(tid, pairs, nthreads):
             g = p // head_dim
             d = p % head_dim
             v_acc = acc[a] * alpha_sh[g]
-            for i in range(n):
-                j = c0 + i
-                page = page_table[seq, j // page_size]
-                v_acc += p_sh[g, i] * float32(v_cache[layer, page, kv_head, j % page_size, d])
+            for i in range(0, n, 4):
+                # Keys past the chunk re-read its last key with a zero weight.
+                i1 = min(i + 1, last)
+                i2 = min(i + 2, last)
+                i3 = min(i + 3, last)
+                v0 = float32(v_cache[layer, page_sh[i], kv_head, slot_sh[i], d])
+                v1 = float32(v_cache[layer, page_sh[i1], kv_head, slot_sh[i1], d])
+                v2 = float32(v_cache[layer, page_sh[i2], kv_head, slot_sh[i2], d])
+                v3 = float32(v_cache[layer, page_sh[i3], kv_head, slot_sh[i3], d])
+                v_acc += (p_sh[g, i] * v0 + p_sh[g, i1] * v1 * float32(i + 1 <= last)
+                          + p_sh[g, i2] * v2 * float32(i + 2 <= last) + p_sh[g, i3] * v3 * float32(i + 3 <= last))
             acc[a] = v_acc
             a += 1
-        # p_sh is overwritten by the next chunk's scores.
+        # p_sh, page_sh and slot_sh are overwritten by the next chunk.
         cuda.syncthreads()
 
     a = 0
