@@ -300,7 +300,10 @@ class CudaBackend:
             from numba.cuda.cudadrv import driver
 
             self._default_stream = self._stream = driver._to_core_stream(0)
-            self._record_stream = driver._to_core_stream(cuda.stream())
+            # Keep numba's stream object alive: its finalizer destroys the CUDA stream, and
+            # the core wrapper below does not own it (a collected stream made recording fail).
+            self._numba_record_stream = cuda.stream()
+            self._record_stream = driver._to_core_stream(self._numba_record_stream)
 
     def run_step(self, buffers: tuple[Any, ...], num_tokens: int, launches: Callable[[], None]) -> None:
         """Run a step's kernels: ``launches()`` launches them, reading and writing only
