@@ -197,9 +197,16 @@ class Engine:
             else:
                 state.decode_tokens += chunk.num_tokens
         touched: dict[str, RequestState] = {}
+        now = time.perf_counter()
+        gaps = []
         for chunk, (token, logprob) in zip(sampled_chunks, token_ids):
-            self._append_sampled(chunk.seq, token, logprob)
-            touched[chunk.seq.request.request_id] = chunk.seq.request
+            seq = chunk.seq
+            if seq.last_token_time is not None:
+                gaps.append(now - seq.last_token_time)
+            seq.last_token_time = now
+            self._append_sampled(seq, token, logprob)
+            touched[seq.request.request_id] = seq.request
+        self.metrics.on_token_gaps(gaps)
         for chunk in sched.chunks:
             touched.setdefault(chunk.seq.request.request_id, chunk.seq.request)
         elapsed = time.perf_counter() - t0

@@ -290,6 +290,8 @@ _DISTRIBUTIONS: tuple[tuple[str, str, tuple[float, ...]], ...] = (
     ("inter_token_latency_s", "request_time_per_output_token_seconds", INTER_TOKEN_LATENCY_BUCKETS),
     ("end_to_end_latency_s", "e2e_request_latency_seconds", REQUEST_LATENCY_BUCKETS),
     ("queue_time_s", "request_queue_time_seconds", REQUEST_LATENCY_BUCKETS),
+    # per token: the gap between a request's consecutive steps that produced output (vLLM's ITL)
+    ("token_gap_s", "inter_token_latency_seconds", INTER_TOKEN_LATENCY_BUCKETS),
 )
 
 
@@ -378,6 +380,15 @@ class EngineMetrics:
         with self._lock:
             self.engine_jump_forward_time_sum += seconds
             self.jump_forward_tokens_processed += tokens
+
+    def on_token_gaps(self, gaps: Sequence[float]) -> None:
+        """Seconds since each request's previous output token, for the tokens of one step."""
+        if not gaps:
+            return
+        with self._lock:
+            dist = self._distributions["token_gap_s"]
+            for gap in gaps:
+                dist.observe(gap)
 
     def on_preemption(self, count: int = 1) -> None:
         with self._lock:

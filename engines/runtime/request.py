@@ -76,6 +76,7 @@ class Sequence:
         self.num_computed = 0
         self.num_cached_prefix_tokens = 0
         self.num_preemptions = 0
+        self.last_token_time: float | None = None
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
         self.sampling: SamplingState | None = None

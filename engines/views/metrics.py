@@ -78,6 +78,7 @@ HISTOGRAM_HELP: dict[str, str] = {
     "request_time_per_output_token_seconds": "Per request, the mean gap between output tokens.",
     "e2e_request_latency_seconds": "Time from arrival to finish.",
     "request_queue_time_seconds": "Time from arrival to first scheduling.",
+    "inter_token_latency_seconds": "Gap between consecutive output tokens of a request.",
 }
 
 

@@ -282,6 +282,7 @@ def test_metrics_after_run(make_engine, demo):
     assert m["completion_tokens_sum"] == 20
     assert m["prefill_tokens_sum"] == 40
     assert m["engine_prefill_time_sum"] > 0 and m["engine_decode_time_sum"] > 0
+    assert m["token_gap_s"]["count"] == 4 * 4  # one gap per token after each request's first
     assert m["decode_tokens_per_s"] > 0
     extra = res["r0"].usage["extra"]
     for key in ("ttft_s", "end_to_end_latency_s", "inter_token_latency_s", "prefill_tokens_per_s"):

@@ -253,7 +253,8 @@ def test_engine_histograms_have_vllm_families():
     m.on_request_finished(request())
     hists = m.histograms()
     assert set(hists) == {"time_to_first_token_seconds", "request_time_per_output_token_seconds",
-                          "e2e_request_latency_seconds", "request_queue_time_seconds"}
+                          "e2e_request_latency_seconds", "request_queue_time_seconds",
+                          "inter_token_latency_seconds"}
     assert hists["time_to_first_token_seconds"].bounds == TTFT_BUCKETS
     assert hists["e2e_request_latency_seconds"].bounds == REQUEST_LATENCY_BUCKETS
     assert hists["time_to_first_token_seconds"].cumulative()[-1] == (math.inf, 1)
@@ -312,3 +313,14 @@ def test_concurrent_updates_and_reads():
     d = m.as_dict()
     assert d["num_finished_requests"] == n and d["num_decode_steps"] == n
     assert d["ttft_s"]["count"] == n and d["ttft_s"]["p50"] == pytest.approx(0.2)
+
+
+def test_token_gaps_feed_the_inter_token_latency_histogram():
+    m = EngineMetrics()
+    m.on_token_gaps([0.02, 0.02, 0.3])
+    m.on_token_gaps([])
+    hist = m.histograms()["inter_token_latency_seconds"]
+    assert hist.count == 3 and hist.sum == pytest.approx(0.34)
+    assert m.as_dict()["token_gap_s"]["max"] == pytest.approx(0.3)
+    m.reset()
+    assert m.histograms()["inter_token_latency_seconds"].count == 0

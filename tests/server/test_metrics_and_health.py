@@ -45,6 +45,9 @@ async def test_metrics_cover_every_engine_with_a_model_label(client: httpx.Async
     assert sample(families, "num_requests_waiting", model=TRACED) == 0
     assert 0 <= sample(families, "kv_cache_usage_perc", model=TRACED) <= 1
     # Histograms with vLLM's buckets: cumulative, ending at +Inf == count.
+    assert families["inter_token_latency_seconds"].type == "histogram"
+    # Six tokens, five gaps between them.
+    assert sample(families, "inter_token_latency_seconds", "inter_token_latency_seconds_count", model=TRACED) == 5
     ttft = families["time_to_first_token_seconds"]
     assert ttft.type == "histogram"
     buckets = [s for s in ttft.samples if s.name.endswith("_bucket") and s.labels["model"] == TRACED]
