@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up (virtualenv + pinned dependencies) and run the whole test suite:
-# every test on SQLite, then the database tests again on PostgreSQL.
+# every test on SQLite, then the suites that use the database again on PostgreSQL.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/venv.sh dev
@@ -12,8 +12,8 @@ fi
 status=0
 python -m pytest "$@" || status=$?
 if [ "$status" -eq 0 ] && [ $# -eq 0 ]; then
-  echo "== database tests again on PostgreSQL =="
+  echo "== the suites that use the database, again on PostgreSQL =="
   DATABASE_URL="${PG_TEST_URL:-postgres://postgres@127.0.0.1:5432/postgres}" \
-    python -m pytest -m "django_db" -p no:cacheprovider || status=$?
+    python -m pytest -p no:cacheprovider tests/history tests/server || status=$?
 fi
 exit "$status"

@@ -5,21 +5,28 @@ The public API (what the server, the dashboard and the admin call)::
 
     save_trace(trace, *, engine, model, backend="", source="api", note="", tags=()) -> TraceRecord
     await asave_trace(trace, **same)                      # off the event loop
+    save_engine_trace(engine_or_name, *, note="", tags=(), clear=False, source="api") -> TraceRecord
+    await asave_engine_trace(engine_or_name, **same)      # the live trace of a served engine
     save_metrics_snapshot(engine, model, metrics) -> MetricsSnapshot
     await asave_metrics_snapshot(engine, model, metrics)
     apply_retention(engine=None, *, max_records=None, max_days=None, dry_run=False) -> RetentionResult
     compare_records(a, b) -> TraceComparison
 
 Modules: ``analysis`` (trace -> summaries, pure Python), ``payload`` (gzip storage),
-``capture`` (saving), ``retention``, ``report`` (detail and compare tables).
+``capture`` (saving), ``retention``, ``report`` (detail and compare tables), ``autosave``
+(the periodic trace windows and metrics snapshots of ``manage.py serve``).
 """
 from engines.history.analysis import TraceAnalysis, TraceFormatError, analyze_trace
 from engines.history.capture import (
+    TraceUnavailableError,
+    asave_engine_trace,
     asave_metrics_snapshot,
     asave_trace,
     normalize_tags,
+    save_engine_trace,
     save_metrics_snapshot,
     save_trace,
+    traced_engine,
 )
 from engines.history.payload import PayloadError
 from engines.history.report import TraceComparison, compare_records, trace_report
@@ -31,14 +38,18 @@ __all__ = [
     "TraceAnalysis",
     "TraceComparison",
     "TraceFormatError",
+    "TraceUnavailableError",
     "analyze_trace",
     "apply_retention",
+    "asave_engine_trace",
     "asave_metrics_snapshot",
     "asave_trace",
     "compare_records",
     "normalize_tags",
     "prune_metrics_snapshots",
+    "save_engine_trace",
     "save_metrics_snapshot",
     "save_trace",
     "trace_report",
+    "traced_engine",
 ]

@@ -1,9 +1,11 @@
 """Saving traces and metrics snapshots into the history.
 
-``save_trace`` is what ``POST /debug/save_event_trace``, the dashboard and the
-``--trace-autosave`` loop call. It is synchronous and takes about a second for a
-million events: async callers use :func:`asave_trace`, which runs it on a worker
-thread so neither the event loop nor the engine thread waits on it.
+``save_trace`` stores a Chrome trace given as a dict or bytes. It is synchronous and
+takes about a second for a million events: async callers use :func:`asave_trace`,
+which runs it on a worker thread so neither the event loop nor the engine thread
+waits on it. ``asave_engine_trace`` (and its sync twin ``save_engine_trace``) takes the
+trace of a live engine, optionally emptying it, and saves that: it is what
+``POST /debug/save_event_trace`` and the ``--trace-autosave`` loop call.
 
 The steps, and why in this order: serialise the trace once (orjson); start gzip on a
 worker thread (zlib releases the GIL, so it overlaps the next step on a second core);
@@ -12,13 +14,14 @@ and bulk-inserts its request summaries; then retention for that engine runs.
 """
 from __future__ import annotations
 
+import asyncio
 import gc
 import math
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import datetime
-from typing import Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import orjson
 from asgiref.sync import sync_to_async
@@ -29,6 +32,10 @@ from engines.history.analysis import RequestStats, TraceFormatError, analyze_tra
 from engines.history.payload import compress_json
 from engines.history.retention import apply_retention, prune_metrics_snapshots
 from engines.models import MetricsSnapshot, RequestSummary, TraceRecord
+from engines.registry import registry
+
+if TYPE_CHECKING:  # the runtime (numba and all) loads only where engines are built
+    from engines.runtime.engine import AsyncEngine
 
 SUMMARY_BATCH_SIZE = 2000
 _compressor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="trace-gzip")
@@ -66,8 +73,7 @@ def save_trace(
     """
     engine = _required_text("engine", engine, _MAX_ENGINE)
     model = _required_text("model", model, _MAX_MODEL)
-    if source not in TraceRecord.Source.values:
-        raise ValueError(f"source must be one of {', '.join(TraceRecord.Source.values)}, not {source!r}")
+    _check_source(source)
     tag_text = normalize_tags(tags)
 
     # The collector stays paused over parsing and analysis: see _gc_paused.
@@ -145,6 +151,89 @@ async def asave_trace(
     save = sync_to_async(_closing_connections(save_trace), thread_sensitive=False)
     return await save(trace, engine=engine, model=model, backend=backend, source=source, note=note, tags=tags,
                       captured_at=captured_at, retention=retention)
+
+
+class TraceUnavailableError(Exception):
+    """The engine asked for has no trace to give: it is not served, or it records none.
+
+    The message is MLC's text for ``dump_event_trace`` (the views answer it as a 400).
+    """
+
+
+def traced_engine(engine: "AsyncEngine | str") -> "AsyncEngine":
+    """``engine`` itself, or the served engine of that name, provided it records a trace.
+
+    A name is looked up in the process-wide registry, which never guesses: an unknown
+    name is "not served" even when one engine is served. Raises :class:`TraceUnavailableError`.
+    """
+    if isinstance(engine, str):
+        found = registry.get(engine)
+        if found is None:
+            raise TraceUnavailableError(f'The requested model "{engine}" is not served.')
+        engine = found
+    if engine.tracer is None:
+        raise TraceUnavailableError(f'The requested model "{engine.name}" does not enable tracing')
+    return engine
+
+
+def save_engine_trace(
+    engine: "AsyncEngine | str",
+    *,
+    note: str = "",
+    tags: Iterable[str] | str = (),
+    clear: bool = False,
+    source: str = TraceRecord.Source.API,
+) -> TraceRecord:
+    """Save the live event trace of ``engine`` (a served name, or the engine) as a new record.
+
+    For synchronous code that runs engines in-process (scripts, notebooks); in async code
+    use :func:`asave_engine_trace`. ``clear=True`` empties the engine's trace in the same
+    step that takes it (``TraceRecorder.dump_json(clear=True)``), so successive saves tile
+    the run: no event is lost or saved twice. Bad ``note``, ``tags`` or ``source`` are
+    refused (``ValueError``) before the trace is touched, so a refused call never clears it;
+    a database failure after a clearing dump loses that window (the error is raised).
+
+    Raises :class:`TraceUnavailableError` for an engine that is not served or not tracing.
+    """
+    engine, metadata = _engine_trace_metadata(engine, note=note, tags=tags, source=source)
+    return save_trace(engine.tracer.dump_json(clear), **metadata)
+
+
+async def asave_engine_trace(
+    engine: "AsyncEngine | str",
+    *,
+    note: str = "",
+    tags: Iterable[str] | str = (),
+    clear: bool = False,
+    source: str = TraceRecord.Source.API,
+) -> TraceRecord:
+    """:func:`save_engine_trace` for async callers: ``POST /debug/save_event_trace`` and the
+    autosave loop.
+
+    The dump runs on a worker thread and the save on another (:func:`asave_trace`), so the
+    event loop keeps serving meanwhile; the engine thread waits only for the recorder's
+    lock, which a dump holds for a copy of its buffer (a pointer swap with ``clear``).
+    """
+    engine, metadata = _engine_trace_metadata(engine, note=note, tags=tags, source=source)
+    raw = await asyncio.to_thread(engine.tracer.dump_json, clear)
+    return await asave_trace(raw, **metadata)
+
+
+def _engine_trace_metadata(engine: "AsyncEngine | str", *, note: str, tags: Iterable[str] | str,
+                           source: str) -> tuple["AsyncEngine", dict[str, Any]]:
+    """The traced engine and the ``save_trace`` keywords for it, every check done up front."""
+    engine = traced_engine(engine)
+    if not isinstance(note, str):
+        raise ValueError(f"note must be a string, not {type(note).__name__}")
+    _check_source(source)
+    return engine, {
+        "engine": engine.name,
+        "model": engine.checkpoint.name,
+        "backend": engine.backend_name,
+        "source": source,
+        "note": note,
+        "tags": normalize_tags(tags),
+    }
 
 
 def save_metrics_snapshot(engine: str, model: str, metrics: Mapping[str, Any], *,
@@ -242,6 +331,11 @@ def _closing_connections(func):
     run.__name__ = func.__name__
     run.__doc__ = func.__doc__
     return run
+
+
+def _check_source(source: str) -> None:
+    if source not in TraceRecord.Source.values:
+        raise ValueError(f"source must be one of {', '.join(TraceRecord.Source.values)}, not {source!r}")
 
 
 def _required_text(name: str, value: Any, max_length: int) -> str:

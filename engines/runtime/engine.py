@@ -207,8 +207,6 @@ class Engine:
             self._append_sampled(seq, token, logprob)
             touched[seq.request.request_id] = seq.request
         self.metrics.on_token_gaps(gaps)
-        for chunk in sched.chunks:
-            touched.setdefault(chunk.seq.request.request_id, chunk.seq.request)
         elapsed = time.perf_counter() - t0
         prefill_tokens = sched.num_prefill_tokens
         decode_seqs = sched.num_decode_seqs
@@ -231,28 +229,19 @@ class Engine:
         tracer = self.tracer
         kind = "prefill" if sched.num_prefill_tokens else "decode"
         lane_ids = [c.seq.request.request_id for c in chunks]
+        # Argmax on the device when no row needs its logits: only token ids come back.
+        greedy = not any(c.seq.grammar is not None or not c.seq.request.params.is_greedy
+                         or c.seq.request.params.logprobs or c.seq.sampling.modifies_logits for c in sampled)
         if tracer is not None:
             tracer.add_event(lane_ids, f"start {kind}", {"batch_size": len(chunks)}, engine_lane=True)
-        if not sampled:
-            self.model.forward(batch, self.kv)
-            if tracer is not None:
-                tracer.add_event(lane_ids, f"finish {kind}", {"tokens": sched.num_tokens}, engine_lane=True)
-            return []
-        states = [c.seq.sampling for c in sampled]
-        needs_logits = any(c.seq.grammar is not None or not c.seq.request.params.is_greedy
-                           or c.seq.request.params.logprobs or c.seq.sampling.modifies_logits for c in sampled)
-        if not needs_logits:
-            # Argmax on the device: only the token ids come back, not [batch, vocab] logits.
-            ids = self.model.forward_greedy(batch, self.kv)
-            if tracer is not None:
-                tracer.add_event(lane_ids, f"finish {kind}", {"tokens": sched.num_tokens}, engine_lane=True)
-            rows = [i for i, c in enumerate(chunks) if c.samples]
-            return [(int(ids[r]), None) for r in rows]
-        logits = self.model.forward(batch, self.kv)
+        result = (self.model.forward_greedy if greedy else self.model.forward)(batch, self.kv)
         if tracer is not None:
             tracer.add_event(lane_ids, f"finish {kind}", {"tokens": sched.num_tokens}, engine_lane=True)
         rows = [i for i, c in enumerate(chunks) if c.samples]
-        logits = logits[rows]
+        if greedy:
+            return [(int(result[r]), None) for r in rows]
+        logits = result[rows]
+        states = [c.seq.sampling for c in sampled]
         sample_ids = [c.seq.request.request_id for c in sampled]
         masks: list[np.ndarray | None] = [None] * len(sampled)
         grammar_rows = [i for i, c in enumerate(sampled) if c.seq.grammar is not None]
@@ -267,10 +256,10 @@ class Engine:
                 tracer.add_event([sample_ids[i] for i in grammar_rows], "finish apply logit mask")
         if tracer is not None:
             tracer.add_event(sample_ids, "start sampling")
-        result = self.sampler.sample(logits, states, masks)
+        picked = self.sampler.sample(logits, states, masks)
         if tracer is not None:
             tracer.add_event(sample_ids, "finish sampling")
-        return [(int(result.token_ids[i]), result.logprobs[i] if result.logprobs else None)
+        return [(int(picked.token_ids[i]), picked.logprobs[i] if picked.logprobs else None)
                 for i in range(len(sampled))]
 
     # -------------------------------------------------------------------- update
@@ -286,7 +275,9 @@ class Engine:
         if self._accept_token(seq, token, logprob) or seq.grammar is None:
             return
         debug = state.debug
-        if debug is not None and debug.grammar_execution_mode == "constraint":
+        # As MLC: jump-forward only when asked (the default) and no logprobs are wanted,
+        # since forced tokens are never sampled and so have none.
+        if (debug is not None and debug.grammar_execution_mode == "constraint") or state.params.logprobs:
             return
         forced = seq.grammar.forced_tokens()
         if not forced:

@@ -21,9 +21,10 @@ Choices the contract leaves open, and why:
 * **Bounded buffer, newest window kept.** At most ``max_events`` trace events are held; past
   that the oldest recorded calls are evicted (ring buffer) and counted in ``dropped_events``.
   For a live server the recent past is what one debugs.
-* **Spans cut by eviction or ``clear()``.** A ``"finish X"`` whose ``"start X"`` is gone is
-  omitted (counted in ``otherData.orphan_finishes``) rather than emitted as an ``E`` without a
-  ``B``; a span still open at dump time is closed at the dump time with ``args.unclosed = true``.
+* **Spans cut by eviction, ``clear()`` or ``dump_json(clear=True)``.** A ``"finish X"`` whose
+  ``"start X"`` is gone is omitted (counted in ``otherData.orphan_finishes``) rather than emitted
+  as an ``E`` without a ``B``; a span still open at dump time is closed at the dump time with
+  ``args.unclosed = true``.
 * **Counters count within the retained window.** ``"decode (n)"`` is the nth ``start decode`` of
   the request among the events held, so after eviction a long request's first retained decode
   may be ``(0)``. Absolute numbering would need per-request state that outlives the window.
@@ -160,19 +161,25 @@ class TraceRecorder:
 
     # ------------------------------------------------------------------ export
 
-    def dump_json(self) -> bytes:
+    def dump_json(self, clear: bool = False) -> bytes:
         """The trace as Chrome Trace Event Format JSON (object form), compact UTF-8 bytes.
 
         This is the fast path (≈0.5 µs per event); serve it as is.
-        """
-        return _export(self)
 
-    def dump(self) -> dict[str, Any]:
-        """The trace as a dict: exactly ``orjson.loads(self.dump_json())``.
+        ``clear=True`` takes the window and empties the recorder in one step under the lock,
+        so a trace saved in slices loses and repeats nothing: every event recorded meanwhile
+        lands in exactly one slice (``dump_json()`` then ``clear()`` would drop those recorded
+        between the two). A span open at the cut ends the slice with ``args.unclosed``, and
+        its finish is an orphan in the next one, as after :meth:`clear`.
+        """
+        return _export(self, clear)
+
+    def dump(self, clear: bool = False) -> dict[str, Any]:
+        """The trace as a dict: exactly ``orjson.loads(self.dump_json(clear))``.
 
         Going through the bytes keeps one code path and builds the many small dicts in C.
         """
-        return orjson.loads(_export(self))
+        return orjson.loads(_export(self, clear))
 
 
 # ====================================================================== export
@@ -297,11 +304,20 @@ def _offsets(lens: np.ndarray) -> np.ndarray:
     return offs
 
 
-def _export(rec: TraceRecorder) -> bytes:
-    """Serialise ``rec``: copy under the lock, then pair, order and assemble outside it."""
+def _export(rec: TraceRecorder, clear: bool = False) -> bytes:
+    """Serialise ``rec``: copy (or, clearing, take) under the lock, then pair, order and
+    assemble outside it."""
     with rec._lock:
-        calls = list(rec._calls)
         dropped = rec._dropped
+        calls: deque | list
+        if clear:
+            # Swap in an empty buffer rather than copy: O(1) under the lock, so the engine
+            # thread's add_event never waits on a large window being taken.
+            calls, rec._calls = rec._calls, deque()
+            rec._held = 0
+            rec._dropped = 0
+        else:
+            calls = list(rec._calls)
         now_ns = rec._clock()  # >= every recorded timestamp: closes still-open spans
     now_us = (now_ns + _EPOCH_ANCHOR_NS) // 1000
 

@@ -269,6 +269,63 @@ def test_clear_forgets_events_and_drops():
     assert trace["otherData"]["orphan_finishes"] == 1
 
 
+def test_dump_with_clear_takes_the_window_and_empties_the_recorder():
+    clock = FakeClock()
+    rec = TraceRecorder(max_events=6, clock=clock)
+    for i in range(8):
+        rec.add_event("r", f"tick {i}")
+        clock.advance_us()
+    rec.add_event("s", "start decode")  # open at the cut
+    clock.advance_us()
+    expected = rec.dump_json()
+    assert rec.dump_json(clear=True) == expected  # the same window as a plain dump at that moment
+    trace = orjson.loads(expected)
+    assert trace["otherData"]["dropped_events"] == 3 and trace["otherData"]["unclosed_spans"] == 1
+    assert (rec.event_count, rec.dropped_events, rec.request_ids()) == (0, 0, [])
+    rec.add_event("s", "finish decode")  # its start went with the previous slice
+    rec.add_event("s", "first token")
+    window = rec.dump(clear=True)
+    assert [e["name"] for e in validate(window)[1]] == ["first token"]
+    assert (window["otherData"]["orphan_finishes"], window["otherData"]["dropped_events"]) == (1, 0)
+    assert rec.dump()["otherData"]["event_count"] == 0
+
+
+def test_slices_taken_with_clear_while_recording_lose_and_repeat_nothing():
+    """dump_json(clear=True) is atomic: every event lands in exactly one slice."""
+    rec = TraceRecorder(max_events=1_000_000)
+    n_threads, n_events = 3, 4000
+    halfway = threading.Barrier(n_threads + 1)
+    sliced = threading.Event()
+
+    def worker(w: int) -> None:
+        for i in range(n_events):
+            if i == n_events // 2:  # make sure at least one cut falls mid-run
+                halfway.wait()
+                sliced.wait()
+            rec.add_event(f"w{w}", f"tick {i}")
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(n_threads)]
+    for t in threads:
+        t.start()
+    halfway.wait()
+    slices = [rec.dump_json(clear=True)]
+    sliced.set()
+    while any(t.is_alive() for t in threads):
+        slices.append(rec.dump_json(clear=True))
+    for t in threads:
+        t.join()
+    slices.append(rec.dump_json(clear=True))
+
+    seen: dict[str, list[int]] = defaultdict(list)
+    for raw in slices:
+        trace = orjson.loads(raw)
+        names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["name"] == "thread_name"}
+        for tid, events in validate(trace).items():
+            seen[names[tid]] += [int(e["name"].split()[1]) for e in events]
+        assert trace["otherData"]["dropped_events"] == 0
+    assert dict(seen) == {f"w{w}": list(range(n_events)) for w in range(n_threads)}
+
+
 def test_other_data():
     rec = TraceRecorder("engine-1", "Llama-3-8B", "cuda", max_events=1234, version="1.2.3")
     decode_run(rec, ["x", "y", "z"], num_decode=2)
