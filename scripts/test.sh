@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/venv.sh dev
 
-if [ -n "${CI:-}" ] || [ "${ENSURE_SERVICES:-1}" = "1" ]; then
+if [ "${ENSURE_SERVICES:-1}" = "1" ]; then  # PostgreSQL and Redis for the database tests
   scripts/services.sh
 fi
 

@@ -1,0 +1,139 @@
+"""Background history capture while serving: trace windows and metrics snapshots, periodically.
+
+``manage.py serve --trace-autosave SECONDS --metrics-snapshot-interval SECONDS`` starts a
+:class:`HistoryAutosave` on Daphne's event loop before it serves, and stops it after Daphne
+stopped and before the engines do; tests start one on their own loop. Each engine gets its own
+tasks, so a slow save of one engine's large trace never delays another engine's.
+
+Trace windows: every interval, each tracing engine's trace is taken and emptied in one step
+(``TraceRecorder.dump_json(clear=True)``) and saved with source "automatic", so consecutive
+records tile a long run without gaps or overlap. A window in which the engine recorded nothing
+is skipped rather than saved as an empty record. Stopping saves the last, partial window.
+
+Metrics: every interval, one :class:`~engines.models.MetricsSnapshot` per engine, idle or not,
+so a chart of the history has evenly spaced samples.
+
+Dumping, saving and the database all run on worker threads (see
+:func:`engines.history.capture.asave_engine_trace`): the event loop keeps serving, and the
+engine thread waits only on the recorder's lock for a pointer swap. A failed save (database
+down) is logged and the loop goes on; that trace window is lost, since it was already cleared
+and keeping it would make the next record repeat it.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Awaitable, Callable, Iterable
+from typing import TYPE_CHECKING
+
+from engines.history.capture import asave_engine_trace, asave_metrics_snapshot
+from engines.models import MetricsSnapshot, TraceRecord
+
+if TYPE_CHECKING:  # the runtime (numba and all) loads only where engines are built
+    from engines.runtime.engine import AsyncEngine
+
+logger = logging.getLogger(__name__)
+
+
+class HistoryAutosave:
+    """Periodic trace windows and metrics snapshots of a fixed set of engines.
+
+    An interval of 0 turns that kind of capture off. Use it as
+    ``autosave.start()`` (on the loop that serves) ... ``await autosave.stop()``.
+    """
+
+    def __init__(self, engines: Iterable["AsyncEngine"], *, trace_interval_s: float = 0,
+                 metrics_interval_s: float = 0) -> None:
+        for name, value in (("trace_interval_s", trace_interval_s), ("metrics_interval_s", metrics_interval_s)):
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a number of seconds >= 0 (0: off), not {value!r}")
+        self.engines = list(engines)
+        self.trace_interval_s = float(trace_interval_s)
+        self.metrics_interval_s = float(metrics_interval_s)
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopping: asyncio.Event | None = None
+
+    @property
+    def traced_engines(self) -> list["AsyncEngine"]:
+        """The engines whose trace is autosaved: those recording one, when trace autosave is on."""
+        if not self.trace_interval_s:
+            return []
+        return [engine for engine in self.engines if engine.tracer is not None]
+
+    @property
+    def running(self) -> bool:
+        """True between :meth:`start` and the end of :meth:`stop`."""
+        return self._stopping is not None
+
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Start one task per engine and kind on ``loop`` (default: the running loop).
+
+        ``serve`` passes Daphne's loop before it runs; the tasks begin when it does.
+        """
+        if self.running:
+            raise RuntimeError("this HistoryAutosave is already running")
+        loop = loop or asyncio.get_running_loop()
+        self._stopping = asyncio.Event()
+        for engine in self.traced_engines:
+            self._tasks.append(loop.create_task(
+                self._every(self.trace_interval_s, self.save_trace_window, engine),
+                name=f"trace-autosave-{engine.name}"))
+        if self.metrics_interval_s:
+            for engine in self.engines:
+                self._tasks.append(loop.create_task(
+                    self._every(self.metrics_interval_s, self.save_metrics_snapshot, engine),
+                    name=f"metrics-snapshot-{engine.name}"))
+
+    async def stop(self, *, save_last_window: bool = True) -> None:
+        """Stop the tasks, letting a save in progress finish, then (by default) save each
+        engine's last trace window, so a shutdown loses none of the run. Safe to call twice."""
+        if self._stopping is None:
+            return
+        self._stopping.set()
+        tasks, self._tasks = self._tasks, []
+        # The loops leave between saves when told to: none is cut off halfway through one.
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._stopping = None
+        if save_last_window:
+            for engine in self.traced_engines:
+                await self._logged(self.save_trace_window, engine)
+
+    async def save_trace_window(self, engine: "AsyncEngine") -> TraceRecord | None:
+        """Save ``engine``'s trace since the last window and empty it; ``None`` (and nothing
+        saved) when the engine recorded nothing meanwhile."""
+        if engine.tracer is None or engine.tracer.event_count == 0:
+            return None
+        return await asave_engine_trace(engine, clear=True, source=TraceRecord.Source.AUTOMATIC)
+
+    async def save_metrics_snapshot(self, engine: "AsyncEngine") -> MetricsSnapshot:
+        """Save one sample of ``engine``'s metrics."""
+        return await asave_metrics_snapshot(engine.name, engine.checkpoint.name, engine.metrics())
+
+    async def _every(self, interval_s: float,
+                     action: Callable[["AsyncEngine"], Awaitable[object]], engine: "AsyncEngine") -> None:
+        """Run ``action(engine)`` every ``interval_s`` seconds until :meth:`stop`.
+
+        Deadlines are fixed (start + k * interval), so saves don't drift by their own
+        duration; one that overran its interval is followed by the next at once.
+        """
+        assert self._stopping is not None
+        stopping = self._stopping
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + interval_s
+        while True:
+            try:
+                await asyncio.wait_for(stopping.wait(), timeout=max(0.0, deadline - loop.time()))
+                return
+            except asyncio.TimeoutError:
+                pass
+            await self._logged(action, engine)
+            deadline = max(deadline + interval_s, loop.time())
+
+    @staticmethod
+    async def _logged(action: Callable[["AsyncEngine"], Awaitable[object]], engine: "AsyncEngine") -> None:
+        # One failed save (database down, disk full) must not end the capture of the whole run.
+        try:
+            await action(engine)
+        except Exception:
+            logger.exception("history autosave: %s of engine %s failed", action.__name__, engine.name)
