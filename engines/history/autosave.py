@@ -35,6 +35,8 @@ if TYPE_CHECKING:  # the runtime (numba and all) loads only where engines are bu
 
 logger = logging.getLogger(__name__)
 
+Action = Callable[["AsyncEngine"], Awaitable[object]]
+
 
 class HistoryAutosave:
     """Periodic trace windows and metrics snapshots of a fixed set of engines.
@@ -74,15 +76,15 @@ class HistoryAutosave:
         if self.running:
             raise RuntimeError("this HistoryAutosave is already running")
         loop = loop or asyncio.get_running_loop()
-        self._stopping = asyncio.Event()
+        stopping = self._stopping = asyncio.Event()
         for engine in self.traced_engines:
             self._tasks.append(loop.create_task(
-                self._every(self.trace_interval_s, self.save_trace_window, engine),
+                _every(self.trace_interval_s, self.save_trace_window, engine, stopping),
                 name=f"trace-autosave-{engine.name}"))
         if self.metrics_interval_s:
             for engine in self.engines:
                 self._tasks.append(loop.create_task(
-                    self._every(self.metrics_interval_s, self.save_metrics_snapshot, engine),
+                    _every(self.metrics_interval_s, self.save_metrics_snapshot, engine, stopping),
                     name=f"metrics-snapshot-{engine.name}"))
 
     async def stop(self, *, save_last_window: bool = True) -> None:
@@ -92,12 +94,11 @@ class HistoryAutosave:
             return
         self._stopping.set()
         tasks, self._tasks = self._tasks, []
-        # The loops leave between saves when told to: none is cut off halfway through one.
         await asyncio.gather(*tasks, return_exceptions=True)
         self._stopping = None
         if save_last_window:
             for engine in self.traced_engines:
-                await self._logged(self.save_trace_window, engine)
+                await _logged(self.save_trace_window, engine)
 
     async def save_trace_window(self, engine: "AsyncEngine") -> TraceRecord | None:
         """Save ``engine``'s trace since the last window and empty it; ``None`` (and nothing
@@ -110,30 +111,29 @@ class HistoryAutosave:
         """Save one sample of ``engine``'s metrics."""
         return await asave_metrics_snapshot(engine.name, engine.checkpoint.name, engine.metrics())
 
-    async def _every(self, interval_s: float,
-                     action: Callable[["AsyncEngine"], Awaitable[object]], engine: "AsyncEngine") -> None:
-        """Run ``action(engine)`` every ``interval_s`` seconds until :meth:`stop`.
 
-        Deadlines are fixed (start + k * interval), so saves don't drift by their own
-        duration; one that overran its interval is followed by the next at once.
-        """
-        assert self._stopping is not None
-        stopping = self._stopping
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + interval_s
-        while True:
-            try:
-                await asyncio.wait_for(stopping.wait(), timeout=max(0.0, deadline - loop.time()))
-                return
-            except asyncio.TimeoutError:
-                pass
-            await self._logged(action, engine)
-            deadline = max(deadline + interval_s, loop.time())
+async def _every(interval_s: float, action: Action, engine: "AsyncEngine", stopping: asyncio.Event) -> None:
+    """Run ``action(engine)`` every ``interval_s`` seconds until ``stopping`` is set.
 
-    @staticmethod
-    async def _logged(action: Callable[["AsyncEngine"], Awaitable[object]], engine: "AsyncEngine") -> None:
-        # One failed save (database down, disk full) must not end the capture of the whole run.
+    Deadlines are fixed (start + k * interval), so saves don't drift by their own duration;
+    one that overran its interval is followed by the next at once. The loop checks
+    ``stopping`` only between actions, so stopping never cuts a save off halfway.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + interval_s
+    while True:
         try:
-            await action(engine)
-        except Exception:
-            logger.exception("history autosave: %s of engine %s failed", action.__name__, engine.name)
+            await asyncio.wait_for(stopping.wait(), timeout=max(0.0, deadline - loop.time()))
+            return
+        except asyncio.TimeoutError:
+            pass
+        await _logged(action, engine)
+        deadline = max(deadline + interval_s, loop.time())
+
+
+async def _logged(action: Action, engine: "AsyncEngine") -> None:
+    # One failed save (database down, disk full) must not end the capture of the whole run.
+    try:
+        await action(engine)
+    except Exception:
+        logger.exception("history autosave: %s of engine %s failed", action.__name__, engine.name)
