@@ -15,6 +15,7 @@ urlpatterns = [
     path("v1/completions", openai.completions, name="v1-completions"),
     path("v1/chat/completions", openai.chat_completions, name="v1-chat-completions"),
     path("debug/dump_event_trace", debug.dump_event_trace, name="debug-dump-event-trace"),
+    path("debug/save_event_trace", debug.save_event_trace, name="debug-save-event-trace"),
     path("debug/dump_engine_metrics", debug.dump_engine_metrics, name="debug-dump-engine-metrics"),
     path("debug/reset_engine", debug.reset_engine, name="debug-reset-engine"),
     path("debug/cuda_profiler_start", debug.cuda_profiler_start, name="debug-cuda-profiler-start"),

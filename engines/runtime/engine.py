@@ -199,6 +199,10 @@ class Engine:
         touched: dict[str, RequestState] = {}
         now = time.perf_counter()
         gaps = []
+        sampled_ids = [c.seq.request.request_id for c in sampled_chunks]
+        if self.tracer is not None and sampled_ids:
+            # MLC's name for the streamer's work: text deltas, stop strings, grammar state.
+            self.tracer.add_event(sampled_ids, "start detokenization")
         for chunk, (token, logprob) in zip(sampled_chunks, token_ids):
             seq = chunk.seq
             if seq.last_token_time is not None:
@@ -206,6 +210,8 @@ class Engine:
             seq.last_token_time = now
             self._append_sampled(seq, token, logprob)
             touched[seq.request.request_id] = seq.request
+        if self.tracer is not None and sampled_ids:
+            self.tracer.add_event(sampled_ids, "finish detokenization")
         self.metrics.on_token_gaps(gaps)
         elapsed = time.perf_counter() - t0
         prefill_tokens = sched.num_prefill_tokens

@@ -1,4 +1,5 @@
-"""MLC's ``/debug/*`` endpoints: event trace, engine metrics, reset, CUDA profiler start/stop.
+"""MLC's ``/debug/*`` endpoints: event trace, engine metrics, reset, CUDA profiler start/stop;
+and ours, ``save_event_trace``: the event trace into the trace history.
 
 They exist only with ``--enable-debug``; otherwise every route answers 404 as if
 it were not mounted (the gate is checked per request so tests and ``serve`` can
@@ -17,9 +18,12 @@ from typing import Any
 
 import orjson
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
+from django.urls import reverse
 from django.views.decorators.csrf import csrf_exempt
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr, ValidationError
 
+from engines.history import TraceUnavailableError, asave_engine_trace, normalize_tags, traced_engine
+from engines.models import TraceRecord
 from engines.protocol.errors import ProtocolError
 from engines.registry import registry
 from engines.runtime.engine import AsyncEngine
@@ -35,6 +39,17 @@ class DebugRequest(BaseModel):
 
     model: StrictStr | None = None
     clear_trace: StrictBool = False  # reset_engine only: also empty the event trace
+
+
+class SaveTraceOptions(BaseModel):
+    """What ``save_event_trace`` takes besides ``model``: the record's note and tags, and whether to
+    empty the engine's trace in the same step that takes it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    note: StrictStr = ""
+    tags: list[StrictStr] = []
+    clear: StrictBool = False
 
 
 def debug_view(view: AsyncView) -> AsyncView:
@@ -82,6 +97,54 @@ async def dump_event_trace(request: HttpRequest) -> HttpResponse:
     # Serialising a big trace takes a while; keep the event loop (and every stream) moving meanwhile.
     payload = await asyncio.to_thread(engine.tracer.dump_json)
     return HttpResponse(payload, content_type="application/json")
+
+
+@debug_view
+async def save_event_trace(request: HttpRequest) -> HttpResponse:
+    """Save the engine's event trace as a trace record; answers its id and admin page.
+
+    The trace is the one ``dump_event_trace`` would return at that moment, stored byte for
+    byte. Dumping and saving run on worker threads, so a large trace holds up neither this
+    event loop nor the engine; with ``clear`` the trace is emptied in the same step that
+    takes it, so no event falls between two saves.
+    """
+    body = parse_body(request, model_required=True)
+    try:
+        engine = traced_engine(body.model)
+    except TraceUnavailableError as exc:
+        raise ProtocolError(400, str(exc)) from None
+    options = parse_save_options(request)
+    record = await asave_engine_trace(engine, note=options.note, tags=options.tags, clear=options.clear,
+                                      source=TraceRecord.Source.API)
+    return json_response({
+        "id": record.pk,
+        "admin_url": reverse("admin:engines_tracerecord_change", args=[record.pk]),
+        "events": record.event_count,
+        "requests": record.request_count,
+        "dropped_events": record.dropped_events,
+    })
+
+
+def parse_save_options(request: HttpRequest) -> SaveTraceOptions:
+    """The note, tags and clear flag of a body ``parse_body`` accepted; a 400 naming the bad field.
+
+    Checked before the trace is taken, so a refused request never clears it.
+    """
+    try:
+        options = SaveTraceOptions.model_validate(orjson.loads(request.body.decode("utf-8", errors="replace")))
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        field = ".".join(str(part) for part in error["loc"])
+        raise ProtocolError(
+            400,
+            f'Invalid "{field}": {error["msg"]}. Send "note" as a string, "tags" as a list of strings '
+            'and "clear" as true or false.',
+        ) from None
+    try:
+        normalize_tags(options.tags)
+    except ValueError as exc:
+        raise ProtocolError(400, f"Invalid \"tags\": {exc}.") from None
+    return options
 
 
 @debug_view

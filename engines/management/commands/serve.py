@@ -4,6 +4,10 @@ The flags follow ``mlc_llm serve``. Engines are built and started *before* the
 server listens, in the same process as the ASGI app, so the first request
 finds them ready in the registry. Ctrl-C or SIGTERM stops Daphne (which cancels
 in-flight requests, aborting them in their engines) and then the engines.
+
+With ``--trace-autosave`` and ``--metrics-snapshot-interval`` a
+:class:`~engines.history.autosave.HistoryAutosave` runs on Daphne's event loop while
+it serves; it is stopped (saving the last trace window) before the engines stop.
 """
 from __future__ import annotations
 
@@ -14,23 +18,27 @@ from daphne.server import Server  # isort:skip
 import asyncio
 import ipaddress
 import logging
+import math
 import os
 import signal
-from argparse import ArgumentParser
+from argparse import ArgumentParser, ArgumentTypeError
 from typing import Any
 
 from daphne.endpoints import build_endpoint_description_strings
+from django.conf import settings
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.migrations.executor import MigrationExecutor
 
+from engines.history.autosave import HistoryAutosave
 from engines.registry import ModelSpec, RegistryError, build_engines, configure, registry
 
 logger = logging.getLogger("engines.serve")
 
-DEBUG_ROUTES = ("dump_event_trace", "dump_engine_metrics", "reset_engine", "cuda_profiler_start", "cuda_profiler_stop")
+DEBUG_ROUTES = ("dump_event_trace", "save_event_trace", "dump_engine_metrics", "reset_engine",
+                "cuda_profiler_start", "cuda_profiler_stop")
 
 
 def is_loopback(host: str) -> bool:
@@ -41,6 +49,17 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def seconds(text: str) -> float:
+    """argparse type for an interval: a finite number of seconds >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise ArgumentTypeError(f"expected a number of seconds >= 0, got {text!r}")
+    return value
 
 
 class _Interrupted(Exception):
@@ -72,6 +91,14 @@ class Command(BaseCommand):
                             help="compute backend: cuda when a GPU is usable, else cpu (default auto)")
         parser.add_argument("--dtype", choices=("float32", "float16"), default="float32",
                             help="weight and KV-cache dtype (default float32)")
+        history = parser.add_argument_group("trace history")
+        history.add_argument("--trace-autosave", type=seconds, default=0, metavar="SECONDS",
+                             help="every SECONDS, save each engine's event trace into the history and clear it, "
+                                  "so a long run is kept in slices (needs --enable-tracing; default 0: off)")
+        history.add_argument("--metrics-snapshot-interval", type=seconds, metavar="SECONDS",
+                             default=settings.METRICS_SNAPSHOT_INTERVAL_S,
+                             help="every SECONDS, save each engine's metrics into the history (0: off; "
+                                  "default %(default)g, from $METRICS_SNAPSHOT_INTERVAL_S)")
         sizing = parser.add_argument_group("engine sizing")
         sizing.add_argument("--max-num-seqs", type=int, help="concurrent running sequences per engine")
         pages = sizing.add_mutually_exclusive_group()
@@ -88,6 +115,11 @@ class Command(BaseCommand):
                 "run prompts, read traces and reset the engines. Pass --api-key KEY (or set API_KEY), "
                 "or listen on 127.0.0.1."
             )
+        if options["trace_autosave"] and not options["enable_tracing"]:
+            raise CommandError(
+                "--trace-autosave saves the event trace, which engines record only with --enable-tracing: "
+                "add --enable-tracing, or drop --trace-autosave."
+            )
         specs = self._model_specs(options["models"] or ["demo"])
 
         # Until Daphne installs its own handlers, SIGTERM must unwind like Ctrl-C: a migration
@@ -98,8 +130,10 @@ class Command(BaseCommand):
             self._load_engines(specs, options)
             if options["enable_debug"]:
                 logger.info("Enable debug endpoint and debug_config in requests...")
-            self._print_urls(host, port, options["enable_debug"], api_key)
-            self._run_daphne(host, port, options["verbosity"])
+            autosave = HistoryAutosave(registry, trace_interval_s=options["trace_autosave"],
+                                       metrics_interval_s=options["metrics_snapshot_interval"])
+            self._print_urls(host, port, options["enable_debug"], api_key, autosave)
+            self._run_daphne(host, port, options["verbosity"], autosave)
         except (KeyboardInterrupt, _Interrupted):
             pass
         finally:
@@ -151,7 +185,8 @@ class Command(BaseCommand):
             tracing = "tracing on" if engine.tracer is not None else "tracing off"
             self.stdout.write(f"  {engine.name}: {engine.backend_name} backend, {tracing}")
 
-    def _print_urls(self, host: str, port: int, enable_debug: bool, api_key: str | None) -> None:
+    def _print_urls(self, host: str, port: int, enable_debug: bool, api_key: str | None,
+                    autosave: HistoryAutosave) -> None:
         shown = f"[{host}]" if ":" in host else host
         base = f"http://{shown}:{port}"
         lines = [
@@ -159,6 +194,7 @@ class Command(BaseCommand):
             f"Metrics      {base}/metrics",
             f"Health       {base}/health",
             f"Admin        {base}/admin/",
+            f"History      {base}/admin/engines/tracerecord/  ({_describe_autosave(autosave)})",
         ]
         if enable_debug:
             lines.insert(1, f"Debug        {base}/debug/  ({', '.join(DEBUG_ROUTES)})")
@@ -168,7 +204,7 @@ class Command(BaseCommand):
         self.stdout.write("\n".join(lines))
         self.stdout.flush()
 
-    def _run_daphne(self, host: str, port: int, verbosity: int) -> None:
+    def _run_daphne(self, host: str, port: int, verbosity: int, autosave: HistoryAutosave) -> None:
         from debugsite.asgi import application
 
         # Serve the admin's and dashboard's static files straight from the app folders: this is a
@@ -179,8 +215,12 @@ class Command(BaseCommand):
             signal_handlers=True,  # Twisted stops the reactor on SIGINT/SIGTERM; we clean up after run()
             action_logger=self._log_action if verbosity >= 2 else None,
             verbosity=verbosity,
+            # Called with Daphne's loop set but not yet running: the tasks begin when it serves.
+            ready_callable=lambda: autosave.start(asyncio.get_event_loop()),
         )
         server.run()
+        # Before the cancel-all below, so a save in progress completes and the last window is kept.
+        asyncio.get_event_loop().run_until_complete(autosave.stop())
         _finish_pending_tasks()
         if not server.listening_addresses:
             raise CommandError(f"could not listen on {host}:{port} (is the port already in use?)")
@@ -189,6 +229,14 @@ class Command(BaseCommand):
         if protocol == "http" and action == "complete":
             self.stdout.write(f"{details['method']} {details['path']} {details['status']} "
                               f"{details['time_taken'] * 1000:.1f}ms")
+
+
+def _describe_autosave(autosave: HistoryAutosave) -> str:
+    trace = (f"traces saved every {autosave.trace_interval_s:g} s" if autosave.traced_engines
+             else "trace autosave off")
+    metrics = (f"metrics every {autosave.metrics_interval_s:g} s" if autosave.metrics_interval_s
+               else "metrics snapshots off")
+    return f"{trace}; {metrics}"
 
 
 def _raise_interrupted(signum: int, frame: Any) -> None:
