@@ -64,6 +64,11 @@ class HistoryAutosave:
         return [engine for engine in self.engines if engine.tracer is not None]
 
     @property
+    def tasks(self) -> tuple[asyncio.Task[None], ...]:
+        """The running tasks (``serve`` spares them when it cancels what Daphne left behind)."""
+        return tuple(self._tasks)
+
+    @property
     def running(self) -> bool:
         """True between :meth:`start` and the end of :meth:`stop`."""
         return self._stopping is not None

@@ -9,7 +9,8 @@ import pytest
 from engines.registry import registry
 from tests.server.conftest import TRACED, UNTRACED, assert_error, sse_payloads
 
-ROUTES = ["dump_event_trace", "dump_engine_metrics", "reset_engine", "cuda_profiler_start", "cuda_profiler_stop"]
+ROUTES = ["dump_event_trace", "save_event_trace", "dump_engine_metrics", "reset_engine", "cuda_profiler_start",
+          "cuda_profiler_stop"]
 
 
 async def generate(http: httpx.AsyncClient, user: str, max_tokens: int = 4, model: str = TRACED) -> dict:

@@ -22,6 +22,7 @@ import math
 import os
 import signal
 from argparse import ArgumentParser, ArgumentTypeError
+from collections.abc import Collection
 from typing import Any
 
 from daphne.endpoints import build_endpoint_description_strings
@@ -219,9 +220,13 @@ class Command(BaseCommand):
             ready_callable=lambda: autosave.start(asyncio.get_event_loop()),
         )
         server.run()
-        # Before the cancel-all below, so a save in progress completes and the last window is kept.
-        asyncio.get_event_loop().run_until_complete(autosave.stop())
-        _finish_pending_tasks()
+        loop = asyncio.get_event_loop()
+        # The autosave is spared the cancel-all: cancelled mid-save it would lose a trace window
+        # it had already taken from the recorder. Once the requests are cancelled it stops
+        # between saves and saves the last window.
+        _finish_pending_tasks(keep=autosave.tasks)
+        loop.run_until_complete(autosave.stop())
+        loop.run_until_complete(loop.shutdown_asyncgens())
         if not server.listening_addresses:
             raise CommandError(f"could not listen on {host}:{port} (is the port already in use?)")
 
@@ -243,7 +248,7 @@ def _raise_interrupted(signum: int, frame: Any) -> None:
     raise _Interrupted()
 
 
-def _finish_pending_tasks() -> None:
+def _finish_pending_tasks(keep: Collection[asyncio.Task[Any]] = ()) -> None:
     """Cancel what is still running on Daphne's event loop and let it unwind, before engines stop.
 
     Daphne cancels each connection's application task on shutdown, but Django runs the
@@ -251,11 +256,11 @@ def _finish_pending_tasks() -> None:
     would stay suspended forever and be torn down by the garbage collector at exit
     (which crashed the interpreter). Cancelling it here runs the stream's cleanup (the
     request is aborted in its engine) while the loop and the engines still exist.
+    The tasks in ``keep`` go on running meanwhile; the caller ends them.
     """
     loop = asyncio.get_event_loop()
-    pending = [task for task in asyncio.all_tasks(loop) if not task.done()]
+    pending = [task for task in asyncio.all_tasks(loop) if not task.done() and task not in keep]
     for task in pending:
         task.cancel()
     if pending:
         loop.run_until_complete(asyncio.wait(pending, timeout=10))
-    loop.run_until_complete(loop.shutdown_asyncgens())
