@@ -524,14 +524,21 @@ class AsyncEngine:
                 finished = True
                 raise
             while True:
-                item = await outputs.get()
-                if isinstance(item, BaseException):
+                batch = [await outputs.get()]
+                # A consumer that fell behind (a busy event loop, a slow client) gets what is
+                # waiting as one merged output: one SSE chunk instead of one per token.
+                while not outputs.empty() and not isinstance(batch[-1], BaseException):
+                    batch.append(outputs.get_nowait())
+                error = batch.pop() if isinstance(batch[-1], BaseException) else None
+                if batch:
+                    item = merge_outputs(batch)
+                    yield item
+                    if item.finished:
+                        finished = True
+                        return
+                if error is not None:
                     finished = True
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
+                    raise error
         finally:
             self._streams.pop(rid, None)
             if not finished:
@@ -606,6 +613,27 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_put_all, items)
             except RuntimeError:  # the caller's loop closed; nobody is listening
                 pass
+
+
+def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
+    """Join consecutive outputs of one request into one (texts, tokens and logprobs appended)."""
+    if len(outputs) == 1:
+        return outputs[0]
+    merged: dict[int, ChoiceDelta] = {}
+    for out in outputs:
+        for c in out.choices:
+            m = merged.get(c.index)
+            if m is None:
+                merged[c.index] = ChoiceDelta(c.index, c.text, list(c.token_ids),
+                                              None if c.logprobs is None else list(c.logprobs), c.finish_reason)
+                continue
+            m.text += c.text
+            m.token_ids.extend(c.token_ids)
+            if c.logprobs is not None:
+                m.logprobs = (m.logprobs or []) + list(c.logprobs)
+            m.finish_reason = c.finish_reason or m.finish_reason
+    last = outputs[-1]
+    return RequestOutput(last.request_id, [merged[i] for i in sorted(merged)], last.usage)
 
 
 def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:

@@ -47,8 +47,26 @@ async def test_streams_deliver_deltas_as_they_come(async_engine, demo):
     async for out in async_engine.generate(request("s", prompts(demo, 1)[0], max_tokens=6,
                                                    debug_config=DebugConfig(ignore_eos=True))):
         outputs.append(out)
-    assert len(outputs) == 6  # one delta per token
+    assert len(outputs) == 6  # a consumer that keeps up gets one delta per token
     assert outputs[-1].usage is not None and all(o.usage is None for o in outputs[:-1])
+
+
+async def test_a_consumer_that_falls_behind_gets_merged_deltas(async_engine, demo):
+    """Outputs that piled up are joined: same text and tokens, fewer chunks, usage at the end."""
+    req = lambda rid: request(rid, prompts(demo, 1)[0], max_tokens=12, n=2, temperature=1.0, seed=3,
+                              logprobs=True, debug_config=DebugConfig(ignore_eos=True))
+    fast = await consume(async_engine, req("fast"))
+    outputs = []
+    async for out in async_engine.generate(req("slow")):
+        outputs.append(out)
+        await asyncio.sleep(0.2)  # a slow client: several steps' outputs wait in the queue
+    slow: dict = {}
+    collect(slow, outputs)
+    got = slow["slow"]
+    assert len(outputs) < 12
+    assert got.token_ids == fast.token_ids and got.texts == fast.texts
+    assert {i: [lp.token_id for lp in got.logprobs[i]] for i in (0, 1)} == got.token_ids
+    assert got.finish_reasons == {0: "length", 1: "length"} and outputs[-1].usage is not None
 
 
 async def test_bad_request_raises_before_output_and_engine_keeps_serving(async_engine, demo):
