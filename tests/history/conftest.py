@@ -1,4 +1,4 @@
-"""Fixtures for the trace history tests: an admin-only URLconf, users, saved traces."""
+"""Fixtures for the trace history tests: users and saved traces."""
 from __future__ import annotations
 
 import pytest
@@ -10,21 +10,8 @@ from tests.history.trace_builder import serving_trace
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _close_async_worker_connections(django_db_setup, django_db_blocker):
-    """Async ORM calls leave a connection open in asgiref's worker thread; PostgreSQL then
-    refuses to drop the test database at the end (stack-notes: Django + Channels #6)."""
-    yield
-    from asgiref.sync import SyncToAsync
-    from django.db import connections
-
-    if SyncToAsync.single_thread_executor is not None:
-        SyncToAsync.single_thread_executor.submit(connections.close_all).result()
-
-
-@pytest.fixture(autouse=True)
-def _admin_only_urls(settings):
-    # The admin is mounted as in debugsite.urls; engine views are not needed here.
-    settings.ROOT_URLCONF = "tests.history.urls"
+def _close_async_worker_connections(async_db_connections_closed):
+    """Every history test may touch the database from async code (see tests/conftest.py)."""
 
 
 @pytest.fixture

@@ -102,17 +102,3 @@ async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> No
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError("condition not reached in time")
         await asyncio.sleep(0.02)
-
-
-@pytest.fixture(scope="session")
-def async_db_connections_closed(django_db_setup, django_db_blocker) -> Iterator[None]:
-    """For modules whose async tests use the database: at the end of the session, close the
-    connection asgiref's worker thread keeps open, or PostgreSQL refuses to drop the test
-    database (stack-notes: Django + Channels #6). Requested by those modules only, so the
-    tests that need no database don't create one."""
-    yield
-    from asgiref.sync import SyncToAsync
-    from django.db import connections
-
-    if SyncToAsync.single_thread_executor is not None:
-        SyncToAsync.single_thread_executor.submit(connections.close_all).result()
