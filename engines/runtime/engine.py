@@ -505,6 +505,8 @@ class AsyncEngine:
         outputs: asyncio.Queue = asyncio.Queue()
         added: asyncio.Future = loop.create_future()
         rid = request.request_id
+        if rid in self._streams:  # also caught by the engine, but only after this stream had replaced the first
+            raise EngineRequestError(f"request id {rid!r} is already running")
         self._streams[rid] = (loop, outputs)
 
         def add() -> None:

@@ -111,3 +111,13 @@ async def test_special_request_returns_metrics_without_a_step(async_engine, demo
     assert res.usage["completion_tokens"] == 0
     assert res.usage["extra"]["prompt_tokens_sum"] > 0
     assert async_engine.engine.num_steps == steps
+
+
+async def test_duplicate_request_id_is_refused_and_the_first_stream_completes(async_engine, demo):
+    first = asyncio.create_task(consume(async_engine, request("dup", prompts(demo, 1)[0], max_tokens=20,
+                                                              debug_config=DebugConfig(ignore_eos=True))))
+    await asyncio.sleep(0)  # let the first register its stream
+    with pytest.raises(EngineRequestError, match="already running"):
+        await consume(async_engine, request("dup", prompts(demo, 1)[0], max_tokens=5))
+    res = await asyncio.wait_for(first, 30)
+    assert len(res.tokens) == 20 and res.finish_reason == "length"
