@@ -29,12 +29,16 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "debugsite.settings")
 django_asgi_app = get_asgi_application()
 
 from channels.routing import ProtocolTypeRouter  # noqa: E402
+from django.core.exceptions import DisallowedHost  # noqa: E402
 from django.core.handlers.asgi import ASGIHandler  # noqa: E402
 from django.core.handlers.exception import convert_exception_to_response  # noqa: E402
 from django.http import HttpRequest, HttpResponseBase  # noqa: E402
+from django.http.request import split_domain_port  # noqa: E402
 
 from engines import registry as engine_registry  # noqa: E402
-from engines.auth import APIKeyMiddleware  # noqa: E402
+from engines.auth import APIKeyMiddleware, routed_path  # noqa: E402
+from engines.protocol.errors import ProtocolError  # noqa: E402
+from engines.views.errors import error_response  # noqa: E402
 
 API_PREFIXES = ("/v1", "/debug", "/microserving", "/metrics", "/health")
 
@@ -48,27 +52,38 @@ class APIHandler(ASGIHandler):
     """
 
     def load_middleware(self, is_async: bool = False) -> None:
-        # BaseHandler.load_middleware with MIDDLEWARE = [] plus the host check; exceptions
-        # (DisallowedHost included: a 400) still become Django's error responses.
+        # BaseHandler.load_middleware with MIDDLEWARE = [] plus the host check; other
+        # exceptions still become Django's error responses.
         self._view_middleware = []
         self._template_response_middleware = []
         self._exception_middleware = []
         self._middleware_chain = convert_exception_to_response(self._checked_response)
 
     async def _checked_response(self, request: HttpRequest) -> HttpResponseBase:
-        request.get_host()  # raises DisallowedHost for a Host not in ALLOWED_HOSTS
+        try:
+            request.get_host()
+        except DisallowedHost:
+            # Django's own answer is an HTML page with no reason; an API client gets the error shape.
+            host, _ = split_domain_port(request.META.get("HTTP_HOST", ""))
+            return error_response(ProtocolError(
+                400, f"This server does not answer to the host name {host!r}: call it by a name in its "
+                     "ALLOWED_HOSTS setting, or add this one to the ALLOWED_HOSTS environment variable "
+                     "(comma-separated) and restart the server."))
         return await self._get_response_async(request)
 
 
 class PathRouter:
-    """Send API paths to the bare handler and the rest to the full Django stack."""
+    """Send API paths to the bare handler and the rest to the full Django stack.
+
+    Judged on the path Django will route (root path removed), as the API-key gate does.
+    """
 
     def __init__(self, api_app, site_app) -> None:
         self.api_app = api_app
         self.site_app = site_app
 
     async def __call__(self, scope, receive, send) -> None:
-        path = scope["path"]
+        path = routed_path(scope)
         is_api = any(path == p or path.startswith(p + "/") for p in API_PREFIXES)
         await (self.api_app if is_api else self.site_app)(scope, receive, send)
 

@@ -103,6 +103,15 @@ def _ms(value_us: int | None) -> str:
     return "—" if value_us is None else f"{value_us / 1000:,.1f}"
 
 
+def _record_id(value: str | None) -> int | None:
+    """A trace record id from a query string, or None: ASCII digits only (``str.isdigit`` also
+    accepts ``"²"``, which ``int`` refuses) and within a 64-bit column (SQLite overflows past it)."""
+    if not value or not (value.isascii() and value.isdigit()):
+        return None
+    pk = int(value)
+    return pk if pk < 2**63 else None
+
+
 def _safe_filename_part(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("._") or "engine"
 
@@ -271,9 +280,9 @@ class TraceRecordAdmin(admin.ModelAdmin):
     def compare_view(self, request: HttpRequest) -> HttpResponse:
         if not self.has_view_permission(request):
             raise PermissionDenied
-        records = {str(r.pk): r for r in self.get_queryset(request).filter(
-            pk__in=[v for v in (request.GET.get("a"), request.GET.get("b")) if v and v.isdigit()])}
-        a, b = records.get(request.GET.get("a", "")), records.get(request.GET.get("b", ""))
+        ids = {key: _record_id(request.GET.get(key)) for key in ("a", "b")}
+        records = self.get_queryset(request).in_bulk([pk for pk in ids.values() if pk is not None])
+        a, b = records.get(ids["a"]), records.get(ids["b"])
         if a is None or b is None or a.pk == b.pk:
             self.message_user(request, "Compare needs two different existing trace records: select two "
                                        "in the list and run the compare action.", messages.WARNING)

@@ -14,6 +14,7 @@ import hmac
 from typing import Any, Awaitable, Callable
 
 import orjson
+from django.core.handlers.asgi import get_script_prefix
 
 from engines.registry import registry
 from engines.protocol.errors import ErrorResponse
@@ -31,6 +32,16 @@ INVALID_KEY_MESSAGE = "Invalid API key: send it as the header 'Authorization: Be
 def is_protected(path: str) -> bool:
     """True for the routes that need the key (prefix match on whole path segments)."""
     return any(path == p or path.startswith(p + "/") for p in PROTECTED_PREFIXES)
+
+
+def routed_path(scope: Scope) -> str:
+    """The path Django routes a request on: ``path`` less the root path (Django's ``path_info``).
+
+    The gate must judge this path, not ``path`` alone: the root path is not only the
+    server's setting, Daphne takes it from any client's ``Daphne-Root-Path`` header, so
+    ``/x/v1/models`` with root path ``/x`` reaches the ``/v1/models`` view.
+    """
+    return scope["path"].removeprefix(get_script_prefix(scope))
 
 
 def bearer_token(headers: list[tuple[bytes, bytes]]) -> bytes | None:
@@ -62,7 +73,7 @@ class APIKeyMiddleware:
         if (
             key
             and scope["type"] == "http"
-            and is_protected(scope["path"])
+            and (is_protected(scope["path"]) or is_protected(routed_path(scope)))
             and not key_matches(bearer_token(scope.get("headers", [])), key)
         ):
             await _send_unauthorized(send)

@@ -27,6 +27,7 @@ from engines.history.capture import (
     save_metrics_snapshot,
     save_trace,
     traced_engine,
+    validate_note,
 )
 from engines.history.payload import PayloadError
 from engines.history.report import TraceComparison, compare_records, trace_report
@@ -52,4 +53,5 @@ __all__ = [
     "save_trace",
     "trace_report",
     "traced_engine",
+    "validate_note",
 ]

@@ -74,6 +74,7 @@ def save_trace(
     engine = _required_text("engine", engine, _MAX_ENGINE)
     model = _required_text("model", model, _MAX_MODEL)
     _check_source(source)
+    note = validate_note(note)
     tag_text = normalize_tags(tags)
 
     # The collector stays paused over parsing and analysis: see _gc_paused.
@@ -223,15 +224,13 @@ def _engine_trace_metadata(engine: "AsyncEngine | str", *, note: str, tags: Iter
                            source: str) -> tuple["AsyncEngine", dict[str, Any]]:
     """The traced engine and the ``save_trace`` keywords for it, every check done up front."""
     engine = traced_engine(engine)
-    if not isinstance(note, str):
-        raise ValueError(f"note must be a string, not {type(note).__name__}")
     _check_source(source)
     return engine, {
         "engine": engine.name,
         "model": engine.checkpoint.name,
         "backend": engine.backend_name,
         "source": source,
-        "note": note,
+        "note": validate_note(note),
         "tags": normalize_tags(tags),
     }
 
@@ -260,12 +259,21 @@ async def asave_metrics_snapshot(engine: str, model: str, metrics: Mapping[str, 
         engine, model, metrics, **kwargs)
 
 
+def validate_note(note: Any) -> str:
+    """``note`` itself, if a record can store it; ``ValueError`` saying why not otherwise."""
+    if not isinstance(note, str):
+        raise ValueError(f"note must be a string, not {type(note).__name__}")
+    _check_no_nul("note", note)
+    return note
+
+
 def normalize_tags(tags: Iterable[str] | str) -> str:
     """``"a, b"`` or ``["a", "b"]`` -> ``"a,b"``: stripped, de-duplicated, order kept."""
     items = tags.split(",") if isinstance(tags, str) else list(tags)
     seen: dict[str, None] = {}
     for tag in items:
         tag = str(tag).strip()
+        _check_no_nul("tags", tag)
         if tag:
             seen.setdefault(tag, None)
     text = ",".join(seen)
@@ -278,7 +286,7 @@ def _summary_rows(record: TraceRecord, requests: list[RequestStats]) -> list[Req
     rows = []
     seen: set[str] = set()
     for r in requests:
-        request_id = r.request_id[:_MAX_REQUEST_ID]
+        request_id = _storable(r.request_id)[:_MAX_REQUEST_ID]
         if request_id in seen:  # two lanes with one id (hand-made traces): keep the first
             continue
         seen.add(request_id)
@@ -294,7 +302,7 @@ def _summary_rows(record: TraceRecord, requests: list[RequestStats]) -> list[Req
             prefill_us=_int_or_none(r.prefill_us),
             decode_us=_int_or_none(r.decode_us),
             e2e_us=_int_or_none(r.e2e_us),
-            finish_reason=r.finish_reason[:_MAX_FINISH_REASON],
+            finish_reason=_storable(r.finish_reason)[:_MAX_FINISH_REASON],
             preemptions=r.preemptions,
         ))
     return rows
@@ -338,9 +346,22 @@ def _check_source(source: str) -> None:
         raise ValueError(f"source must be one of {', '.join(TraceRecord.Source.values)}, not {source!r}")
 
 
+def _check_no_nul(name: str, value: str) -> None:
+    # PostgreSQL text cannot hold NUL; refusing it everywhere keeps both databases alike.
+    if "\x00" in value:
+        raise ValueError(f"{name} must not contain NUL characters (\\u0000)")
+
+
+def _storable(text: str) -> str:
+    """Text from inside a trace (a request id is the client's ``user`` field) with NUL replaced:
+    refusing it would make the whole trace unsavable, and an autosaved window is already cleared."""
+    return text.replace("\x00", "\ufffd")
+
+
 def _required_text(name: str, value: Any, max_length: int) -> str:
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"{name} must be a non-empty string")
+    _check_no_nul(name, value)
     if len(value) > max_length:
         raise ValueError(f"{name} is {len(value)} characters long; at most {max_length} fit")
     return value

@@ -121,6 +121,7 @@ def _overview_row(a: TraceRecord, b: TraceRecord) -> ChangeRow:
     def figures(r: TraceRecord) -> dict[str, float | None]:
         seconds = r.duration_us / 1e6 if r.duration_us else None
         tokens = (_request_map(r).get("completion_tokens") or {}).get("total")
+        tokens = tokens if isinstance(tokens, (int, float)) else None
         return {
             "events": float(r.event_count),
             "requests": float(r.request_count),
@@ -168,4 +169,7 @@ def _phase_sort_key(label: str) -> tuple[int, str]:
 def _request_map(record: TraceRecord) -> Mapping[str, Mapping[str, Any]]:
     stats = record.stats if isinstance(record.stats, Mapping) else {}
     requests = stats.get("requests")
-    return requests if isinstance(requests, Mapping) else {}
+    if not isinstance(requests, Mapping):
+        return {}
+    # Stored JSON is read defensively: a damaged entry is left out, never a 500 page.
+    return {key: value for key, value in requests.items() if isinstance(value, Mapping)}

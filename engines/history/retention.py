@@ -39,12 +39,13 @@ def expired_records(engine: str, *, max_records: int | None = None, max_days: fl
     """The records of ``engine`` that fall outside its limits (``None``: from settings; 0: no limit)."""
     max_records = settings.TRACE_RETENTION_MAX_RECORDS if max_records is None else max_records
     max_days = settings.TRACE_RETENTION_MAX_DAYS if max_days is None else max_days
-    if max_records < 0 or max_days < 0:
+    if not (max_records >= 0 and max_days >= 0):  # NaN included
         raise ValueError("retention limits must be >= 0 (0 means no limit)")
     records = TraceRecord.objects.filter(engine=engine)
     expired = Q(pk__in=[])
-    if max_days:
-        expired |= Q(captured_at__lt=(now or timezone.now()) - timedelta(days=max_days))
+    cutoff = _cutoff(max_days, now)
+    if cutoff is not None:
+        expired |= Q(captured_at__lt=cutoff)
     if max_records:
         # The newest record past the limit marks the boundary; the same (captured_at, id)
         # order as the admin's, so "the newest N" means the same rows everywhere.
@@ -91,14 +92,26 @@ def prune_metrics_snapshots(engine: str | None = None, *, max_days: float | None
                             now: datetime | None = None, dry_run: bool = False) -> int:
     """Delete (or count) metrics snapshots older than the limit; returns how many."""
     max_days = settings.METRICS_RETENTION_MAX_DAYS if max_days is None else max_days
-    if max_days < 0:
+    if not max_days >= 0:  # NaN included
         raise ValueError("retention limits must be >= 0 (0 means no limit)")
-    if not max_days:
+    cutoff = _cutoff(max_days, now)
+    if cutoff is None:
         return 0
-    old = MetricsSnapshot.objects.filter(taken_at__lt=(now or timezone.now()) - timedelta(days=max_days))
+    old = MetricsSnapshot.objects.filter(taken_at__lt=cutoff)
     if engine is not None:
         old = old.filter(engine=engine)
     if dry_run:
         return old.count()
     deleted, _ = old.delete()
     return deleted
+
+
+def _cutoff(max_days: float, now: datetime | None) -> datetime | None:
+    """The moment before which history is past ``max_days``; None for no age limit: 0, or a
+    limit reaching before year 1 (``inf``, 1e6 days), which nothing saved can be older than."""
+    if not max_days:
+        return None
+    try:
+        return (now or timezone.now()) - timedelta(days=max_days)
+    except OverflowError:
+        return None

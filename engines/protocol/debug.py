@@ -181,7 +181,8 @@ class DisaggConfig(_ClosedModel):
             ) from None
         try:
             values = json.loads(raw)
-        except (UnicodeDecodeError, ValueError) as exc:
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            # RecursionError: arrays nested past the parser's depth limit (any client can send them).
             raise field_error(f"kv_append_metadata parse error: {exc}", param="kv_append_metadata") from None
         if not isinstance(values, list):
             raise field_error("kv_append_metadata is not array of integer.", param="kv_append_metadata")

@@ -111,7 +111,7 @@ def _parse_schema(value: Any) -> Any:
     if isinstance(value, str):
         try:
             value = json.loads(value)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:  # RecursionError: nested past the parser's limit
             raise field_error(f"the schema is not valid JSON: {exc}") from None
     if value is not None and not isinstance(value, dict):
         raise field_error("the schema must be a JSON object (a JSON Schema)")

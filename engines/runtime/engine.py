@@ -14,6 +14,7 @@ import logging
 import queue
 import threading
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -122,8 +123,19 @@ class Engine:
             )
 
     def add_request(self, request: GenerationRequest) -> None:
-        """Queue a validated request; raises :class:`EngineRequestError` for a bad one."""
+        """Queue a validated request; raises :class:`EngineRequestError` for a bad one.
+
+        Engine thread only (the prefix cache is read). Nothing changes when it raises.
+        """
         self.validate(request)
+        room = self.kv_pool.capacity(request.prompt)
+        if len(request.prompt) > room:
+            # Pins only go at reset, so this prompt would never be scheduled.
+            raise EngineRequestError(
+                f"the prompt has {len(request.prompt)} tokens but only {room} fit in the KV cache beside "
+                f"the pinned system prompts ({self.kv_pool.num_pinned_pages} pages). Shorten the prompt, "
+                f"or reset the engine to unpin them."
+            )
         if request.debug_config is not None and request.debug_config.ignore_eos and not request.sampling.ignore_eos:
             request.sampling = dataclasses.replace(request.sampling, ignore_eos=True)
         try:
@@ -140,6 +152,8 @@ class Engine:
             if grammar is not None:
                 seq.grammar = grammar.matcher()
             state.sequences.append(seq)
+        # Queued only once every choice is built, so a failure above leaves no orphan sequence.
+        for seq in state.sequences:
             self.scheduler.add(seq)
         self.requests[request.request_id] = state
         if self.tracer is not None:
@@ -181,8 +195,17 @@ class Engine:
         """Schedule, run the model once, update every scheduled request; returns the new outputs."""
         sched = self.scheduler.schedule()
         self._trace_schedule(sched)
+        touched: dict[str, RequestState] = {}
+        for seq in sched.out_of_pages:
+            # As at the context limit: the pool, less its pinned pages, is this sequence's limit.
+            logger.warning("request %s: the KV cache, less its %d pinned pages, cannot hold the %d tokens of "
+                           "choice %d; it ends with 'length'. Reset the engine to unpin system prompts, or "
+                           "start it with more pages.", seq.request.request_id, self.kv_pool.num_pinned_pages,
+                           len(seq.token_ids), seq.index)
+            self._finish_sequence(seq, "length")
+            touched[seq.request.request_id] = seq.request
         if not sched.chunks:
-            return []
+            return self._outputs(touched)
         self.num_steps += 1
         t0 = time.perf_counter()
         sampled_chunks = [c for c in sched.chunks if c.samples]
@@ -196,20 +219,25 @@ class Engine:
                 state.prefill_tokens += chunk.num_tokens
             else:
                 state.decode_tokens += chunk.num_tokens
-        touched: dict[str, RequestState] = {}
         now = time.perf_counter()
         gaps = []
         sampled_ids = [c.seq.request.request_id for c in sampled_chunks]
         if self.tracer is not None and sampled_ids:
             # MLC's name for the streamer's work: text deltas, stop strings, grammar state.
             self.tracer.add_event(sampled_ids, "start detokenization")
-        for chunk, (token, logprob) in zip(sampled_chunks, token_ids):
+        for chunk, picked in zip(sampled_chunks, token_ids):
             seq = chunk.seq
+            touched[seq.request.request_id] = seq.request
+            if isinstance(picked, Exception):
+                self._fail_sequence(seq, picked)
+                continue
             if seq.last_token_time is not None:
                 gaps.append(now - seq.last_token_time)
             seq.last_token_time = now
-            self._append_sampled(seq, token, logprob)
-            touched[seq.request.request_id] = seq.request
+            try:
+                self._append_sampled(seq, *picked)
+            except Exception as e:  # noqa: BLE001 - a grammar or tokenizer error fails its request, not the engine
+                self._fail_sequence(seq, e)
         if self.tracer is not None and sampled_ids:
             self.tracer.add_event(sampled_ids, "finish detokenization")
         self.metrics.on_token_gaps(gaps)
@@ -217,13 +245,21 @@ class Engine:
         prefill_tokens = sched.num_prefill_tokens
         decode_seqs = sched.num_decode_seqs
         self.metrics.on_step(elapsed, prefill_tokens=prefill_tokens, decode_seqs=decode_seqs)
+        return self._outputs(touched)
+
+    def _outputs(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
+        """What the requests this step changed have to report; refreshes the gauges."""
         outputs = [o for state in touched.values() if (o := self._collect_output(state)) is not None]
         self._update_gauges()
         return outputs
 
     def _run_model(self, sched: SchedulerOutput,
-                   sampled: list[ScheduledChunk]) -> list[tuple[int, Any]]:
-        """The forward pass and sampling; returns (token, logprob) per sampling chunk."""
+                   sampled: list[ScheduledChunk]) -> list[tuple[int, Any] | Exception]:
+        """The forward pass and sampling; returns (token, logprob) per sampling chunk.
+
+        A chunk whose grammar failed to give a mask gets the exception instead: that
+        request fails alone (``step``), the rest of the batch samples as usual.
+        """
         chunks = sched.chunks
         batch = ForwardBatch(
             token_ids=np.fromiter((t for c in chunks for t in c.seq.token_ids[c.start:c.start + c.num_tokens]),
@@ -250,13 +286,20 @@ class Engine:
         states = [c.seq.sampling for c in sampled]
         sample_ids = [c.seq.request.request_id for c in sampled]
         masks: list[np.ndarray | None] = [None] * len(sampled)
+        failures: dict[int, Exception] = {}
         grammar_rows = [i for i, c in enumerate(sampled) if c.seq.grammar is not None]
         if grammar_rows:
             if tracer is not None:
                 tracer.add_event([sample_ids[i] for i in grammar_rows], "start apply logit mask")
             rows_mask = np.empty((len(grammar_rows), self.vocab_size), dtype=np.bool_)
             for j, i in enumerate(grammar_rows):
-                sampled[i].seq.grammar.fill_mask(rows_mask[j])
+                try:
+                    sampled[i].seq.grammar.fill_mask(rows_mask[j])
+                    if not rows_mask[j].any():  # the sampler would fail the whole batch on this row
+                        raise GrammarError("the grammar allows no next token")
+                except Exception as e:  # noqa: BLE001 - fails this request alone; its row samples unmasked, unused
+                    failures[i] = e
+                    continue
                 masks[i] = rows_mask[j]
             if tracer is not None:
                 tracer.add_event([sample_ids[i] for i in grammar_rows], "finish apply logit mask")
@@ -265,7 +308,8 @@ class Engine:
         picked = self.sampler.sample(logits, states, masks)
         if tracer is not None:
             tracer.add_event(sample_ids, "finish sampling")
-        return [(int(picked.token_ids[i]), picked.logprobs[i] if picked.logprobs else None)
+        return [failures[i] if i in failures
+                else (int(picked.token_ids[i]), picked.logprobs[i] if picked.logprobs else None)
                 for i in range(len(sampled))]
 
     # -------------------------------------------------------------------- update
@@ -292,13 +336,15 @@ class Engine:
         budget = self._remaining_tokens(seq)
         forced = forced[:budget]
         seq.sampling.record_output(forced)
+        accepted = 0
         for t in forced:
-            state.jump_forward_tokens += 1
+            accepted += 1
             if self._accept_token(seq, t, None):
-                break
-        self.metrics.on_jump_forward(time.perf_counter() - t0, len(forced))
+                break  # a stop rule fired: the rest of the run is never output, so not counted
+        state.jump_forward_tokens += accepted
+        self.metrics.on_jump_forward(time.perf_counter() - t0, accepted)
         if self.tracer is not None:
-            self.tracer.add_event(state.request_id, "jump forward", {"tokens": len(forced)})
+            self.tracer.add_event(state.request_id, "jump forward", {"tokens": accepted})
 
     def _remaining_tokens(self, seq: Sequence) -> int:
         limit = self.max_seq_len - len(seq.token_ids)
@@ -315,15 +361,36 @@ class Engine:
             seq.pending_logprobs.append(logprob)
         if seq.grammar is not None and token not in self.eos_token_ids:
             seq.grammar.consume([token])
-        check = seq.stop_checker.step(token, seq.detokenizer.add(token))
+        if seq.stop_checker.is_stop_token(token):
+            # Its own text is never output, so the detokenizer never sees it; what the
+            # tokens before it held back (an unfinished byte-fallback run) is complete now.
+            text = seq.detokenizer.finish()
+        else:
+            text = seq.detokenizer.add(token)
+        check = seq.stop_checker.step(token, text)
         seq.pending_text += check.text
-        if check.finish_reason is not None:
-            self._finish_sequence(seq, check.finish_reason, flush=False)
+        if check.finish_reason == "stop":
+            # Nothing to flush: the stop token took the rest, and what follows a stop string is dropped.
+            self._finish_sequence(seq, "stop", flush=False)
             return True
+        # Before the length limit: output the grammar completes on its last allowed
+        # token is whole, and "length" would tell the client it was cut.
         if seq.grammar is not None and seq.grammar.is_finished():
             self._finish_sequence(seq, "stop")
             return True
+        if check.finish_reason is not None:
+            self._finish_sequence(seq, check.finish_reason)  # the last token: what the detokenizer holds is whole
+            return True
         return False
+
+    def _fail_sequence(self, seq: Sequence, error: Exception) -> None:
+        """Abort a choice whose update raised (grammar, tokenizer); the engine serves on."""
+        rid = seq.request.request_id
+        logger.error("request %s (choice %d) failed and is aborted: %r", rid, seq.index, error, exc_info=error)
+        if self.tracer is not None:
+            self.tracer.add_event(rid, "request error", {"error": f"{type(error).__name__}: {error}"})
+        # No flush: the detokenizer or stop checker may be what failed.
+        self._finish_sequence(seq, "abort", flush=False)
 
     def _finish_sequence(self, seq: Sequence, reason: str, flush: bool = True) -> None:
         """End a choice. ``flush``: the engine ends it (grammar done, abort), so held-back text is output."""
@@ -381,6 +448,8 @@ class Engine:
         if not aborted:
             self.metrics.on_request_finished(rm)
         if self.tracer is not None:
+            if state.first_scheduled_time is None:  # aborted or dropped while waiting
+                self.tracer.add_event(state.request_id, "finish queue")
             reasons = sorted({s.finish_reason or "" for s in state.sequences})
             self.tracer.add_event(state.request_id, "finish", {
                 "finish_reason": reasons[0] if len(reasons) == 1 else ",".join(reasons),
@@ -419,9 +488,15 @@ class Engine:
 
     def _update_gauges(self) -> None:
         usage = self.kv_pool.usage()
+        # Requests, not choices (a request has n). Counted from the running side, which is
+        # bounded by max_num_seqs, where the waiting queue may be long: every other live
+        # request waits, and a running one does too while a choice of its is unadmitted.
+        running = Counter(s.request.request_id for s in self.scheduler.running)
+        waiting = len(self.requests) - len(running) + sum(
+            1 for rid, n in running.items() if n < sum(not s.finished for s in self.requests[rid].sequences))
         self.metrics.set_gauges(
-            num_running_requests=len(self.scheduler.running),
-            num_waiting_requests=len(self.scheduler.waiting),
+            num_running_requests=len(running),
+            num_waiting_requests=waiting,
             kv_pages_used=usage.used_pages,
             kv_pages_total=usage.total_pages,
             prefix_cache_hit_rate=usage.hit_rate,
@@ -503,28 +578,28 @@ class AsyncEngine:
         self.engine.validate(request)
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
-        added: asyncio.Future = loop.create_future()
         rid = request.request_id
         if rid in self._streams:  # also caught by the engine, but only after this stream had replaced the first
             raise EngineRequestError(f"request id {rid!r} is already running")
         self._streams[rid] = (loop, outputs)
+        try:
+            # Again, now that a dying engine thread would see this stream and fail it.
+            self._check_alive()
+        except EngineDeadError:
+            self._streams.pop(rid, None)
+            raise
 
         def add() -> None:
+            # A failure arrives on the stream, before any output: the same path as the
+            # engine dying, so the caller can never wait on an add that will not run.
             try:
                 self.engine.add_request(request)
-            except EngineRequestError as e:
-                loop.call_soon_threadsafe(_set_exception, added, e)
-                return
-            loop.call_soon_threadsafe(_set_result, added, None)
+            except Exception as e:  # noqa: BLE001 - add_request changed nothing: the request fails alone
+                loop.call_soon_threadsafe(outputs.put_nowait, e)
 
         self._commands.put(add)
         finished = False
         try:
-            try:
-                await added
-            except EngineRequestError:
-                finished = True
-                raise
             while True:
                 batch = [await outputs.get()]
                 # A consumer that fell behind (a busy event loop, a slow client) gets what is
@@ -534,17 +609,27 @@ class AsyncEngine:
                 error = batch.pop() if isinstance(batch[-1], BaseException) else None
                 if batch:
                     item = merge_outputs(batch)
-                    yield item
                     if item.finished:
+                        # The id is free once the request is over, not only once the
+                        # consumer closes this generator (it may hold it for a while).
                         finished = True
+                        self._release_stream(rid, outputs)
+                    yield item
+                    if finished:
                         return
                 if error is not None:
                     finished = True
                     raise error
         finally:
-            self._streams.pop(rid, None)
+            self._release_stream(rid, outputs)
             if not finished:
                 self._commands.put(lambda: self.engine.abort_request(rid))
+
+    def _release_stream(self, rid: str, outputs: asyncio.Queue) -> None:
+        """Forget the stream of ``rid`` if it is still this one (a later request may reuse the id)."""
+        stream = self._streams.get(rid)
+        if stream is not None and stream[1] is outputs:
+            del self._streams[rid]
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with finish reason ``abort``."""

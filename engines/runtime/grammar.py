@@ -202,7 +202,10 @@ class GrammarCompiler:
                 dict(schema), defaults=_JSON_DEFAULTS, overrides={"lenient": not strict})
         except ValueError as e:
             raise GrammarError(f"invalid JSON schema: {e}") from e
-        tokenizer = self.tokenizer
+        try:
+            tokenizer = self.tokenizer
+        except ValueError as e:  # this model cannot serve any response_format: the request's error
+            raise GrammarError(f"structured output is unavailable for this model: {e}") from e
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
             grammar, tokenizer, limits=_LIMITS)
         if is_error:

@@ -303,6 +303,14 @@ class KVCachePool:
         """Tokens ``admit`` would take from the cache right now (no side effects)."""
         return len(self._match(token_ids)[0]) * self.page_size
 
+    def capacity(self, token_ids: Sequence[int]) -> int:
+        """Most tokens a sequence starting with ``token_ids`` can ever hold (no side effects).
+
+        The whole pool but the pinned pages it does not share: pins stay until ``reset()``.
+        """
+        shared = sum(1 for page in self._match(token_ids)[0] if self._pinned[page])
+        return (self.num_pages - self._num_pinned + shared) * self.page_size
+
     def pages(self, seq_id: SeqId) -> tuple[int, ...]:
         """The sequence's page ids in token order."""
         return tuple(self._seqs[seq_id].pages)

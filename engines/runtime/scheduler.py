@@ -15,6 +15,12 @@ Policy, in order:
    the sequence limit and the pool allow. Nothing is admitted in a step that had
    to preempt, so a full pool does not thrash.
 Oldest-first everywhere means no request starves.
+
+A sequence that cannot get its pages while no other sequence holds any will never
+get them: what it lacks is pinned (``pinned_system_prompt``), and pins last until
+the engine is reset. Waiting for room would spin the engine forever, so such a
+sequence is dropped and reported in ``SchedulerOutput.out_of_pages``; the engine
+ends it as it ends one that reached the context limit.
 """
 from __future__ import annotations
 
@@ -49,11 +55,16 @@ class ScheduledChunk:
 
 @dataclass
 class SchedulerOutput:
-    """What one step computes, plus the sequences it preempted to make room."""
+    """What one step computes, plus the sequences it preempted to make room.
+
+    ``out_of_pages``: sequences dropped because the pool, less its pinned pages, can
+    never hold them (see the module docstring); they hold no pages any more.
+    """
 
     chunks: list[ScheduledChunk] = field(default_factory=list)
     preempted: list["Sequence"] = field(default_factory=list)
     admitted: list["Sequence"] = field(default_factory=list)
+    out_of_pages: list["Sequence"] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -124,6 +135,10 @@ class Scheduler:
                 continue
             while not self.kv_pool.try_allocate(seq.seq_id, n):
                 victim = self.running[-1]
+                if victim is seq and len(self.running) == 1:
+                    self._drop(seq)
+                    out.out_of_pages.append(seq)
+                    break
                 self._preempt(victim)
                 out.preempted.append(victim)
                 if victim is seq:
@@ -135,7 +150,11 @@ class Scheduler:
             seq = self.waiting[0]
             admission = self.kv_pool.admit(seq.seq_id, seq.token_ids, budget)
             if admission is None:
-                break
+                if self.running:  # they will finish and free pages
+                    break
+                self.waiting.popleft()
+                out.out_of_pages.append(seq)
+                continue
             self.waiting.popleft()
             seq.num_computed = admission.cached_tokens
             seq.num_cached_prefix_tokens = admission.cached_tokens
@@ -144,6 +163,10 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(seq, admission.cached_tokens, admission.new_tokens))
             budget -= admission.new_tokens
         return out
+
+    def _drop(self, seq: "Sequence") -> None:
+        self.running.remove(seq)
+        self.kv_pool.free(seq.seq_id)
 
     def _preempt(self, seq: "Sequence") -> None:
         self.running.remove(seq)

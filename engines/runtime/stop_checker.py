@@ -3,7 +3,9 @@
 One ``StopChecker`` per choice. The engine passes every output token (sampled or
 jump-forward) with the text it added (from the incremental detokenizer) to
 ``step``, streams the returned ``text``, and finishes the choice when
-``finish_reason`` is set:
+``finish_reason`` is set. A stop token (``is_stop_token``) comes instead with the
+text the tokens before it still owed (the detokenizer's final flush, e.g. a
+byte-fallback character it was holding back): the stop token ends that text.
 
 - ``"stop"``: an EOS token, one of ``stop_token_ids``, or one of the ``stop``
   strings. Following OpenAI, the stop token's text and the stop string are not
@@ -73,21 +75,27 @@ class StopChecker:
         return cls(stop=params.stop, stop_token_ids=params.stop_token_ids, eos_token_ids=eos_token_ids,
                    max_tokens=min(limits) if limits else None, ignore_eos=params.ignore_eos)
 
+    def is_stop_token(self, token_id: int) -> bool:
+        """Whether ``token_id`` ends the choice: an EOS or a stop token (never with ``ignore_eos``)."""
+        return token_id in self._eos or token_id in self._stop_token_ids
+
     def step(self, token_id: int, text: str) -> StopCheck:
-        """Account for one output token and the text it added to the output."""
+        """Account for one output token and the text it added to the output.
+
+        For a stop token, ``text`` is what the tokens before it still owed, never the
+        stop token's own text (which is not output): it is output, and checked for
+        stop strings like any other text.
+        """
         if self.finished:
             raise RuntimeError("StopChecker.step called after the choice finished")
         self.num_tokens += 1
-        if token_id in self._eos or token_id in self._stop_token_ids:
-            # The stop token's own text is not output; what was held back is.
+        out, matched = self._scan(text) if self._stop else (text, None)
+        if matched is not None:
+            return self._finish("stop", matched, out)
+        if self.is_stop_token(token_id):
+            # What was held back is output: no stop string can complete any more.
             reason = None if token_id in self._eos and token_id not in self._stop_token_ids else token_id
-            return self._finish("stop", reason, self.flush())
-        if self._stop:
-            out, matched = self._scan(text)
-            if matched is not None:
-                return self._finish("stop", matched, out)
-        else:
-            out = text
+            return self._finish("stop", reason, out + self.flush())
         if self._max_tokens is not None and self.num_tokens >= self._max_tokens:
             return self._finish("length", None, out + self.flush())
         return StopCheck(out)

@@ -22,11 +22,11 @@ from django.urls import reverse
 from django.views.decorators.csrf import csrf_exempt
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr, ValidationError
 
-from engines.history import TraceUnavailableError, asave_engine_trace, normalize_tags, traced_engine
+from engines.history import TraceUnavailableError, asave_engine_trace, normalize_tags, traced_engine, validate_note
 from engines.models import TraceRecord
 from engines.protocol.errors import ProtocolError
 from engines.registry import registry
-from engines.runtime.engine import AsyncEngine
+from engines.runtime.engine import AsyncEngine, EngineDeadError
 from engines.views.errors import AsyncView, api_view, error_response, json_response
 
 NOT_MOUNTED = "Not found: the /debug endpoints exist only when the server runs with --enable-debug."
@@ -140,10 +140,11 @@ def parse_save_options(request: HttpRequest) -> SaveTraceOptions:
             f'Invalid "{field}": {error["msg"]}. Send "note" as a string, "tags" as a list of strings '
             'and "clear" as true or false.',
         ) from None
-    try:
-        normalize_tags(options.tags)
-    except ValueError as exc:
-        raise ProtocolError(400, f"Invalid \"tags\": {exc}.") from None
+    for field, check in (("note", validate_note), ("tags", normalize_tags)):
+        try:
+            check(getattr(options, field))
+        except ValueError as exc:
+            raise ProtocolError(400, f"Invalid \"{field}\": {exc}.") from None
     return options
 
 
@@ -160,7 +161,10 @@ async def reset_engine(request: HttpRequest) -> HttpResponse:
     """Abort everything in flight and zero the metrics; answers once the reset has completed."""
     body = parse_body(request, model_required=True)
     engine = lookup(body.model)
-    await engine.reset(clear_trace=body.clear_trace)
+    try:
+        await engine.reset(clear_trace=body.clear_trace)
+    except EngineDeadError as exc:
+        raise ProtocolError(503, str(exc)) from None
     return json_response({"status": "reset", "model": engine.name, "trace_cleared": body.clear_trace})
 
 

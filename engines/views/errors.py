@@ -12,6 +12,8 @@ import logging
 from typing import Any, Awaitable, Callable
 
 import orjson
+from django.conf import settings
+from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from django.views.decorators.csrf import csrf_exempt
 
@@ -42,10 +44,13 @@ def api_view(*methods: str) -> Callable[[AsyncView], AsyncView]:
 
     CSRF-exempt (API clients authenticate with a bearer key, not a session
     cookie), restricted to ``methods`` (405 in the error shape otherwise), and
-    any :class:`ProtocolError` it raises becomes its error reply. An unexpected
+    any :class:`ProtocolError` it raises becomes its error reply, as does a body over
+    Django's ``DATA_UPLOAD_MAX_MEMORY_SIZE`` (413, raised on reading it). An unexpected
     exception is logged and answered 500 in the same shape, never as HTML.
     """
     allowed = frozenset(m.upper() for m in methods)
+    if "GET" in allowed:  # HTTP requires HEAD wherever GET works (the server drops the body)
+        allowed |= {"HEAD"}
 
     def decorate(view: AsyncView) -> AsyncView:
         @functools.wraps(view)
@@ -60,6 +65,10 @@ def api_view(*methods: str) -> Callable[[AsyncView], AsyncView]:
                 return await view(request, *args, **kwargs)
             except ProtocolError as exc:
                 return error_response(exc)
+            except RequestDataTooBig:
+                limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+                return error_response(ProtocolError(
+                    413, f"The request body is larger than the {limit} bytes this server accepts; send a shorter one."))
             except Exception:
                 logger.exception("%s %s failed", request.method, request.path)
                 return json_response(

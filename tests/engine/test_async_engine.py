@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
 from engines.protocol.debug import DebugConfig
 from engines.runtime.engine import AsyncEngine, EngineConfig
+from engines.runtime.grammar import GrammarCompiler, GrammarError, GrammarMatcher
 from engines.runtime.request import EngineRequestError
 
 from .conftest import Result, collect, request
@@ -121,3 +123,64 @@ async def test_duplicate_request_id_is_refused_and_the_first_stream_completes(as
         await consume(async_engine, request("dup", prompts(demo, 1)[0], max_tokens=5))
     res = await asyncio.wait_for(first, 30)
     assert len(res.tokens) == 20 and res.finish_reason == "length"
+
+
+async def test_a_request_failing_mid_stream_ends_alone_and_the_engine_keeps_serving(async_engine, demo, monkeypatch):
+    """A grammar error while consuming a token aborts that stream; the others, and later ones, run on."""
+    real_consume = GrammarMatcher.consume
+
+    def consume_then_fail(self, token_ids):
+        self.consumed = getattr(self, "consumed", 0) + 1
+        if self.consumed > 3:
+            raise GrammarError("grammar rejected token(s) [42]: injected")
+        real_consume(self, token_ids)
+
+    monkeypatch.setattr(GrammarMatcher, "consume", consume_then_fail)
+    ignore = DebugConfig(ignore_eos=True)
+    p_good, p_bad = prompts(demo, 2, seed=9)
+    good = asyncio.create_task(consume(async_engine, request("good", p_good, max_tokens=30, debug_config=ignore)))
+    bad = await asyncio.wait_for(consume(async_engine, request(
+        "bad", p_bad, max_tokens=30, response_format={"type": "json_object"},
+        debug_config=DebugConfig(grammar_execution_mode="constraint"))), 30)
+    assert bad.finish_reason == "abort" and bad.usage is not None
+    res = await asyncio.wait_for(good, 30)
+    assert len(res.tokens) == 30 and res.finish_reason == "length"
+    assert async_engine.is_alive
+    assert (await consume(async_engine, request("after", p_good, max_tokens=3))).usage["completion_tokens"] == 3
+    events = json.loads(async_engine.tracer.dump_json())["traceEvents"]
+    assert any(e["name"] == "request error" for e in events)
+
+
+async def test_a_format_the_tokenizer_cannot_serve_is_a_bad_request(async_engine, demo):
+    """It used to raise a plain ValueError on the engine thread: the engine died, the caller hung."""
+    async_engine.engine.grammars = GrammarCompiler(demo.tokenizer.tokenizer_json, 10, demo.eos_token_ids)
+    with pytest.raises(EngineRequestError, match="response_format: structured output is unavailable for this model: llguidance cannot use"):
+        await asyncio.wait_for(consume(async_engine, request("json", prompts(demo, 1)[0],
+                                                             response_format={"type": "json_object"})), 30)
+    assert async_engine.is_alive
+    assert (await consume(async_engine, request("text", prompts(demo, 1)[0], max_tokens=3))).usage
+
+
+async def test_an_unexpected_error_adding_a_request_fails_only_that_request(async_engine, demo, monkeypatch):
+    def broken(response_format):
+        raise RuntimeError("compiler crashed")
+
+    monkeypatch.setattr(async_engine.engine.grammars, "compile", broken)
+    with pytest.raises(RuntimeError, match="compiler crashed"):
+        await asyncio.wait_for(consume(async_engine, request("json", prompts(demo, 1)[0])), 30)
+    monkeypatch.undo()
+    assert async_engine.is_alive and not async_engine.engine.has_work
+    assert (await consume(async_engine, request("text", prompts(demo, 1)[0], max_tokens=3))).usage
+
+
+async def test_a_finished_stream_frees_its_request_id_at_once(async_engine, demo):
+    """The id is free when the last output is out, not when the consumer gets round to closing
+    the generator (a view still holding it, a client reusing its ``user`` as the id)."""
+    gen = async_engine.generate(request("same", prompts(demo, 1)[0], max_tokens=2))
+    async for out in gen:
+        if out.finished:
+            break
+    again = await asyncio.wait_for(consume(async_engine, request("same", prompts(demo, 1)[0], max_tokens=2)), 30)
+    assert again.usage is not None
+    await gen.aclose()  # closing the first stream late must not touch the second's
+    assert (await consume(async_engine, request("same", prompts(demo, 1)[0], max_tokens=2))).usage is not None

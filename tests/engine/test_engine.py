@@ -10,7 +10,7 @@ import pytest
 from engines.protocol.debug import DebugConfig
 from engines.runtime.request import EngineRequestError
 
-from .conftest import request, run_all
+from .conftest import collect, request, run_all
 
 
 def prompts(demo, count: int, length: int = 20, seed: int = 0) -> list[list[int]]:
@@ -315,3 +315,233 @@ def test_trace_of_a_run_is_well_formed(make_engine, demo):
         finish = lane[-1]["args"]
         assert finish["finish_reason"] == "length" and finish["completion_tokens"] == 10
     assert any(e["name"] == "preempt" for e in events)
+
+
+def test_pinned_pages_never_strand_a_request(make_engine, demo):
+    """Pins shrink the pool for everyone else: a request that no longer fits ends, it never spins.
+
+    Before, a sequence alone in the pool that needed a pinned page preempted itself
+    and then waited for room that only a reset could make: the engine stepped forever.
+    """
+    engine = make_engine(num_pages=4)  # 64 token slots
+    system, other, queued = prompts(demo, 3, length=40, seed=21)
+    pin = DebugConfig(pinned_system_prompt=True)
+    # Queued behind the pinned request: it fitted when it arrived, not after the pin.
+    res = run_all(engine, [request("p", system, max_tokens=1, debug_config=pin, system_prompt_tokens=32),
+                           request("q", queued + queued[:12], max_tokens=4)], max_steps=200)
+    assert engine.kv_pool.num_pinned_pages == 2
+    assert res["q"].finish_reason == "length" and res["q"].usage["completion_tokens"] == 0
+    # Runs to the context limit: fits at first, then needs a pinned page.
+    res = run_all(engine, [request("a", other[:20], max_tokens=None, debug_config=DebugConfig(ignore_eos=True))],
+                  max_steps=200)["a"]
+    assert res.finish_reason == "length" and len(res.tokens) == 2 * 16 - 20 + 1
+    assert engine.kv_pool.num_used_pages == engine.kv_pool.num_pinned_pages
+    # A prompt that cannot fit beside the pins is refused at once, with the way out.
+    with pytest.raises(EngineRequestError, match="pinned"):
+        engine.add_request(request("long", other + other[:10]))
+    assert not engine.has_work
+    # One that shares the pinned prefix uses those pages and fits.
+    assert run_all(engine, [request("s", system + [300] * 10, max_tokens=2)])["s"].usage["completion_tokens"] == 2
+    engine.reset()
+    assert run_all(engine, [request("long", other + other[:10], max_tokens=2)])["long"].usage["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("mode", ["constraint", "jump_forward"])
+def test_grammar_completed_on_the_last_allowed_token_finishes_with_stop(make_engine, demo, mode):
+    """Complete output is "stop" whatever max_tokens was: "length" would tell the client it was cut."""
+    schema = {"type": "object", "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 150},
+                                               "color": {"enum": ["red", "green", "blue"]}},
+              "required": ["age", "color"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}
+    debug = DebugConfig(grammar_execution_mode=mode)
+    p = prompts(demo, 1)[0]
+    free = run_all(make_engine(), [request("a", p, max_tokens=100, response_format=fmt, debug_config=debug)])["a"]
+    assert free.finish_reason == "stop"
+    exact = run_all(make_engine(), [request("a", p, max_tokens=len(free.tokens), response_format=fmt,
+                                            debug_config=debug)])["a"]
+    assert exact.tokens == free.tokens and exact.text == free.text
+    assert exact.finish_reason == "stop"
+    cut = run_all(make_engine(), [request("a", p, max_tokens=len(free.tokens) - 1, response_format=fmt,
+                                          debug_config=debug)])["a"]
+    assert cut.finish_reason == "length"
+
+
+def test_jump_forward_counts_only_the_tokens_it_output(make_engine, demo):
+    """A stop string inside a forced run drops the rest of the run: those tokens are not counted."""
+    engine = make_engine()
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
+    res = run_all(engine, [request("a", prompts(demo, 1)[0], max_tokens=100, stop=["age"],
+                                   response_format=fmt)])["a"]
+    assert res.finish_reason == "stop"
+    m = engine.metrics.as_dict()
+    assert m["jump_forward_tokens_sum"] == res.usage["extra"]["jump_forward_tokens"] > 0
+    assert m["jump_forward_tokens_processed"] == m["jump_forward_tokens_sum"]
+
+
+def test_abort_before_scheduling_closes_the_queue_span(make_engine, demo):
+    """Requests aborted (or reset) while still waiting end their trace lane cleanly, with usage."""
+    engine = make_engine(tracing=True, max_num_seqs=1)
+    for i, p in enumerate(prompts(demo, 3)):
+        engine.add_request(request(f"r{i}", p, max_tokens=20))
+    engine.step()
+    out = engine.abort_request("r2")
+    assert out.choices[0].finish_reason == "abort" and out.usage["completion_tokens"] == 0
+    outputs = {o.request_id: o for o in engine.reset()}
+    assert set(outputs) == {"r0", "r1"}
+    assert outputs["r1"].choices[0].finish_reason == "abort" and outputs["r1"].usage["prompt_tokens"] == 20
+    events = json.loads(engine.tracer.dump_json())["traceEvents"]
+    assert not [e["name"] for e in events if e.get("args", {}).get("unclosed")]
+    assert engine.kv_pool.num_used_pages == 0 and not engine.has_work
+
+
+def _fail_after(calls: int, real, error: Exception):
+    """A stand-in for ``real`` that raises ``error`` from its ``calls + 1``-th call on."""
+    count = 0
+
+    def fake(*args, **kwargs):
+        nonlocal count
+        count += 1
+        if count > calls:
+            raise error
+        return real(*args, **kwargs)
+    return fake
+
+
+def _allow_nothing_after(calls: int, fill_mask):
+    """A stand-in for ``GrammarMatcher.fill_mask`` that forbids every token from its ``calls + 1``-th call on."""
+    count = 0
+
+    def fake(out):
+        nonlocal count
+        count += 1
+        fill_mask(out)
+        if count > calls:
+            out[:] = False
+    return fake
+
+
+@pytest.mark.parametrize("where", ["grammar consume", "grammar mask", "empty mask", "detokenizer"])
+def test_a_request_failing_mid_stream_finishes_alone(make_engine, demo, where):
+    """A per-request error (grammar, tokenizer) aborts that request; its batch mates are untouched."""
+    from engines.runtime.grammar import GrammarError
+
+    p_good, p_bad = prompts(demo, 2, seed=9)
+    ignore = DebugConfig(ignore_eos=True)
+    expected = run_all(make_engine(), [request("good", p_good, max_tokens=12, n=2, temperature=1.0, seed=4,
+                                               debug_config=ignore)])["good"]
+    engine = make_engine()
+    engine.add_request(request("good", p_good, max_tokens=12, n=2, temperature=1.0, seed=4, debug_config=ignore))
+    engine.add_request(request("bad", p_bad, max_tokens=40, response_format={"type": "json_object"},
+                               debug_config=DebugConfig(grammar_execution_mode="constraint")))
+    seq = engine.requests["bad"].sequences[0]
+    if where == "grammar consume":
+        seq.grammar.consume = _fail_after(3, seq.grammar.consume, GrammarError("grammar rejected token(s)"))
+    elif where == "grammar mask":
+        seq.grammar.fill_mask = _fail_after(3, seq.grammar.fill_mask, GrammarError("grammar error"))
+    elif where == "empty mask":  # a grammar that allows nothing: the sampler has no token to draw
+        seq.grammar.fill_mask = _allow_nothing_after(3, seq.grammar.fill_mask)
+    else:
+        seq.detokenizer.add = _fail_after(3, seq.detokenizer.add, UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad"))
+    res = run_all(engine, [])
+    assert res["bad"].finish_reason == "abort" and res["bad"].usage is not None
+    assert res["good"].token_ids == expected.token_ids
+    assert res["good"].finish_reasons == {0: "length", 1: "length"}
+    assert engine.kv_pool.num_used_pages == 0 and not engine.requests
+    # The engine keeps serving.
+    assert run_all(engine, [request("next", p_bad, max_tokens=3)])["next"].usage["completion_tokens"] == 3
+
+
+def _byte_fallback_tokenizer():
+    """A Llama 2-style tokenizer (``<0xNN>`` byte fallback) whose ids fit the demo model's vocabulary.
+
+    "</s>" is id 1, one of the demo checkpoint's EOS ids.
+    """
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from engines.runtime.tokenizer import Tokenizer
+
+    vocab = {"<unk>": 0, "</s>": 1, "<s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)},
+             "▁": 259, "o": 260, "k": 261, "▁o": 262, "▁ok": 263}
+    hf = HFTokenizer(models.BPE(vocab=vocab, merges=[("▁", "o"), ("▁o", "k")], byte_fallback=True,
+                                unk_token="<unk>", fuse_unk=True))
+    hf.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    hf.decoder = decoders.Sequence([decoders.ByteFallback(),
+                                    decoders.Metaspace(replacement="▁", prepend_scheme="first", split=False)])
+    hf.add_special_tokens([AddedToken(t, special=True) for t in ("<unk>", "</s>", "<s>")])
+    return Tokenizer.from_json(hf.to_str(), {"eos_token": "</s>", "bos_token": "<s>"})
+
+
+@pytest.mark.parametrize("ending", ["eos", "stop token", "length"])
+def test_a_last_character_spelled_in_bytes_is_not_lost(make_engine, demo, monkeypatch, ending):
+    """The detokenizer holds a byte-fallback run until it is known to be complete; the end of the
+    choice completes it. Before, a reply ending in such a character (CJK, emoji) lost it."""
+    tok = _byte_fallback_tokenizer()
+    engine = make_engine()
+    engine.tokenizer = tok
+    text_ids = tok.encode("ok 日", add_special_tokens=False)
+    assert set(text_ids[-3:]) <= tok.byte_fallback_ids
+    end = {"eos": [1], "stop token": [tok.token_to_id("o")], "length": []}[ending]
+    script = iter(text_ids + end)
+    monkeypatch.setattr(engine.model, "forward_greedy", lambda batch, kv: np.array([next(script)], np.int32))
+    res = run_all(engine, [request("a", [300, 301], max_tokens=len(text_ids + end),
+                                   stop_token_ids=[tok.token_to_id("o")] if ending == "stop token" else [])])["a"]
+    assert res.tokens == text_ids + end
+    assert res.text == "ok 日"
+    assert res.finish_reason == ("length" if ending == "length" else "stop")
+
+
+def test_mixed_workload_under_kv_pressure_keeps_every_page_accounted_for(make_engine, demo):
+    """Shared prefixes, n > 1, stop strings, grammars, logprobs, pins, aborts and preemptions at once:
+    every request ends with usage, and once idle only the pinned pages are in use."""
+    engine = make_engine(tracing=True, num_pages=10, prefill_chunk_size=16, max_num_seqs=4)
+    shared = prompts(demo, 1, length=32, seed=30)[0]
+    tails = prompts(demo, 8, length=12, seed=31)
+    ignore = DebugConfig(ignore_eos=True)
+    reqs = [
+        request("pin", shared + tails[0], max_tokens=4, debug_config=DebugConfig(pinned_system_prompt=True),
+                system_prompt_tokens=32),
+        request("n3", shared + tails[1], max_tokens=20, n=3, temperature=1.0, seed=1, stop=["e"]),
+        request("json", shared + tails[2], max_tokens=40, response_format={"type": "json_object"}),
+        request("lp", shared + tails[3], max_tokens=16, n=2, logprobs=True, top_logprobs=2, debug_config=ignore),
+        request("long", tails[4] * 3, max_tokens=None, debug_config=ignore),
+        request("abort-running", shared + tails[5], max_tokens=40, debug_config=ignore),
+        request("abort-waiting", shared + tails[6], max_tokens=40, debug_config=ignore),
+        request("last", tails[7], max_tokens=24, n=2, temperature=0.7, seed=2),
+    ]
+    results: dict = {}
+    for r in reqs:
+        engine.add_request(r)
+    for _ in range(3):
+        collect(results, engine.step())
+    assert engine.requests["abort-waiting"].first_scheduled_time is None
+    collect(results, [engine.abort_request("abort-running"), engine.abort_request("abort-waiting")])
+    for _ in range(2000):
+        if not engine.has_work:
+            break
+        collect(results, engine.step())
+    assert not engine.has_work and not engine.requests
+    assert engine.scheduler.num_preemptions > 0
+    for r in reqs:
+        res = results[r.request_id]
+        assert res.usage is not None, r.request_id
+        assert sorted(res.finish_reasons) == list(range(r.sampling.n)), r.request_id
+        assert res.usage["completion_tokens"] == sum(len(t) for t in res.token_ids.values()), r.request_id
+    assert results["abort-waiting"].finish_reason == "abort"
+    assert results["long"].finish_reason == "length"
+    pool = engine.kv_pool
+    assert pool.num_pinned_pages == 2 and pool.num_used_pages == pool.num_pinned_pages
+    m = engine.metrics.as_dict()
+    assert json.loads(json.dumps(m, allow_nan=False)) == m
+    assert all(v >= 0 for v in m.values() if isinstance(v, (int, float)))
+    events = json.loads(engine.tracer.dump_json())["traceEvents"]
+    assert not [e["name"] for e in events if e.get("args", {}).get("unclosed")]
+
+
+def test_gauges_count_requests_not_choices(make_engine, demo):
+    engine = make_engine(max_num_seqs=4)
+    engine.add_request(request("n3", prompts(demo, 1)[0], max_tokens=10, n=3, debug_config=DebugConfig(ignore_eos=True)))
+    engine.add_request(request("n2", prompts(demo, 1, seed=1)[0], max_tokens=10, n=2))
+    engine.step()  # four choices run: n3's three and one of n2's; n2's second waits
+    m = engine.metrics.as_dict()
+    assert (m["num_running_requests"], m["num_waiting_requests"]) == (2, 1)

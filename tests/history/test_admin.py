@@ -226,9 +226,25 @@ def test_compare_needs_exactly_two(admin_client, selected):
 def test_compare_view_with_bad_ids(admin_client, saved_trace):
     record, _ = saved_trace
     url = reverse("admin:engines_tracerecord_compare")
-    for query in (f"?a={record.pk}&b={record.pk}", f"?a={record.pk}&b=999999", "?a=x&b=", ""):
+    for query in (f"?a={record.pk}&b={record.pk}", f"?a={record.pk}&b=999999", "?a=x&b=", "",
+                  # Unicode digits int() refuses, and ids past any integer column.
+                  f"?a=\u00b2&b={record.pk}", f"?a={10**30}&b={record.pk}"):
         response = admin_client.get(url + query, follow=True)
         assert "Compare needs two different existing trace records" in response.text
+
+
+@pytest.mark.parametrize("stats", [
+    {"requests": {"ttft_us": 5, "e2e_us": [1]}, "phases": [5, {"phase": "decode", "count": "many"}]},
+    {"requests": {"completion_tokens": {"total": "12"}}},
+    "not statistics",
+])
+def test_malformed_statistics_render_not_a_500(admin_client, saved_trace, stats):
+    record, _ = saved_trace
+    other = save_trace(serving_trace(num_requests=2), engine="eng-a", model="demo")
+    TraceRecord.objects.filter(pk=record.pk).update(stats=stats)
+    assert admin_client.get(change_url(record)).status_code == 200
+    compare = reverse("admin:engines_tracerecord_compare") + f"?a={record.pk}&b={other.pk}"
+    assert admin_client.get(compare).status_code == 200
 
 
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "flip"])

@@ -75,6 +75,11 @@ def test_save_rejects_non_traces(trace, message):
     ({"model": None}, "model must be"),
     ({"source": "cron"}, "source must be one of api, dashboard, automatic"),
     ({"tags": ["t" * 200, "u" * 200]}, "tags are"),
+    # PostgreSQL text cannot hold NUL: refused up front, on every database alike.
+    ({"note": "a\x00b"}, "note must not contain NUL"),
+    ({"note": 5}, "note must be a string"),
+    ({"tags": ["a\x00b"]}, "tags must not contain NUL"),
+    ({"engine": "e\x00"}, "engine must not contain NUL"),
 ])
 def test_save_rejects_bad_metadata(kwargs, message):
     args = {"engine": "eng-a", "model": "demo", **kwargs}
@@ -89,6 +94,17 @@ def test_long_request_ids_are_cut_to_fit():
     record = save_trace(trace, engine="eng-a", model="demo")
     row = RequestSummary.objects.get(trace=record)
     assert (len(row.request_id), len(row.finish_reason)) == (255, 32)
+
+
+@pytest.mark.django_db
+def test_nul_in_request_ids_is_replaced_so_the_trace_still_saves():
+    """A request id is the client's ``user`` field; a NUL in it must not make the trace unsavable
+    (PostgreSQL text cannot hold NUL) and so lose a window an autosave already cleared."""
+    trace = {"traceEvents": [{"name": "finish", "ph": "i", "ts": 1, "pid": 1, "tid": 1,
+                              "args": {"request_id": "a\x00b", "finish_reason": "st\x00op"}}]}
+    record = save_trace(trace, engine="eng-a", model="demo")
+    row = RequestSummary.objects.get(trace=record)
+    assert (row.request_id, row.finish_reason) == ("a\ufffdb", "st\ufffdop")
 
 
 @pytest.mark.django_db

@@ -109,6 +109,28 @@ def test_prune_history_command():
 
 
 @pytest.mark.django_db
+@pytest.mark.parametrize("flag", ["--max-days", "--metrics-max-days"])
+def test_prune_history_refuses_nan(flag):
+    _save("eng-a", days_ago=1)
+    save_metrics_snapshot("eng-a", "demo", {}, retention=False)
+    with pytest.raises(CommandError, match=f"{flag} must be >= 0"):
+        call_command("prune_history", flag, "nan")
+    assert TraceRecord.objects.count() == MetricsSnapshot.objects.count() == 1
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("days", ["inf", "1e6", "1e308"])
+def test_an_age_limit_beyond_the_calendar_keeps_everything(days):
+    """A limit reaching before year 1 (``timedelta`` and ``datetime`` overflow) means no record is that old."""
+    _save("eng-a", days_ago=400)
+    save_metrics_snapshot("eng-a", "demo", {}, taken_at=timezone.now() - timedelta(days=400), retention=False)
+    out = StringIO()
+    call_command("prune_history", "--max-days", days, "--metrics-max-days", days, stdout=out)
+    assert "deleted 0 trace records in total" in out.getvalue()
+    assert TraceRecord.objects.count() == MetricsSnapshot.objects.count() == 1
+
+
+@pytest.mark.django_db
 def test_metrics_snapshot_retention_on_save(settings):
     settings.METRICS_RETENTION_MAX_DAYS = 1
     save_metrics_snapshot("eng-a", "demo", {}, taken_at=timezone.now() - timedelta(days=2), retention=False)

@@ -254,6 +254,8 @@ def test_empty_segment_list_is_valid():
         (metadata([1, True, 4]), "Invalid kv append metadata value in kv_append_metadata array"),
         (metadata([2, 0, 4]), "Invalid kv append metadata compression in kv_append_metadata"),
         (metadata([-1]), "Invalid kv append metadata compression in kv_append_metadata"),
+        # Nested past the JSON parser's recursion limit: a RecursionError, not a ValueError.
+        (base64.b64encode(b"[" * 100_000 + b"]" * 100_000).decode(), "kv_append_metadata parse error: "),
     ],
 )
 def test_malformed_metadata_gets_mlcs_message(encoded, expected):

@@ -395,6 +395,8 @@ def test_response_format_dumps_schema_under_its_wire_name():
         ({"type": "json_schema", "json_schema": {"schema": SCHEMA}}, "response_format.json_schema.name: Field required"),
         ({"type": "json_schema", "json_schema": {"name": "p", "schema": [1]}}, "response_format.json_schema.schema: the schema must be a JSON object"),
         ({"type": "json_object", "schema": "{not json"}, "response_format.schema: the schema is not valid JSON"),
+        # Nested past the JSON parser's recursion limit: a RecursionError, not a ValueError.
+        ({"type": "json_object", "schema": "[" * 100_000}, "response_format.schema: the schema is not valid JSON"),
         ({"type": "text", "schema": SCHEMA}, "response_format: schema (MLC's spelling) goes with type \"json_object\""),
     ],
 )

@@ -194,8 +194,9 @@ def test_missing_schema_means_any_json_object(compiler):
 
 
 def test_a_vocabulary_smaller_than_the_tokenizer_is_rejected(hf_tokenizer):
+    """A GrammarError (the request's problem, a 400), not an error that stops the engine."""
     bad = GrammarCompiler(hf_tokenizer.to_str(), 10, [EOS])
-    with pytest.raises(ValueError, match="llguidance cannot use this tokenizer"):
+    with pytest.raises(GrammarError, match="llguidance cannot use this tokenizer"):
         bad.compile({"type": "json_object"})
 
 

@@ -81,12 +81,24 @@ def test_unicode_stop_string_across_tokens():
 def test_stop_token_ends_without_its_text_but_with_held_text():
     checker = StopChecker(stop=["###"], stop_token_ids=[7])
     assert checker.step(TOK, "a#").text == "a"
-    last = checker.step(7, "<|im_end|>")
+    assert checker.is_stop_token(7) and not checker.is_stop_token(TOK)
+    last = checker.step(7, "")  # the engine never passes the stop token's own text
     assert last == StopCheck("#", "stop", 7)
 
 
+def test_stop_token_outputs_what_the_tokens_before_it_still_owed():
+    """The detokenizer's final flush (a held byte-fallback character) comes with the stop token."""
+    checker = StopChecker(stop=["###"], eos_token_ids=[EOS])
+    assert checker.step(TOK, "ok #").text == "ok "
+    assert checker.step(EOS, "日") == StopCheck("#日", "stop", None)
+    # A stop string completed by that text still wins: it ends first.
+    checker = StopChecker(stop=["日"], eos_token_ids=[EOS])
+    assert checker.step(TOK, "ok ").text == "ok "
+    assert checker.step(EOS, "日") == StopCheck("", "stop", "日")
+
+
 def test_eos_ends_with_no_stop_reason():
-    last = StopChecker(eos_token_ids=[EOS]).step(EOS, "</s>")
+    last = StopChecker(eos_token_ids=[EOS]).step(EOS, "")
     assert last == StopCheck("", "stop", None)
 
 

@@ -1,8 +1,10 @@
 """The API-key gate: which routes it guards, what a refusal looks like, and that /health stays open."""
 from __future__ import annotations
 
+import httpx
 import pytest
 
+from debugsite.asgi import application
 from engines.auth import bearer_token, is_protected, key_matches
 from tests.server.conftest import TRACED, assert_error
 
@@ -38,6 +40,20 @@ async def test_guarded_routes_accept_the_key(serve, method, path, body) -> None:
     assert response.status_code == 200, response.text
 
 
+@pytest.mark.parametrize("method,path,body", GUARDED[:-1])
+async def test_a_root_path_does_not_bypass_the_key(serve, method, path, body) -> None:
+    """Daphne takes ``root_path`` from the client's ``Daphne-Root-Path`` header, and Django
+    routes on the path with the root path removed: ``/x/v1/models`` with root path ``/x`` is
+    ``/v1/models``, and must need the key as much as ``/v1/models`` itself."""
+    async with serve(api_key=KEY):
+        transport = httpx.ASGITransport(app=application, root_path="/x")
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as http:
+            refused = await http.request(method, "/x" + path, json=body)
+            accepted = await http.request(method, "/x" + path, json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert_error(refused, 401)
+    assert accepted.status_code == 200, accepted.text
+
+
 async def test_health_needs_no_key(serve) -> None:
     async with serve(api_key=KEY) as http:
         response = await http.get("/health")
@@ -68,5 +84,6 @@ async def test_api_refuses_a_foreign_host_header(serve) -> None:
     """ALLOWED_HOSTS still guards the API (against DNS rebinding to a key-less loopback server)."""
     async with serve(api_key=None) as http:
         response = await http.get("/v1/models", headers={"Host": "evil.example"})
-        assert response.status_code == 400
+        error = assert_error(response, 400)  # in the error shape, saying what to do, not Django's HTML page
+        assert "'evil.example'" in error["message"] and "ALLOWED_HOSTS" in error["message"]
         assert (await http.get("/v1/models", headers={"Host": "localhost:8000"})).status_code == 200

@@ -98,3 +98,11 @@ async def test_health_503_names_a_dead_engine(serve, engines, stopped_engine) ->
         # Requests to it fail with 503 rather than hanging.
         body = {"model": "stopped", "prompt": "hi", "max_tokens": 1}
         assert_error(await http.post("/v1/completions", json=body), 503)
+
+
+async def test_debug_routes_on_a_dead_engine_are_503_not_500(serve, stopped_engine) -> None:
+    async with serve(enable_debug=True, serving=[stopped_engine]) as http:
+        error = assert_error(await http.post("/debug/reset_engine", json={"model": "stopped"}), 503)
+        assert "is not running" in error["message"]
+        # What it recorded so far stays readable.
+        assert (await http.post("/debug/dump_engine_metrics", json={"model": "stopped"})).status_code == 200

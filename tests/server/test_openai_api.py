@@ -39,6 +39,12 @@ async def test_wrong_method_is_405_in_error_shape(client: httpx.AsyncClient) -> 
     assert_error(await client.post("/v1/models"), 405)
 
 
+@pytest.mark.parametrize("path", ["/health", "/metrics", "/v1/models"])
+async def test_head_is_answered_where_get_is(client: httpx.AsyncClient, path: str) -> None:
+    """HTTP requires HEAD wherever GET works; uptime checkers and load balancers probe with it."""
+    assert (await client.head(path)).status_code == 200
+
+
 # ------------------------------------------------------------------------ chat, whole
 
 
@@ -266,6 +272,14 @@ async def test_bad_parameter_is_400_naming_the_field(client: httpx.AsyncClient) 
     assert error["param"] == "temperature" and "temperature" in error["message"]
     error = assert_error(await client.post(CHAT, json=chat_body(debug_config={"ignore_eso": True})), 400)
     assert "ignore_eso" in error["message"]
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, "/debug/dump_engine_metrics"])
+async def test_body_over_the_upload_limit_is_413(client: httpx.AsyncClient, settings, path: str) -> None:
+    settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 1000
+    body = {"model": TRACED, "prompt": "x " * 1000, "max_tokens": 1}
+    error = assert_error(await client.post(path, json=body), 413)
+    assert "1000 bytes" in error["message"]
 
 
 async def test_unknown_model_is_404(client: httpx.AsyncClient) -> None:

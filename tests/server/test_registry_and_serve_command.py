@@ -81,6 +81,18 @@ def test_serve_refuses_a_public_host_without_a_key(monkeypatch) -> None:
         call_command("serve", "--host", "0.0.0.0", "--api-key", "")
 
 
+@pytest.mark.parametrize("host, allowed", [("0.0.0.0", "0.0.0.0"), ("::", "[::]"), ("192.0.2.7", "192.0.2.7")])
+def test_serve_allows_the_host_it_listens_on(monkeypatch, settings, host, allowed) -> None:
+    """The URL serve prints must work: Django refuses a Host header missing from ALLOWED_HOSTS."""
+    from engines.management.commands.serve import Command
+
+    for step in ("_apply_migrations", "_load_engines", "_run_daphne"):
+        monkeypatch.setattr(Command, step, lambda *args, **kwargs: None)
+    settings.ALLOWED_HOSTS = ["127.0.0.1"]
+    call_command("serve", "--host", host, "--api-key", "k")
+    assert settings.ALLOWED_HOSTS == ["127.0.0.1", allowed]
+
+
 def test_serve_rejects_a_bad_model_spec() -> None:
     with pytest.raises(CommandError, match="served name"):
         call_command("serve", "--model", "demo:")

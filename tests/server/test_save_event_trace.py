@@ -116,6 +116,8 @@ async def test_save_tracing_off(client: httpx.AsyncClient) -> None:
     ({"tags": ["ok", 3]}, '"tags.1"'),
     ({"tags": ["t" * 200, "u" * 200]}, '"tags": tags are 401 characters joined; at most 255 fit'),
     ({"clear": "yes"}, '"clear"'),
+    ({"note": "a\x00b"}, '"note": note must not contain NUL'),
+    ({"tags": ["a\x00b"]}, '"tags": tags must not contain NUL'),
 ])
 async def test_save_refuses_bad_options_and_keeps_the_trace(client: httpx.AsyncClient, options, field) -> None:
     await generate(client, "kept")
@@ -124,6 +126,15 @@ async def test_save_refuses_bad_options_and_keeps_the_trace(client: httpx.AsyncC
     assert error["message"].startswith(f"Invalid {field}"), error["message"]
     assert not await TraceRecord.objects.aexists()
     assert registry.get(TRACED).tracer.request_ids() == ["kept"]  # a refused save never clears
+
+
+async def test_a_request_id_with_nul_does_not_lose_the_cleared_window(client: httpx.AsyncClient) -> None:
+    """The client's ``user`` becomes the request id; PostgreSQL text cannot hold NUL."""
+    await generate(client, "nul\x00id")
+    response = await client.post("/debug/save_event_trace", json={"model": TRACED, "clear": True})
+    assert response.status_code == 200, response.text
+    _, summaries = await stored(response.json()["id"])
+    assert [s.request_id for s in summaries] == ["nul\ufffdid"]
 
 
 # --------------------------------------------------------------------------- Python API

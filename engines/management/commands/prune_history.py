@@ -32,7 +32,7 @@ class Command(BaseCommand):
                metrics_max_days: float | None, dry_run: bool, **options: Any) -> None:
         for name, value in (("--max-records", max_records), ("--max-days", max_days),
                             ("--metrics-max-days", metrics_max_days)):
-            if value is not None and value < 0:
+            if value is not None and not value >= 0:  # NaN included
                 raise CommandError(f"{name} must be >= 0 (0 means no limit), not {value}")
         result = apply_retention(engine, max_records=max_records, max_days=max_days, dry_run=dry_run)
         snapshots = prune_metrics_snapshots(engine, max_days=metrics_max_days, dry_run=dry_run)

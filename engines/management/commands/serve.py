@@ -52,6 +52,15 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def allow_host(host: str) -> None:
+    """Add the listen address to ``ALLOWED_HOSTS``, so the URL ``serve`` prints answers: Django
+    refuses any Host header not listed there (400). Clients that name the server otherwise need
+    their name in the ``ALLOWED_HOSTS`` environment variable; the 400 tells them so."""
+    entry = f"[{host.strip('[]')}]" if ":" in host else host
+    if entry not in settings.ALLOWED_HOSTS:
+        settings.ALLOWED_HOSTS = [*settings.ALLOWED_HOSTS, entry]
+
+
 def seconds(text: str) -> float:
     """argparse type for an interval: a finite number of seconds >= 0."""
     try:
@@ -116,6 +125,8 @@ class Command(BaseCommand):
                 "run prompts, read traces and reset the engines. Pass --api-key KEY (or set API_KEY), "
                 "or listen on 127.0.0.1."
             )
+        if not is_loopback(host):
+            allow_host(host)
         if options["trace_autosave"] and not options["enable_tracing"]:
             raise CommandError(
                 "--trace-autosave saves the event trace, which engines record only with --enable-tracing: "
