@@ -393,7 +393,8 @@ class Engine:
         self._finish_sequence(seq, "abort", flush=False)
 
     def _finish_sequence(self, seq: Sequence, reason: str, flush: bool = True) -> None:
-        """End a choice. ``flush``: the engine ends it (grammar done, abort), so held-back text is output."""
+        """End a choice. ``flush``: no stop rule cut the text (grammar done, length, abort), so
+        held-back text is output."""
         if seq.finished:
             return
         if flush:

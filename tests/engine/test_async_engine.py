@@ -154,7 +154,7 @@ async def test_a_request_failing_mid_stream_ends_alone_and_the_engine_keeps_serv
 async def test_a_format_the_tokenizer_cannot_serve_is_a_bad_request(async_engine, demo):
     """It used to raise a plain ValueError on the engine thread: the engine died, the caller hung."""
     async_engine.engine.grammars = GrammarCompiler(demo.tokenizer.tokenizer_json, 10, demo.eos_token_ids)
-    with pytest.raises(EngineRequestError, match="response_format: structured output is unavailable for this model: llguidance cannot use"):
+    with pytest.raises(EngineRequestError, match="response_format: structured output is unavailable for this model"):
         await asyncio.wait_for(consume(async_engine, request("json", prompts(demo, 1)[0],
                                                              response_format={"type": "json_object"})), 30)
     assert async_engine.is_alive

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from engines.protocol.debug import DebugConfig
+from engines.runtime.grammar import GrammarError
 from engines.runtime.request import EngineRequestError
 
 from .conftest import collect, request, run_all
@@ -423,8 +424,6 @@ def _allow_nothing_after(calls: int, fill_mask):
 @pytest.mark.parametrize("where", ["grammar consume", "grammar mask", "empty mask", "detokenizer"])
 def test_a_request_failing_mid_stream_finishes_alone(make_engine, demo, where):
     """A per-request error (grammar, tokenizer) aborts that request; its batch mates are untouched."""
-    from engines.runtime.grammar import GrammarError
-
     p_good, p_bad = prompts(demo, 2, seed=9)
     ignore = DebugConfig(ignore_eos=True)
     expected = run_all(make_engine(), [request("good", p_good, max_tokens=12, n=2, temperature=1.0, seed=4,
@@ -540,7 +539,8 @@ def test_mixed_workload_under_kv_pressure_keeps_every_page_accounted_for(make_en
 
 def test_gauges_count_requests_not_choices(make_engine, demo):
     engine = make_engine(max_num_seqs=4)
-    engine.add_request(request("n3", prompts(demo, 1)[0], max_tokens=10, n=3, debug_config=DebugConfig(ignore_eos=True)))
+    engine.add_request(request("n3", prompts(demo, 1)[0], max_tokens=10, n=3,
+                               debug_config=DebugConfig(ignore_eos=True)))
     engine.add_request(request("n2", prompts(demo, 1, seed=1)[0], max_tokens=10, n=2))
     engine.step()  # four choices run: n3's three and one of n2's; n2's second waits
     m = engine.metrics.as_dict()
