@@ -189,6 +189,20 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
+    def warm_up(self) -> None:
+        """Run one tiny prefill and one decode so JIT compilation (numba, a first CUDA graph)
+        happens now, not inside the first user's time to first token.
+
+        Only before any request: it writes scratch K/V into page 0, which no sequence holds yet.
+        """
+        if self.requests or self.kv_pool.num_used_pages:
+            raise RuntimeError("warm_up() must run before the engine takes requests")
+        page_table = np.zeros((1, 1), np.int32)
+        self.model.forward(ForwardBatch(np.array([0, 1], np.int32), np.array([0, 2], np.int32),
+                                        np.array([0], np.int32), page_table), self.kv)
+        self.model.forward_greedy(ForwardBatch(np.array([1], np.int32), np.array([0, 1], np.int32),
+                                               np.array([2], np.int32), page_table), self.kv)
+
     # ---------------------------------------------------------------------- step
 
     def step(self) -> list[RequestOutput]:
@@ -537,9 +551,10 @@ class AsyncEngine:
     # ------------------------------------------------------------- life cycle
 
     def start(self) -> None:
-        """Start the engine thread (idempotent)."""
+        """Warm the kernels up, then start the engine thread (idempotent)."""
         if self._thread is not None:
             return
+        self.engine.warm_up()
         self._thread = threading.Thread(target=self._run, name=f"engine-{self.name}", daemon=True)
         self._thread.start()
 

@@ -545,3 +545,18 @@ def test_gauges_count_requests_not_choices(make_engine, demo):
     engine.step()  # four choices run: n3's three and one of n2's; n2's second waits
     m = engine.metrics.as_dict()
     assert (m["num_running_requests"], m["num_waiting_requests"]) == (2, 1)
+
+
+def test_warm_up_leaves_no_trace_in_results_or_metrics(make_engine, demo):
+    p = prompts(demo, 1)[0]
+    cold = run_all(make_engine(), [request("a", p, max_tokens=6)])["a"]
+    engine = make_engine(tracing=True)
+    engine.warm_up()
+    warm = run_all(engine, [request("a", p, max_tokens=6)])["a"]
+    assert warm.tokens == cold.tokens
+    m = engine.metrics.as_dict()
+    assert m["prompt_tokens_sum"] == len(p) and m["num_prefill_steps"] == 1
+    assert engine.tracer.request_ids() == ["a"]
+    with pytest.raises(RuntimeError, match="before the engine takes requests"):
+        engine.kv_pool.admit(999, [1, 2, 3], 3)
+        engine.warm_up()
