@@ -571,6 +571,10 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
+    def is_streaming(self, request_id: str) -> bool:
+        """Whether a ``generate`` with this request id is in flight."""
+        return request_id in self._streams
+
     def metrics(self) -> dict[str, Any]:
         """MLC's engine metrics plus our gauges and latency distributions (JSON-ready)."""
         return self.engine.metrics.as_dict()

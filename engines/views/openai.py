@@ -82,7 +82,7 @@ async def completions(request: HttpRequest) -> HttpResponse:
     """``/v1/completions``: a text (or token-id) prompt continued."""
     body = parse_body(request, CompletionRequest)
     engine = lookup_engine(body.model)
-    request_id = body.user or f"cmpl-{uuid.uuid4().hex}"
+    request_id = new_request_id(engine, body.user, "cmpl")
     shaper = CompletionShaper(request_id, engine, body)
     if is_metrics_query(body):
         return metrics_reply(engine, shaper)
@@ -98,7 +98,7 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
     """``/v1/chat/completions``: messages rendered with the checkpoint's chat template, then continued."""
     body = parse_body(request, ChatCompletionRequest)
     engine = lookup_engine(body.model)
-    request_id = body.user or f"chatcmpl-{uuid.uuid4().hex}"
+    request_id = new_request_id(engine, body.user, "chatcmpl")
     shaper = ChatShaper(request_id, engine, body)
     if is_metrics_query(body):
         return metrics_reply(engine, shaper)
@@ -112,6 +112,18 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
 
 
 # --------------------------------------------------------------------------- parse, look up
+
+
+def new_request_id(engine: AsyncEngine, user: str | None, prefix: str) -> str:
+    """MLC's request id: ``user`` if given, else ``prefix-<uuid4 hex>``.
+
+    OpenAI clients often send one ``user`` (an end-user id) on concurrent requests; MLC then
+    refuses the second. Here a ``user`` already streaming gets a unique suffix instead, so its
+    trace lanes stay apart and both requests run.
+    """
+    if user and not engine.is_streaming(user):
+        return user
+    return f"{user or prefix}-{uuid.uuid4().hex}"
 
 
 def parse_body(request: HttpRequest, model: type[RequestT]) -> RequestT:

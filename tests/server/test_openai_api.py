@@ -71,6 +71,17 @@ async def test_user_becomes_the_request_id(client: httpx.AsyncClient) -> None:
     assert "my-request-1" in registry.get(TRACED).tracer.request_ids()
 
 
+async def test_concurrent_requests_with_one_user_both_run(client: httpx.AsyncClient) -> None:
+    """Clients send one end-user id on many requests: the second gets its own id, not a 400."""
+    body = chat_body(user="same-user", max_tokens=12, debug_config={"ignore_eos": True})
+    first, second = await asyncio.gather(client.post(CHAT, json=body), client.post(CHAT, json=body))
+    assert first.status_code == second.status_code == 200
+    ids = {first.json()["id"], second.json()["id"]}
+    assert "same-user" in ids and len(ids) == 2
+    assert all(i.startswith("same-user") for i in ids)
+    assert all(r.json()["usage"]["completion_tokens"] == 12 for r in (first, second))
+
+
 async def test_max_completion_tokens_wins_over_max_tokens(client: httpx.AsyncClient) -> None:
     body = chat_body(max_tokens=20, max_completion_tokens=3, debug_config={"ignore_eos": True})
     response = await client.post(CHAT, json=body)
