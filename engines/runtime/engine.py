@@ -121,6 +121,15 @@ class Engine:
                 f"the prompt has {len(request.prompt)} tokens; this engine's context holds at most "
                 f"{self.max_seq_len} tokens including the output. Shorten the prompt."
             )
+        max_tokens = request.sampling.max_tokens
+        if max_tokens is not None and len(request.prompt) + max_tokens > self.max_seq_len:
+            # Refused up front, as OpenAI and vLLM do, rather than silently cut short.
+            raise EngineRequestError(
+                f"this engine's context holds {self.max_seq_len} tokens, but the request asks for "
+                f"{len(request.prompt) + max_tokens} ({len(request.prompt)} in the prompt, {max_tokens} "
+                f"for the completion). Lower max_tokens to at most {self.max_seq_len - len(request.prompt)}, "
+                f"or leave it unset to generate until the context is full."
+            )
 
     def add_request(self, request: GenerationRequest) -> None:
         """Queue a validated request; raises :class:`EngineRequestError` for a bad one.
@@ -673,7 +682,12 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_set_result, done, result)
 
         self._commands.put(run)
-        return await done
+        while True:
+            # An engine thread that dies with this command still queued never runs it.
+            try:
+                return await asyncio.wait_for(asyncio.shield(done), timeout=1.0)
+            except asyncio.TimeoutError:
+                self._check_alive()
 
     def _check_alive(self) -> None:
         if self.error is not None:

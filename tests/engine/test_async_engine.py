@@ -184,3 +184,23 @@ async def test_a_finished_stream_frees_its_request_id_at_once(async_engine, demo
     assert again.usage is not None
     await gen.aclose()  # closing the first stream late must not touch the second's
     assert (await consume(async_engine, request("same", prompts(demo, 1)[0], max_tokens=2))).usage is not None
+
+
+async def test_reset_does_not_hang_when_the_engine_dies_first(async_engine):
+    import threading
+
+    from engines.runtime.engine import EngineDeadError
+
+    gate = threading.Event()
+
+    def die() -> None:
+        gate.wait()
+        raise RuntimeError("boom")
+
+    async_engine._commands.put(die)  # an internal error, with the reset queued behind it
+    reset = asyncio.create_task(async_engine.reset())
+    await asyncio.sleep(0.05)
+    gate.set()
+    with pytest.raises(EngineDeadError):
+        await asyncio.wait_for(reset, 10)
+    assert not async_engine.is_alive

@@ -560,3 +560,13 @@ def test_warm_up_leaves_no_trace_in_results_or_metrics(make_engine, demo):
     with pytest.raises(RuntimeError, match="before the engine takes requests"):
         engine.kv_pool.admit(999, [1, 2, 3], 3)
         engine.warm_up()
+
+
+def test_max_tokens_beyond_the_context_is_refused(make_engine, demo):
+    engine = make_engine(num_pages=8)  # 128 tokens of context
+    with pytest.raises(EngineRequestError, match="Lower max_tokens to at most 108"):
+        engine.add_request(request("a", prompts(demo, 1)[0], max_tokens=200))
+    # Unset max_tokens runs until the context is full.
+    res = run_all(engine, [request("b", prompts(demo, 1)[0], max_tokens=None,
+                                   debug_config=DebugConfig(ignore_eos=True))])["b"]
+    assert len(res.tokens) == 108 and res.finish_reason == "length"
