@@ -10,8 +10,6 @@ float32, so the tolerance stays tight.
 """
 from __future__ import annotations
 
-import sys
-from collections.abc import Iterator
 import math
 import os
 import zlib
@@ -31,6 +29,8 @@ from engines.runtime.backend import (
 from engines.runtime.kernels import argmax, attention, embedding, matmul, rmsnorm, rope_kv, silu_mul
 from engines.runtime.kernels.rope_kv import rope_tables
 
+pytestmark = pytest.mark.usefixtures("quick_simulator_barriers")
+
 REAL_GPU = os.environ.get("ENGINES_TEST_GPU") == "1"
 DTYPES = ("float32", "float16")
 # Realistic sizes on a GPU (a Llama-3-8B-like layer), tiny ones under the simulator.
@@ -39,17 +39,6 @@ VOCAB = 32000 if REAL_GPU else 37
 HEAD_DIM = 128 if REAL_GPU else 8
 Q_HEADS, KV_HEADS = (32, 8) if REAL_GPU else (4, 2)
 PAGE_SIZE = 16 if REAL_GPU else 4
-
-
-@pytest.fixture(autouse=True, scope="module")
-def quick_simulator_barriers() -> Iterator[None]:
-    """The simulator's block manager polls its threads while holding the GIL, so at the
-    default 5 ms switch interval every barrier costs several intervals; 0.5 ms makes the
-    simulated kernels about 3x faster. Harmless on a real GPU."""
-    previous = sys.getswitchinterval()
-    sys.setswitchinterval(5e-4)
-    yield
-    sys.setswitchinterval(previous)
 
 
 @pytest.fixture

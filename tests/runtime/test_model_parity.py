@@ -8,8 +8,6 @@ which would hide a missing bias or norm weight).
 """
 from __future__ import annotations
 
-import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,19 +21,10 @@ from engines.runtime.checkpoint import load_checkpoint
 from engines.runtime.config import CheckpointError
 from engines.runtime.model import ForwardBatch, LlamaModel
 
+pytestmark = pytest.mark.usefixtures("quick_simulator_barriers")
+
 PAGE_SIZE = 4
 DECODE_STEPS = 8
-
-
-@pytest.fixture(autouse=True, scope="module")
-def quick_simulator_barriers() -> Iterator[None]:
-    """The simulator's block manager polls its threads while holding the GIL, so at the
-    default 5 ms switch interval every barrier costs several intervals; 0.5 ms makes the
-    simulated kernels about 3x faster. Harmless on a real GPU."""
-    previous = sys.getswitchinterval()
-    sys.setswitchinterval(5e-4)
-    yield
-    sys.setswitchinterval(previous)
 
 
 def save_tiny_checkpoint(folder: Path, arch: str, vocab: int, hidden: int, layers: int, tied: bool,
