@@ -100,7 +100,7 @@ class StreamOptions(BaseModel):
     # change what is generated, so they are ignored like unknown top-level fields.
     model_config = ConfigDict(extra="ignore")
 
-    include_usage: bool | None = None
+    include_usage: bool | None = Field(default=None, strict=True)
 
 
 _SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -187,26 +187,30 @@ class ResponseFormat(BaseModel):
 
 
 class _GenerationRequest(BaseModel):
-    """Fields shared by completion and chat requests: sampling, stopping, streaming, debug."""
+    """Fields shared by completion and chat requests: sampling, stopping, streaming, debug.
+
+    Integer and boolean fields are strict, as OpenAI's API is: ``"max_tokens": true``,
+    ``"n": 2.5`` or ``"stream": "yes"`` are errors, not silently 1, 2 or true.
+    """
 
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     #: Upper bound on generated tokens per choice; None = up to the context limit.
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, strict=True)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
     #: Extension (vLLM's): keep only the k most likely tokens. -1 and 0 mean "off",
     #: the spellings vLLM clients send, and become None.
-    top_k: int | None = None
-    n: int = Field(default=1, ge=1)
-    stream: bool = False
+    top_k: int | None = Field(default=None, strict=True)
+    n: int = Field(default=1, ge=1, strict=True)
+    stream: bool = Field(default=False, strict=True)
     stream_options: StreamOptions | None = None
     #: Up to four stop strings; a single string is accepted and becomes a one-element list.
     stop: list[str] | None = None
     #: Any 64-bit integer, signed or not, as clients send them; turning it into an RNG
     #: seed is the sampler's job.
-    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1, strict=True)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     #: Extension: multiplicative penalty on tokens already present (1.0 = off).
@@ -317,7 +321,7 @@ class CompletionRequest(_GenerationRequest):
 
     prompt: str | list[TokenId]
     #: 0..5 alternatives per token (``logprobs: 0`` returns only the chosen token's).
-    logprobs: int | None = Field(default=None, ge=0, le=COMPLETION_MAX_LOGPROBS)
+    logprobs: int | None = Field(default=None, ge=0, le=COMPLETION_MAX_LOGPROBS, strict=True)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -410,9 +414,9 @@ class ChatCompletionRequest(_GenerationRequest):
     """
 
     messages: list[ChatMessage]
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=CHAT_MAX_TOP_LOGPROBS)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = Field(default=False, strict=True)
+    top_logprobs: int | None = Field(default=None, ge=0, le=CHAT_MAX_TOP_LOGPROBS, strict=True)
+    max_completion_tokens: int | None = Field(default=None, ge=1, strict=True)
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None

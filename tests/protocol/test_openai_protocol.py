@@ -90,6 +90,12 @@ def test_defaults(endpoint):
         ("top_k", -2, "top_k: must be a positive integer, or -1 / 0 for no top-k filtering (got -2)"),
         ("seed", 2**64, "seed: Input should be less than or equal to"),
         ("stream", "maybe", "stream: Input should be a valid boolean"),
+        # Strict, as OpenAI: no silent coercion of booleans, strings or fractions.
+        ("stream", "true", "stream: Input should be a valid boolean"),
+        ("max_tokens", True, "max_tokens: Input should be a valid integer"),
+        ("max_tokens", "16", "max_tokens: Input should be a valid integer"),
+        ("n", 2.5, "n: Input should be a valid integer"),
+        ("seed", "7", "seed: Input should be a valid integer"),
         ("stop", ["a", "b", "c", "d", "e"], "stop: at most 4 stop sequences (got 5)"),
         ("stop", [""], "stop: stop sequences must not be empty"),
         ("stop", ["a", 3], "stop: stop sequences must be strings (got 3)"),
