@@ -12,6 +12,7 @@ import secrets
 from pathlib import Path
 
 import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(os.environ.get("DEBUGSITE_VAR_DIR", BASE_DIR / "var"))
@@ -127,7 +128,21 @@ LOGGING = {
 }
 
 # Trace history retention (per engine); applied on save and by `manage.py prune_history`.
-TRACE_RETENTION_MAX_RECORDS = int(os.environ.get("TRACE_RETENTION_MAX_RECORDS", "500"))
-TRACE_RETENTION_MAX_DAYS = int(os.environ.get("TRACE_RETENTION_MAX_DAYS", "30"))
-METRICS_SNAPSHOT_INTERVAL_S = float(os.environ.get("METRICS_SNAPSHOT_INTERVAL_S", "10"))
-METRICS_RETENTION_MAX_DAYS = int(os.environ.get("METRICS_RETENTION_MAX_DAYS", "30"))
+def _env_non_negative(name: str, default: str, kind: type = int) -> float:
+    """A limit from the environment; a bad one stops start-up with a message, not every save later."""
+    raw = os.environ.get(name, default)
+    try:
+        value = kind(raw)
+    except ValueError:
+        expected = "an integer" if kind is int else "a number"
+        raise ImproperlyConfigured(f"{name} must be {expected}, got {raw!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise ImproperlyConfigured(f"{name} must be a finite number >= 0 (0 means no limit), got {raw!r}")
+    return value
+
+
+# 0 means no limit (or, for the snapshot interval, no snapshots).
+TRACE_RETENTION_MAX_RECORDS = _env_non_negative("TRACE_RETENTION_MAX_RECORDS", "500")
+TRACE_RETENTION_MAX_DAYS = _env_non_negative("TRACE_RETENTION_MAX_DAYS", "30")
+METRICS_SNAPSHOT_INTERVAL_S = _env_non_negative("METRICS_SNAPSHOT_INTERVAL_S", "10", float)
+METRICS_RETENTION_MAX_DAYS = _env_non_negative("METRICS_RETENTION_MAX_DAYS", "30")
