@@ -4,7 +4,7 @@ HTTP first passes the API-key gate (:mod:`engines.auth`), then goes to one of
 two Django handlers over the same URLconf:
 
 - the machine-facing routes (``/v1``, ``/debug``, ``/microserving``, ``/metrics``,
-  ``/health``) to :class:`APIHandler`, which runs no middleware;
+  ``/stats``, ``/health``) to :class:`APIHandler`, which runs no middleware;
 - everything else (admin, dashboard) to Django's usual handler with
   ``settings.MIDDLEWARE``.
 
@@ -40,7 +40,7 @@ from engines.auth import APIKeyMiddleware, routed_path  # noqa: E402
 from engines.protocol.errors import ProtocolError  # noqa: E402
 from engines.views.errors import error_response  # noqa: E402
 
-API_PREFIXES = ("/v1", "/debug", "/microserving", "/metrics", "/health")
+API_PREFIXES = ("/v1", "/debug", "/microserving", "/metrics", "/stats", "/health")
 
 
 class APIHandler(ASGIHandler):

@@ -22,6 +22,7 @@ urlpatterns = [
     path("debug/cuda_profiler_stop", debug.cuda_profiler_stop, name="debug-cuda-profiler-stop"),
     path("metrics", metrics.prometheus_metrics, name="metrics"),
     path("health", metrics.health, name="health"),
+    path("stats", metrics.stats, name="stats"),
     path("admin/", admin.site.urls),
     # Last: anything else under the API prefixes gets a JSON 404, not Django's HTML page.
     re_path(r"^(?P<path>(v1|debug)/.*)$", errors.api_not_found, name="api-not-found"),

@@ -1,4 +1,4 @@
-"""API-key gate for the machine-facing routes: ``/v1``, ``/debug``, ``/microserving``, ``/metrics``.
+"""API-key gate for the machine-facing routes: ``/v1``, ``/debug``, ``/microserving``, ``/metrics``, ``/stats``.
 
 It is ASGI middleware around the whole HTTP app rather than a view decorator so
 that no route under those prefixes can forget it (views added later included),
@@ -24,7 +24,7 @@ Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
-PROTECTED_PREFIXES = ("/v1", "/debug", "/microserving", "/metrics")
+PROTECTED_PREFIXES = ("/v1", "/debug", "/microserving", "/metrics", "/stats")
 
 INVALID_KEY_MESSAGE = "Invalid API key: send it as the header 'Authorization: Bearer <key>'."
 

@@ -203,3 +203,29 @@ async def health(request: HttpRequest) -> HttpResponse:
     if dead:
         return json_response({"status": "unhealthy", "dead_engines": dead}, status=503)
     return json_response({"status": "ok"})
+
+
+@api_view("GET")
+async def stats(request: HttpRequest) -> HttpResponse:
+    """A JSON summary per engine: prefill and decode tokens/s, load and KV use.
+
+    What MLC users ask for when serving (mlc-llm #3052: the sample client's ``/stats`` is a 404
+    there): the numbers a person checks first, without a Prometheus server.
+    """
+    engines = {}
+    for engine in registry:
+        m = engine.metrics()
+        engines[engine.name] = {
+            "backend": engine.backend_name,
+            "alive": engine.is_alive,
+            "prefill_tokens_per_s": m.get("prefill_tokens_per_s", 0.0),
+            "decode_tokens_per_s": m.get("decode_tokens_per_s", 0.0),
+            "num_running_requests": m["num_running_requests"],
+            "num_waiting_requests": m["num_waiting_requests"],
+            "kv_cache_usage": m["kv_cache_usage"],
+            "prefix_cache_hit_rate": m["prefix_cache_hit_rate"],
+            "num_finished_requests": m["num_finished_requests"],
+            "ttft_p50_s": m["ttft_s"]["p50"],
+            "ttft_p99_s": m["ttft_s"]["p99"],
+        }
+    return json_response({"engines": engines})

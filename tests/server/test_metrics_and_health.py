@@ -81,6 +81,25 @@ async def test_health_ok(client: httpx.AsyncClient) -> None:
     assert response.status_code == 200 and response.json() == {"status": "ok"}
 
 
+async def test_stats_summarises_each_engine(client: httpx.AsyncClient) -> None:
+    body = {"model": TRACED, "prompt": "hello", "max_tokens": 5, "debug_config": {"ignore_eos": True}}
+    assert (await client.post("/v1/completions", json=body)).status_code == 200
+    stats = (await client.get("/stats")).json()["engines"]
+    assert set(stats) == {TRACED, UNTRACED}
+    traced = stats[TRACED]
+    assert traced["alive"] and traced["backend"] == "cpu"
+    assert traced["prefill_tokens_per_s"] > 0 and traced["decode_tokens_per_s"] > 0
+    assert traced["num_finished_requests"] >= 1 and traced["ttft_p50_s"] > 0
+    assert stats[UNTRACED]["decode_tokens_per_s"] >= 0.0 and "kv_cache_usage" in stats[UNTRACED]
+
+
+async def test_stats_needs_the_api_key(serve) -> None:
+    async with serve(api_key="k-stats") as http:
+        assert_error(await http.get("/stats"), 401)
+        ok = await http.get("/stats", headers={"Authorization": "Bearer k-stats"})
+        assert ok.status_code == 200
+
+
 @pytest.fixture(scope="module")
 def stopped_engine():
     """A demo engine that was started and then stopped: what a dead engine looks like from outside."""
