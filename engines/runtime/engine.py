@@ -434,7 +434,7 @@ class Engine:
         """Turn what each choice produced since the last output into deltas (and usage when done)."""
         choices = []
         for seq in state.sequences:
-            reason_now = seq.finish_reason if seq.finished and not getattr(seq, "_reported", False) else None
+            reason_now = seq.finish_reason if seq.finished and not seq.finish_reported else None
             if not seq.pending_ids and not seq.pending_text and reason_now is None:
                 continue
             choices.append(ChoiceDelta(
@@ -446,7 +446,7 @@ class Engine:
             ))
             seq.pending_ids, seq.pending_text, seq.pending_logprobs = [], "", []
             if reason_now is not None:
-                seq._reported = True  # type: ignore[attr-defined]
+                seq.finish_reported = True
         usage = None
         if state.finished:
             usage = self._finish_request(state)

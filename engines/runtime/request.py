@@ -79,6 +79,7 @@ class Sequence:
         self.last_token_time: float | None = None
         self.status = SequenceStatus.WAITING
         self.finish_reason: str | None = None
+        self.finish_reported = False  # the output carrying finish_reason has gone out
         self.sampling: SamplingState | None = None
         self.detokenizer: IncrementalDetokenizer | None = None
         self.stop_checker: StopChecker | None = None
