@@ -46,7 +46,8 @@ class PhaseResult:
     """One load phase: throughput, time to first token, (HTTP only) metrics-endpoint latency, and CPU use.
 
     CPU seconds are split by where they went: ``engine_cpu_s`` every thread of the process that
-    holds the engine except its main thread (the engine thread and the numba/BLAS workers),
+    holds the engine except its main thread (the engine thread or the engine process's reader,
+    the numba/BLAS workers) plus its child processes (the engine process),
     ``loop_cpu_s`` that process's main thread (the server's event loop; for the engine alone
     the client coroutines), ``client_cpu_s`` the HTTP load generator (this process).
     """
@@ -65,12 +66,14 @@ class PhaseResult:
 
 
 def thread_cpu(pid: int) -> tuple[float, float]:
-    """CPU seconds of ``pid``'s main thread and of all its other threads together (Linux /proc)."""
+    """CPU seconds of ``pid``'s main thread, and of all its other threads and its child processes
+    (the engine process) together (Linux /proc)."""
     tick = os.sysconf("SC_CLK_TCK")
     main = others = 0.0
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            children = (task / "children").read_text().split()
         except FileNotFoundError:  # the thread ended meanwhile
             continue
         seconds = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
@@ -78,6 +81,8 @@ def thread_cpu(pid: int) -> tuple[float, float]:
             main += seconds
         else:
             others += seconds
+        for child in children:
+            others += sum(thread_cpu(int(child)))
     return main, others
 
 
@@ -158,7 +163,7 @@ def start_engine(args: argparse.Namespace):
 
 
 async def run_http(base: str, clients: int, requests_per_client: int, max_tokens: int,
-                   poll_interval: float | None) -> PhaseResult:
+                   poll_interval: float | None, client_kind: str = "raw") -> PhaseResult:
     """N streaming chat clients on their own connections, plus a metrics poller every ``poll_interval`` s."""
     ttfts: list[float] = []
     metrics_latency: list[float] = []
@@ -169,26 +174,15 @@ async def run_http(base: str, clients: int, requests_per_client: int, max_tokens
 
     async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as http:
         async def client() -> None:
-            # A lean load generator: on a shared box every microsecond it spends is taken from the
-            # server, so it splits events on raw bytes and decodes only the usage chunk.
             nonlocal tokens
-            for _ in range(requests_per_client):
-                start = time.perf_counter()
-                first = True
-                last_event = b""
-                buffer = b""
-                async with http.stream("POST", "/v1/chat/completions", json=body) as response:
-                    response.raise_for_status()
-                    async for data in response.aiter_raw():
-                        if first:
-                            ttfts.append(time.perf_counter() - start)
-                            first = False
-                        *events, buffer = (buffer + data).split(b"\n\n")
-                        for event in events:
-                            if event == b"data: [DONE]":
-                                usage = json.loads(last_event[len(b"data: "):])["usage"]
-                                tokens += usage["completion_tokens"]
-                            last_event = event
+            stream = RawSSEStream(base) if client_kind == "raw" else HttpxSSEStream(http)
+            try:
+                for _ in range(requests_per_client):
+                    ttft, completion_tokens = await stream.chat(body)
+                    ttfts.append(ttft)
+                    tokens += completion_tokens
+            finally:
+                await stream.close()
 
         done = asyncio.Event()
 
@@ -210,10 +204,108 @@ async def run_http(base: str, clients: int, requests_per_client: int, max_tokens
     return PhaseResult(tokens=tokens, seconds=seconds, ttft_s=ttfts, metrics_latency_s=metrics_latency)
 
 
+def usage_tokens(body: bytes) -> int:
+    """``completion_tokens`` of the usage event, the last ``data:`` event before ``[DONE]``."""
+    events = [e for e in body.split(b"\n\n") if e.startswith(b"data: ")]
+    if len(events) < 2 or events[-1] != b"data: [DONE]":
+        raise RuntimeError(f"the stream did not end with a usage event and [DONE]: {body[-200:]!r}")
+    return json.loads(events[-2][len(b"data: "):])["usage"]["completion_tokens"]
+
+
+class HttpxSSEStream:
+    """One streaming request at a time through httpx (what a Python client would use)."""
+
+    def __init__(self, http: httpx.AsyncClient) -> None:
+        self.http = http
+
+    async def chat(self, body: dict) -> tuple[float, int]:
+        start = time.perf_counter()
+        ttft = 0.0
+        received = bytearray()
+        async with self.http.stream("POST", "/v1/chat/completions", json=body) as response:
+            response.raise_for_status()
+            async for data in response.aiter_raw():
+                if not ttft:
+                    ttft = time.perf_counter() - start
+                received += data
+        return ttft, usage_tokens(bytes(received))
+
+    async def close(self) -> None:
+        pass
+
+
+class RawSSEStream(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection that posts a streaming request and collects its chunked
+    body with a buffer append per chunk: a load generator that takes as little CPU as it can from
+    the server it shares the machine with (as wrk does in C). It checks what it counts: a 200,
+    the chunked body's end, the usage event."""
+
+    def __init__(self, base: str) -> None:
+        self.host, _, port = base.removeprefix("http://").partition(":")
+        self.port = int(port or 80)
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+        self.first: asyncio.Future | None = None
+        self.done: asyncio.Future | None = None
+
+    async def chat(self, body: dict) -> tuple[float, int]:
+        loop = asyncio.get_running_loop()
+        if self.transport is None or self.transport.is_closing():
+            await loop.create_connection(lambda: self, self.host, self.port)
+        payload = json.dumps(body).encode()
+        self.buffer.clear()
+        self.first, self.done = loop.create_future(), loop.create_future()
+        start = time.perf_counter()
+        self.transport.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (self.host.encode(), len(payload), payload))
+        await self.first
+        ttft = time.perf_counter() - start
+        await self.done
+        head, _, chunked = bytes(self.buffer).partition(b"\r\n\r\n")
+        if not head.startswith(b"HTTP/1.1 200"):
+            raise RuntimeError(f"HTTP error: {head[:200]!r}")
+        return ttft, usage_tokens(_dechunk(chunked))
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        if self.first is not None and not self.first.done():
+            self.first.set_result(None)
+        # The last chunk of a chunked body; SSE data ends in a blank line, never in this.
+        if self.buffer.endswith(b"\r\n0\r\n\r\n") and self.done is not None and not self.done.done():
+            self.done.set_result(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        for future in (self.first, self.done):
+            if future is not None and not future.done():
+                future.set_exception(ConnectionError(f"the server closed the connection: {exc}"))
+
+    async def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+def _dechunk(body: bytes) -> bytes:
+    """The payload of an HTTP/1.1 chunked body."""
+    out = bytearray()
+    pos = 0
+    while True:
+        eol = body.index(b"\r\n", pos)
+        size = int(body[pos:eol].split(b";")[0], 16)
+        if size == 0:
+            return bytes(out)
+        out += body[eol + 2:eol + 2 + size]
+        pos = eol + 2 + size + 2
+
+
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     """``manage.py serve`` with the same sizing, debug on (for the metrics endpoint), tracing off."""
     port = _free_port()
-    command = [sys.executable, "manage.py", "serve", "--enable-debug", "--port", str(port), "--backend", args.backend]
+    command = [sys.executable, "manage.py", "serve", "--enable-debug", "--port", str(port), "--backend", args.backend,
+               "--engine-mode", args.engine_mode]
     for key, value in sizing(args).items():
         command += [f"--{key.replace('_', '-')}", str(value)]
     env = {k: v for k, v in os.environ.items() if k != "API_KEY"}
@@ -270,13 +362,14 @@ def measure(args: argparse.Namespace, engine, server: subprocess.Popen, base: st
             clients: int) -> dict[str, object]:
     """Warm both sides up, then alternate engine-alone and HTTP runs so drifting machine load hits both."""
     asyncio.run(run_engine_alone(engine, clients, 1, 4))  # JIT and first-touch costs are not what we measure
-    asyncio.run(run_http(base, clients, 1, 4, poll_interval=None))
+    asyncio.run(run_http(base, clients, 1, 4, poll_interval=None, client_kind=args.client))
     alone_runs, http_runs = [], []
     for _ in range(args.repeats):
         alone_runs.append(timed(os.getpid(), run_engine_alone(engine, clients, args.requests_per_client,
                                                               args.max_tokens)))
         http_runs.append(timed(server.pid, run_http(base, clients, args.requests_per_client, args.max_tokens,
-                                                    poll_interval=args.poll_interval), with_client=True))
+                                                    poll_interval=args.poll_interval, client_kind=args.client),
+                               with_client=True))
     alone, http = merge(alone_runs), merge(http_runs)
     return {
         "clients": clients,
@@ -309,12 +402,21 @@ def main() -> None:
     parser.add_argument("--poll-interval", type=float, default=0.1,
                         help="seconds between /debug/dump_engine_metrics calls during the HTTP runs")
     parser.add_argument("--backend", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--engine-mode", choices=("process", "thread"), default="process",
+                        help="the server's engine loop: in its own process (serve's default) or on a thread")
+    parser.add_argument("--client", choices=("raw", "httpx"), default="raw",
+                        help="load generator: raw HTTP/1.1 over asyncio (lean) or httpx")
+    parser.add_argument("--threads", type=int,
+                        help="compute threads of the CPU engine, both sides (NUMBA_NUM_THREADS; default: one per core)")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-total-tokens", type=int, default=16384)
     parser.add_argument("--prefill-chunk-size", type=int, default=512)
     parser.add_argument("--var-dir", default=str(REPO / "var" / "bench"), help="database folder for the server")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
+    if args.threads:
+        # Before numba loads, here and (inherited) in the server and its engine process.
+        os.environ["NUMBA_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"] = str(args.threads)
     Path(args.var_dir).mkdir(parents=True, exist_ok=True)
 
     engine = start_engine(args)

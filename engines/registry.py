@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 if TYPE_CHECKING:  # the runtime (numba and all) loads only when engines are built
-    from engines.runtime.engine import AsyncEngine, EngineConfig
+    from engines.runtime.async_engine import AsyncEngine
+    from engines.runtime.engine import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -168,21 +169,23 @@ def build_engines(
     backend: str = "auto",
     dtype: str = "float32",
     enable_tracing: bool = False,
+    process: bool = False,
 ) -> list["AsyncEngine"]:
-    """Load each checkpoint and make an (unstarted) engine for it.
+    """Load each checkpoint and make an (unstarted) engine for it; ``process=True`` runs each
+    engine loop in its own process (the checkpoint's weights are then loaded there, not here).
 
     Raises :class:`RegistryError` for two specs with one served name, and lets
     ``CheckpointError`` (whose message names the file at fault) through.
     """
     from engines.runtime.checkpoint import load_checkpoint
     from engines.runtime.demo_model import demo_checkpoint_path
-    from engines.runtime.engine import AsyncEngine
+    from engines.runtime.async_engine import AsyncEngine
 
     engines: list[AsyncEngine] = []
     names: set[str] = set()
     for spec in specs:
         path = demo_checkpoint_path() if spec.source == DEMO_MODEL else Path(spec.source).expanduser()
-        checkpoint = load_checkpoint(path)
+        checkpoint = load_checkpoint(path, load_weights=not process)
         name = spec.name or (DEMO_MODEL if spec.source == DEMO_MODEL else checkpoint.name)
         if name in names:
             raise RegistryError(
@@ -191,10 +194,21 @@ def build_engines(
         names.add(name)
         engines.append(
             AsyncEngine(
-                checkpoint, name, config=config, backend=backend, dtype=dtype, enable_tracing=enable_tracing
+                checkpoint, name, config=config, backend=backend, dtype=dtype, enable_tracing=enable_tracing,
+                process=process,
             )
         )
     return engines
+
+
+ENGINE_MODES = ("process", "thread")
+
+
+def engine_mode(mode: str) -> bool:
+    """Whether an engine mode (``process`` or ``thread``) runs engines in their own process."""
+    if mode not in ENGINE_MODES:
+        raise RegistryError(f"engine mode {mode!r} is not one of {', '.join(ENGINE_MODES)}")
+    return mode == "process"
 
 
 def _env_flag(env: dict[str, str], name: str) -> bool:
@@ -207,7 +221,8 @@ def configure_from_env(env: dict[str, str] | None = None) -> EngineRegistry:
     ``ENGINES_MODELS`` (comma-separated ``--model`` specs), ``ENGINES_ENABLE_DEBUG``,
     ``ENGINES_ENABLE_TRACING``, ``ENGINES_BACKEND``, ``ENGINES_DTYPE``,
     ``ENGINES_MAX_NUM_SEQS``, ``ENGINES_NUM_PAGES``, ``ENGINES_MAX_TOTAL_TOKENS``,
-    ``ENGINES_PREFILL_CHUNK_SIZE`` and ``API_KEY`` mean what the serve flags mean.
+    ``ENGINES_PREFILL_CHUNK_SIZE``, ``ENGINES_ENGINE_MODE`` (``process``, the default, or
+    ``thread``) and ``API_KEY`` mean what the serve flags mean.
     """
     from engines.runtime.engine import EngineConfig
 
@@ -226,5 +241,6 @@ def configure_from_env(env: dict[str, str] | None = None) -> EngineRegistry:
         backend=env.get("ENGINES_BACKEND", "auto"),
         dtype=env.get("ENGINES_DTYPE", "float32"),
         enable_tracing=_env_flag(env, "ENGINES_ENABLE_TRACING"),
+        process=engine_mode(env.get("ENGINES_ENGINE_MODE", "process")),
     )
     return configure(engines, enable_debug=_env_flag(env, "ENGINES_ENABLE_DEBUG"), api_key=env.get("API_KEY"))

@@ -31,7 +31,7 @@ from engines.history.capture import asave_engine_trace, asave_metrics_snapshot
 from engines.models import MetricsSnapshot, TraceRecord
 
 if TYPE_CHECKING:  # the runtime (numba and all) loads only where engines are built
-    from engines.runtime.engine import AsyncEngine
+    from engines.runtime.async_engine import AsyncEngine
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class HistoryAutosave:
         """The engines whose trace is autosaved: those recording one, when trace autosave is on."""
         if not self.trace_interval_s:
             return []
-        return [engine for engine in self.engines if engine.tracer is not None]
+        return [engine for engine in self.engines if engine.tracing_enabled]
 
     @property
     def tasks(self) -> tuple[asyncio.Task[None], ...]:
@@ -108,13 +108,13 @@ class HistoryAutosave:
     async def save_trace_window(self, engine: "AsyncEngine") -> TraceRecord | None:
         """Save ``engine``'s trace since the last window and empty it; ``None`` (and nothing
         saved) when the engine recorded nothing meanwhile."""
-        if engine.tracer is None or engine.tracer.event_count == 0:
+        if not engine.tracing_enabled:
             return None
-        return await asave_engine_trace(engine, clear=True, source=TraceRecord.Source.AUTOMATIC)
+        return await asave_engine_trace(engine, clear=True, source=TraceRecord.Source.AUTOMATIC, skip_empty=True)
 
     async def save_metrics_snapshot(self, engine: "AsyncEngine") -> MetricsSnapshot:
         """Save one sample of ``engine``'s metrics."""
-        return await asave_metrics_snapshot(engine.name, engine.checkpoint.name, engine.metrics())
+        return await asave_metrics_snapshot(engine.name, engine.checkpoint.name, await engine.metrics())
 
 
 async def _every(interval_s: float, action: Action, engine: "AsyncEngine", stopping: asyncio.Event) -> None:

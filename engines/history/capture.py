@@ -14,7 +14,6 @@ and bulk-inserts its request summaries; then retention for that engine runs.
 """
 from __future__ import annotations
 
-import asyncio
 import gc
 import math
 from collections.abc import Iterator
@@ -35,7 +34,7 @@ from engines.models import MetricsSnapshot, RequestSummary, TraceRecord
 from engines.registry import registry
 
 if TYPE_CHECKING:  # the runtime (numba and all) loads only where engines are built
-    from engines.runtime.engine import AsyncEngine
+    from engines.runtime.async_engine import AsyncEngine
 
 SUMMARY_BATCH_SIZE = 2000
 _compressor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="trace-gzip")
@@ -172,7 +171,7 @@ def traced_engine(engine: "AsyncEngine | str") -> "AsyncEngine":
         if found is None:
             raise TraceUnavailableError(f'The requested model "{engine}" is not served.')
         engine = found
-    if engine.tracer is None:
+    if not engine.tracing_enabled:
         raise TraceUnavailableError(f'The requested model "{engine.name}" does not enable tracing')
     return engine
 
@@ -197,7 +196,7 @@ def save_engine_trace(
     Raises :class:`TraceUnavailableError` for an engine that is not served or not tracing.
     """
     engine, metadata = _engine_trace_metadata(engine, note=note, tags=tags, source=source)
-    return save_trace(engine.tracer.dump_json(clear), **metadata)
+    return save_trace(engine.dump_trace_blocking(clear), **metadata)
 
 
 async def asave_engine_trace(
@@ -207,16 +206,19 @@ async def asave_engine_trace(
     tags: Iterable[str] | str = (),
     clear: bool = False,
     source: str = TraceRecord.Source.API,
-) -> TraceRecord:
+    skip_empty: bool = False,
+) -> TraceRecord | None:
     """:func:`save_engine_trace` for async callers: ``POST /debug/save_event_trace`` and the
     autosave loop.
 
-    The dump runs on a worker thread and the save on another (:func:`asave_trace`), so the
-    event loop keeps serving meanwhile; the engine thread waits only for the recorder's
-    lock, which a dump holds for a copy of its buffer (a pointer swap with ``clear``).
+    The engine exports the trace between two steps (``AsyncEngine.dump_trace``) and the save
+    runs on a worker thread (:func:`asave_trace`), so the event loop keeps serving meanwhile.
+    With ``skip_empty`` nothing is saved, and None returned, when the engine recorded nothing.
     """
     engine, metadata = _engine_trace_metadata(engine, note=note, tags=tags, source=source)
-    raw = await asyncio.to_thread(engine.tracer.dump_json, clear)
+    raw = await engine.dump_trace(clear, skip_empty)
+    if raw is None:
+        return None
     return await asave_trace(raw, **metadata)
 
 

@@ -58,8 +58,12 @@ class Checkpoint:
         return int(sum(w.size for w in self.weights.values()))
 
 
-def load_checkpoint(path: str | Path) -> Checkpoint:
+def load_checkpoint(path: str | Path, *, load_weights: bool = True) -> Checkpoint:
     """Load and validate the Hugging Face checkpoint folder at ``path``.
+
+    ``load_weights=False`` reads everything but the tensors (``weights`` is then empty): what a
+    server process needs to tokenize and validate requests while the engine process holds the
+    model.
 
     Raises :class:`CheckpointError` (never anything else for a bad checkpoint) naming the
     file or tensor at fault: a missing folder or file, invalid JSON, an unsupported
@@ -94,7 +98,7 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
             f"{config.vocab_size}: the tokenizer does not belong to this model"
         )
 
-    weights = _load_weights(folder, config)
+    weights = _load_weights(folder, config) if load_weights else {}
     return Checkpoint(
         path=folder.resolve(),
         # The demo build marks its config.json so; any other checkpoint is named after its folder.

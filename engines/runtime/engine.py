@@ -1,27 +1,23 @@
-"""The serving engine: a synchronous step loop (``Engine``) and its asyncio front end (``AsyncEngine``).
+"""The serving engine: a synchronous step loop (``Engine``).
 
 ``Engine.step()`` reads as three verbs, as in vLLM's engine core: the scheduler
 picks this step's chunks, the model computes them, and the engine updates every
 request from the result (sampling, grammar, stop checks, detokenization,
-metrics, trace events). ``AsyncEngine`` runs that loop on its own thread and
-only moves commands in and outputs out; no request handler touches model state.
+metrics, trace events). ``engine_core.EngineCore`` runs that loop and
+``async_engine.AsyncEngine`` serves asyncio callers from it; no request handler
+touches model state.
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
-import queue
-import threading
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from engines import __version__
 from engines.runtime.checkpoint import Checkpoint
 from engines.runtime.grammar import GrammarCompiler, GrammarError
 from engines.runtime.kv_cache import KVCachePool
@@ -43,7 +39,7 @@ from engines.runtime.trace import TraceRecorder
 
 logger = logging.getLogger("engines.runtime")
 
-__all__ = ["AsyncEngine", "Engine", "EngineConfig", "EngineDeadError"]
+__all__ = ["Engine", "EngineConfig", "validate_request"]
 
 
 @dataclass
@@ -64,8 +60,32 @@ class EngineConfig:
         return -(-self.max_total_tokens // self.page_size)
 
 
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped on an internal error; the server reports 503 until restarted."""
+def validate_request(request: GenerationRequest, vocab_size: int, max_seq_len: int) -> None:
+    """Raise :class:`EngineRequestError` if no engine of this vocabulary and context could serve
+    ``request`` (cheap, any thread or process: it reads only the request)."""
+    if not request.prompt:
+        raise EngineRequestError("the prompt is empty: send at least one token")
+    bad = [t for t in request.prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise EngineRequestError(f"prompt token id {bad[0]} is outside the vocabulary (size {vocab_size})")
+    try:
+        request.sampling.check_vocab(vocab_size)
+    except InvalidSamplingParams as e:
+        raise EngineRequestError(str(e)) from e
+    if len(request.prompt) >= max_seq_len:
+        raise EngineRequestError(
+            f"the prompt has {len(request.prompt)} tokens; this engine's context holds at most "
+            f"{max_seq_len} tokens including the output. Shorten the prompt."
+        )
+    max_tokens = request.sampling.max_tokens
+    if max_tokens is not None and len(request.prompt) + max_tokens > max_seq_len:
+        # Refused up front, as OpenAI and vLLM do, rather than silently cut short.
+        raise EngineRequestError(
+            f"this engine's context holds {max_seq_len} tokens, but the request asks for "
+            f"{len(request.prompt) + max_tokens} ({len(request.prompt)} in the prompt, {max_tokens} "
+            f"for the completion). Lower max_tokens to at most {max_seq_len - len(request.prompt)}, "
+            f"or leave it unset to generate until the context is full."
+        )
 
 
 class Engine:
@@ -104,32 +124,10 @@ class Engine:
     # ------------------------------------------------------------------ requests
 
     def validate(self, request: GenerationRequest) -> None:
-        """Raise :class:`EngineRequestError` if the request cannot be served (cheap; any thread)."""
-        if not request.prompt:
-            raise EngineRequestError("the prompt is empty: send at least one token")
+        """Raise :class:`EngineRequestError` if the request cannot be served (cheap)."""
         if request.request_id in self.requests:
             raise EngineRequestError(f"request id {request.request_id!r} is already running")
-        bad = [t for t in request.prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise EngineRequestError(f"prompt token id {bad[0]} is outside the vocabulary (size {self.vocab_size})")
-        try:
-            request.sampling.check_vocab(self.vocab_size)
-        except InvalidSamplingParams as e:
-            raise EngineRequestError(str(e)) from e
-        if len(request.prompt) >= self.max_seq_len:
-            raise EngineRequestError(
-                f"the prompt has {len(request.prompt)} tokens; this engine's context holds at most "
-                f"{self.max_seq_len} tokens including the output. Shorten the prompt."
-            )
-        max_tokens = request.sampling.max_tokens
-        if max_tokens is not None and len(request.prompt) + max_tokens > self.max_seq_len:
-            # Refused up front, as OpenAI and vLLM do, rather than silently cut short.
-            raise EngineRequestError(
-                f"this engine's context holds {self.max_seq_len} tokens, but the request asks for "
-                f"{len(request.prompt) + max_tokens} ({len(request.prompt)} in the prompt, {max_tokens} "
-                f"for the completion). Lower max_tokens to at most {self.max_seq_len - len(request.prompt)}, "
-                f"or leave it unset to generate until the context is full."
-            )
+        validate_request(request, self.vocab_size, self.max_seq_len)
 
     def add_request(self, request: GenerationRequest) -> None:
         """Queue a validated request; raises :class:`EngineRequestError` for a bad one.
@@ -525,248 +523,3 @@ class Engine:
             kv_pages_total=usage.total_pages,
             prefix_cache_hit_rate=usage.hit_rate,
         )
-
-
-# --------------------------------------------------------------------------- async
-
-
-class AsyncEngine:
-    """Runs an :class:`Engine` on its own thread and serves asyncio callers.
-
-    ``generate`` is an async iterator of :class:`RequestOutput`; ``abort``, ``reset``
-    and ``metrics`` are safe from any event loop. The thread sleeps when there is
-    no work and wakes on the next command.
-    """
-
-    def __init__(self, checkpoint: Checkpoint, name: str, config: EngineConfig | None = None,
-                 backend: str = "auto", dtype: str = "float32", enable_tracing: bool = False) -> None:
-        self.name = name
-        self.checkpoint = checkpoint
-        self.tokenizer = checkpoint.tokenizer
-        self.config = config or EngineConfig()
-        model = LlamaModel.from_checkpoint(checkpoint, backend=backend, dtype=dtype)
-        self.backend_name = model.backend_name
-        self.dtype = model.dtype
-        self.tracer = (TraceRecorder(engine=name, model=checkpoint.name, backend=model.backend_name,
-                                     max_events=self.config.max_trace_events, version=__version__)
-                       if enable_tracing else None)
-        self.engine = Engine(model, checkpoint, self.config, self.tracer)
-        self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._thread: threading.Thread | None = None
-        self._stopping = False
-        self.error: BaseException | None = None
-
-    # ------------------------------------------------------------- life cycle
-
-    def start(self) -> None:
-        """Warm the kernels up, then start the engine thread (idempotent)."""
-        if self._thread is not None:
-            return
-        self.engine.warm_up()
-        self._thread = threading.Thread(target=self._run, name=f"engine-{self.name}", daemon=True)
-        self._thread.start()
-
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Abort live requests and stop the thread."""
-        if self._thread is None:
-            return
-        self._stopping = True
-        self._commands.put(lambda: self._deliver(self.engine.reset()))
-        self._thread.join(timeout)
-        self._thread = None
-
-    @property
-    def is_alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.error is None
-
-    def is_streaming(self, request_id: str) -> bool:
-        """Whether a ``generate`` with this request id is in flight."""
-        return request_id in self._streams
-
-    def metrics(self) -> dict[str, Any]:
-        """MLC's engine metrics plus our gauges and latency distributions (JSON-ready)."""
-        return self.engine.metrics.as_dict()
-
-    # ---------------------------------------------------------------- requests
-
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
-        """Run one request; yields outputs as tokens arrive, the last one carrying usage.
-
-        Raises :class:`EngineRequestError` before the first output for a bad request,
-        :class:`EngineDeadError` if the engine thread has died. Cancelling the
-        iteration (a client that went away) aborts the request and frees its pages.
-        """
-        self._check_alive()
-        debug = request.debug_config
-        if debug is not None and debug.special_request == "query_engine_metrics":
-            # Answered here, never queued: no model step, no trace event, no metric update.
-            yield RequestOutput(request.request_id, [], usage={
-                "prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0, "extra": self.metrics()})
-            return
-        self.engine.validate(request)
-        loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue = asyncio.Queue()
-        rid = request.request_id
-        if rid in self._streams:  # also caught by the engine, but only after this stream had replaced the first
-            raise EngineRequestError(f"request id {rid!r} is already running")
-        self._streams[rid] = (loop, outputs)
-        try:
-            # Again, now that a dying engine thread would see this stream and fail it.
-            self._check_alive()
-        except EngineDeadError:
-            self._streams.pop(rid, None)
-            raise
-
-        def add() -> None:
-            # A failure arrives on the stream, before any output: the same path as the
-            # engine dying, so the caller can never wait on an add that will not run.
-            try:
-                self.engine.add_request(request)
-            except Exception as e:  # noqa: BLE001 - add_request changed nothing: the request fails alone
-                loop.call_soon_threadsafe(outputs.put_nowait, e)
-
-        self._commands.put(add)
-        finished = False
-        try:
-            while True:
-                batch = [await outputs.get()]
-                # A consumer that fell behind (a busy event loop, a slow client) gets what is
-                # waiting as one merged output: one SSE chunk instead of one per token.
-                while not outputs.empty() and not isinstance(batch[-1], BaseException):
-                    batch.append(outputs.get_nowait())
-                error = batch.pop() if isinstance(batch[-1], BaseException) else None
-                if batch:
-                    item = merge_outputs(batch)
-                    if item.finished:
-                        # The id is free once the request is over, not only once the
-                        # consumer closes this generator (it may hold it for a while).
-                        finished = True
-                        self._release_stream(rid, outputs)
-                    yield item
-                    if finished:
-                        return
-                if error is not None:
-                    finished = True
-                    raise error
-        finally:
-            self._release_stream(rid, outputs)
-            if not finished:
-                self._commands.put(lambda: self.engine.abort_request(rid))
-
-    def _release_stream(self, rid: str, outputs: asyncio.Queue) -> None:
-        """Forget the stream of ``rid`` if it is still this one (a later request may reuse the id)."""
-        stream = self._streams.get(rid)
-        if stream is not None and stream[1] is outputs:
-            del self._streams[rid]
-
-    async def abort(self, request_id: str) -> None:
-        """Abort a request; its stream ends with finish reason ``abort``."""
-        self._commands.put(lambda: self._deliver([o] if (o := self.engine.abort_request(request_id)) else []))
-
-    async def reset(self, clear_trace: bool = False) -> None:
-        """Reset the engine and return once the reset has completed (MLC's is fire-and-forget)."""
-        self._check_alive()
-        await self._call(lambda: self._deliver(self.engine.reset(clear_trace)))
-
-    async def _call(self, fn: Callable[[], Any]) -> Any:
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future = loop.create_future()
-
-        def run() -> None:
-            try:
-                result = fn()
-            except BaseException as e:  # noqa: BLE001 - handed to the awaiting caller
-                loop.call_soon_threadsafe(_set_exception, done, e)
-            else:
-                loop.call_soon_threadsafe(_set_result, done, result)
-
-        self._commands.put(run)
-        while True:
-            # An engine thread that dies with this command still queued never runs it.
-            try:
-                return await asyncio.wait_for(asyncio.shield(done), timeout=1.0)
-            except asyncio.TimeoutError:
-                self._check_alive()
-
-    def _check_alive(self) -> None:
-        if self.error is not None:
-            raise EngineDeadError(f"engine {self.name!r} stopped on an internal error: {self.error!r}")
-        if self._thread is None:
-            raise EngineDeadError(f"engine {self.name!r} is not running")
-
-    # ------------------------------------------------------------------ thread
-
-    def _run(self) -> None:
-        engine = self.engine
-        while True:
-            try:
-                # Block only when idle; otherwise take what is queued and step.
-                block = not engine.has_work
-                while True:
-                    try:
-                        command = self._commands.get(block=block, timeout=0.5 if block else None)
-                    except queue.Empty:
-                        break
-                    command()
-                    block = False
-                if self._stopping:
-                    return
-                if engine.has_work:
-                    self._deliver(engine.step())
-            except Exception as e:  # noqa: BLE001 - a dead engine must fail its streams, not hang them
-                logger.exception("engine %s stopped on an internal error", self.name)
-                self.error = e
-                err = EngineDeadError(f"engine {self.name!r} stopped on an internal error: {e!r}")
-                for loop, q in list(self._streams.values()):
-                    loop.call_soon_threadsafe(q.put_nowait, err)
-                return
-
-    def _deliver(self, outputs: Iterable[RequestOutput]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is not None:
-                by_loop.setdefault(stream[0], []).append((stream[1], out))
-        # One wake-up per event loop per step, not one per request.
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_put_all, items)
-            except RuntimeError:  # the caller's loop closed; nobody is listening
-                pass
-
-
-def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
-    """Join consecutive outputs of one request into one (texts, tokens and logprobs appended)."""
-    if len(outputs) == 1:
-        return outputs[0]
-    merged: dict[int, ChoiceDelta] = {}
-    for out in outputs:
-        for c in out.choices:
-            m = merged.get(c.index)
-            if m is None:
-                merged[c.index] = ChoiceDelta(c.index, c.text, list(c.token_ids),
-                                              None if c.logprobs is None else list(c.logprobs), c.finish_reason)
-                continue
-            m.text += c.text
-            m.token_ids.extend(c.token_ids)
-            if c.logprobs is not None:
-                m.logprobs = (m.logprobs or []) + list(c.logprobs)
-            m.finish_reason = c.finish_reason or m.finish_reason
-    last = outputs[-1]
-    return RequestOutput(last.request_id, [merged[i] for i in sorted(merged)], last.usage)
-
-
-def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    for q, out in items:
-        q.put_nowait(out)
-
-
-def _set_result(fut: asyncio.Future, value: Any) -> None:
-    if not fut.done():
-        fut.set_result(value)
-
-
-def _set_exception(fut: asyncio.Future, exc: BaseException) -> None:
-    if not fut.done():
-        fut.set_exception(exc)

@@ -60,6 +60,18 @@ DEFAULT_MAX_EVENTS = 1_000_000
 # Shared by every recorder so traces of several engines in one process line up.
 _EPOCH_ANCHOR_NS = time.time_ns() - time.perf_counter_ns()
 
+
+def epoch_anchor_ns() -> int:
+    """This process's offset from the recorder clock to the Unix epoch, in nanoseconds."""
+    return _EPOCH_ANCHOR_NS
+
+
+def set_epoch_anchor_ns(anchor_ns: int) -> None:
+    """Adopt another process's anchor (an engine process takes its server's), so that events
+    recorded on both sides of the pipe land on one timeline to the nanosecond."""
+    global _EPOCH_ANCHOR_NS
+    _EPOCH_ANCHOR_NS = anchor_ns
+
 _PID = 1
 _ENGINE_TID = 0
 
@@ -99,13 +111,16 @@ class TraceRecorder:
     # ------------------------------------------------------------------ recording
 
     def add_event(self, request_id: str | Iterable[str], event: str,
-                  args: Mapping[str, Any] | None = None, engine_lane: bool = False) -> None:
+                  args: Mapping[str, Any] | None = None, engine_lane: bool = False,
+                  at_ns: int | None = None) -> None:
         """Record ``event`` for one request or a batch of them, all with one timestamp.
 
         ``"start X"`` / ``"finish X"`` open and close span X; anything else is an instant.
         ``args`` (JSON-ready values) is attached to every lane's event; it is kept by reference,
         not copied, so don't mutate it afterwards. ``engine_lane=True`` records the event once
-        more on the engine lane (tid 0), for batch-wide steps.
+        more on the engine lane (tid 0), for batch-wide steps. ``at_ns`` is a timestamp taken
+        earlier on the recorder clock's timebase (``time.perf_counter_ns``, system-wide on Linux),
+        for events another process recorded, such as the server's tokenization.
         """
         if type(request_id) is str:
             ids: tuple[str, ...] = (request_id,)
@@ -115,7 +130,7 @@ class TraceRecorder:
                 return
         with self._lock:
             # Read the clock under the lock: buffer order is then timestamp order.
-            self._calls.append((self._clock(), ids, event, args, engine_lane))
+            self._calls.append((self._clock() if at_ns is None else at_ns, ids, event, args, engine_lane))
             self._held += len(ids) + engine_lane
             if self._held > self._max_events:
                 self._evict()

@@ -12,7 +12,6 @@ profiler routes accept ``model`` and answer a status.
 """
 from __future__ import annotations
 
-import asyncio
 import functools
 from typing import Any
 
@@ -26,7 +25,7 @@ from engines.history import TraceUnavailableError, asave_engine_trace, normalize
 from engines.models import TraceRecord
 from engines.protocol.errors import ProtocolError
 from engines.registry import registry
-from engines.runtime.engine import AsyncEngine, EngineDeadError
+from engines.runtime.async_engine import AsyncEngine, EngineDeadError
 from engines.views.errors import AsyncView, api_view, error_response, json_response
 
 NOT_MOUNTED = "Not found: the /debug endpoints exist only when the server runs with --enable-debug."
@@ -92,10 +91,13 @@ async def dump_event_trace(request: HttpRequest) -> HttpResponse:
     """The engine's event trace as Chrome Trace JSON (object form, loadable in Perfetto)."""
     body = parse_body(request, model_required=True)
     engine = lookup(body.model)
-    if engine.tracer is None:
+    if not engine.tracing_enabled:
         raise ProtocolError(400, f'The requested model "{body.model}" does not enable tracing')
-    # Serialising a big trace takes a while; keep the event loop (and every stream) moving meanwhile.
-    payload = await asyncio.to_thread(engine.tracer.dump_json)
+    # The engine exports between two steps; this event loop (and every stream) keeps moving meanwhile.
+    try:
+        payload = await engine.dump_trace()
+    except EngineDeadError as exc:
+        raise ProtocolError(503, str(exc)) from None
     return HttpResponse(payload, content_type="application/json")
 
 
@@ -153,7 +155,10 @@ async def dump_engine_metrics(request: HttpRequest) -> HttpResponse:
     """``{"metrics": {...}}``: the engine's MLC metrics (``model`` optional, empty body allowed)."""
     body = parse_body(request, model_required=False, empty_ok=True)
     engine = lookup(body.model)
-    return json_response({"metrics": engine.metrics()})
+    try:
+        return json_response({"metrics": await engine.metrics()})
+    except EngineDeadError as exc:
+        raise ProtocolError(503, str(exc)) from None
 
 
 @debug_view
@@ -171,9 +176,9 @@ async def reset_engine(request: HttpRequest) -> HttpResponse:
 async def _cuda_profiler(request: HttpRequest, start: bool) -> HttpResponse:
     """Start or stop ``cudaProfilerStart``/``Stop`` capture (for Nsight Systems' ``--capture-range=cudaProfilerApi``).
 
-    The CUDA profiler API is process-wide, so it is applied once, on behalf of
-    the named engine or the first one. On a CPU backend there is nothing to
-    capture, and saying so beats MLC's silent ``null``.
+    The CUDA profiler API acts on a whole process, so it is applied once, in the process of
+    the named engine or the first one (its engine process when engines run in their own). On a
+    CPU backend there is nothing to capture, and saying so beats MLC's silent ``null``.
     """
     body = parse_body(request, model_required=False, empty_ok=True)
     engine = lookup(body.model)
@@ -183,11 +188,10 @@ async def _cuda_profiler(request: HttpRequest, start: bool) -> HttpResponse:
             f'The CUDA profiler is unavailable: model "{engine.name}" runs on the {engine.backend_name} backend. '
             "Serve it with --backend cuda on a machine with an NVIDIA GPU.",
         )
-    from numba import cuda
-
-    # The driver calls need a CUDA context on the calling thread; numba makes the device's primary
-    # context (the one the engine uses) current on the worker thread.
-    await asyncio.to_thread(cuda.profile_start if start else cuda.profile_stop)
+    try:
+        await engine.cuda_profiler(start)
+    except EngineDeadError as exc:
+        raise ProtocolError(503, str(exc)) from None
     return json_response({"status": "started" if start else "stopped", "model": engine.name, "backend": "cuda"})
 
 

@@ -21,6 +21,7 @@ at request finish, as MLC's sums do; ``*_tokens_processed_total`` move every ste
 """
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -32,7 +33,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
 from engines.registry import registry
-from engines.runtime.engine import AsyncEngine
+from engines.runtime.async_engine import AsyncEngine, EngineDeadError
 from engines.runtime.metrics import HistogramSnapshot
 from engines.views.errors import api_view, json_response
 
@@ -91,19 +92,34 @@ class EngineReading:
     histograms: dict[str, HistogramSnapshot]
 
     @classmethod
-    def read(cls, engine: AsyncEngine) -> "EngineReading":
-        # The histogram buckets live on the engine core's metrics (thread-safe reads).
-        return cls(engine, engine.metrics(), engine.engine.metrics.histograms())
+    async def read(cls, engine: AsyncEngine) -> "EngineReading":
+        """Ask the engine for its metrics and histograms (taken together, between two steps)."""
+        metrics, histograms = await engine.metrics_with_histograms()
+        return cls(engine, metrics, histograms)
+
+
+async def read_engines(engines: Iterable[AsyncEngine]) -> list[EngineReading]:
+    """One reading per running engine, asked concurrently; a dead engine has none (``/health`` says why)."""
+    running = [engine for engine in engines if engine.is_alive]
+    results = await asyncio.gather(*(EngineReading.read(engine) for engine in running), return_exceptions=True)
+    readings = []
+    for engine, result in zip(running, results):
+        if isinstance(result, EngineDeadError):
+            continue
+        if isinstance(result, BaseException):
+            raise result
+        readings.append(result)
+    return readings
 
 
 class EngineCollector(Collector):
-    """Prometheus families over every engine in the registry, read at scrape time."""
+    """Prometheus families over the engine readings of one scrape."""
 
-    def __init__(self, engines: Iterable[AsyncEngine]) -> None:
-        self.engines = engines
+    def __init__(self, readings: list[EngineReading]) -> None:
+        self.readings = readings
 
     def collect(self) -> Iterator[Metric]:
-        readings = [EngineReading.read(engine) for engine in self.engines]
+        readings = self.readings
         yield self._info(readings)
         for name, help_text in MLC_GAUGES.items():
             yield self._family(GaugeMetricFamily(name, help_text, labels=["model"]), readings, name)
@@ -131,7 +147,7 @@ class EngineCollector(Collector):
             labels=["model", "checkpoint", "backend", "dtype", "tracing"],
         )
         for r in readings:
-            tracing = "true" if r.engine.tracer is not None else "false"
+            tracing = "true" if r.engine.tracing_enabled else "false"
             family.add_metric([r.engine.name, r.engine.checkpoint.name, r.engine.backend_name, r.engine.dtype, tracing], 1)
         return family
 
@@ -183,17 +199,19 @@ class EngineCollector(Collector):
             yield family
 
 
-# One exposition registry for the process; the collector finds the engines through the
-# engine registry on every scrape, so engines configured later are included.
-PROMETHEUS = CollectorRegistry(auto_describe=False)
-PROMETHEUS.register(EngineCollector(registry))
+def exposition_registry(readings: list[EngineReading]) -> CollectorRegistry:
+    """A ``prometheus_client`` registry that exposes these readings (one per scrape: the engines
+    are asked asynchronously first, since they may run in other processes)."""
+    exposition = CollectorRegistry(auto_describe=False)
+    exposition.register(EngineCollector(readings))
+    return exposition
 
 
 @api_view("GET")
 async def prometheus_metrics(request: HttpRequest) -> HttpResponse:
     """Every engine's metrics in the exposition format the scraper asks for (0.0.4 text by default)."""
     encode, content_type = choose_encoder(request.headers.get("Accept", ""))
-    return HttpResponse(encode(PROMETHEUS), content_type=content_type)
+    return HttpResponse(encode(exposition_registry(await read_engines(registry))), content_type=content_type)
 
 
 @api_view("GET")
@@ -212,9 +230,14 @@ async def stats(request: HttpRequest) -> HttpResponse:
     What MLC users ask for when serving (mlc-llm #3052: the sample client's ``/stats`` is a 404
     there): the numbers a person checks first, without a Prometheus server.
     """
-    engines = {}
+    engines: dict[str, dict[str, Any]] = {}
+    readings = {reading.engine.name: reading for reading in await read_engines(registry)}
     for engine in registry:
-        m = engine.metrics()
+        reading = readings.get(engine.name)
+        if reading is None:  # dead: nothing to read
+            engines[engine.name] = {"backend": engine.backend_name, "alive": False}
+            continue
+        m = reading.metrics
         engines[engine.name] = {
             "backend": engine.backend_name,
             "alive": engine.is_alive,

@@ -51,7 +51,7 @@ from engines.protocol import (
     Usage,
 )
 from engines.registry import registry
-from engines.runtime.engine import AsyncEngine, EngineDeadError
+from engines.runtime.async_engine import AsyncEngine, EngineDeadError
 from engines.runtime.request import ChoiceDelta, EngineRequestError, GenerationRequest, RequestOutput
 from engines.runtime.sampler import InvalidSamplingParams, SamplingParams
 from engines.runtime.sampler import TokenLogprob as EngineTokenLogprob
@@ -85,7 +85,7 @@ async def completions(request: HttpRequest) -> HttpResponse:
     request_id = new_request_id(engine, body.user, "cmpl")
     shaper = CompletionShaper(request_id, engine, body)
     if is_metrics_query(body):
-        return metrics_reply(engine, shaper)
+        return await metrics_reply(engine, shaper)
     _trace(engine, request_id, "receive request")
     _trace(engine, request_id, "start tokenization")
     prompt = body.prompt if isinstance(body.prompt, list) else engine.tokenizer.encode(body.prompt)
@@ -101,7 +101,7 @@ async def chat_completions(request: HttpRequest) -> HttpResponse:
     request_id = new_request_id(engine, body.user, "chatcmpl")
     shaper = ChatShaper(request_id, engine, body)
     if is_metrics_query(body):
-        return metrics_reply(engine, shaper)
+        return await metrics_reply(engine, shaper)
     _trace(engine, request_id, "receive request")
     _trace(engine, request_id, "start tokenization")
     prompt, system_tokens = tokenize_chat(engine.tokenizer, body)
@@ -221,9 +221,7 @@ def is_metrics_query(body: ChatCompletionRequest | CompletionRequest) -> bool:
 
 def _trace(engine: AsyncEngine, request_id: str, event: str, args: dict[str, Any] | None = None) -> None:
     """Record a server-side event on the request's lane (MLC's Python-side events)."""
-    tracer = engine.tracer
-    if tracer is not None:
-        tracer.add_event(request_id, event, args)
+    engine.record_server_event(request_id, event, args)
 
 
 # ----------------------------------------------------------------------------- generation
@@ -325,13 +323,16 @@ async def collect(
     return shaper.response()
 
 
-def metrics_reply(engine: AsyncEngine, shaper: "ResponseShaper") -> HttpResponse:
+async def metrics_reply(engine: AsyncEngine, shaper: "ResponseShaper") -> HttpResponse:
     """MLC's ``query_engine_metrics``: one usage chunk (zero tokens, ``extra`` = engine metrics), then ``[DONE]``.
 
     Never queued and never traced (MLC traces these and litters the trace with
     ``chatcmpl-`` lanes; we don't).
     """
-    usage = Usage(extra=engine.metrics())
+    try:
+        usage = Usage(extra=await engine.metrics())
+    except EngineDeadError as exc:
+        raise ProtocolError(503, str(exc)) from None
     return StreamingHttpResponse(
         _aiter([_sse(shaper.usage_chunk(usage)), SSE_DONE]),
         content_type="text/event-stream",

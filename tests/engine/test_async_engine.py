@@ -7,7 +7,8 @@ import json
 import pytest
 
 from engines.protocol.debug import DebugConfig
-from engines.runtime.engine import AsyncEngine, EngineConfig
+from engines.runtime.async_engine import AsyncEngine
+from engines.runtime.engine import EngineConfig
 from engines.runtime.grammar import GrammarCompiler, GrammarError, GrammarMatcher
 from engines.runtime.request import EngineRequestError
 
@@ -37,7 +38,7 @@ async def test_32_concurrent_requests_complete(async_engine, demo):
     results = await asyncio.gather(*(consume(async_engine, r) for r in reqs))
     assert all(len(r.tokens) == 8 and r.finish_reason == "length" for r in results)
     assert all(r.usage["completion_tokens"] == 8 for r in results)
-    m = async_engine.metrics()
+    m = await async_engine.metrics()
     assert m["completion_tokens_sum"] == 256
     # Several requests shared decode steps: continuous batching, not one at a time.
     assert any(k.startswith("count{batch_size=") and int(k.split("=")[1][:-1]) > 1
@@ -96,10 +97,10 @@ async def test_reset_aborts_live_streams_and_completes_before_returning(async_en
     reqs = [request(f"l{i}", p, max_tokens=400, debug_config=DebugConfig(ignore_eos=True))
             for i, p in enumerate(prompts(demo, 4))]
     tasks = [asyncio.create_task(consume(async_engine, r)) for r in reqs]
-    while async_engine.metrics()["num_running_requests"] < 4:
+    while (await async_engine.metrics())["num_running_requests"] < 4:
         await asyncio.sleep(0.01)
     await async_engine.reset()
-    m = async_engine.metrics()  # read right after: the reset already happened
+    m = await async_engine.metrics()  # read right after: the reset already happened
     assert m["num_running_requests"] == 0 and m["kv_pages_used"] == 0
     results = await asyncio.gather(*tasks)
     assert all(r.finish_reason == "abort" for r in results)
@@ -147,7 +148,7 @@ async def test_a_request_failing_mid_stream_ends_alone_and_the_engine_keeps_serv
     assert len(res.tokens) == 30 and res.finish_reason == "length"
     assert async_engine.is_alive
     assert (await consume(async_engine, request("after", p_good, max_tokens=3))).usage["completion_tokens"] == 3
-    events = json.loads(async_engine.tracer.dump_json())["traceEvents"]
+    events = json.loads(async_engine.engine.tracer.dump_json())["traceEvents"]
     assert any(e["name"] == "request error" for e in events)
 
 
@@ -186,10 +187,10 @@ async def test_a_finished_stream_frees_its_request_id_at_once(async_engine, demo
     assert (await consume(async_engine, request("same", prompts(demo, 1)[0], max_tokens=2))).usage is not None
 
 
-async def test_reset_does_not_hang_when_the_engine_dies_first(async_engine):
+async def test_reset_does_not_hang_when_the_engine_dies_first(async_engine, demo, monkeypatch):
     import threading
 
-    from engines.runtime.engine import EngineDeadError
+    from engines.runtime.async_engine import EngineDeadError
 
     gate = threading.Event()
 
@@ -197,10 +198,39 @@ async def test_reset_does_not_hang_when_the_engine_dies_first(async_engine):
         gate.wait()
         raise RuntimeError("boom")
 
-    async_engine._commands.put(die)  # an internal error, with the reset queued behind it
-    reset = asyncio.create_task(async_engine.reset())
+    monkeypatch.setattr(async_engine.engine, "step", die)
+    stream = asyncio.create_task(consume(async_engine, request("victim", prompts(demo, 1)[0], max_tokens=5)))
+    await asyncio.sleep(0.05)  # the engine thread is inside step() now
+    reset = asyncio.create_task(async_engine.reset())  # queued behind the internal error
     await asyncio.sleep(0.05)
     gate.set()
     with pytest.raises(EngineDeadError):
         await asyncio.wait_for(reset, 10)
+    with pytest.raises(EngineDeadError):
+        await asyncio.wait_for(stream, 10)
     assert not async_engine.is_alive
+    with pytest.raises(EngineDeadError):
+        await async_engine.metrics()
+
+
+async def test_metrics_are_answered_while_a_step_is_running(async_engine, demo, monkeypatch):
+    """A scrape must not wait for a long prefill step: metrics reads skip the command queue."""
+    import threading
+
+    gate, inside = threading.Event(), threading.Event()
+    real_step = async_engine.engine.step
+
+    def slow_step():
+        inside.set()
+        gate.wait(30)
+        return real_step()
+
+    monkeypatch.setattr(async_engine.engine, "step", slow_step)
+    stream = asyncio.create_task(consume(async_engine, request("slow", prompts(demo, 1)[0], max_tokens=2)))
+    assert await asyncio.to_thread(inside.wait, 10)
+    try:
+        m = await asyncio.wait_for(async_engine.metrics(), 5)  # the engine thread is stuck in step()
+        assert m["num_waiting_requests"] + m["num_running_requests"] == 1
+    finally:
+        gate.set()
+    assert (await asyncio.wait_for(stream, 30)).usage["completion_tokens"] == 2

@@ -117,11 +117,11 @@ async def test_reset_engine_zeroes_metrics_after_completion(client: httpx.AsyncC
     metrics = (await client.post("/debug/dump_engine_metrics", json={"model": TRACED})).json()["metrics"]
     assert metrics["completion_tokens_sum"] == 0 and metrics["engine_decode_time_sum"] == 0
     # The trace survives a plain reset (as in MLC) ...
-    assert "before-reset" in registry.get(TRACED).tracer.request_ids()
+    assert "before-reset" in registry.get(TRACED).engine.tracer.request_ids()
     # ... and goes with clear_trace.
     response = await client.post("/debug/reset_engine", json={"model": TRACED, "clear_trace": True})
     assert response.json()["trace_cleared"] is True
-    assert registry.get(TRACED).tracer.request_ids() == []
+    assert registry.get(TRACED).engine.tracer.request_ids() == []
 
 
 async def test_reset_aborts_a_live_stream(client: httpx.AsyncClient) -> None:
@@ -129,7 +129,7 @@ async def test_reset_aborts_a_live_stream(client: httpx.AsyncClient) -> None:
             "stream": True, "user": "reset-victim", "debug_config": {"ignore_eos": True}}
     stream = asyncio.create_task(client.post("/v1/chat/completions", json=body))
     engine = registry.get(TRACED)
-    while "reset-victim" not in engine.tracer.request_ids():
+    while "reset-victim" not in engine.engine.tracer.request_ids():
         await asyncio.sleep(0.02)
     await asyncio.sleep(0.2)
     await client.post("/debug/reset_engine", json={"model": TRACED})

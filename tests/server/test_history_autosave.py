@@ -65,7 +65,7 @@ async def test_one_window_is_saved_cleared_and_skipped_when_empty(client, engine
     await generate(client, "window-1", max_tokens=3)
     record = await autosave.save_trace_window(engines[TRACED])
     assert (record.engine, record.source, record.request_count) == (TRACED, "automatic", 1)
-    assert engines[TRACED].tracer.event_count == 0
+    assert engines[TRACED].engine.tracer.event_count == 0
     assert await autosave.save_trace_window(engines[TRACED]) is None
     assert await TraceRecord.objects.acount() == 1
 
@@ -82,7 +82,7 @@ async def test_autosave_saves_windows_after_traffic_and_nothing_when_idle(client
         await generate(client, "auto-1", max_tokens=6)
 
         async def saved() -> bool:
-            return engines[TRACED].tracer.event_count == 0 and bool(await automatic_records())
+            return engines[TRACED].engine.tracer.event_count == 0 and bool(await automatic_records())
         await eventually(saved)
         await asyncio.sleep(2 * INTERVAL)  # a window being saved right now lands
         records = await automatic_records()
@@ -103,7 +103,7 @@ async def test_autosave_saves_windows_after_traffic_and_nothing_when_idle(client
 
 @uses_database
 async def test_stop_saves_the_last_window_and_ends_promptly(client, engines) -> None:
-    tracer = engines[TRACED].tracer
+    tracer = engines[TRACED].engine.tracer
     autosave = HistoryAutosave([engines[TRACED]], trace_interval_s=3600, metrics_interval_s=3600)
     autosave.start()
     tasks = {t for t in asyncio.all_tasks() if t.get_name().startswith(("trace-autosave-", "metrics-snapshot-"))}

@@ -123,5 +123,8 @@ async def test_debug_routes_on_a_dead_engine_are_503_not_500(serve, stopped_engi
     async with serve(enable_debug=True, serving=[stopped_engine]) as http:
         error = assert_error(await http.post("/debug/reset_engine", json={"model": "stopped"}), 503)
         assert "is not running" in error["message"]
-        # What it recorded so far stays readable.
-        assert (await http.post("/debug/dump_engine_metrics", json={"model": "stopped"})).status_code == 200
+        # Its metrics lived in its engine loop (perhaps another process): gone, and said so.
+        error = assert_error(await http.post("/debug/dump_engine_metrics", json={"model": "stopped"}), 503)
+        assert "is not running" in error["message"]
+        assert (await http.get("/stats")).json()["engines"]["stopped"] == {"backend": "cpu", "alive": False}
+        assert 'model="stopped"' not in (await http.get("/metrics")).text

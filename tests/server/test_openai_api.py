@@ -68,7 +68,7 @@ async def test_chat_non_streaming_ignore_eos_returns_max_tokens(client: httpx.As
 async def test_user_becomes_the_request_id(client: httpx.AsyncClient) -> None:
     response = await client.post(CHAT, json=chat_body(user="my-request-1"))
     assert response.json()["id"] == "my-request-1"
-    assert "my-request-1" in registry.get(TRACED).tracer.request_ids()
+    assert "my-request-1" in registry.get(TRACED).engine.tracer.request_ids()
 
 
 async def test_concurrent_requests_with_one_user_both_run(client: httpx.AsyncClient) -> None:
@@ -204,8 +204,8 @@ async def test_client_disconnect_aborts_the_request(client: httpx.AsyncClient, m
     }
     await asyncio.wait_for(application(scope, receive, send), timeout=30)
     assert aborted == ["gone-1"]
-    await wait_until(lambda: engine.metrics()["num_running_requests"] == 0)
-    trace = engine.tracer.dump()
+    await wait_until(lambda: engine.engine.metrics.as_dict()["num_running_requests"] == 0)
+    trace = engine.engine.tracer.dump()
     finishes = [e for e in trace["traceEvents"] if e["name"] == "finish" and e["args"].get("request_id") == "gone-1"]
     assert finishes and finishes[-1]["args"]["finish_reason"] == "abort"
 
@@ -260,7 +260,7 @@ async def test_query_engine_metrics_special_request(client: httpx.AsyncClient, p
     assert chunk["usage"]["prompt_tokens"] == 0 and chunk["usage"]["completion_tokens"] == 0
     assert "engine_prefill_time_sum" in chunk["usage"]["extra"]
     # Internal queries never show up in the trace (a fix over MLC).
-    assert "metrics-query" not in registry.get(TRACED).tracer.request_ids()
+    assert "metrics-query" not in registry.get(TRACED).engine.tracer.request_ids()
 
 
 async def test_special_request_without_stream_is_422(client: httpx.AsyncClient) -> None:

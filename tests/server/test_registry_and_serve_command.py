@@ -120,7 +120,7 @@ def test_configure_from_env_builds_and_starts_engines() -> None:
     try:
         engine = reg.get("env-demo")
         assert reg.model_names() == ["env-demo"] and engine.is_alive
-        assert engine.tracer is not None and engine.config.max_num_seqs == 2
+        assert engine.tracing_enabled and engine.config.max_num_seqs == 2
         assert reg.options == ServerOptions(enable_debug=True, api_key="k")
     finally:
         reg.shutdown_all()

@@ -54,14 +54,14 @@ async def test_save_stores_exactly_what_dump_event_trace_returns(client: httpx.A
     assert (record.note, record.tag_list) == ("before the change", ["ab", "x"])
     assert [(s.request_id, s.completion_tokens) for s in summaries] == [("saved-1", 3), ("saved-2", 5)]
     # Without "clear" the engine keeps its trace.
-    assert registry.get(TRACED).tracer.request_ids() == ["saved-1", "saved-2"]
+    assert registry.get(TRACED).engine.tracer.request_ids() == ["saved-1", "saved-2"]
 
 
 async def test_save_with_clear_empties_the_trace(client: httpx.AsyncClient) -> None:
     await generate(client, "cleared-1")
     response = await client.post("/debug/save_event_trace", json={"model": TRACED, "clear": True})
     assert response.status_code == 200, response.text
-    tracer = registry.get(TRACED).tracer
+    tracer = registry.get(TRACED).engine.tracer
     assert (tracer.event_count, tracer.request_ids()) == (0, [])
     record, summaries = await stored(response.json()["id"])
     assert [s.request_id for s in summaries] == ["cleared-1"] and record.note == ""
@@ -125,7 +125,7 @@ async def test_save_refuses_bad_options_and_keeps_the_trace(client: httpx.AsyncC
     error = assert_error(response, 400)
     assert error["message"].startswith(f"Invalid {field}"), error["message"]
     assert not await TraceRecord.objects.aexists()
-    assert registry.get(TRACED).tracer.request_ids() == ["kept"]  # a refused save never clears
+    assert registry.get(TRACED).engine.tracer.request_ids() == ["kept"]  # a refused save never clears
 
 
 async def test_a_request_id_with_nul_does_not_lose_the_cleared_window(client: httpx.AsyncClient) -> None:
@@ -146,7 +146,7 @@ async def test_python_api_by_name_or_engine(client: httpx.AsyncClient, engines) 
     assert (record.source, record.request_count, record.note, record.tags) == ("api", 1, "from python", "a,b")
     record = await asave_engine_trace(engines[TRACED], clear=True, source="dashboard")
     assert (record.source, record.request_count) == ("dashboard", 1)
-    assert engines[TRACED].tracer.event_count == 0
+    assert engines[TRACED].engine.tracer.event_count == 0
     with pytest.raises(TraceUnavailableError, match='"nope" is not served'):
         await asave_engine_trace("nope")
     with pytest.raises(TraceUnavailableError, match="does not enable tracing"):
@@ -159,10 +159,10 @@ async def test_python_api_by_name_or_engine(client: httpx.AsyncClient, engines) 
 def test_sync_python_api(engines) -> None:
     """For code that drives engines without an event loop; the name lookup needs no registry entry."""
     engine = engines[TRACED]
-    engine.tracer.clear()
-    engine.tracer.add_event("sync-1", "first token")
+    engine.engine.tracer.clear()
+    engine.engine.tracer.add_event("sync-1", "first token")
     record = save_engine_trace(engine, note="sync", clear=True)
     assert (record.engine, record.request_count, record.event_count, record.note) == (TRACED, 1, 1, "sync")
-    assert engine.tracer.event_count == 0
+    assert engine.engine.tracer.event_count == 0
     with pytest.raises(TraceUnavailableError, match='"demo" is not served'):
         save_engine_trace(TRACED)  # nothing registered outside the serve fixture

@@ -150,7 +150,11 @@ def test_reset_brings_metrics_back_to_zero(server: Server) -> None:
 
 
 def test_sigterm_stops_engines_and_exits_cleanly(server: Server) -> None:
-    """SIGTERM with a stream in flight: the stream is cut, the engine stopped, the exit status 0."""
+    """SIGTERM with a stream in flight: the stream is cut, the engine (and its process) stopped,
+    the exit status 0."""
+    engine_processes = [int(pid) for task in Path(f"/proc/{server.process.pid}/task").iterdir()
+                        for pid in (task / "children").read_text().split()]
+    assert len(engine_processes) == 1  # serve runs the engine loop in its own process
     body = {"model": "demo", "messages": [{"role": "user", "content": "go on forever"}], "max_tokens": 1500,
             "stream": True, "debug_config": {"ignore_eos": True}}
     with server.http.stream("POST", "/v1/chat/completions", json=body) as response:
@@ -166,3 +170,6 @@ def test_sigterm_stops_engines_and_exits_cleanly(server: Server) -> None:
     output = server.output()
     assert "Engines stopped." in output
     assert "Traceback" not in output
+    assert "demo: cpu backend, tracing on, own process" in output
+    for pid in engine_processes:  # reaped by the server, not left behind
+        assert not Path(f"/proc/{pid}").exists()

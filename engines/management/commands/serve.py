@@ -34,7 +34,7 @@ from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.migrations.executor import MigrationExecutor
 
 from engines.history.autosave import HistoryAutosave
-from engines.registry import ModelSpec, RegistryError, build_engines, configure, registry
+from engines.registry import ENGINE_MODES, ModelSpec, RegistryError, build_engines, configure, engine_mode, registry
 
 logger = logging.getLogger("engines.serve")
 
@@ -99,6 +99,9 @@ class Command(BaseCommand):
                                  "/metrics (default: $API_KEY)")
         parser.add_argument("--backend", choices=("auto", "cuda", "cpu"), default="auto",
                             help="compute backend: cuda when a GPU is usable, else cpu (default auto)")
+        parser.add_argument("--engine-mode", choices=ENGINE_MODES, default="process",
+                            help="run each engine loop in its own process (default: its Python work then never "
+                                 "waits on the server's GIL) or on a thread of the server")
         parser.add_argument("--dtype", choices=("float32", "float16"), default="float32",
                             help="weight and KV-cache dtype (default float32)")
         history = parser.add_argument_group("trace history")
@@ -189,13 +192,16 @@ class Command(BaseCommand):
                 backend=options["backend"],
                 dtype=options["dtype"],
                 enable_tracing=options["enable_tracing"],
+                process=engine_mode(options["engine_mode"]),
             )
             configure(engines, enable_debug=options["enable_debug"], api_key=options["api_key"])
-        except (CheckpointError, RegistryError, ValueError) as exc:
+        except (CheckpointError, RegistryError, ValueError, RuntimeError) as exc:
+            registry.shutdown_all()  # the engines that did start
             raise CommandError(str(exc)) from exc
         for engine in registry:
-            tracing = "tracing on" if engine.tracer is not None else "tracing off"
-            self.stdout.write(f"  {engine.name}: {engine.backend_name} backend, {tracing}")
+            tracing = "tracing on" if engine.tracing_enabled else "tracing off"
+            where = "own process" if engine.process else "server thread"
+            self.stdout.write(f"  {engine.name}: {engine.backend_name} backend, {tracing}, {where}")
 
     def _print_urls(self, host: str, port: int, enable_debug: bool, api_key: str | None,
                     autosave: HistoryAutosave) -> None:

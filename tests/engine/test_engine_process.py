@@ -1,0 +1,206 @@
+"""AsyncEngine with its engine loop in a child process (``process=True``, what ``serve`` runs)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from engines.protocol.debug import DebugConfig
+from engines.registry import ModelSpec, build_engines
+from engines.runtime.async_engine import AsyncEngine, EngineDeadError
+from engines.runtime.checkpoint import load_checkpoint
+from engines.runtime.config import CheckpointError
+from engines.runtime.demo_model import demo_checkpoint_path
+from engines.runtime.engine import EngineConfig
+from engines.runtime.request import EngineRequestError
+
+from .conftest import request
+from .test_async_engine import consume
+from .test_engine import prompts
+
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+SIZING = EngineConfig(max_num_seqs=16, num_pages=128, prefill_chunk_size=128)
+
+
+def process_engine(name: str = "demo", **kwargs) -> AsyncEngine:
+    (engine,) = build_engines([ModelSpec("demo", name)], SIZING, backend="cpu", process=True, **kwargs)
+    engine.start()
+    return engine
+
+
+@pytest.fixture(scope="module")
+def engine():
+    engine = process_engine(enable_tracing=True)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture
+def lone_engine():
+    """A process engine of this test's own, for tests that kill or strand it."""
+    engine = process_engine("lone")
+    yield engine
+    engine.shutdown()
+
+
+def test_the_server_side_holds_no_weights_and_learns_the_backend_from_the_child(engine) -> None:
+    assert engine.checkpoint.weights == {}
+    assert (engine.backend_name, engine.dtype, engine.is_alive) == ("cpu", "float32", True)
+    assert engine.engine is None  # the model lives in the other process
+    assert engine._transport.process.pid != os.getpid()
+
+
+async def test_greedy_output_matches_the_engine_on_a_thread(engine, demo) -> None:
+    threaded = AsyncEngine(demo, "threaded", SIZING, backend="cpu")
+    threaded.start()
+    try:
+        reqs = [request(f"same-{i}", p, max_tokens=12, debug_config=DebugConfig(ignore_eos=True))
+                for i, p in enumerate(prompts(demo, 3))]
+        here = await asyncio.gather(*(consume(threaded, r) for r in reqs))
+        there = await asyncio.gather(*(consume(engine, r) for r in reqs))
+    finally:
+        threaded.shutdown()
+    assert [r.tokens for r in there] == [r.tokens for r in here]
+    assert [r.text for r in there] == [r.text for r in here]
+    assert all(len(r.tokens) == 12 and r.usage["completion_tokens"] == 12 for r in there)
+
+
+async def test_bad_requests_fail_before_the_first_output_and_the_engine_serves_on(engine, demo) -> None:
+    prompt = prompts(demo, 1)[0]
+    with pytest.raises(EngineRequestError, match="outside the vocabulary"):  # checked on this side
+        await consume(engine, request("bad-token", [10**6]))
+    with pytest.raises(EngineRequestError, match="response_format"):  # only the engine's grammar compiler knows
+        await consume(engine, request("bad-schema", prompt, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}))
+    assert (await consume(engine, request("after", prompt, max_tokens=2))).usage["completion_tokens"] == 2
+
+
+async def test_closing_a_stream_aborts_it_and_frees_its_pages(engine, demo) -> None:
+    stream = engine.generate(request("walk-away", prompts(demo, 1)[0], max_tokens=500,
+                                     debug_config=DebugConfig(ignore_eos=True)))
+    await anext(stream)
+    assert (await engine.metrics())["kv_pages_used"] > 0
+    await stream.aclose()
+    for _ in range(200):
+        if (await engine.metrics())["kv_pages_used"] == 0:
+            break
+        await asyncio.sleep(0.01)
+    m = await engine.metrics()
+    assert (m["kv_pages_used"], m["num_running_requests"]) == (0, 0)
+
+
+async def test_reset_aborts_streams_and_zeroes_metrics_before_returning(engine, demo) -> None:
+    await consume(engine, request("done-before", prompts(demo, 1)[0], max_tokens=2))
+    assert (await engine.metrics())["num_finished_requests"] >= 1
+    tasks = [asyncio.create_task(consume(engine, request(f"live-{i}", p, max_tokens=500,
+                                                         debug_config=DebugConfig(ignore_eos=True))))
+             for i, p in enumerate(prompts(demo, 3))]
+    while (await engine.metrics())["num_running_requests"] < 3:
+        await asyncio.sleep(0.01)
+    await engine.reset()
+    m = await engine.metrics()
+    assert (m["num_finished_requests"], m["num_running_requests"], m["kv_pages_used"]) == (0, 0, 0)
+    assert all(r.finish_reason == "abort" for r in await asyncio.gather(*tasks))
+
+
+async def test_server_events_and_engine_events_share_one_timeline(engine, demo) -> None:
+    await engine.dump_trace(clear=True)
+    assert await engine.dump_trace(skip_empty=True) is None
+    engine.record_server_event("timed", "receive request")
+    engine.record_server_event("timed", "start tokenization")
+    engine.record_server_event("timed", "finish tokenization", {"prompt_tokens": 5})
+    await consume(engine, request("timed", prompts(demo, 1)[0], max_tokens=3))
+    trace = json.loads(await engine.dump_trace(clear=True))
+    lane = [e for e in trace["traceEvents"] if e.get("args", {}).get("request_id") == "timed"]
+    names = [e["name"] for e in lane]
+    assert names[:4] == ["receive request", "tokenization (0)", "tokenization (0)", "request added to engine"]
+    assert "prefill (0)" in names and "finish" in names
+    stamps = [e["ts"] for e in lane]
+    assert stamps == sorted(stamps)
+    # Taken on two clocks a pipe apart, yet in order and close: the child uses the server's anchor.
+    assert 0 <= stamps[3] - stamps[2] < 2_000_000
+    assert await engine.dump_trace(skip_empty=True) is None  # clear=True took everything
+
+
+async def test_sigterm_to_the_service_leaves_the_engine_to_its_server(engine, demo) -> None:
+    """systemd signals every process of a service; the engine stops when its server tells it to
+    (after the server saved the last trace window), not on the signal."""
+    os.kill(engine._transport.process.pid, signal.SIGTERM)
+    await asyncio.sleep(0.2)
+    assert engine.is_alive
+    assert (await consume(engine, request("after-sigterm", prompts(demo, 1)[0], max_tokens=2))).usage
+
+
+def test_blocking_calls_for_code_without_an_event_loop(engine) -> None:
+    assert "num_finished_requests" in engine.metrics_blocking(timeout=30)
+    assert isinstance(engine.dump_trace_blocking(timeout=30), bytes)
+
+
+async def test_a_killed_engine_process_fails_its_streams_and_calls_instead_of_hanging(lone_engine, demo) -> None:
+    stream = asyncio.create_task(consume(lone_engine, request(
+        "victim", prompts(demo, 1)[0], max_tokens=500, debug_config=DebugConfig(ignore_eos=True))))
+    while (await lone_engine.metrics())["num_running_requests"] < 1:
+        await asyncio.sleep(0.01)
+    os.kill(lone_engine._transport.process.pid, signal.SIGKILL)
+    with pytest.raises(EngineDeadError, match="ended unexpectedly"):
+        await asyncio.wait_for(stream, 30)
+    assert not lone_engine.is_alive
+    with pytest.raises(EngineDeadError):
+        await asyncio.wait_for(lone_engine.metrics(), 30)
+    with pytest.raises(EngineDeadError):
+        await consume(lone_engine, request("after-death", prompts(demo, 1)[0]))
+
+
+def test_the_engine_process_stops_when_its_server_is_killed(tmp_path) -> None:
+    """No orphan holding a GPU: a server killed with SIGKILL closes the socket, and the engine exits."""
+    script = (
+        "import sys\n"
+        "from engines.registry import ModelSpec, build_engines\n"
+        "from engines.runtime.engine import EngineConfig\n"
+        "(e,) = build_engines([ModelSpec('demo')], EngineConfig(num_pages=16), backend='cpu', process=True)\n"
+        "e.start()\n"
+        "print(e._transport.process.pid, flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    server = subprocess.Popen([sys.executable, "-c", script], cwd=PROJECT_ROOT, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(server.stdout.readline())
+        os.kill(server.pid, signal.SIGKILL)
+        server.wait(10)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and _running(child):
+            time.sleep(0.05)
+        assert not _running(child)
+    finally:
+        server.kill()
+        server.wait(10)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie, reparented and waiting to be reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_a_checkpoint_that_fails_in_the_engine_process_raises_at_start(tmp_path) -> None:
+    broken = tmp_path / "broken"
+    shutil.copytree(demo_checkpoint_path(), broken)
+    for weights in broken.glob("*.safetensors"):
+        weights.write_bytes(weights.read_bytes()[:1000])  # truncated: the header no longer fits
+    load_checkpoint(broken, load_weights=False)  # the server side cannot tell
+    (engine,) = build_engines([ModelSpec(str(broken))], SIZING, backend="cpu", process=True)
+    with pytest.raises(CheckpointError, match="safetensors"):
+        engine.start()
+    assert not engine.is_alive
