@@ -15,7 +15,8 @@ on one box.
 Every request uses ``debug_config.ignore_eos`` so each produces exactly
 ``--max-tokens`` tokens and both sides do identical work. Reported: output
 tokens/s of each, their ratio (HTTP / engine; the goal is >= 0.9), TTFT p50/p99
-of both, and the metrics endpoint's p99 latency while serving.
+of both, and the metrics endpoint's p99 latency while serving (and, for comparison,
+``AsyncEngine.metrics()``'s in the engine-alone runs).
 
     .venv/bin/python bench/serve_load.py                  # 16 and 64 clients
     .venv/bin/python bench/serve_load.py --clients 16 --max-tokens 128 --json out.json
@@ -114,8 +115,10 @@ def percentile(values: list[float], q: float) -> float:
 # ------------------------------------------------------------------------- engine alone
 
 
-async def run_engine_alone(engine, clients: int, requests_per_client: int, max_tokens: int) -> PhaseResult:
-    """The same requests as the HTTP phase, straight into ``AsyncEngine.generate``."""
+async def run_engine_alone(engine, clients: int, requests_per_client: int, max_tokens: int,
+                           poll_interval: float | None = None) -> PhaseResult:
+    """The same requests as the HTTP phase, straight into ``AsyncEngine.generate``, with
+    ``AsyncEngine.metrics()`` timed every ``poll_interval`` s (the engine's side of the debug call)."""
     from engines.protocol import DebugConfig
     from engines.runtime.request import GenerationRequest
     from engines.runtime.sampler import SamplingParams
@@ -144,9 +147,24 @@ async def run_engine_alone(engine, clients: int, requests_per_client: int, max_t
                 if output.usage is not None:
                     tokens += output.usage["completion_tokens"]
 
+    metrics_latency: list[float] = []
+    done = asyncio.Event()
+
+    async def poller() -> None:
+        while not done.is_set():
+            begin = time.perf_counter()
+            await engine.metrics()
+            metrics_latency.append(time.perf_counter() - begin)
+            await asyncio.sleep(poll_interval)
+
+    poll_task = asyncio.create_task(poller()) if poll_interval else None
     start = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(clients)))
-    return PhaseResult(tokens=tokens, seconds=time.perf_counter() - start, ttft_s=ttfts)
+    seconds = time.perf_counter() - start
+    done.set()
+    if poll_task is not None:
+        await poll_task
+    return PhaseResult(tokens=tokens, seconds=seconds, ttft_s=ttfts, metrics_latency_s=metrics_latency)
 
 
 def start_engine(args: argparse.Namespace):
@@ -366,7 +384,7 @@ def measure(args: argparse.Namespace, engine, server: subprocess.Popen, base: st
     alone_runs, http_runs = [], []
     for _ in range(args.repeats):
         alone_runs.append(timed(os.getpid(), run_engine_alone(engine, clients, args.requests_per_client,
-                                                              args.max_tokens)))
+                                                              args.max_tokens, poll_interval=args.poll_interval)))
         http_runs.append(timed(server.pid, run_http(base, clients, args.requests_per_client, args.max_tokens,
                                                     poll_interval=args.poll_interval, client_kind=args.client),
                                with_client=True))
@@ -384,6 +402,7 @@ def measure(args: argparse.Namespace, engine, server: subprocess.Popen, base: st
         "http_ttft_p50_ms": round(1000 * percentile(http.ttft_s, 0.5), 1),
         "http_ttft_p99_ms": round(1000 * percentile(http.ttft_s, 0.99), 1),
         "metrics_p99_ms": round(1000 * percentile(http.metrics_latency_s, 0.99), 1),
+        "engine_metrics_p99_ms": round(1000 * percentile(alone.metrics_latency_s, 0.99), 1),
         "metrics_calls": len(http.metrics_latency_s),
         # CPU time per generated token, in microseconds: where the cores went.
         "engine_cpu_us_per_token": round(1e6 * alone.engine_cpu_s / alone.tokens),
@@ -431,7 +450,7 @@ def main() -> None:
                 f" | ratio {row['ratio']:.3f} (runs {row['run_ratios']}) | TTFT p50/p99 engine "
                 f"{row['engine_ttft_p50_ms']}/{row['engine_ttft_p99_ms']} ms, HTTP {row['http_ttft_p50_ms']}/"
                 f"{row['http_ttft_p99_ms']} ms | dump_engine_metrics p99 {row['metrics_p99_ms']} ms "
-                f"({row['metrics_calls']} calls)\n"
+                f"({row['metrics_calls']} calls; AsyncEngine.metrics() alone {row['engine_metrics_p99_ms']} ms)\n"
                 f"     CPU us/token: engine alone {row['engine_cpu_us_per_token']}; HTTP: engine "
                 f"{row['http_engine_cpu_us_per_token']}, server event loop {row['http_server_loop_cpu_us_per_token']}, "
                 f"client {row['http_client_cpu_us_per_token']}",

@@ -12,7 +12,7 @@ Rotation is Llama's "rotate half" form (as transformers' ``apply_rotary_pos_emb`
 q is rotated in place in ``qkv``; attention reads it from there.
 """
 import numpy as np
-from numba import cuda, float32, njit
+from numba import cuda, njit
 
 
 def rope_tables(head_dim: int, rope_theta: float, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
