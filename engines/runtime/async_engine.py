@@ -50,6 +50,9 @@ __all__ = ["AsyncEngine", "EngineDeadError", "merge_outputs"]
 # The folder that holds the ``engines`` package, for the engine process's import path.
 _PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
+# How long a request waits for the abort of an abandoned request with the same id.
+ABORT_WAIT_S = 10.0
+
 # How long start() waits for an engine process to load its model and compile its kernels.
 PROCESS_START_TIMEOUT_S = 900.0
 
@@ -83,6 +86,9 @@ class AsyncEngine:
         self.process = process
         self.error: BaseException | None = None
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # Ids of abandoned streams whose abort the engine has not confirmed yet: a new request with
+        # the same id waits, or the old request's last output would land in its stream.
+        self._aborting: set[str] = set()
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
         self._send_lock = threading.Lock()
@@ -118,6 +124,8 @@ class AsyncEngine:
             return
         with self._send_lock:
             self._transport.stop(timeout)
+        # A graceful stop answered everything; a stuck engine that had to be killed did not.
+        self._fail_pending(EngineDeadError(f"engine {self.name!r} was shut down"))
 
     @property
     def is_alive(self) -> bool:
@@ -166,6 +174,12 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         rid = request.request_id
+        deadline = loop.time() + ABORT_WAIT_S
+        while rid in self._aborting and self.is_alive and loop.time() < deadline:
+            await asyncio.sleep(0.002)
+        self._check_alive()
+        if rid in self._aborting:
+            raise EngineRequestError(f"request id {rid!r} is still being aborted")
         if rid in self._streams:
             raise EngineRequestError(f"request id {rid!r} is already running")
         self._streams[rid] = (loop, outputs)
@@ -203,6 +217,7 @@ class AsyncEngine:
         finally:
             self._release_stream(rid, outputs)
             if not finished:
+                self._aborting.add(rid)
                 self._abort_quietly(rid)
 
     def _release_stream(self, rid: str, outputs: asyncio.Queue) -> None:
@@ -278,6 +293,8 @@ class AsyncEngine:
             raise
         if self.error is not None:  # died in between: the death may have missed this call
             self._fail_calls()
+        elif not self._transport.started:  # shut down in between: nobody will answer
+            self._fail_pending(EngineDeadError(f"engine {self.name!r} was shut down"))
         return future
 
     def _check_alive(self) -> None:
@@ -311,6 +328,8 @@ class AsyncEngine:
                     future.set_result(value)
                 else:
                     future.set_exception(value)
+        elif kind == "aborted":
+            self._aborting.discard(message[1])
         elif kind == "rejected":
             _, rid, error = message
             stream = self._streams.get(rid)
@@ -323,13 +342,16 @@ class AsyncEngine:
         """The core is gone: fail every stream and call, now and later (``error`` is set first)."""
         if self.error is None:
             self.error = EngineDeadError(reason)
-        err = EngineDeadError(f"engine {self.name!r} stopped on an internal error: {reason}")
+        self._fail_pending(EngineDeadError(f"engine {self.name!r} stopped on an internal error: {reason}"))
+
+    def _fail_pending(self, err: EngineDeadError) -> None:
+        """End every open stream and pending call with ``err``."""
         for loop, q in list(self._streams.values()):
             _put_threadsafe(loop, [(q, err)])
-        self._fail_calls()
+        self._fail_calls(err)
 
-    def _fail_calls(self) -> None:
-        err = EngineDeadError(f"engine {self.name!r} stopped on an internal error: {self.error}")
+    def _fail_calls(self, err: EngineDeadError | None = None) -> None:
+        err = err or EngineDeadError(f"engine {self.name!r} stopped on an internal error: {self.error}")
         for call_id in list(self._calls):
             future = self._calls.pop(call_id, None)
             if future is not None and not future.done():
@@ -419,6 +441,7 @@ class _ProcessTransport:
         return self.process is not None and self.process.poll() is None
 
     def start(self, info: EngineInfo | None) -> EngineInfo:
+        self.stopping = False  # a restart after a shutdown: its death must be reported again
         ours, theirs = socket.socketpair()
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_PROJECT_ROOT), env.get("PYTHONPATH")]))

@@ -21,6 +21,7 @@ Core to front end:
 
 * ``("ready", EngineInfo)`` / ``("failed", exception)``: a child process's start-up
 * ``("outputs", [RequestOutput, ...])``: one step's outputs (or an abort's, or a reset's)
+* ``("aborted", request_id)``: an ``abort`` was carried out (after its outputs, if any)
 * ``("rejected", request_id, exception)``: an ``add`` that changed nothing (``EngineRequestError``
   for a bad request)
 * ``("reply", call_id, ok, value)``: a call's result, or the exception it raised
@@ -163,6 +164,7 @@ class EngineCore:
             output = engine.abort_request(message[1])
             if output is not None:
                 send(("outputs", [output]))
+            send(("aborted", message[1]))
         elif kind == "trace":
             if engine.tracer is not None:
                 for ids, event, args, at_ns in message[1]:
@@ -252,13 +254,17 @@ def run_engine_process(conn: Any, spec: EngineSpec) -> None:
     inbox: queue.SimpleQueue[Message | None] = queue.SimpleQueue()
 
     def receive_all() -> None:
-        try:
-            while True:
+        while True:
+            try:
                 message = conn.recv()
-                if not core.answer_immediately(message, send):
-                    inbox.put(message)
-        except (EOFError, OSError):
-            inbox.put(None)  # the server went away
+            except (EOFError, OSError):
+                inbox.put(None)  # the server went away
+                return
+            except Exception:  # noqa: BLE001 - one message that does not unpickle here; the stream is intact
+                logger.exception("engine %s: dropped a command it could not read", spec.name)
+                continue
+            if not core.answer_immediately(message, send):
+                inbox.put(message)
 
     threading.Thread(target=receive_all, name="engine-receiver", daemon=True).start()
 

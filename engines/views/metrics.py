@@ -22,6 +22,7 @@ at request finish, as MLC's sums do; ``*_tokens_processed_total`` move every ste
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,8 @@ from engines.registry import registry
 from engines.runtime.async_engine import AsyncEngine, EngineDeadError
 from engines.runtime.metrics import HistogramSnapshot
 from engines.views.errors import api_view, json_response
+
+logger = logging.getLogger(__name__)
 
 # MLC's engine-wide scalars (reference §5), exposed under their own names.
 MLC_GAUGES: dict[str, str] = {
@@ -98,12 +101,22 @@ class EngineReading:
         return cls(engine, metrics, histograms)
 
 
+# An engine that does not answer a metrics read in this long (a wedged process) is left out of
+# the scrape rather than hanging it; Prometheus' own scrape timeout defaults to 10 s.
+READ_TIMEOUT_S = 5.0
+
+
 async def read_engines(engines: Iterable[AsyncEngine]) -> list[EngineReading]:
-    """One reading per running engine, asked concurrently; a dead engine has none (``/health`` says why)."""
+    """One reading per running engine, asked concurrently; a dead engine, or one that does not
+    answer within ``READ_TIMEOUT_S``, has none (and a warning is logged)."""
     running = [engine for engine in engines if engine.is_alive]
-    results = await asyncio.gather(*(EngineReading.read(engine) for engine in running), return_exceptions=True)
+    results = await asyncio.gather(
+        *(asyncio.wait_for(EngineReading.read(engine), READ_TIMEOUT_S) for engine in running), return_exceptions=True)
     readings = []
     for engine, result in zip(running, results):
+        if isinstance(result, asyncio.TimeoutError):
+            logger.warning("engine %s did not answer a metrics read in %.0f s", engine.name, READ_TIMEOUT_S)
+            continue
         if isinstance(result, EngineDeadError):
             continue
         if isinstance(result, BaseException):

@@ -204,3 +204,60 @@ def test_a_checkpoint_that_fails_in_the_engine_process_raises_at_start(tmp_path)
     with pytest.raises(CheckpointError, match="safetensors"):
         engine.start()
     assert not engine.is_alive
+
+
+async def test_shutting_down_a_stuck_engine_process_ends_its_streams_and_calls(lone_engine, demo) -> None:
+    stream = lone_engine.generate(request("stuck", prompts(demo, 1)[0], max_tokens=500,
+                                          debug_config=DebugConfig(ignore_eos=True)))
+    await anext(stream)
+    os.kill(lone_engine._transport.process.pid, signal.SIGSTOP)  # a hung kernel, say
+    call = asyncio.create_task(lone_engine.reset())
+    rest = asyncio.create_task(anext(stream))
+    await asyncio.sleep(0.1)
+    await asyncio.to_thread(lone_engine.shutdown, 1.0)  # kills it after 1 s
+    with pytest.raises(EngineDeadError, match="shut down"):
+        await asyncio.wait_for(call, 10)
+    with pytest.raises(EngineDeadError, match="shut down"):
+        await asyncio.wait_for(rest, 10)
+
+
+async def test_an_engine_restarted_after_shutdown_still_reports_its_death(lone_engine, demo) -> None:
+    lone_engine.shutdown()
+    lone_engine.start()
+    stream = asyncio.create_task(consume(lone_engine, request(
+        "second-life", prompts(demo, 1)[0], max_tokens=500, debug_config=DebugConfig(ignore_eos=True))))
+    while (await lone_engine.metrics())["num_running_requests"] < 1:
+        await asyncio.sleep(0.01)
+    os.kill(lone_engine._transport.process.pid, signal.SIGKILL)
+    with pytest.raises(EngineDeadError, match="ended unexpectedly"):
+        await asyncio.wait_for(stream, 30)
+    assert not lone_engine.is_alive
+
+
+@pytest.mark.parametrize("process", [True, False], ids=["process", "thread"])
+async def test_a_request_id_reused_right_after_a_disconnect_gets_its_own_output(demo, process) -> None:
+    """A client that reuses its ``user`` as the id at once must not receive the old request's abort."""
+    reused = process_engine("reuse") if process else AsyncEngine(demo, "reuse", SIZING, backend="cpu")
+    if not process:
+        reused.start()
+    try:
+        prompt = prompts(demo, 1)[0]
+        first = reused.generate(request("alice", prompt, max_tokens=400, debug_config=DebugConfig(ignore_eos=True)))
+        await anext(first)
+        await first.aclose()  # the client went away
+        again = await consume(reused, request("alice", prompt, max_tokens=5, debug_config=DebugConfig(ignore_eos=True)))
+        assert (again.finish_reason, len(again.tokens)) == ("length", 5)
+    finally:
+        reused.shutdown()
+
+
+async def test_a_wedged_engine_is_left_out_of_a_scrape_instead_of_hanging_it(lone_engine, monkeypatch) -> None:
+    from engines.views import metrics as metrics_view
+
+    monkeypatch.setattr(metrics_view, "READ_TIMEOUT_S", 0.5)
+    os.kill(lone_engine._transport.process.pid, signal.SIGSTOP)
+    try:
+        assert await asyncio.wait_for(metrics_view.read_engines([lone_engine]), 10) == []
+    finally:
+        os.kill(lone_engine._transport.process.pid, signal.SIGCONT)
+    assert [r.engine for r in await metrics_view.read_engines([lone_engine])] == [lone_engine]
