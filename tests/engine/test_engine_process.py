@@ -144,15 +144,20 @@ def test_blocking_calls_for_code_without_an_event_loop(engine) -> None:
     assert isinstance(engine.dump_trace_blocking(timeout=30), bytes)
 
 
-async def test_a_killed_engine_process_fails_its_streams_and_calls_instead_of_hanging(lone_engine, demo) -> None:
-    stream = asyncio.create_task(consume(lone_engine, request(
-        "victim", prompts(demo, 1)[0], max_tokens=500, debug_config=DebugConfig(ignore_eos=True))))
-    while (await lone_engine.metrics())["num_running_requests"] < 1:
+async def kill_mid_stream(engine: AsyncEngine, demo, request_id: str) -> None:
+    """SIGKILL the engine process while a request streams; its stream must fail, not hang."""
+    stream = asyncio.create_task(consume(engine, request(
+        request_id, prompts(demo, 1)[0], max_tokens=500, debug_config=DebugConfig(ignore_eos=True))))
+    while (await engine.metrics())["num_running_requests"] < 1:
         await asyncio.sleep(0.01)
-    os.kill(lone_engine._transport.process.pid, signal.SIGKILL)
+    os.kill(engine._transport.process.pid, signal.SIGKILL)
     with pytest.raises(EngineDeadError, match="ended unexpectedly"):
         await asyncio.wait_for(stream, 30)
-    assert not lone_engine.is_alive
+    assert not engine.is_alive
+
+
+async def test_a_killed_engine_process_fails_its_streams_and_calls_instead_of_hanging(lone_engine, demo) -> None:
+    await kill_mid_stream(lone_engine, demo, "victim")
     with pytest.raises(EngineDeadError):
         await asyncio.wait_for(lone_engine.metrics(), 30)
     with pytest.raises(EngineDeadError):
@@ -224,14 +229,7 @@ async def test_shutting_down_a_stuck_engine_process_ends_its_streams_and_calls(l
 async def test_an_engine_restarted_after_shutdown_still_reports_its_death(lone_engine, demo) -> None:
     lone_engine.shutdown()
     lone_engine.start()
-    stream = asyncio.create_task(consume(lone_engine, request(
-        "second-life", prompts(demo, 1)[0], max_tokens=500, debug_config=DebugConfig(ignore_eos=True))))
-    while (await lone_engine.metrics())["num_running_requests"] < 1:
-        await asyncio.sleep(0.01)
-    os.kill(lone_engine._transport.process.pid, signal.SIGKILL)
-    with pytest.raises(EngineDeadError, match="ended unexpectedly"):
-        await asyncio.wait_for(stream, 30)
-    assert not lone_engine.is_alive
+    await kill_mid_stream(lone_engine, demo, "second-life")
 
 
 @pytest.mark.parametrize("process", [True, False], ids=["process", "thread"])
