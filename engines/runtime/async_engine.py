@@ -256,7 +256,7 @@ class AsyncEngine:
         return await self._acall("metrics")
 
     async def metrics_with_histograms(self) -> tuple[dict[str, Any], dict[str, HistogramSnapshot]]:
-        """``metrics()`` and the latency histograms, taken together between two steps."""
+        """``metrics()`` and the latency histograms, read one after the other (possibly mid-step)."""
         return await self._acall("metrics_with_histograms")
 
     async def dump_trace(self, clear: bool = False, skip_empty: bool = False) -> bytes | None:
@@ -450,6 +450,9 @@ class _ProcessTransport:
                 [sys.executable, "-c", "from engines.runtime.engine_core import main; main()", str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),), env=env,
             )
+        except BaseException:
+            ours.close()
+            raise
         finally:
             theirs.close()  # the child holds its end; ours alone lets EOF reach us when it dies
         conn = Connection(ours.detach())
@@ -458,8 +461,6 @@ class _ProcessTransport:
             if not conn.poll(PROCESS_START_TIMEOUT_S):
                 raise RuntimeError(f"engine {self.spec.name!r} did not load its model in {PROCESS_START_TIMEOUT_S:.0f} s")
             kind, value = conn.recv()
-            if kind == "failed":
-                raise value
         except (EOFError, OSError):
             process.wait(5)
             conn.close()
@@ -470,6 +471,10 @@ class _ProcessTransport:
             process.wait(5)
             conn.close()
             raise
+        if kind == "failed":  # the child's own error (a CheckpointError, a PermissionError, ...)
+            process.wait(5)
+            conn.close()
+            raise value
         self.process, self.conn = process, conn
         self.reader = threading.Thread(target=self._read, name=f"engine-{self.spec.name}-reader", daemon=True)
         self.reader.start()

@@ -239,6 +239,7 @@ def run_engine_process(conn: Any, spec: EngineSpec) -> None:
         engine = create_engine(checkpoint, spec.name, spec.config, spec.backend, spec.dtype, spec.enable_tracing)
         engine.warm_up()
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
+        logger.exception("engine %s could not start", spec.name)
         conn.send(("failed", portable_error(e)))
         return
     conn.send(("ready", engine_info(engine)))
