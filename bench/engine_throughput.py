@@ -23,13 +23,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engines.runtime.checkpoint import load_checkpoint  # noqa: E402
-from engines.runtime.demo_model import demo_checkpoint_path  # noqa: E402
-from engines.runtime.engine import Engine, EngineConfig  # noqa: E402
-from engines.runtime.model import LlamaModel  # noqa: E402
-from engines.runtime.request import GenerationRequest  # noqa: E402
-from engines.runtime.sampler import SamplingParams  # noqa: E402
-from engines.runtime.trace import TraceRecorder  # noqa: E402
+from engines.runtime import load_checkpoint  # noqa: E402
+from engines.runtime import demo_checkpoint_path  # noqa: E402
+from engines.runtime import Engine, EngineConfig  # noqa: E402
+from engines.runtime import LlamaModel  # noqa: E402
+from engines.runtime import GenerationRequest  # noqa: E402
+from engines.runtime import SamplingParams  # noqa: E402
+from engines.runtime import TraceRecorder  # noqa: E402
 
 
 def workload(num_requests: int, vocab: int, seed: int, max_prompt: int, max_output: int) -> list[tuple[list[int], int]]:

@@ -120,8 +120,8 @@ async def run_engine_alone(engine, clients: int, requests_per_client: int, max_t
     """The same requests as the HTTP phase, straight into ``AsyncEngine.generate``, with
     ``AsyncEngine.metrics()`` timed every ``poll_interval`` s (the engine's side of the debug call)."""
     from engines.protocol import DebugConfig
-    from engines.runtime.request import GenerationRequest
-    from engines.runtime.sampler import SamplingParams
+    from engines.runtime import GenerationRequest
+    from engines.runtime import SamplingParams
 
     tokenizer = engine.tokenizer
     prompt = tokenizer.encode(tokenizer.apply_chat_template(PROMPT), add_special_tokens=False)
@@ -170,7 +170,7 @@ async def run_engine_alone(engine, clients: int, requests_per_client: int, max_t
 def start_engine(args: argparse.Namespace):
     """The in-process engine of the "engine alone" runs, sized like the server's."""
     from engines.registry import ModelSpec, build_engines
-    from engines.runtime.engine import EngineConfig
+    from engines.runtime import EngineConfig
 
     (engine,) = build_engines([ModelSpec("demo")], EngineConfig(**sizing(args)), backend=args.backend)
     engine.start()

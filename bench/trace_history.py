@@ -31,7 +31,7 @@ def recorded_trace(target_events: int, batch: int = 32, decode_steps: int = 235)
     """A ``TraceRecorder`` filled the way a busy engine fills it: waves of ``batch``
     requests, each queued, prefilled together, then decoded ``decode_steps`` steps, with
     the engine-lane step spans; about ``target_events`` trace events in all."""
-    from engines.runtime.trace import TraceRecorder
+    from engines.runtime import TraceRecorder
 
     per_request = 2 * decode_steps + 10  # request-lane events per request, engine lane aside
     num_requests = max(batch, target_events // per_request)

@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from engines.runtime.trace import TraceRecorder  # noqa: E402  (after the path set-up)
+from engines.runtime import TraceRecorder  # noqa: E402  (after the path set-up)
 
 
 # Recording figures are process CPU time: what the recorder costs the engine thread, and far less

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 if TYPE_CHECKING:  # the runtime (numba and all) loads only when engines are built
-    from engines.runtime.async_engine import AsyncEngine
-    from engines.runtime.engine import EngineConfig
+    from engines.runtime import AsyncEngine
+    from engines.runtime import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -177,9 +177,9 @@ def build_engines(
     Raises :class:`RegistryError` for two specs with one served name, and lets
     ``CheckpointError`` (whose message names the file at fault) through.
     """
-    from engines.runtime.checkpoint import load_checkpoint
-    from engines.runtime.demo_model import demo_checkpoint_path
-    from engines.runtime.async_engine import AsyncEngine
+    from engines.runtime import load_checkpoint
+    from engines.runtime import demo_checkpoint_path
+    from engines.runtime import AsyncEngine
 
     engines: list[AsyncEngine] = []
     names: set[str] = set()
@@ -224,7 +224,7 @@ def configure_from_env(env: dict[str, str] | None = None) -> EngineRegistry:
     ``ENGINES_PREFILL_CHUNK_SIZE``, ``ENGINES_ENGINE_MODE`` (``process``, the default, or
     ``thread``) and ``API_KEY`` mean what the serve flags mean.
     """
-    from engines.runtime.engine import EngineConfig
+    from engines.runtime import EngineConfig
 
     env = dict(os.environ if env is None else env)
     specs = [ModelSpec.parse(s) for s in env.get("ENGINES_MODELS", DEMO_MODEL).split(",") if s.strip()]

@@ -31,7 +31,7 @@ from engines.history.capture import asave_engine_trace, asave_metrics_snapshot
 from engines.models import MetricsSnapshot, TraceRecord
 
 if TYPE_CHECKING:  # the runtime (numba and all) loads only where engines are built
-    from engines.runtime.async_engine import AsyncEngine
+    from engines.runtime import AsyncEngine
 
 logger = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from engines.models import MetricsSnapshot, RequestSummary, TraceRecord
 from engines.registry import registry
 
 if TYPE_CHECKING:  # the runtime (numba and all) loads only where engines are built
-    from engines.runtime.async_engine import AsyncEngine
+    from engines.runtime import AsyncEngine
 
 SUMMARY_BATCH_SIZE = 2000
 _compressor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="trace-gzip")

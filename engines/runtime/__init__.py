@@ -1,0 +1,99 @@
+"""The inference runtime: Llama-family engines on numba kernels, with no Django in sight.
+
+This module is the runtime's face: everything outside ``engines/runtime/`` (the Django app,
+``bench/``) imports from here, never from a room. The rooms, and the one direction their
+imports run (``frontend -> core -> model -> kernels``; ``telemetry`` used by all, using none):
+
+* ``model/``: what the weights compute. Config, checkpoint loading and tokenizer, the demo
+  model, the Llama forward pass (``llama``), the backends, the paged KV tensors
+  (``kv_storage``) and the numba kernels (``kernels/``, each CUDA kernel beside its CPU twin).
+* ``core/``: serving one model. Requests, the scheduler, the KV page pool and prefix cache
+  (``kv_pool``), sampling, grammars, stop rules, and ``Engine``, whose ``step()`` is
+  schedule -> execute -> update.
+* ``frontend/``: the process boundary. The typed messages, the engine-core loop (and an
+  engine process's ``main``), the thread and process transports, and ``AsyncEngine``.
+* ``telemetry/``: the event trace recorder, its Chrome-trace exporters, engine metrics.
+
+Names resolve lazily (PEP 562): ``from engines.runtime import SamplingParams`` loads the
+sampler only, not numba or the model, so the server's protocol layer stays cheap to import.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# Public name -> the module that defines it.
+_EXPORTS: dict[str, str] = {
+    # frontend
+    "AsyncEngine": "frontend.async_engine",
+    "EngineDeadError": "frontend.async_engine",
+    "EngineSpec": "frontend.messages",
+    "EngineInfo": "frontend.messages",
+    # core
+    "Engine": "core.engine",
+    "EngineConfig": "core.engine",
+    "GenerationRequest": "core.request",
+    "GrammarMode": "core.request",
+    "RequestOutput": "core.request",
+    "ChoiceDelta": "core.request",
+    "FinishReason": "core.request",
+    "EngineRequestError": "core.request",
+    "SamplingParams": "core.sampler",
+    "InvalidSamplingParams": "core.sampler",
+    "TokenLogprob": "core.sampler",
+    "RequestLimits": "core.limits",
+    "REQUEST_LIMITS": "core.limits",
+    # model
+    "LlamaModel": "model.llama",
+    "ForwardBatch": "model.llama",
+    "ModelConfig": "model.config",
+    "CheckpointError": "model.config",
+    "Checkpoint": "model.checkpoint",
+    "load_checkpoint": "model.checkpoint",
+    "demo_checkpoint_path": "model.demo_model",
+    "Tokenizer": "model.tokenizer",
+    "ChatTemplateError": "model.tokenizer",
+    # telemetry
+    "TraceRecorder": "telemetry.trace_recorder",
+    "epoch_anchor_ns": "telemetry.trace_recorder",
+    "EngineMetrics": "telemetry.metrics",
+    "HistogramSnapshot": "telemetry.metrics",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engines.runtime' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"engines.runtime.{module}"), name)
+    globals()[name] = value  # resolved once
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names resolve lazily above
+    from engines.runtime.core.engine import Engine, EngineConfig
+    from engines.runtime.core.limits import REQUEST_LIMITS, RequestLimits
+    from engines.runtime.core.request import (
+        ChoiceDelta,
+        EngineRequestError,
+        FinishReason,
+        GenerationRequest,
+        GrammarMode,
+        RequestOutput,
+    )
+    from engines.runtime.core.sampler import InvalidSamplingParams, SamplingParams, TokenLogprob
+    from engines.runtime.frontend.async_engine import AsyncEngine, EngineDeadError
+    from engines.runtime.frontend.messages import EngineInfo, EngineSpec
+    from engines.runtime.model.checkpoint import Checkpoint, load_checkpoint
+    from engines.runtime.model.config import CheckpointError, ModelConfig
+    from engines.runtime.model.demo_model import demo_checkpoint_path
+    from engines.runtime.model.llama import ForwardBatch, LlamaModel
+    from engines.runtime.model.tokenizer import ChatTemplateError, Tokenizer
+    from engines.runtime.telemetry.metrics import EngineMetrics, HistogramSnapshot
+    from engines.runtime.telemetry.trace_recorder import TraceRecorder, epoch_anchor_ns

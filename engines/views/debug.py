@@ -25,7 +25,7 @@ from engines.history import TraceUnavailableError, asave_engine_trace, normalize
 from engines.models import TraceRecord
 from engines.protocol.errors import ProtocolError
 from engines.registry import registry
-from engines.runtime.async_engine import AsyncEngine, EngineDeadError
+from engines.runtime import AsyncEngine, EngineDeadError
 from engines.views.errors import AsyncView, api_view, error_response, json_response
 
 NOT_MOUNTED = "Not found: the /debug endpoints exist only when the server runs with --enable-debug."

@@ -51,11 +51,11 @@ from engines.protocol import (
     Usage,
 )
 from engines.registry import registry
-from engines.runtime.async_engine import AsyncEngine, EngineDeadError
-from engines.runtime.request import ChoiceDelta, EngineRequestError, GenerationRequest, RequestOutput
-from engines.runtime.sampler import InvalidSamplingParams, SamplingParams
-from engines.runtime.sampler import TokenLogprob as EngineTokenLogprob
-from engines.runtime.tokenizer import ChatTemplateError, Tokenizer
+from engines.runtime import AsyncEngine, EngineDeadError
+from engines.runtime import ChoiceDelta, EngineRequestError, GenerationRequest, RequestOutput
+from engines.runtime import InvalidSamplingParams, SamplingParams
+from engines.runtime import TokenLogprob as EngineTokenLogprob
+from engines.runtime import ChatTemplateError, Tokenizer
 from engines.views.errors import api_view, json_response
 
 logger = logging.getLogger(__name__)

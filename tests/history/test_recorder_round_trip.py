@@ -9,7 +9,7 @@ from django.urls import reverse
 
 from engines.history import save_trace
 from engines.models import RequestSummary, TraceRecord
-from engines.runtime.trace import TraceRecorder
+from engines.runtime.telemetry.trace_recorder import TraceRecorder
 
 PROMPT = {"r-short": 5, "r-long": 12, "r-cut": 7}
 COMPLETION = {"r-short": 2, "r-long": 4}

@@ -1,6 +1,6 @@
 """Build traces in the documented export format (docs/interfaces.md, "Event trace").
 
-A stand-in for ``engines.runtime.trace.TraceRecorder`` with explicit timestamps, so
+A stand-in for ``engines.runtime.telemetry.trace_recorder.TraceRecorder`` with explicit timestamps, so
 a test states exactly when each event happened and knows every derived number.
 Same rules: "start X"/"finish X" open and close span ``X (n)`` (n counts spans of
 that name per request), anything else is an instant; request lanes get tids 1, 2,

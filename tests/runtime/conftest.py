@@ -1,10 +1,18 @@
-"""Fixtures for the runtime tests."""
+"""Fixtures for the runtime tests: the simulator's speed, and engines over the demo model
+(small enough for quick tests on two cores)."""
 from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
+
+from engines.runtime.model.checkpoint import Checkpoint, load_checkpoint
+from engines.runtime.model.demo_model import demo_checkpoint_path
+from engines.runtime.core.engine import Engine, EngineConfig
+from engines.runtime.model.llama import LlamaModel
+from engines.runtime.telemetry.trace_recorder import TraceRecorder
 
 
 @pytest.fixture(scope="module")
@@ -16,3 +24,23 @@ def quick_simulator_barriers() -> Iterator[None]:
     sys.setswitchinterval(5e-4)
     yield
     sys.setswitchinterval(previous)
+
+
+@pytest.fixture(scope="session")
+def demo() -> Checkpoint:
+    return load_checkpoint(demo_checkpoint_path())
+
+
+@pytest.fixture(scope="session")
+def demo_model(demo: Checkpoint) -> LlamaModel:
+    return LlamaModel.from_checkpoint(demo, backend="cpu")
+
+
+@pytest.fixture
+def make_engine(demo: Checkpoint, demo_model: LlamaModel):
+    """Build an Engine on the shared demo model (weights loaded once per session)."""
+    def make(tracing: bool = False, **config: Any) -> Engine:
+        cfg = EngineConfig(**{"max_num_seqs": 8, "num_pages": 64, "prefill_chunk_size": 64, **config})
+        tracer = TraceRecorder(engine="demo", model="demo", backend="cpu") if tracing else None
+        return Engine(demo_model, demo, cfg, tracer)
+    return make

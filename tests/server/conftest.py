@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from engines.registry import ModelSpec, ServerOptions, build_engines, configure, registry
-from engines.runtime.async_engine import AsyncEngine
-from engines.runtime.engine import EngineConfig
+from engines.runtime.frontend.async_engine import AsyncEngine
+from engines.runtime.core.engine import EngineConfig
 
 TRACED = "demo"  # served with tracing on
 UNTRACED = "demo-untraced"  # the same checkpoint, tracing off

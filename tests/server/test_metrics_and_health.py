@@ -6,7 +6,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engines.registry import ModelSpec, build_engines
-from engines.runtime.engine import EngineConfig
+from engines.runtime.core.engine import EngineConfig
 from tests.server.conftest import SMALL_ENGINE, TRACED, UNTRACED, assert_error
 
 

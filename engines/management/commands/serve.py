@@ -175,8 +175,8 @@ class Command(BaseCommand):
         connections.close_all()
 
     def _load_engines(self, specs: list[ModelSpec], options: dict[str, Any]) -> None:
-        from engines.runtime.config import CheckpointError
-        from engines.runtime.engine import EngineConfig
+        from engines.runtime import CheckpointError
+        from engines.runtime import EngineConfig
 
         sizing = {
             key: options[key]

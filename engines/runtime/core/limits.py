@@ -1,0 +1,33 @@
+"""What one request may ask for: the single source of the limits that both the engine
+(``SamplingParams``) and the HTTP protocol (``engines.protocol``) enforce.
+
+OpenAI's limits, except ``max_n``: every choice is a full sequence in the batch with its own
+KV pages, so one request may not crowd out the rest of the engine (OpenAI allows 128).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["REQUEST_LIMITS", "RequestLimits"]
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Bounds on sampling parameters; ranges are inclusive unless the name says ``_exclusive``."""
+
+    max_n: int = 16
+    max_stop_sequences: int = 4
+    max_top_logprobs: int = 20           # chat's top_logprobs (and the engine's)
+    max_completion_logprobs: int = 5     # /v1/completions' logprobs
+    temperature_min: float = 0.0
+    temperature_max: float = 2.0
+    top_p_min_exclusive: float = 0.0
+    top_p_max: float = 1.0
+    penalty_min: float = -2.0            # frequency and presence penalties
+    penalty_max: float = 2.0
+    logit_bias_min: float = -100.0
+    logit_bias_max: float = 100.0
+
+
+#: The limits in force.
+REQUEST_LIMITS = RequestLimits()

@@ -1,0 +1,146 @@
+"""Plain data crossing the engine's boundary (requests in, outputs out) and the per-request state inside it."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from enum import Enum, StrEnum
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engines.protocol.debug import DebugConfig
+    from engines.runtime.core.grammar import GrammarMatcher
+    from engines.runtime.core.sampler import SamplingParams, SamplingState, TokenLogprob
+    from engines.runtime.core.stop_checker import StopChecker
+    from engines.runtime.model.tokenizer import IncrementalDetokenizer
+
+
+class FinishReason(StrEnum):
+    """Why a choice ended: OpenAI's ``stop`` and ``length``, MLC's ``abort`` (aborted by the
+    client, a reset, or a failure of that request alone) and ``preempt`` (disaggregated mode
+    gave the request up; the router retries it). One enum for the engine, the protocol and the
+    history; a ``StrEnum``, so it compares and serialises as its plain string."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    PREEMPT = "preempt"
+
+
+class GrammarMode(StrEnum):
+    """How a ``response_format`` grammar is applied (MLC's ``grammar_execution_mode``)."""
+
+    #: Mask the logits and also append the tokens the grammar forces, without running the
+    #: model for them (MLC's default; off when logprobs are asked for, as forced tokens have none).
+    JUMP_FORWARD = "jump_forward"
+    #: Only mask the logits.
+    CONSTRAINT = "constraint"
+
+
+class EngineRequestError(ValueError):
+    """A request the engine cannot serve (bad parameters, too long); the message is for the client."""
+
+
+@dataclass
+class GenerationRequest:
+    """One request as the server hands it to the engine (already tokenized)."""
+
+    request_id: str
+    prompt: list[int]
+    sampling: "SamplingParams"
+    debug_config: "DebugConfig | None" = None
+    response_format: dict[str, Any] | None = None
+    # Tokens of the prompt that form its system prompt (pinned_system_prompt pins these).
+    system_prompt_tokens: int | None = None
+
+
+@dataclass
+class ChoiceDelta:
+    """What one choice (of ``n``) produced since the last output."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: "list[TokenLogprob] | None"
+    finish_reason: str | None
+
+
+@dataclass
+class RequestOutput:
+    """One step's news for one request; ``usage`` is set on the last one."""
+
+    request_id: str
+    choices: list[ChoiceDelta]
+    usage: dict[str, Any] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.usage is not None
+
+
+class SequenceStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_seq_ids = itertools.count()
+
+
+class Sequence:
+    """One choice of a request: prompt + generated tokens and how far the KV cache has them."""
+
+    def __init__(self, request: "RequestState", index: int, prompt: list[int]) -> None:
+        self.seq_id = next(_seq_ids)
+        self.request = request
+        self.index = index
+        self.token_ids: list[int] = list(prompt)
+        self.num_prompt_tokens = len(prompt)
+        self.num_computed = 0
+        self.num_cached_prefix_tokens = 0
+        self.num_preemptions = 0
+        self.last_token_time: float | None = None
+        self.status = SequenceStatus.WAITING
+        self.finish_reason: str | None = None
+        self.finish_reported = False  # the output carrying finish_reason has gone out
+        self.sampling: SamplingState | None = None
+        self.detokenizer: IncrementalDetokenizer | None = None
+        self.stop_checker: StopChecker | None = None
+        self.grammar: GrammarMatcher | None = None
+        # Output accumulated since the last delivered delta.
+        self.pending_ids: list[int] = []
+        self.pending_text: str = ""
+        self.pending_logprobs: list[TokenLogprob] = []
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+
+class RequestState:
+    """Everything the engine keeps about a live request."""
+
+    def __init__(self, request: GenerationRequest, arrival_time: float) -> None:
+        self.request = request
+        self.request_id = request.request_id
+        self.params = request.sampling
+        self.debug = request.debug_config
+        self.arrival_time = arrival_time
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.prefill_tokens = 0
+        self.decode_tokens = 0
+        self.jump_forward_tokens = 0
+        self.sequences: list[Sequence] = []
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.sequences)

@@ -1,0 +1,551 @@
+"""``AsyncEngine``: the asyncio front end of one engine, whose loop runs in a thread or a process.
+
+The front end moves commands in and outputs out; it never touches model state. The
+:class:`~engines.runtime.frontend.engine_core.EngineCore` behind it runs either
+
+* on a thread of this process (``process=False``): cheapest to start, and the engine
+  object stays reachable (``AsyncEngine.engine``) for tests and offline use; or
+* in a child process (``process=True``, what ``manage.py serve`` uses): the engine's
+  Python work then never waits on the server's GIL, nor the server on the engine's.
+
+Both speak the same messages (see ``engine_core``), so everything above this class
+(views, history, metrics) works the same with either.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import os
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Iterable
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, Callable
+
+from engines.runtime.telemetry import trace_recorder as trace_clock
+from engines.runtime.model.checkpoint import Checkpoint
+from engines.runtime.core.engine import EngineConfig, validate_request
+from engines.runtime.frontend.engine_core import (
+    EngineCore,
+    EngineInfo,
+    EngineSpec,
+    Message,
+    create_engine,
+    engine_info,
+)
+from engines.runtime.telemetry.metrics import HistogramSnapshot
+from engines.runtime.core.request import ChoiceDelta, EngineRequestError, GenerationRequest, RequestOutput
+
+logger = logging.getLogger("engines.runtime")
+
+__all__ = ["AsyncEngine", "EngineDeadError", "merge_outputs"]
+
+# The folder that holds the ``engines`` package, for the engine process's import path.
+_PROJECT_ROOT = Path(__file__).resolve().parents[3]
+
+# How long a request waits for the abort of an abandoned request with the same id.
+ABORT_WAIT_S = 10.0
+
+# How long start() waits for an engine process to load its model and compile its kernels.
+PROCESS_START_TIMEOUT_S = 900.0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped (an internal error, or its process died); the server reports 503."""
+
+
+class AsyncEngine:
+    """Serves asyncio callers from one engine; ``generate``, ``abort``, ``reset`` and the
+    metrics and trace calls are safe from any event loop (and the ``*_blocking`` ones from
+    any thread).
+
+    Args:
+        checkpoint: the model. With ``process=True`` its weights are not needed here
+            (``load_checkpoint(path, load_weights=False)``): the child loads them.
+        name: the served model name.
+        config: engine sizing.
+        backend, dtype: where and how the model computes (``LlamaModel.from_checkpoint``).
+        enable_tracing: record the event trace.
+        process: run the engine loop in a child process instead of a thread.
+    """
+
+    def __init__(self, checkpoint: Checkpoint, name: str, config: EngineConfig | None = None,
+                 backend: str = "auto", dtype: str = "float32", enable_tracing: bool = False,
+                 *, process: bool = False) -> None:
+        self.name = name
+        self.checkpoint = checkpoint
+        self.tokenizer = checkpoint.tokenizer
+        self.config = config or EngineConfig()
+        self.process = process
+        self.error: BaseException | None = None
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # Ids of abandoned streams whose abort the engine has not confirmed yet: a new request with
+        # the same id waits, or the old request's last output would land in its stream.
+        self._aborting: set[str] = set()
+        self._calls: dict[int, concurrent.futures.Future] = {}
+        self._call_ids = itertools.count()
+        self._send_lock = threading.Lock()
+        self._server_events: list[tuple[tuple[str, ...], str, dict | None, int]] = []
+        self._tracing_requested = enable_tracing
+        self._transport: _ThreadTransport | _ProcessTransport
+        if process:
+            self.engine = None
+            self._info: EngineInfo | None = None
+            self._transport = _ProcessTransport(
+                EngineSpec(checkpoint.path, name, self.config, backend, dtype, enable_tracing,
+                           trace_clock.epoch_anchor_ns()),
+                self._on_message,
+            )
+        else:
+            #: The engine itself, reachable only when it runs on a thread of this process.
+            self.engine = create_engine(checkpoint, name, self.config, backend, dtype, enable_tracing)
+            self._info = engine_info(self.engine)
+            self._transport = _ThreadTransport(EngineCore(self.engine, name), self._on_message)
+
+    # ------------------------------------------------------------- life cycle
+
+    def start(self) -> None:
+        """Warm the kernels up and start the engine loop (idempotent). A process engine has
+        loaded its model when this returns; a model that fails to load raises here."""
+        if self._transport.started:
+            return
+        self._info = self._transport.start(self._info)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort live requests and stop the engine loop (and its process)."""
+        if not self._transport.started:
+            return
+        with self._send_lock:
+            self._transport.stop(timeout)
+        # A graceful stop answered everything; a stuck engine that had to be killed did not.
+        self._fail_pending(EngineDeadError(f"engine {self.name!r} was shut down"))
+
+    @property
+    def is_alive(self) -> bool:
+        return self._transport.alive and self.error is None
+
+    @property
+    def backend_name(self) -> str:
+        """``cpu`` or ``cuda`` (an ``auto`` engine process knows it once started)."""
+        return self._info.backend_name if self._info else "pending"
+
+    @property
+    def dtype(self) -> str:
+        return self._info.dtype if self._info else "pending"
+
+    @property
+    def tracing_enabled(self) -> bool:
+        """Whether the engine records an event trace (``dump_trace`` answers)."""
+        return self._tracing_requested
+
+    def is_streaming(self, request_id: str) -> bool:
+        """Whether a ``generate`` with this request id is in flight."""
+        return request_id in self._streams
+
+    # ---------------------------------------------------------------- requests
+
+    def validate(self, request: GenerationRequest) -> None:
+        """Raise :class:`EngineRequestError` for a request this engine cannot serve (cheap, here)."""
+        if self._info is not None:
+            validate_request(request, self._info.vocab_size, self._info.max_seq_len)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """Run one request; yields outputs as tokens arrive, the last one carrying usage.
+
+        Raises :class:`EngineRequestError` before the first output for a bad request,
+        :class:`EngineDeadError` if the engine loop has died. Cancelling the
+        iteration (a client that went away) aborts the request and frees its pages.
+        """
+        self._check_alive()
+        debug = request.debug_config
+        if debug is not None and debug.special_request == "query_engine_metrics":
+            # Answered here, never queued: no model step, no trace event, no metric update.
+            yield RequestOutput(request.request_id, [], usage={
+                "prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0, "extra": await self.metrics()})
+            return
+        self.validate(request)
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+        rid = request.request_id
+        deadline = loop.time() + ABORT_WAIT_S
+        while rid in self._aborting and self.is_alive and loop.time() < deadline:
+            await asyncio.sleep(0.002)
+        self._check_alive()
+        if rid in self._aborting:
+            raise EngineRequestError(f"request id {rid!r} is still being aborted")
+        if rid in self._streams:
+            raise EngineRequestError(f"request id {rid!r} is already running")
+        self._streams[rid] = (loop, outputs)
+        try:
+            # Again, now that a dying engine would see this stream and fail it.
+            self._check_alive()
+        except EngineDeadError:
+            self._streams.pop(rid, None)
+            raise
+        finished = False
+        try:
+            # A rejection arrives on the stream, before any output: the same path as the engine
+            # dying, so the caller can never wait on an add that will not happen.
+            self._send(("add", request))
+            while True:
+                batch = [await outputs.get()]
+                # A consumer that fell behind (a busy event loop, a slow client) gets what is
+                # waiting as one merged output: one SSE chunk instead of one per token.
+                while not outputs.empty() and not isinstance(batch[-1], BaseException):
+                    batch.append(outputs.get_nowait())
+                error = batch.pop() if isinstance(batch[-1], BaseException) else None
+                if batch:
+                    item = merge_outputs(batch)
+                    if item.finished:
+                        # The id is free once the request is over, not only once the
+                        # consumer closes this generator (it may hold it for a while).
+                        finished = True
+                        self._release_stream(rid, outputs)
+                    yield item
+                    if finished:
+                        return
+                if error is not None:
+                    finished = True
+                    raise error
+        finally:
+            self._release_stream(rid, outputs)
+            if not finished:
+                self._aborting.add(rid)
+                self._abort_quietly(rid)
+
+    def _release_stream(self, rid: str, outputs: asyncio.Queue) -> None:
+        """Forget the stream of ``rid`` if it is still this one (a later request may reuse the id)."""
+        stream = self._streams.get(rid)
+        if stream is not None and stream[1] is outputs:
+            del self._streams[rid]
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its stream ends with finish reason ``abort``. A no-op on a dead engine."""
+        self._abort_quietly(request_id)
+
+    def _abort_quietly(self, request_id: str) -> None:
+        if self.is_alive:
+            try:
+                self._send(("abort", request_id))
+            except EngineDeadError:  # died meanwhile: nothing is left to abort
+                pass
+
+    def record_server_event(self, request_id: str, event: str, args: dict | None = None) -> None:
+        """Record a server-side trace event (``receive request``, tokenization) on the request's
+        lane, timestamped now; no-op when tracing is off. Sent along with the next command."""
+        if self._tracing_requested and self.error is None:
+            at_ns = time.perf_counter_ns()
+            with self._send_lock:
+                self._server_events.append(((request_id,), event, args, at_ns))
+
+    # ------------------------------------------------------------------ calls
+
+    async def reset(self, clear_trace: bool = False) -> None:
+        """Reset the engine and return once the reset has completed (MLC's is fire-and-forget)."""
+        await self._acall("reset", clear_trace)
+
+    async def metrics(self) -> dict[str, Any]:
+        """MLC's engine metrics plus our gauges and latency distributions (JSON-ready), as of now."""
+        return await self._acall("metrics")
+
+    async def metrics_with_histograms(self) -> tuple[dict[str, Any], dict[str, HistogramSnapshot]]:
+        """``metrics()`` and the latency histograms, read one after the other (possibly mid-step)."""
+        return await self._acall("metrics_with_histograms")
+
+    async def dump_trace(self, clear: bool = False, skip_empty: bool = False) -> bytes | None:
+        """The Chrome trace as JSON bytes (``TraceRecorder.dump_json``); ``clear`` takes the window
+        and empties the recorder in one step; ``skip_empty`` answers None when nothing is recorded.
+        Raises ValueError when tracing is off."""
+        return await self._acall("dump_trace", clear, skip_empty)
+
+    async def cuda_profiler(self, start: bool) -> None:
+        """``cudaProfilerStart`` (or ``Stop``) in the engine's process, between two steps."""
+        await self._acall("cuda_profiler", start)
+
+    def metrics_blocking(self, timeout: float | None = None) -> dict[str, Any]:
+        """``metrics()`` for code without an event loop (blocks until the engine answers)."""
+        return self._call("metrics").result(timeout)
+
+    def dump_trace_blocking(self, clear: bool = False, skip_empty: bool = False,
+                            timeout: float | None = None) -> bytes | None:
+        """``dump_trace()`` for code without an event loop."""
+        return self._call("dump_trace", clear, skip_empty).result(timeout)
+
+    async def _acall(self, method: str, *args: Any) -> Any:
+        return await asyncio.wrap_future(self._call(method, *args))
+
+    def _call(self, method: str, *args: Any) -> concurrent.futures.Future:
+        self._check_alive()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        call_id = next(self._call_ids)
+        self._calls[call_id] = future
+        try:
+            self._send(("call", call_id, method, args))
+        except BaseException:
+            self._calls.pop(call_id, None)
+            raise
+        if self.error is not None:  # died in between: the death may have missed this call
+            self._fail_calls()
+        elif not self._transport.started:  # shut down in between: nobody will answer
+            self._fail_pending(EngineDeadError(f"engine {self.name!r} was shut down"))
+        return future
+
+    def _check_alive(self) -> None:
+        if self.error is not None:
+            raise EngineDeadError(f"engine {self.name!r} stopped on an internal error: {self.error}")
+        if not self._transport.started:
+            raise EngineDeadError(f"engine {self.name!r} is not running")
+
+    def _send(self, message: Message) -> None:
+        with self._send_lock:
+            try:
+                if self._server_events:
+                    events, self._server_events = self._server_events, []
+                    self._transport.send(("trace", events))
+                self._transport.send(message)
+            except (OSError, EOFError, ValueError) as e:  # the process is gone; the reader reports it
+                raise EngineDeadError(f"engine {self.name!r} is not running: {e}") from None
+
+    # --------------------------------------------------- messages from the core
+
+    def _on_message(self, message: Message) -> None:
+        """Handle one message from the core (on the engine thread, or the pipe reader thread)."""
+        kind = message[0]
+        if kind == "outputs":
+            self._deliver(message[1])
+        elif kind == "reply":
+            _, call_id, ok, value = message
+            future = self._calls.pop(call_id, None)
+            if future is not None and not future.done():
+                if ok:
+                    future.set_result(value)
+                else:
+                    future.set_exception(value)
+        elif kind == "aborted":
+            self._aborting.discard(message[1])
+        elif kind == "rejected":
+            _, rid, error = message
+            stream = self._streams.get(rid)
+            if stream is not None:
+                _put_threadsafe(stream[0], [(stream[1], error)])
+        elif kind == "dead":
+            self._die(message[1])
+
+    def _die(self, reason: str) -> None:
+        """The core is gone: fail every stream and call, now and later (``error`` is set first)."""
+        if self.error is None:
+            self.error = EngineDeadError(reason)
+        self._fail_pending(EngineDeadError(f"engine {self.name!r} stopped on an internal error: {reason}"))
+
+    def _fail_pending(self, err: EngineDeadError) -> None:
+        """End every open stream and pending call with ``err``."""
+        for loop, q in list(self._streams.values()):
+            _put_threadsafe(loop, [(q, err)])
+        self._fail_calls(err)
+
+    def _fail_calls(self, err: EngineDeadError | None = None) -> None:
+        err = err or EngineDeadError(f"engine {self.name!r} stopped on an internal error: {self.error}")
+        for call_id in list(self._calls):
+            future = self._calls.pop(call_id, None)
+            if future is not None and not future.done():
+                future.set_exception(err)
+
+    def _deliver(self, outputs: Iterable[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream[0], []).append((stream[1], out))
+        # One wake-up per event loop per step, not one per request.
+        for loop, items in by_loop.items():
+            _put_threadsafe(loop, items)
+
+
+# ---------------------------------------------------------------------- transports
+
+
+class _ThreadTransport:
+    """The core on a thread of this process; commands through a queue, messages by direct call."""
+
+    def __init__(self, core: EngineCore, on_message: Callable[[Message], None]) -> None:
+        self.core = core
+        self.on_message = on_message
+        self.inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
+        self.thread: threading.Thread | None = None
+
+    @property
+    def started(self) -> bool:
+        return self.thread is not None
+
+    @property
+    def alive(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
+
+    def start(self, info: EngineInfo | None) -> EngineInfo | None:
+        self.core.engine.warm_up()
+        self.thread = threading.Thread(target=self._run, name=f"engine-{self.core.name}", daemon=True)
+        self.thread.start()
+        return info
+
+    def _run(self) -> None:
+        self.core.run(self._receive, self.on_message)
+
+    def _receive(self, timeout: float | None) -> Message | None:
+        try:
+            return self.inbox.get(timeout=timeout) if timeout else self.inbox.get_nowait()
+        except queue.Empty:
+            return None
+
+    def send(self, message: Message) -> None:
+        if not self.core.answer_immediately(message, self.on_message):
+            self.inbox.put(message)
+
+    def stop(self, timeout: float) -> None:
+        assert self.thread is not None
+        self.inbox.put(("shutdown",))
+        self.thread.join(timeout)
+        self.thread = None
+
+
+class _ProcessTransport:
+    """The core in a child process, over a socket pair.
+
+    The child is a fresh interpreter (``python -c``), not a ``multiprocessing`` spawn, so it
+    never re-imports the parent's ``__main__`` (a script without a main guard, a notebook) and
+    inherits no threads or CUDA state. A reader thread here receives the child's messages;
+    the socket closing without a ``shutdown`` (the child crashed or was killed) counts as the
+    engine dying, and the child stops when the socket closes on its side (the server died).
+    """
+
+    def __init__(self, spec: EngineSpec, on_message: Callable[[Message], None]) -> None:
+        self.spec = spec
+        self.on_message = on_message
+        self.process: subprocess.Popen | None = None
+        self.conn: Connection | None = None
+        self.reader: threading.Thread | None = None
+        self.stopping = False
+
+    @property
+    def started(self) -> bool:
+        return self.process is not None
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def start(self, info: EngineInfo | None) -> EngineInfo:
+        self.stopping = False  # a restart after a shutdown: its death must be reported again
+        ours, theirs = socket.socketpair()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_PROJECT_ROOT), env.get("PYTHONPATH")]))
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-c", "from engines.runtime.frontend.engine_core import main; main()", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),), env=env,
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()  # the child holds its end; ours alone lets EOF reach us when it dies
+        conn = Connection(ours.detach())
+        try:
+            conn.send(self.spec)
+            if not conn.poll(PROCESS_START_TIMEOUT_S):
+                raise RuntimeError(f"engine {self.spec.name!r} did not load its model in {PROCESS_START_TIMEOUT_S:.0f} s")
+            kind, value = conn.recv()
+        except (EOFError, OSError):
+            process.wait(5)
+            conn.close()
+            raise RuntimeError(f"engine {self.spec.name!r}: its process exited while starting "
+                               f"(exit code {process.returncode}); see the log above") from None
+        except BaseException:
+            process.kill()
+            process.wait(5)
+            conn.close()
+            raise
+        if kind == "failed":  # the child's own error (a CheckpointError, a PermissionError, ...)
+            process.wait(5)
+            conn.close()
+            raise value
+        self.process, self.conn = process, conn
+        self.reader = threading.Thread(target=self._read, name=f"engine-{self.spec.name}-reader", daemon=True)
+        self.reader.start()
+        return value
+
+    def _read(self) -> None:
+        conn, on_message = self.conn, self.on_message
+        assert conn is not None
+        try:
+            while True:
+                on_message(conn.recv())
+        except (EOFError, OSError):
+            if not self.stopping:
+                process = self.process
+                code = process.wait(5) if process is not None else None
+                on_message(("dead", f"its process ended unexpectedly (exit code {code})"))
+        except Exception as e:  # noqa: BLE001 - a message we could not read: the stream is lost
+            logger.exception("engine %s: reading from its process failed", self.spec.name)
+            on_message(("dead", f"reading from its process failed: {e!r}"))
+
+    def send(self, message: Message) -> None:
+        assert self.conn is not None
+        self.conn.send(message)
+
+    def stop(self, timeout: float) -> None:
+        assert self.process is not None and self.conn is not None
+        self.stopping = True
+        try:
+            self.conn.send(("shutdown",))
+        except (OSError, ValueError):
+            pass
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            logger.warning("engine %s: its process did not stop in %.0f s; killing it", self.spec.name, timeout)
+            self.process.kill()
+            self.process.wait(5)
+        if self.reader is not None:
+            self.reader.join(timeout)
+        self.conn.close()
+        self.process = None
+
+
+def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
+    """Join consecutive outputs of one request into one (texts, tokens and logprobs appended)."""
+    if len(outputs) == 1:
+        return outputs[0]
+    merged: dict[int, ChoiceDelta] = {}
+    for out in outputs:
+        for c in out.choices:
+            m = merged.get(c.index)
+            if m is None:
+                merged[c.index] = ChoiceDelta(c.index, c.text, list(c.token_ids),
+                                              None if c.logprobs is None else list(c.logprobs), c.finish_reason)
+                continue
+            m.text += c.text
+            m.token_ids.extend(c.token_ids)
+            if c.logprobs is not None:
+                m.logprobs = (m.logprobs or []) + list(c.logprobs)
+            m.finish_reason = c.finish_reason or m.finish_reason
+    last = outputs[-1]
+    return RequestOutput(last.request_id, [merged[i] for i in sorted(merged)], last.usage)
+
+
+def _put_threadsafe(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, Any]]) -> None:
+    try:
+        loop.call_soon_threadsafe(_put_all, items)
+    except RuntimeError:  # the caller's loop closed; nobody is listening
+        pass
+
+
+def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    for q, item in items:
+        q.put_nowait(item)

@@ -1,0 +1,468 @@
+"""Where the kernels run: :class:`CpuBackend` (numba ``@njit`` + NumPy BLAS on the host) and
+:class:`CudaBackend` (numba.cuda kernels, weights and KV cache resident on the GPU).
+
+Both have the same methods, and the model calls nothing else: array allocation
+(``to_storage``, ``store_linear``, ``empty``), the per-step upload of the batch metadata
+(``upload_step``), the ops (``embedding``, ``add_rmsnorm``, ``matmul``, ``rope_kv_append``,
+``attention``, ``silu_mul``, ``argmax``), running a step's ops (``run_step``: replayed from
+a CUDA graph on a GPU) and the copy of results back to the host (``to_host``).
+Activation buffers live in a :class:`Workspace` that grows to the largest step seen and is
+reused after that, so a steady decode loop allocates nothing, on either backend.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Union
+
+import numba
+import numpy as np
+from numba import cuda
+
+from engines.runtime.model.kernels import argmax, attention, embedding, matmul, add_rmsnorm, rope_kv, silu_mul
+
+Array = Any  # numpy.ndarray on the CPU backend, a numba DeviceNDArray on the CUDA backend
+Backend = Union["CpuBackend", "CudaBackend"]
+
+__all__ = [
+    "Activations",
+    "Backend",
+    "CpuBackend",
+    "CudaBackend",
+    "LaunchShapes",
+    "StepInputs",
+    "Workspace",
+    "select_backend",
+]
+
+
+@dataclass
+class StepInputs:
+    """The batch metadata of one forward step, as backend arrays (int32).
+
+    ``token_seq[t]`` is the sequence of new token ``t`` and ``positions[t]`` its absolute
+    position; ``rows`` is ``0 .. num_tokens-1`` (the row list of the per-layer norms) and
+    ``logit_rows`` the tokens whose logits are returned.
+    """
+
+    token_ids: Array
+    positions: Array
+    token_seq: Array
+    page_table: Array  # [num_seqs, max_pages]
+    rows: Array
+    logit_rows: Array
+
+
+@dataclass
+class Activations:
+    """Views of the :class:`Workspace` sized for one step (``T`` tokens, ``R`` logit rows)."""
+
+    hidden: Array    # [T, hidden] the residual stream
+    delta: Array     # [T, hidden] the last sublayer's output, not yet added to ``hidden``
+    normed: Array    # [T, hidden] RMSNorm output, the next matmul's input
+    qkv: Array       # [T, (q_heads + 2 * kv_heads) * head_dim]
+    attn: Array      # [T, q_heads * head_dim]
+    gate_up: Array   # [T, 2 * intermediate]
+    act: Array       # [T, intermediate]
+    final: Array     # [R, hidden] final-normed rows that feed the LM head
+    logits: Array    # [R, vocab]
+    next_ids: Array  # [R] int32 greedy tokens
+    no_residual: Array  # [0, hidden]: "nothing to add" for the first layer's norm
+
+
+class Workspace:
+    """Activation buffers reused across steps: one flat buffer per activation, grown (never
+    shrunk) to the largest step seen; a step takes contiguous views of their fronts."""
+
+    _TOKEN_WIDTHS = ("hidden", "delta", "normed", "qkv", "attn", "gate_up", "act")
+    _ROW_WIDTHS = ("final", "logits")
+
+    def __init__(self, backend: Backend, widths: dict[str, int]) -> None:
+        self.backend = backend
+        self.widths = widths
+        self._flat: dict[str, Array] = {}
+        self._capacity = (0, 0)
+        self._views: dict[tuple[int, int], Activations] = {}
+        self._no_residual = backend.empty((0, widths["hidden"]), np.float32)
+
+    def activations(self, num_tokens: int, num_rows: int) -> Activations:
+        """Buffers for a step of ``num_tokens`` new tokens and ``num_rows`` logit rows."""
+        views = self._views.get((num_tokens, num_rows))
+        if views is not None:
+            return views
+        tokens_cap, rows_cap = self._capacity
+        if num_tokens > tokens_cap or num_rows > rows_cap:
+            # Grow by doubling so that a slowly growing prefill does not reallocate each step.
+            tokens_cap = max(num_tokens, 2 * tokens_cap)
+            rows_cap = max(num_rows, 2 * rows_cap)
+            for name in self._TOKEN_WIDTHS:
+                self._flat[name] = self.backend.empty((tokens_cap * self.widths[name],), np.float32)
+            for name in self._ROW_WIDTHS:
+                self._flat[name] = self.backend.empty((rows_cap * self.widths[name],), np.float32)
+            self._flat["next_ids"] = self.backend.empty((rows_cap,), np.int32)
+            self._capacity = (tokens_cap, rows_cap)
+            self._views.clear()
+
+        def view(name: str, rows: int) -> Array:
+            width = self.widths[name]
+            return self._flat[name][: rows * width].reshape(rows, width)
+
+        views = Activations(
+            **{name: view(name, num_tokens) for name in self._TOKEN_WIDTHS},
+            **{name: view(name, num_rows) for name in self._ROW_WIDTHS},
+            next_ids=self._flat["next_ids"][:num_rows],
+            no_residual=self._no_residual,
+        )
+        # Decode steps repeat the same few shapes: keep their views (cheap on the host, but
+        # a DeviceNDArray view costs tens of microseconds to build).
+        if len(self._views) >= 64:
+            self._views.clear()
+        self._views[(num_tokens, num_rows)] = views
+        return views
+
+
+def _check_dtype(dtype: str, allowed: tuple[str, ...], backend: str) -> np.dtype:
+    if dtype not in allowed:
+        raise ValueError(f"dtype {dtype!r} is not supported on the {backend} backend: use one of {', '.join(allowed)}")
+    return np.dtype(dtype)
+
+
+class CpuBackend:
+    """The host backend: numba ``@njit(nogil=True)`` kernels and NumPy BLAS matmuls.
+
+    Every op releases the GIL, so an engine thread computing a step does not stall the
+    asyncio thread serving requests.
+    """
+
+    name = "cpu"
+    dtypes = ("float32",)
+
+    # Multiply-adds below which attention runs single-threaded: for a small decode step,
+    # waking numba's thread pool costs more than the work (a few hundred microseconds).
+    parallel_attention_min_work = 1 << 21
+
+    def to_storage(self, array: np.ndarray, dtype: str) -> np.ndarray:
+        """A C-contiguous copy of ``array`` in storage dtype ``dtype``."""
+        return np.ascontiguousarray(array, dtype=_check_dtype(dtype, self.dtypes, self.name))
+
+    def store_linear(self, weight: np.ndarray, dtype: str) -> np.ndarray:
+        """A linear layer's ``[out, in]`` weight, kept in that layout (what ``matmul`` reads)."""
+        return self.to_storage(weight, dtype)
+
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        """An uninitialised C-contiguous array."""
+        return np.empty(shape, dtype=dtype)
+
+    def upload_step(self, host: StepInputs) -> StepInputs:
+        """The step metadata, ready for the kernels (host arrays are used as they are)."""
+        return host
+
+    def run_step(self, buffers: tuple[Any, ...], num_tokens: int, launches: Callable[[], None]) -> None:
+        """Run a step's kernels (``launches()``); the other arguments matter to CUDA only."""
+        launches()
+
+    def to_host(self, array: np.ndarray) -> np.ndarray:
+        """A copy the caller owns (workspace buffers are overwritten by the next step)."""
+        return array.copy()
+
+    def embedding(self, token_ids: np.ndarray, table: np.ndarray, out: np.ndarray) -> None:
+        """``out[t] = table[token_ids[t]]``."""
+        embedding.embedding_gather_cpu(token_ids, table, out)
+
+    def add_rmsnorm(self, x: np.ndarray, residual: np.ndarray, rows: np.ndarray, weight: np.ndarray,
+                eps: np.float32, out: np.ndarray) -> None:
+        """``x[r] += residual[r]`` (unless ``residual`` has no rows), ``out[i] = rmsnorm(x[r])``."""
+        add_rmsnorm.add_rmsnorm_cpu(x, residual, rows, weight, eps, out)
+
+    def matmul(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray, out: np.ndarray) -> None:
+        """``out = x @ W.T + bias`` for ``weight`` from :meth:`store_linear` (``bias`` may be empty)."""
+        matmul.matmul_cpu(x, weight, bias, out)
+
+    def rope_kv_append(self, qkv: np.ndarray, step: StepInputs, cos: np.ndarray, sin: np.ndarray,
+                       k_cache: np.ndarray, v_cache: np.ndarray, layer: int, num_q_heads: int) -> None:
+        """Rotate q in place and write rotated k and v into each token's page slot."""
+        rope_kv.rope_kv_append_cpu(qkv, step.positions, step.token_seq, step.page_table, cos, sin,
+                                   k_cache, v_cache, layer, num_q_heads)
+
+    def attention(self, qkv: np.ndarray, step: StepInputs, k_cache: np.ndarray, v_cache: np.ndarray,
+                  layer: int, num_q_heads: int, scale: np.float32, out: np.ndarray) -> None:
+        """Causal paged attention of every new token over its sequence's cached keys."""
+        work = (int(step.positions.sum()) + qkv.shape[0]) * num_q_heads * k_cache.shape[4] * 2
+        kernel = (attention.paged_attention_cpu if work >= self.parallel_attention_min_work
+                  else attention.paged_attention_serial_cpu)
+        kernel(qkv, step.positions, step.token_seq, step.page_table, k_cache, v_cache, layer, num_q_heads, scale, out)
+
+    def silu_mul(self, gate_up: np.ndarray, out: np.ndarray) -> None:
+        """``out = silu(gate) * up`` over ``gate_up = [gate | up]``."""
+        silu_mul.silu_mul_cpu(gate_up, out)
+
+    def argmax(self, logits: np.ndarray, out: np.ndarray) -> None:
+        """``out[r] = argmax(logits[r])``."""
+        argmax.argmax_cpu(logits, out)
+
+
+@dataclass(frozen=True)
+class LaunchShapes:
+    """Threads per block for each kernel family. All thread counts are powers of two."""
+
+    row_threads: int              # add_rmsnorm, argmax, embedding, silu_mul
+    attention_threads: int        # keys scored per chunk
+    gemv_block: tuple[int, int]   # (output columns, input-dimension slices)
+    tile_block: tuple[int, int]   # tiled matmul; the block tile is 4x this
+    gemv_max_rows: int            # matmuls with at most this many rows use the GEMV kernel
+
+
+# Real GPUs: enough threads in flight to hide memory latency (a GEMV block of 32 x 32
+# threads keeps 4 loads in flight per thread).
+GPU_LAUNCH_SHAPES = LaunchShapes(row_threads=128, attention_threads=64, gemv_block=(32, 32),
+                                 tile_block=(16, 16), gemv_max_rows=32)
+# The simulator runs one Python thread per CUDA thread: the smallest blocks that still
+# exercise every code path (several threads per reduction, several slices, partial tiles).
+SIMULATOR_LAUNCH_SHAPES = LaunchShapes(row_threads=8, attention_threads=8, gemv_block=(8, 2),
+                                       tile_block=(2, 2), gemv_max_rows=4)
+
+
+class _LaunchableKernel:
+    """A kernel bound to the one signature this backend launches it with.
+
+    On a GPU it is compiled up front and launched directly, which skips numba's per-call
+    argument typing. The simulator has no compiled form; there the dispatcher is called as
+    usual.
+    """
+
+    def __init__(self, dispatcher: Any, signature: str, simulated: bool) -> None:
+        self._dispatcher = dispatcher
+        self._compiled = None if simulated else dispatcher.compile(signature)
+
+    def __call__(self, stream: Any, grid: tuple[int, ...], block: tuple[int, ...], *args: Any) -> None:
+        if self._compiled is None:
+            self._dispatcher[grid, block](*args)
+        else:
+            self._compiled.launch(args, _dim3(grid), _dim3(block), stream, 0)
+
+
+def _dim3(dims: tuple[int, ...]) -> tuple[int, int, int]:
+    return (tuple(dims) + (1, 1, 1))[:3]
+
+
+def _blocks(n: int, per_block: int) -> int:
+    return max(1, -(-n // per_block))
+
+
+class CudaBackend:
+    """numba.cuda kernels on the GPU (or on the simulator, for tests).
+
+    Weights and the KV cache stay on the device. Per step, the batch metadata goes up in
+    one host-to-device copy (:meth:`upload_step`) and only logits or greedy ids come back.
+    Storage dtype float16 halves weight and KV bytes; arithmetic stays float32.
+
+    A numba launch costs tens of microseconds of Python, and a decode step of a small model
+    is a few microseconds of GPU work per kernel, so :meth:`run_step` records each small
+    step's launches once as a CUDA graph and replays it: one launch per step.
+    """
+
+    name = "cuda"
+    dtypes = ("float32", "float16")
+    # Steps of at most this many tokens (decode, short chunks) are replayed from graphs;
+    # longer prefill chunks vary in size too much to be worth recording.
+    graph_max_tokens = 64
+    max_graphs = 64
+
+    def __init__(self, dtype: str = "float32", shapes: LaunchShapes | None = None) -> None:
+        self.simulated = bool(numba.config.ENABLE_CUDASIM)
+        self.dtype = _check_dtype(dtype, self.dtypes, self.name).name
+        self.shapes = shapes or (SIMULATOR_LAUNCH_SHAPES if self.simulated else GPU_LAUNCH_SHAPES)
+
+        def bind(module: Any, kernel: Any) -> _LaunchableKernel:
+            signature = module.CUDA_SIGNATURES[kernel].format(dt=self.dtype)
+            return _LaunchableKernel(kernel, signature, self.simulated)
+
+        self._embedding = bind(embedding, embedding.embedding_gather_cuda)
+        self._add_rmsnorm = bind(add_rmsnorm, add_rmsnorm.add_rmsnorm_cuda)
+        self._gemv = bind(matmul, matmul.gemv_cuda)
+        self._tiled = bind(matmul, matmul.matmul_tiled_cuda)
+        self._rope_kv = bind(rope_kv, rope_kv.rope_kv_append_cuda)
+        self._attention = bind(attention, attention.paged_attention_cuda)
+        self._silu_mul = bind(silu_mul, silu_mul.silu_mul_cuda)
+        self._argmax = bind(argmax, argmax.argmax_cuda)
+        # The step metadata is packed into one pinned host buffer and copied up at once.
+        self._meta_host = cuda.pinned_array(4096, np.int32)
+        self._meta_device = cuda.device_array(4096, np.int32)
+        self._meta_views: dict[tuple[int, ...], tuple[Array, StepInputs]] = {}
+        # Kernels go to the legacy default stream, which orders them after the synchronous
+        # metadata copy and before the copy of results; while a graph is being recorded
+        # they go to its builder instead. Graph recording needs a stream of its own (the
+        # legacy stream cannot be captured). None under the simulator: no graphs there.
+        self._graphs: dict[tuple[int, ...], tuple[Any, tuple[Any, ...]]] = {}
+        if self.simulated:
+            self._default_stream = self._stream = self._record_stream = None
+        else:
+            from numba.cuda.cudadrv import driver
+
+            self._default_stream = self._stream = driver._to_core_stream(0)
+            # Keep numba's stream object alive: its finalizer destroys the CUDA stream, and
+            # the core wrapper below does not own it (a collected stream made recording fail).
+            self._numba_record_stream = cuda.stream()
+            self._record_stream = driver._to_core_stream(self._numba_record_stream)
+
+    def run_step(self, buffers: tuple[Any, ...], num_tokens: int, launches: Callable[[], None]) -> None:
+        """Run a step's kernels: ``launches()`` launches them, reading and writing only
+        ``buffers`` (device arrays, or objects holding them) and the model's weights.
+
+        On a GPU, a step of at most ``graph_max_tokens`` tokens is recorded as a CUDA graph
+        the first time these ``buffers`` are seen, then replayed; the buffers' contents may
+        change between replays, not their addresses or shapes.
+        """
+        if self._record_stream is None or num_tokens > self.graph_max_tokens:
+            launches()
+            return
+        key = tuple(id(b) for b in buffers)
+        # The entry keeps ``buffers`` alive, so their ids cannot be reused while it exists.
+        graph, _ = self._graphs.pop(key, None) or (self._record(launches), buffers)
+        self._graphs[key] = (graph, buffers)  # most recently used last
+        if len(self._graphs) > self.max_graphs:
+            del self._graphs[next(iter(self._graphs))]
+        graph.launch(self._default_stream)
+
+    def _record(self, launches: Callable[[], None]) -> Any:
+        builder = self._record_stream.create_graph_builder()
+        builder.begin_building()
+        self._stream = builder
+        try:
+            launches()
+        finally:
+            self._stream = self._default_stream
+            builder.end_building()
+        return builder.complete()
+
+    def to_storage(self, array: np.ndarray, dtype: str) -> Array:
+        """``array`` in storage dtype ``dtype``, copied to the device."""
+        return cuda.to_device(np.ascontiguousarray(array, dtype=_check_dtype(dtype, self.dtypes, self.name)))
+
+    def store_linear(self, weight: np.ndarray, dtype: str) -> Array:
+        """A linear layer's ``[out, in]`` weight, transposed to ``[in, out]`` for coalesced
+        loads, on the device."""
+        return self.to_storage(weight.T, dtype)
+
+    def empty(self, shape: tuple[int, ...], dtype: Any) -> Array:
+        """An uninitialised C-contiguous device array."""
+        return cuda.device_array(shape, dtype=dtype)
+
+    def upload_step(self, host: StepInputs) -> StepInputs:
+        """Copy the step metadata to the device in one transfer; returns device views.
+
+        Views are cached per layout: building a DeviceNDArray view costs tens of
+        microseconds, and a decode loop repeats the same few layouts.
+        """
+        parts = (host.token_ids, host.positions, host.token_seq, host.rows, host.logit_rows, host.page_table)
+        sizes = tuple(p.size for p in parts)
+        total = sum(sizes)
+        if total > self._meta_host.size:
+            capacity = max(total, 2 * self._meta_host.size)
+            self._meta_host = cuda.pinned_array(capacity, np.int32)
+            self._meta_device = cuda.device_array(capacity, np.int32)
+            self._meta_views.clear()
+        offset = 0
+        for part, size in zip(parts, sizes):
+            self._meta_host[offset:offset + size] = part.reshape(-1)
+            offset += size
+        key = sizes + host.page_table.shape
+        cached = self._meta_views.get(key)
+        if cached is None:
+            bounds = np.cumsum((0,) + sizes)
+            ids, pos, seq, rows, logit_rows, table = (
+                self._meta_device[bounds[i]:bounds[i + 1]] for i in range(len(parts))
+            )
+            views = StepInputs(token_ids=ids, positions=pos, token_seq=seq, rows=rows, logit_rows=logit_rows,
+                               page_table=table.reshape(host.page_table.shape))
+            cached = (self._meta_device[:total], views)
+            if len(self._meta_views) >= 64:
+                self._meta_views.clear()
+            self._meta_views[key] = cached
+        device_front, views = cached
+        device_front.copy_to_device(self._meta_host[:total])
+        return views
+
+    def to_host(self, array: Array) -> np.ndarray:
+        """Copy a device array back (waits for the step's kernels to finish)."""
+        return array.copy_to_host()
+
+    def embedding(self, token_ids: Array, table: Array, out: Array) -> None:
+        """``out[t] = table[token_ids[t]]``, widened to float32."""
+        threads = self.shapes.row_threads
+        self._embedding(self._stream, (out.shape[0], _blocks(out.shape[1], threads)), (threads,), token_ids, table, out)
+
+    def add_rmsnorm(self, x: Array, residual: Array, rows: Array, weight: Array, eps: np.float32, out: Array) -> None:
+        """``x[r] += residual[r]`` (unless ``residual`` has no rows), ``out[i] = rmsnorm(x[r])``."""
+        self._add_rmsnorm(self._stream, (rows.shape[0],), (self.shapes.row_threads,), x, residual, rows, weight, eps, out)
+
+    def matmul(self, x: Array, weight: Array, bias: Array, out: Array) -> None:
+        """``out = x @ W.T + bias`` for ``weight`` from :meth:`store_linear`: GEMV kernel for
+        few rows, tiled kernel otherwise."""
+        w_t = weight
+        rows, cols = x.shape[0], w_t.shape[1]
+        if rows <= self.shapes.gemv_max_rows:
+            bx, by = self.shapes.gemv_block
+            self._gemv(self._stream, (_blocks(cols, bx), _blocks(rows, matmul.GEMV_ROWS)), (bx, by), x, w_t, bias, out)
+        else:
+            bx, by = self.shapes.tile_block
+            self._tiled(self._stream, (_blocks(cols, 4 * bx), _blocks(rows, 4 * by)), (bx, by), x, w_t, bias, out)
+
+    def rope_kv_append(self, qkv: Array, step: StepInputs, cos: Array, sin: Array,
+                       k_cache: Array, v_cache: Array, layer: int, num_q_heads: int) -> None:
+        """Rotate q in place and write rotated k and v into each token's page slot."""
+        heads = num_q_heads + k_cache.shape[2]
+        self._rope_kv(self._stream, (qkv.shape[0], heads), (k_cache.shape[4] // 2,), qkv, step.positions, step.token_seq,
+                      step.page_table, cos, sin, k_cache, v_cache, layer, num_q_heads)
+
+    def attention(self, qkv: Array, step: StepInputs, k_cache: Array, v_cache: Array,
+                  layer: int, num_q_heads: int, scale: np.float32, out: Array) -> None:
+        """Causal paged attention of every new token over its sequence's cached keys."""
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[4]
+        threads = self.attention_threads(num_q_heads // num_kv_heads, head_dim)
+        self._attention(self._stream, (qkv.shape[0], num_kv_heads), (threads,), qkv, step.positions, step.token_seq,
+                        step.page_table, k_cache, v_cache, layer, num_q_heads, scale, out)
+
+    def attention_threads(self, group: int, head_dim: int) -> int:
+        """Threads per attention block: the configured count, or more if the group's
+        ``group * head_dim`` accumulators would not fit ``ATTN_MAX_PAIRS`` per thread."""
+        needed = -(-group * head_dim // attention.ATTN_MAX_PAIRS)
+        threads = max(self.shapes.attention_threads, 1 << max(0, math.ceil(math.log2(needed))))
+        if (threads > attention.ATTN_MAX_THREADS or group > attention.ATTN_MAX_GROUP
+                or head_dim > attention.ATTN_MAX_HEAD_DIM or head_dim % 4):
+            raise ValueError(
+                f"attention with {group} q heads per kv head and head_dim {head_dim} is outside the CUDA kernel's "
+                f"limits (group <= {attention.ATTN_MAX_GROUP}, head_dim <= {attention.ATTN_MAX_HEAD_DIM} and a "
+                "multiple of 4)"
+            )
+        return threads
+
+    def silu_mul(self, gate_up: Array, out: Array) -> None:
+        """``out = silu(gate) * up`` over ``gate_up = [gate | up]``."""
+        threads = self.shapes.row_threads
+        self._silu_mul(self._stream, (out.shape[0], _blocks(out.shape[1], threads)), (threads,), gate_up, out)
+
+    def argmax(self, logits: Array, out: Array) -> None:
+        """``out[r] = argmax(logits[r])`` on the device."""
+        self._argmax(self._stream, (logits.shape[0],), (self.shapes.row_threads,), logits, out)
+
+
+def cuda_usable() -> bool:
+    """Whether a real GPU can run the CUDA backend (the simulator does not count)."""
+    return not numba.config.ENABLE_CUDASIM and cuda.is_available()
+
+
+def select_backend(name: str = "auto", dtype: str = "float32") -> Backend:
+    """The backend called ``name``: ``"cuda"``, ``"cpu"``, or ``"auto"`` (cuda when a real
+    GPU is usable, else cpu). ``"cuda"`` under the simulator is allowed: that is how tests
+    run the CUDA path on tiny shapes."""
+    if name == "auto":
+        name = "cuda" if cuda_usable() else "cpu"
+    if name == "cpu":
+        _check_dtype(dtype, CpuBackend.dtypes, "cpu")
+        return CpuBackend()
+    if name == "cuda":
+        if not numba.config.ENABLE_CUDASIM and not cuda.is_available():
+            raise ValueError("backend 'cuda' requested but numba.cuda finds no usable GPU: use backend='cpu' or 'auto'")
+        return CudaBackend(dtype)
+    raise ValueError(f"unknown backend {name!r}: use 'auto', 'cuda' or 'cpu'")

@@ -1,0 +1,25 @@
+"""numba.cuda kernels of the Llama forward pass, each next to its numba CPU twin.
+
+One module per op. A module holds the ``*_cuda`` kernel(s), the ``*_cpu`` twin computing
+the same thing on the host, and ``CUDA_SIGNATURES``: the signatures the CUDA backend
+launches each kernel with, where ``{dt}`` stands for the weight/KV storage dtype
+(``float32`` or ``float16``). ``compile_check`` compiles every one of them for a real GPU.
+
+Conventions shared by all kernels: activations are float32 and C-contiguous; weights and
+KV pages are in the storage dtype and are widened to float32 before any arithmetic, so
+accumulation is always float32; scalar arguments are int64 or float32.
+"""
+from engines.runtime.model.kernels import (
+    argmax,
+    attention,
+    embedding,
+    matmul,
+    add_rmsnorm,
+    rope_kv,
+    silu_mul,
+)
+
+KERNEL_MODULES = (embedding, add_rmsnorm, matmul, rope_kv, attention, silu_mul, argmax)
+STORAGE_DTYPES = ("float32", "float16")
+
+__all__ = ["KERNEL_MODULES", "STORAGE_DTYPES"]

@@ -1,0 +1,287 @@
+"""A Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache.
+
+Reads top to bottom like the architecture: an embedding, ``num_hidden_layers`` decoder
+layers (RMSNorm -> grouped-query attention with RoPE -> residual, RMSNorm -> SwiGLU MLP ->
+residual), a final RMSNorm and the LM head. Every op is a call on the backend
+(``engines.runtime.model.backend``), which runs the numba kernels on the CPU or the GPU.
+
+A forward step takes a ragged batch (:class:`ForwardBatch`): for each sequence its new
+tokens (a prefill chunk or one decode token), how many of its tokens the cache already
+holds, and its page table. The step appends the new tokens' K/V into their page slots and
+attends over each sequence's whole history; the pages themselves belong to the caller
+(the engine's ``KVCachePool``).
+
+Residual stream bookkeeping: a sublayer writes its output to ``act.delta`` and the next
+RMSNorm adds it into ``act.hidden`` (the fused add), so the stream is read and written
+once per sublayer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Mapping
+
+import numpy as np
+
+from engines.runtime.model.backend import Activations, Array, Backend, StepInputs, Workspace, select_backend
+from engines.runtime.model.checkpoint import expected_tensor_shapes
+from engines.runtime.model.config import CheckpointError, ModelConfig
+from engines.runtime.model.kernels.rope_kv import rope_tables
+from engines.runtime.model.kv_storage import PagedKVCache
+
+if TYPE_CHECKING:
+    from engines.runtime.model.checkpoint import Checkpoint
+
+__all__ = ["ForwardBatch", "LlamaModel", "PagedKVCache"]
+
+
+@dataclass
+class ForwardBatch:
+    """One step's ragged batch of sequences."""
+
+    token_ids: np.ndarray     # int32 [num_tokens]: the new tokens of every sequence, concatenated
+    query_starts: np.ndarray  # int32 [num_seqs + 1]: sequence i owns token_ids[query_starts[i]:query_starts[i+1]]
+    cached_lens: np.ndarray   # int32 [num_seqs]: tokens already in the KV cache (= position of its first new token)
+    page_table: np.ndarray    # int32 [num_seqs, max_pages]: the sequence's page ids in order, -1 padded
+    all_logits: bool = False  # return logits of every new token, not only each sequence's last
+
+
+class Attention:
+    """Grouped-query self-attention of one layer: fused q/k/v projection (+ bias for Qwen2),
+    RoPE + KV append, paged attention, output projection."""
+
+    def __init__(self, backend: Backend, config: ModelConfig, layer: int, qkv_w: Array, qkv_bias: Array,
+                 o_w: Array, no_bias: Array, rope: tuple[Array, Array]) -> None:
+        self.backend = backend
+        self.layer = layer
+        self.num_q_heads = config.num_attention_heads
+        self.scale = np.float32(config.head_dim ** -0.5)
+        self.qkv_w, self.qkv_bias, self.o_w, self.no_bias = qkv_w, qkv_bias, o_w, no_bias
+        self.cos, self.sin = rope
+
+    def __call__(self, x: Array, act: Activations, step: StepInputs, kv: PagedKVCache) -> None:
+        """Attend from the normed input ``x``; the result lands in ``act.delta``."""
+        be = self.backend
+        be.matmul(x, self.qkv_w, self.qkv_bias, act.qkv)
+        be.rope_kv_append(act.qkv, step, self.cos, self.sin, kv.k, kv.v, self.layer, self.num_q_heads)
+        be.attention(act.qkv, step, kv.k, kv.v, self.layer, self.num_q_heads, self.scale, act.attn)
+        be.matmul(act.attn, self.o_w, self.no_bias, act.delta)
+
+
+class MLP:
+    """SwiGLU feed-forward: fused gate/up projection, ``silu(gate) * up``, down projection."""
+
+    def __init__(self, backend: Backend, gate_up_w: Array, down_w: Array, no_bias: Array) -> None:
+        self.backend = backend
+        self.gate_up_w, self.down_w, self.no_bias = gate_up_w, down_w, no_bias
+
+    def __call__(self, x: Array, act: Activations) -> None:
+        """Transform the normed input ``x``; the result lands in ``act.delta``."""
+        be = self.backend
+        be.matmul(x, self.gate_up_w, self.no_bias, act.gate_up)
+        be.silu_mul(act.gate_up, act.act)
+        be.matmul(act.act, self.down_w, self.no_bias, act.delta)
+
+
+class DecoderLayer:
+    """Pre-norm transformer block: ``h += attn(norm(h)); h += mlp(norm(h))``."""
+
+    def __init__(self, backend: Backend, eps: np.float32, input_norm: Array, attention: Attention,
+                 post_attention_norm: Array, mlp: MLP) -> None:
+        self.backend = backend
+        self.eps = eps
+        self.input_norm, self.attention = input_norm, attention
+        self.post_attention_norm, self.mlp = post_attention_norm, mlp
+
+    def __call__(self, act: Activations, residual: Array, step: StepInputs, kv: PagedKVCache) -> None:
+        """``residual`` is the previous layer's MLP output, still to be added to the stream
+        (``act.no_residual`` for the first layer)."""
+        be = self.backend
+        be.add_rmsnorm(act.hidden, residual, step.rows, self.input_norm, self.eps, act.normed)
+        self.attention(act.normed, act, step, kv)
+        be.add_rmsnorm(act.hidden, act.delta, step.rows, self.post_attention_norm, self.eps, act.normed)
+        self.mlp(act.normed, act)
+
+
+class LlamaModel:
+    """A Llama-family causal LM whose weights live on ``backend`` in storage ``dtype``."""
+
+    def __init__(self, config: ModelConfig, weights: Mapping[str, np.ndarray], backend: str = "auto",
+                 dtype: str = "float32") -> None:
+        """Check ``weights`` (HF tensor names) against ``config`` and move them to the backend.
+
+        Raises :class:`CheckpointError` naming the first missing or misshapen tensor, and
+        ``ValueError`` for a backend/dtype that cannot run.
+        """
+        _check_weights(config, weights)
+        self.config = config
+        self.backend: Backend = select_backend(backend, dtype)
+        self.backend_name = self.backend.name
+        self.dtype = dtype
+        if self.backend.name == "cuda":
+            # Fail at load, not at the first step, if the attention kernel cannot fit this shape.
+            self.backend.attention_threads(config.num_attention_heads // config.num_key_value_heads, config.head_dim)
+        be, c = self.backend, config
+
+        def store(array: np.ndarray) -> Array:
+            return be.to_storage(array, dtype)
+
+        def linear(*parts: np.ndarray) -> Array:
+            # HF's [out, in] matrices, concatenated along out: q/k/v and gate/up become one
+            # matmul each.
+            return be.store_linear(np.concatenate(parts, axis=0), dtype)
+
+        def norm(name: str) -> Array:
+            return be.to_storage(weights[name], "float32")  # tiny: kept float32 whatever the dtype
+
+        no_bias = store(np.zeros(0, np.float32))
+        cos, sin = rope_tables(c.head_dim, c.rope_theta, c.max_position_embeddings)
+        rope = (be.to_storage(cos, "float32"), be.to_storage(sin, "float32"))
+        self.eps = np.float32(c.rms_norm_eps)
+        self.embed_tokens = store(weights["model.embed_tokens.weight"])
+        self.layers: list[DecoderLayer] = []
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            attn = p + "self_attn."
+            qkv_bias = (store(np.concatenate([weights[attn + f"{n}_proj.bias"] for n in "qkv"]))
+                        if c.attention_bias else no_bias)
+            attention = Attention(
+                be, c, i,
+                qkv_w=linear(*(weights[attn + f"{n}_proj.weight"] for n in "qkv")),
+                qkv_bias=qkv_bias,
+                o_w=linear(weights[attn + "o_proj.weight"]),
+                no_bias=no_bias,
+                rope=rope,
+            )
+            mlp = MLP(
+                be,
+                gate_up_w=linear(weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]),
+                down_w=linear(weights[p + "mlp.down_proj.weight"]),
+                no_bias=no_bias,
+            )
+            self.layers.append(DecoderLayer(be, self.eps, norm(p + "input_layernorm.weight"), attention,
+                                             norm(p + "post_attention_layernorm.weight"), mlp))
+        self.norm = norm("model.norm.weight")
+        head = weights.get("lm_head.weight")
+        if head is None or c.tie_word_embeddings:
+            head = weights["model.embed_tokens.weight"]
+        self.lm_head_w = linear(head)
+        self.no_bias = no_bias
+        q_dim = c.num_attention_heads * c.head_dim
+        self.workspace = Workspace(be, {
+            "hidden": c.hidden_size, "delta": c.hidden_size, "normed": c.hidden_size,
+            "qkv": q_dim + 2 * c.num_key_value_heads * c.head_dim, "attn": q_dim,
+            "gate_up": 2 * c.intermediate_size, "act": c.intermediate_size,
+            "final": c.hidden_size, "logits": c.vocab_size,
+        })
+        self._identity_rows = np.arange(0, dtype=np.int32)
+        # Distinct objects that tell a greedy step's graph from a logits step's.
+        self._greedy_marker, self._logits_marker = object(), object()
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: "Checkpoint", backend: str = "auto", dtype: str = "float32") -> "LlamaModel":
+        """Build from a loaded :class:`~engines.runtime.model.checkpoint.Checkpoint`."""
+        return cls(ckpt.config, ckpt.weights, backend=backend, dtype=dtype)
+
+    def new_kv_cache(self, num_pages: int, page_size: int = 16) -> PagedKVCache:
+        """K/V storage for ``num_pages`` pages of ``page_size`` tokens, every layer, on this backend."""
+        return PagedKVCache.allocate(self.backend, self.config, num_pages, page_size, self.dtype)
+
+    def forward(self, batch: ForwardBatch, kv: PagedKVCache) -> np.ndarray:
+        """Run one step; float32 host logits ``[num_seqs, vocab]`` (each sequence's last new
+        token), or ``[num_tokens, vocab]`` with ``batch.all_logits``."""
+        act = self._run(batch, kv, greedy=False)
+        return self.backend.to_host(act.logits)
+
+    def forward_greedy(self, batch: ForwardBatch, kv: PagedKVCache) -> np.ndarray:
+        """Run one step and take the argmax on the device: int32 ``[num_seqs]`` (or
+        ``[num_tokens]`` with ``batch.all_logits``)."""
+        act = self._run(batch, kv, greedy=True)
+        return self.backend.to_host(act.next_ids)
+
+    def _run(self, batch: ForwardBatch, kv: PagedKVCache, greedy: bool) -> Activations:
+        be = self.backend
+        step = be.upload_step(self._step_inputs(batch, kv))
+        act = self.workspace.activations(step.token_ids.shape[0], step.logit_rows.shape[0])
+        # The same buffers (hence the same CUDA graph) serve every step of the same shape.
+        buffers = (step, act, kv, self._greedy_marker if greedy else self._logits_marker)
+        be.run_step(buffers, step.token_ids.shape[0], lambda: self._launch(step, act, kv, greedy))
+        return act
+
+    def _launch(self, step: StepInputs, act: Activations, kv: PagedKVCache, greedy: bool) -> None:
+        """The forward pass proper: embedding, decoder layers, final norm, LM head."""
+        be = self.backend
+        be.embedding(step.token_ids, self.embed_tokens, act.hidden)
+        residual = act.no_residual
+        for layer in self.layers:
+            layer(act, residual, step, kv)
+            residual = act.delta
+        be.add_rmsnorm(act.hidden, act.delta, step.logit_rows, self.norm, self.eps, act.final)
+        be.matmul(act.final, self.lm_head_w, self.no_bias, act.logits)
+        if greedy:
+            be.argmax(act.logits, act.next_ids)
+
+    def _step_inputs(self, batch: ForwardBatch, kv: PagedKVCache) -> StepInputs:
+        """Check the batch and derive the per-token metadata the kernels read (host arrays).
+
+        Every check guards memory the kernels would otherwise read or write out of bounds.
+        """
+        if kv.backend_name != self.backend_name or kv.dtype != self.dtype or kv.num_layers != len(self.layers):
+            raise ValueError("this KV cache was not made by this model's new_kv_cache()")
+        token_ids = np.ascontiguousarray(batch.token_ids, dtype=np.int32)
+        starts = np.asarray(batch.query_starts, dtype=np.int64)
+        cached = np.asarray(batch.cached_lens, dtype=np.int64)
+        table = np.ascontiguousarray(batch.page_table, dtype=np.int32)
+        num_tokens, num_seqs = token_ids.shape[0], starts.shape[0] - 1
+        lens = np.diff(starts)
+        if num_seqs < 1 or starts[0] != 0 or starts[-1] != num_tokens or (lens < 1).any():
+            raise ValueError("query_starts must rise from 0 to len(token_ids), every sequence with >= 1 new token")
+        if cached.shape != (num_seqs,) or (cached < 0).any():
+            raise ValueError(f"cached_lens must hold {num_seqs} non-negative counts")
+        if table.ndim != 2 or table.shape[0] != num_seqs:
+            raise ValueError(f"page_table must be [num_seqs={num_seqs}, max_pages]")
+        if token_ids.min() < 0 or token_ids.max() >= self.config.vocab_size:
+            raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")
+        last_pos = cached + lens - 1
+        if last_pos.max() >= self.config.max_position_embeddings:
+            raise ValueError(f"position {last_pos.max()} is past max_position_embeddings "
+                             f"({self.config.max_position_embeddings})")
+        pages_used = last_pos // kv.page_size + 1
+        if pages_used.max() > table.shape[1]:
+            raise ValueError("page_table has fewer pages than the sequences' tokens need")
+        used = table[np.arange(table.shape[1])[None, :] < pages_used[:, None]]
+        if used.min() < 0 or used.max() >= kv.num_pages:
+            raise ValueError(f"page_table holds page ids outside [0, {kv.num_pages}) where tokens live")
+
+        # Page tables are passed at a power-of-two width: a growing sequence then changes
+        # the step's layout (and CUDA graph) only log2(pages) times. Entries past a
+        # sequence's last page are never read.
+        width = 1 << int(pages_used.max() - 1).bit_length()
+        if width != table.shape[1]:
+            padded = np.full((num_seqs, width), -1, np.int32)
+            keep = min(width, table.shape[1])
+            padded[:, :keep] = table[:, :keep]
+            table = padded
+
+        token_seq = np.repeat(np.arange(num_seqs, dtype=np.int32), lens)
+        positions = (cached[token_seq] + np.arange(num_tokens) - starts[token_seq]).astype(np.int32)
+        if self._identity_rows.shape[0] < num_tokens:
+            self._identity_rows = np.arange(max(num_tokens, 2 * self._identity_rows.shape[0]), dtype=np.int32)
+        rows = self._identity_rows[:num_tokens]
+        logit_rows = rows if batch.all_logits else (starts[1:] - 1).astype(np.int32)
+        return StepInputs(token_ids=token_ids, positions=positions, token_seq=token_seq, page_table=table,
+                          rows=rows, logit_rows=logit_rows)
+
+
+def _check_weights(config: ModelConfig, weights: Mapping[str, np.ndarray]) -> None:
+    """Raise :class:`CheckpointError` for the first tensor ``config`` needs that is missing or
+    has the wrong shape (``lm_head.weight`` is optional when embeddings are tied)."""
+    for name, shape in expected_tensor_shapes(config).items():
+        tensor = weights.get(name)
+        if tensor is None:
+            raise CheckpointError(f"weights lack tensor {name}, which the {config.model_type} config requires")
+        if tuple(tensor.shape) != shape:
+            raise CheckpointError(f"tensor {name} has shape {list(tensor.shape)} but the config implies {list(shape)}")
+    head = weights.get("lm_head.weight")
+    if head is not None and tuple(head.shape) != (config.vocab_size, config.hidden_size):
+        raise CheckpointError(f"tensor lm_head.weight has shape {list(head.shape)} but the config implies "
+                              f"{[config.vocab_size, config.hidden_size]}")

@@ -1,0 +1,85 @@
+"""Helpers for tests that run requests through an engine over the demo model."""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+
+from engines.runtime.core.engine import Engine
+from engines.runtime.frontend.async_engine import AsyncEngine
+from engines.runtime.core.request import GenerationRequest, RequestOutput
+from engines.runtime.core.sampler import SamplingParams
+
+
+@dataclasses.dataclass
+class Result:
+    """Everything a request produced, joined across its outputs, per choice."""
+
+    texts: dict[int, str]
+    token_ids: dict[int, list[int]]
+    finish_reasons: dict[int, str | None]
+    logprobs: dict[int, list]
+    usage: dict | None = None
+
+    @property
+    def text(self) -> str:
+        return self.texts[0]
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.token_ids[0]
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.finish_reasons[0]
+
+
+def collect(results: dict[str, Result], outputs: Iterable[RequestOutput]) -> None:
+    for out in outputs:
+        r = results.setdefault(out.request_id, Result({}, {}, {}, {}))
+        for c in out.choices:
+            r.texts[c.index] = r.texts.get(c.index, "") + c.text
+            r.token_ids.setdefault(c.index, []).extend(c.token_ids)
+            r.logprobs.setdefault(c.index, []).extend(c.logprobs or [])
+            if c.finish_reason is not None:
+                r.finish_reasons[c.index] = c.finish_reason
+        if out.usage is not None:
+            r.usage = out.usage
+
+
+def run_all(engine: Engine, requests: list[GenerationRequest], max_steps: int = 10_000) -> dict[str, Result]:
+    """Add every request, step the engine until all finish, return their results."""
+    results: dict[str, Result] = {}
+    for req in requests:
+        engine.add_request(req)
+    for _ in range(max_steps):
+        if not engine.has_work:
+            break
+        collect(results, engine.step())
+    assert not engine.has_work, "engine did not finish within max_steps"
+    return results
+
+
+def request(rid: str, prompt: list[int] | str, tokenizer=None, **sampling: Any) -> GenerationRequest:
+    debug = sampling.pop("debug_config", None)
+    response_format = sampling.pop("response_format", None)
+    system_prompt_tokens = sampling.pop("system_prompt_tokens", None)
+    if isinstance(prompt, str):
+        prompt = tokenizer.encode(prompt)
+    params = SamplingParams(**{"temperature": 0.0, "max_tokens": 8, **sampling})
+    return GenerationRequest(rid, list(prompt), params, debug, response_format, system_prompt_tokens)
+
+
+def prompts(demo, count: int, length: int = 20, seed: int = 0) -> list[list[int]]:
+    """Distinct random prompts of ordinary (non-special) tokens."""
+    rng = np.random.default_rng(seed)
+    return [list(map(int, rng.integers(300, demo.config.vocab_size - 10, size=length))) for _ in range(count)]
+
+
+async def consume(engine: AsyncEngine, req) -> Result:
+    results: dict[str, Result] = {}
+    async for out in engine.generate(req):
+        collect(results, [out])
+    return results[req.request_id]

@@ -1,0 +1,274 @@
+"""Every CUDA kernel against its CPU twin, launched through ``CudaBackend`` exactly as the model
+launches it.
+
+Under the simulator (the default, see tests/conftest.py) shapes are tiny, because every CUDA
+thread is a Python thread. With ``ENGINES_TEST_GPU=1`` on a machine with a GPU the same
+tests run the real kernels at realistic sizes. Outputs are poisoned with NaN before each
+launch so that an element the kernel forgot to write fails the comparison. float16 kernels
+are compared with the twin run on the same values widened to float32: both accumulate in
+float32, so the tolerance stays tight.
+"""
+from __future__ import annotations
+
+import math
+import os
+import zlib
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from engines.runtime.model.backend import (
+    GPU_LAUNCH_SHAPES,
+    SIMULATOR_LAUNCH_SHAPES,
+    CpuBackend,
+    CudaBackend,
+    StepInputs,
+    select_backend,
+)
+from engines.runtime.model.kernels import argmax, attention, embedding, matmul, add_rmsnorm, rope_kv, silu_mul
+from engines.runtime.model.kernels.rope_kv import rope_tables
+
+pytestmark = pytest.mark.usefixtures("quick_simulator_barriers")
+
+REAL_GPU = os.environ.get("ENGINES_TEST_GPU") == "1"
+DTYPES = ("float32", "float16")
+# Realistic sizes on a GPU (a Llama-3-8B-like layer), tiny ones under the simulator.
+HIDDEN = 4096 if REAL_GPU else 24
+VOCAB = 32000 if REAL_GPU else 37
+HEAD_DIM = 128 if REAL_GPU else 8
+Q_HEADS, KV_HEADS = (32, 8) if REAL_GPU else (4, 2)
+PAGE_SIZE = 16 if REAL_GPU else 4
+
+
+@pytest.fixture
+def rng(request: pytest.FixtureRequest) -> np.random.Generator:
+    """Fresh random inputs per test, reproducible from the test's name."""
+    return np.random.default_rng(zlib.crc32(request.node.name.encode()))
+
+
+def backend(dtype: str = "float32", **shape_overrides: object) -> CudaBackend:
+    base = GPU_LAUNCH_SHAPES if REAL_GPU else SIMULATOR_LAUNCH_SHAPES
+    shapes = type(base)(**{**base.__dict__, **shape_overrides})
+    return CudaBackend(dtype, shapes)
+
+
+def stored(array: np.ndarray, dtype: str) -> tuple[object, np.ndarray]:
+    """``array`` in storage dtype on the device, and the same values as float32 for the twin."""
+    host = array.astype(dtype)
+    return cuda.to_device(host), host.astype(np.float32)
+
+
+def poisoned(shape: tuple[int, ...], dtype: object = np.float32) -> object:
+    fill = -1 if np.dtype(dtype).kind == "i" else np.nan
+    return cuda.to_device(np.full(shape, fill, dtype=dtype))
+
+
+def assert_close(got: np.ndarray, want: np.ndarray, rtol: float = 1e-5, atol: float = 1e-5) -> None:
+    assert np.isfinite(got).all(), "kernel left elements unwritten (NaN poison survived)"
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_embedding_gather(rng: np.random.Generator, dtype: str) -> None:
+    table_dev, table = stored(rng.standard_normal((VOCAB, HIDDEN)), dtype)
+    ids = rng.integers(0, VOCAB, 7).astype(np.int32)
+    out = poisoned((7, HIDDEN))
+    backend(dtype).embedding(cuda.to_device(ids), table_dev, out)
+    want = np.empty((7, HIDDEN), np.float32)
+    embedding.embedding_gather_cpu(ids, table, want)
+    np.testing.assert_array_equal(want, table[ids])
+    assert_close(out.copy_to_host(), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["plain", "residual", "gathered rows"])
+def test_add_rmsnorm(rng: np.random.Generator, mode: str) -> None:
+    tokens = 6
+    x = rng.standard_normal((tokens, HIDDEN)).astype(np.float32)
+    weight = rng.uniform(0.5, 1.5, HIDDEN).astype(np.float32)
+    residual = (rng.standard_normal((tokens, HIDDEN)) if mode != "plain" else np.zeros((0, HIDDEN))).astype(np.float32)
+    rows = np.array([5, 0, 3], np.int32) if mode == "gathered rows" else np.arange(tokens, dtype=np.int32)
+    eps = np.float32(1e-5)
+    x_dev, out = cuda.to_device(x), poisoned((rows.shape[0], HIDDEN))
+    backend().add_rmsnorm(x_dev, cuda.to_device(residual), cuda.to_device(rows), cuda.to_device(weight), eps, out)
+
+    x_cpu, want = x.copy(), np.empty((rows.shape[0], HIDDEN), np.float32)
+    add_rmsnorm.add_rmsnorm_cpu(x_cpu, residual, rows, weight, eps, want)
+    summed = x + residual if mode != "plain" else x
+    ref = summed[rows] / np.sqrt((summed[rows].astype(np.float64) ** 2).mean(-1, keepdims=True) + eps) * weight
+    np.testing.assert_allclose(want, ref, rtol=1e-5, atol=1e-5)
+    assert_close(out.copy_to_host(), want)
+    # The residual add happens in place, on the normalised rows only.
+    expect_x = x.copy()
+    if mode != "plain":
+        expect_x[rows] = summed[rows]
+    np.testing.assert_allclose(x_dev.copy_to_host(), expect_x, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(x_cpu, expect_x, rtol=1e-6, atol=1e-6)
+
+
+MATMUL_CASES = {
+    # (rows, inner, cols): inner and cols deliberately not multiples of the tile/block sizes.
+    "gemv": [(1, 4096, 4096), (5, 4096, 1000), (16, 1024, 14336)] if REAL_GPU else [(1, 19, 10), (11, 40, 21)],
+    "tiled": [(64, 4096, 4096), (333, 4096, 1027)] if REAL_GPU else [(9, 40, 21)],
+}
+
+
+@pytest.mark.parametrize("kernel", ["gemv", "tiled"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matmul(rng: np.random.Generator, kernel: str, dtype: str, with_bias: bool) -> None:
+    be = backend(dtype, gemv_max_rows=10**9 if kernel == "gemv" else 0)
+    for rows, inner, cols in MATMUL_CASES[kernel]:
+        x = rng.standard_normal((rows, inner)).astype(np.float32)
+        weight = (rng.standard_normal((cols, inner)) / math.sqrt(inner)).astype(dtype)  # HF [out, in]
+        bias_dev, bias = stored(rng.standard_normal(cols if with_bias else 0), dtype)
+        out = poisoned((rows, cols))
+        be.matmul(cuda.to_device(x), be.store_linear(weight, dtype), bias_dev, out)
+        want = np.empty((rows, cols), np.float32)
+        matmul.matmul_cpu(x, weight.astype(np.float32), bias, want)
+        assert_close(out.copy_to_host(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 9, matmul.CPU_ROWS_KERNEL_MAX_ROWS, 45])
+def test_cpu_matmul_paths(rng: np.random.Generator, rows: int) -> None:
+    """Both CPU paths (the register-blocked kernel up to CPU_ROWS_KERNEL_MAX_ROWS rows, BLAS
+    beyond) against float64, with row and column counts that leave remainder blocks."""
+    inner, cols = 37, 23
+    x = rng.standard_normal((rows, inner)).astype(np.float32)
+    weight = rng.standard_normal((cols, inner)).astype(np.float32)
+    for bias in (np.zeros(0, np.float32), rng.standard_normal(cols).astype(np.float32)):
+        out = np.full((rows, cols), np.nan, np.float32)
+        matmul.matmul_cpu(x, weight, bias, out)
+        want = x.astype(np.float64) @ weight.T.astype(np.float64) + (bias if bias.size else 0)
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+
+
+def ragged_step(rng: np.random.Generator, cached: list[int], new: list[int], num_pages: int) -> tuple[StepInputs, int]:
+    """Host metadata for sequences with ``cached[i]`` tokens already stored and ``new[i]``
+    new ones, on shuffled, non-contiguous pages."""
+    order = rng.permutation(num_pages).astype(np.int32)
+    pages_needed = [-(-(c + n) // PAGE_SIZE) for c, n in zip(cached, new)]
+    table = np.full((len(new), max(pages_needed) + 1), -1, np.int32)
+    taken = 0
+    for s, count in enumerate(pages_needed):
+        table[s, :count] = order[taken:taken + count]
+        taken += count
+    token_seq = np.repeat(np.arange(len(new), dtype=np.int32), new)
+    positions = np.concatenate([np.arange(c, c + n) for c, n in zip(cached, new)]).astype(np.int32)
+    rows = np.arange(len(token_seq), dtype=np.int32)
+    step = StepInputs(token_ids=rows, positions=positions, token_seq=token_seq, page_table=table, rows=rows,
+                      logit_rows=rows)
+    return step, len(token_seq)
+
+
+def device_step(step: StepInputs) -> StepInputs:
+    return StepInputs(**{k: cuda.to_device(v) for k, v in step.__dict__.items()})
+
+
+SEQS = ([40, 0, 257], [1, 64, 3]) if REAL_GPU else ([13, 0, 2], [1, 6, 3])  # (cached, new) per sequence; several key chunks
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_kv_append(rng: np.random.Generator, dtype: str) -> None:
+    step, tokens = ragged_step(rng, *SEQS, num_pages=24)
+    qkv = rng.standard_normal((tokens, (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM)).astype(np.float32)
+    cos, sin = rope_tables(HEAD_DIM, 10000.0, 512)
+    cache_shape = (2, 24, KV_HEADS, PAGE_SIZE, HEAD_DIM)
+    k_dev, v_dev = poisoned(cache_shape, dtype), poisoned(cache_shape, dtype)
+    qkv_dev = cuda.to_device(qkv)
+    backend(dtype).rope_kv_append(qkv_dev, device_step(step), cuda.to_device(cos), cuda.to_device(sin),
+                                  k_dev, v_dev, 1, Q_HEADS)
+
+    k, v = np.full(cache_shape, np.nan, np.float32), np.full(cache_shape, np.nan, np.float32)
+    qkv_cpu = qkv.copy()
+    rope_kv.rope_kv_append_cpu(qkv_cpu, step.positions, step.token_seq, step.page_table, cos, sin, k, v, 1, Q_HEADS)
+    # The twin against transformers' formula, for one token and head.
+    t, pos, half = 2, step.positions[2], HEAD_DIM // 2
+    x = qkv[t, :HEAD_DIM]
+    angle = pos * (1.0 / 10000.0 ** (np.arange(0, HEAD_DIM, 2) / HEAD_DIM))
+    expect = x * np.cos(np.r_[angle, angle]) + np.r_[-x[half:], x[:half]] * np.sin(np.r_[angle, angle])
+    np.testing.assert_allclose(qkv_cpu[t, :HEAD_DIM], expect, rtol=1e-4, atol=1e-4)
+
+    assert_close(qkv_dev.copy_to_host(), qkv_cpu)
+    written = ~np.isnan(k)
+    assert written.sum() == tokens * KV_HEADS * HEAD_DIM  # exactly the new tokens' slots, layer 1 only
+    got_k, got_v = k_dev.copy_to_host().astype(np.float32), v_dev.copy_to_host().astype(np.float32)
+    np.testing.assert_array_equal(np.isnan(got_k), ~written)
+    tol = 1e-6 if dtype == "float32" else 1e-3
+    np.testing.assert_allclose(got_k[written], k[written].astype(dtype).astype(np.float32), rtol=tol, atol=tol)
+    np.testing.assert_allclose(got_v[written], v[written].astype(dtype).astype(np.float32), rtol=0, atol=0)
+
+
+def dense_attention(qkv: np.ndarray, step: StepInputs, k: np.ndarray, v: np.ndarray, layer: int) -> np.ndarray:
+    """Plain float64 causal softmax attention, gathering each sequence's keys page by page."""
+    out = np.zeros((qkv.shape[0], Q_HEADS * HEAD_DIM))
+    group = Q_HEADS // KV_HEADS
+    for t in range(qkv.shape[0]):
+        n = step.positions[t] + 1
+        pages = step.page_table[step.token_seq[t]]
+        keys = np.stack([k[layer, pages[j // PAGE_SIZE], :, j % PAGE_SIZE] for j in range(n)])    # [n, kvh, d]
+        values = np.stack([v[layer, pages[j // PAGE_SIZE], :, j % PAGE_SIZE] for j in range(n)])
+        for h in range(Q_HEADS):
+            q = qkv[t, h * HEAD_DIM:(h + 1) * HEAD_DIM].astype(np.float64)
+            s = keys[:, h // group] @ q / math.sqrt(HEAD_DIM)
+            p = np.exp(s - s.max())
+            out[t, h * HEAD_DIM:(h + 1) * HEAD_DIM] = p @ values[:, h // group] / p.sum()
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_attention(rng: np.random.Generator, dtype: str) -> None:
+    step, tokens = ragged_step(rng, *SEQS, num_pages=48)
+    cache_shape = (2, 48, KV_HEADS, PAGE_SIZE, HEAD_DIM)
+    k_dev, k = stored(rng.standard_normal(cache_shape), dtype)
+    v_dev, v = stored(rng.standard_normal(cache_shape), dtype)
+    qkv = rng.standard_normal((tokens, (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM)).astype(np.float32)
+    scale = np.float32(HEAD_DIM ** -0.5)
+    out = poisoned((tokens, Q_HEADS * HEAD_DIM))
+    backend(dtype).attention(cuda.to_device(qkv), device_step(step), k_dev, v_dev, 1, Q_HEADS, scale, out)
+
+    want = np.empty((tokens, Q_HEADS * HEAD_DIM), np.float32)
+    attention.paged_attention_cpu(qkv, step.positions, step.token_seq, step.page_table, k, v, 1, Q_HEADS, scale, want)
+    serial = np.empty_like(want)
+    attention.paged_attention_serial_cpu(qkv, step.positions, step.token_seq, step.page_table, k, v, 1, Q_HEADS,
+                                         scale, serial)
+    np.testing.assert_allclose(want, dense_attention(qkv, step, k, v, 1), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(serial, want, rtol=1e-5, atol=1e-6)
+    assert_close(out.copy_to_host(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_silu_mul(rng: np.random.Generator) -> None:
+    width = 14336 if REAL_GPU else 13
+    gate_up = (rng.standard_normal((5, 2 * width)) * 4).astype(np.float32)
+    out = poisoned((5, width))
+    backend().silu_mul(cuda.to_device(gate_up), out)
+    want = np.empty((5, width), np.float32)
+    silu_mul.silu_mul_cpu(gate_up, want)
+    g, u = gate_up[:, :width].astype(np.float64), gate_up[:, width:]
+    np.testing.assert_allclose(want, g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-6)
+    assert_close(out.copy_to_host(), want)
+
+
+def test_argmax(rng: np.random.Generator) -> None:
+    logits = rng.standard_normal((4, VOCAB)).astype(np.float32)
+    logits[1, [3, VOCAB - 2]] = 50.0        # a tie: the lower index wins
+    logits[2, VOCAB - 1] = 60.0             # the maximum in the last column
+    logits[3] = -np.inf                     # nothing finite: index 0
+    out = poisoned((4,), np.int32)
+    backend().argmax(cuda.to_device(logits), out)
+    want = np.empty(4, np.int32)
+    argmax.argmax_cpu(logits, want)
+    np.testing.assert_array_equal(want, [np.argmax(logits[0]), 3, VOCAB - 1, 0])
+    np.testing.assert_array_equal(out.copy_to_host(), want)
+
+
+def test_select_backend() -> None:
+    # "auto" means a real GPU: never the simulator.
+    assert isinstance(select_backend("auto"), CudaBackend if REAL_GPU else CpuBackend)
+    assert isinstance(select_backend("cpu"), CpuBackend)
+    gpu = select_backend("cuda", "float16")  # allowed under the simulator: how tests reach the CUDA path
+    assert isinstance(gpu, CudaBackend) and gpu.dtype == "float16" and gpu.simulated is not REAL_GPU
+    with pytest.raises(ValueError, match="float16"):
+        select_backend("cpu", "float16")
+    with pytest.raises(ValueError, match="unknown backend"):
+        select_backend("tpu")
