@@ -52,7 +52,7 @@ from engines.protocol import (
 )
 from engines.registry import registry
 from engines.runtime import AsyncEngine, EngineDeadError
-from engines.runtime import ChoiceDelta, EngineRequestError, GenerationRequest, RequestOutput
+from engines.runtime import ChoiceDelta, EngineRequestError, GenerationRequest, GrammarMode, RequestOutput
 from engines.runtime import InvalidSamplingParams, SamplingParams
 from engines.runtime import TokenLogprob as EngineTokenLogprob
 from engines.runtime import ChatTemplateError, Tokenizer
@@ -182,11 +182,13 @@ def tokenize_chat(tokenizer: Tokenizer, body: ChatCompletionRequest) -> tuple[li
 def make_generation_request(
     request_id: str, prompt: list[int], body: ChatCompletionRequest | CompletionRequest
 ) -> GenerationRequest:
-    """Map the OpenAI parameters onto the engine's sampling parameters."""
+    """Map the OpenAI parameters, and MLC's ``debug_config`` options, onto the engine's fields
+    (the pydantic ``DebugConfig`` never crosses into the runtime)."""
     if isinstance(body, ChatCompletionRequest):
         logprobs, top_logprobs = body.logprobs, body.top_logprobs or 0
     else:
         logprobs, top_logprobs = body.logprobs is not None, body.logprobs or 0
+    debug = body.debug_config  # None unless the server runs with --enable-debug (parse_body)
     try:
         sampling = SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,
@@ -202,6 +204,7 @@ def make_generation_request(
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             n=body.n,
+            ignore_eos=debug is not None and debug.ignore_eos,
         )
     except InvalidSamplingParams as exc:
         raise ProtocolError(400, str(exc), param=exc.field) from None
@@ -209,8 +212,9 @@ def make_generation_request(
         request_id=request_id,
         prompt=prompt,
         sampling=sampling,
-        debug_config=body.debug_config,
         response_format=body.response_format.as_openai_dict() if body.response_format else None,
+        pin_system_prompt=debug is not None and debug.pinned_system_prompt,
+        grammar_mode=GrammarMode(debug.grammar_execution_mode) if debug is not None else GrammarMode.JUMP_FORWARD,
     )
 
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from engines.runtime.core.engine import Engine
 from engines.runtime.frontend.async_engine import AsyncEngine
-from engines.runtime.core.request import GenerationRequest, RequestOutput
+from engines.runtime.core.request import GenerationRequest, GrammarMode, RequestOutput
 from engines.runtime.core.sampler import SamplingParams
 
 
@@ -62,14 +62,16 @@ def run_all(engine: Engine, requests: list[GenerationRequest], max_steps: int = 
     return results
 
 
-def request(rid: str, prompt: list[int] | str, tokenizer=None, **sampling: Any) -> GenerationRequest:
-    debug = sampling.pop("debug_config", None)
-    response_format = sampling.pop("response_format", None)
-    system_prompt_tokens = sampling.pop("system_prompt_tokens", None)
+def request(rid: str, prompt: list[int] | str, tokenizer=None, *, response_format: dict | None = None,
+            system_prompt_tokens: int | None = None, pin_system_prompt: bool = False,
+            grammar_mode: GrammarMode = GrammarMode.JUMP_FORWARD, **sampling: Any) -> GenerationRequest:
+    """A greedy 8-token request unless ``sampling`` says otherwise (any ``SamplingParams`` field)."""
     if isinstance(prompt, str):
         prompt = tokenizer.encode(prompt)
     params = SamplingParams(**{"temperature": 0.0, "max_tokens": 8, **sampling})
-    return GenerationRequest(rid, list(prompt), params, debug, response_format, system_prompt_tokens)
+    return GenerationRequest(rid, list(prompt), params, response_format=response_format,
+                             system_prompt_tokens=system_prompt_tokens, pin_system_prompt=pin_system_prompt,
+                             grammar_mode=grammar_mode)
 
 
 def prompts(demo, count: int, length: int = 20, seed: int = 0) -> list[list[int]]:

@@ -9,7 +9,6 @@ touches model state.
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections import Counter
@@ -27,6 +26,7 @@ from engines.runtime.core.request import (
     ChoiceDelta,
     EngineRequestError,
     GenerationRequest,
+    GrammarMode,
     RequestOutput,
     RequestState,
     Sequence,
@@ -143,8 +143,6 @@ class Engine:
                 f"the pinned system prompts ({self.kv_pool.num_pinned_pages} pages). Shorten the prompt, "
                 f"or reset the engine to unpin them."
             )
-        if request.debug_config is not None and request.debug_config.ignore_eos and not request.sampling.ignore_eos:
-            request.sampling = dataclasses.replace(request.sampling, ignore_eos=True)
         try:
             grammar = self.grammars.compile(request.response_format)
         except GrammarError as e:
@@ -345,10 +343,9 @@ class Engine:
                 self.tracer.add_event(state.request_id, "first token")
         if self._accept_token(seq, token, logprob) or seq.grammar is None:
             return
-        debug = state.debug
         # As MLC: jump-forward only when asked (the default) and no logprobs are wanted,
         # since forced tokens are never sampled and so have none.
-        if (debug is not None and debug.grammar_execution_mode == "constraint") or state.params.logprobs:
+        if state.request.grammar_mode is GrammarMode.CONSTRAINT or state.params.logprobs:
             return
         forced = seq.grammar.forced_tokens()
         if not forced:
@@ -500,7 +497,7 @@ class Engine:
                 self.tracer.add_event(state.request_id, "kv cache admit", {
                     "cached_tokens": seq.num_cached_prefix_tokens,
                     "pages": len(self.kv_pool.pages(seq.seq_id))})
-            if state.debug is not None and state.debug.pinned_system_prompt and seq.index == 0:
+            if state.request.pin_system_prompt and seq.index == 0:
                 pin = state.request.system_prompt_tokens or len(state.request.prompt)
                 self.kv_pool.pin(seq.seq_id, pin)
         for seq in sched.preempted:

@@ -7,7 +7,6 @@ from enum import Enum, StrEnum
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from engines.protocol.debug import DebugConfig
     from engines.runtime.core.grammar import GrammarMatcher
     from engines.runtime.core.sampler import SamplingParams, SamplingState, TokenLogprob
     from engines.runtime.core.stop_checker import StopChecker
@@ -47,10 +46,16 @@ class GenerationRequest:
     request_id: str
     prompt: list[int]
     sampling: "SamplingParams"
-    debug_config: "DebugConfig | None" = None
     response_format: dict[str, Any] | None = None
-    # Tokens of the prompt that form its system prompt (pinned_system_prompt pins these).
+    # Tokens of the prompt that form its system prompt (what pin_system_prompt pins).
     system_prompt_tokens: int | None = None
+    #: Keep the system prompt (or, without one, the whole prompt) in the prefix cache, never
+    #: evicted, until the engine is reset (MLC's ``pinned_system_prompt``).
+    pin_system_prompt: bool = False
+    grammar_mode: GrammarMode = GrammarMode.JUMP_FORWARD
+
+    def __post_init__(self) -> None:
+        self.grammar_mode = GrammarMode(self.grammar_mode)  # a plain "constraint" works too
 
 
 @dataclass
@@ -131,7 +136,6 @@ class RequestState:
         self.request = request
         self.request_id = request.request_id
         self.params = request.sampling
-        self.debug = request.debug_config
         self.arrival_time = arrival_time
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

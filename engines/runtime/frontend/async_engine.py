@@ -164,12 +164,6 @@ class AsyncEngine:
         iteration (a client that went away) aborts the request and frees its pages.
         """
         self._check_alive()
-        debug = request.debug_config
-        if debug is not None and debug.special_request == "query_engine_metrics":
-            # Answered here, never queued: no model step, no trace event, no metric update.
-            yield RequestOutput(request.request_id, [], usage={
-                "prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0, "extra": await self.metrics()})
-            return
         self.validate(request)
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()

@@ -1,4 +1,4 @@
-"""The synchronous engine: batching, KV pressure, sampling and stop rules, DebugConfig, reset."""
+"""The synchronous engine: batching, KV pressure, sampling and stop rules, the debug options (ignore_eos, pinned prompts, grammar modes), reset."""
 from __future__ import annotations
 
 import json
@@ -7,10 +7,10 @@ import jsonschema
 import numpy as np
 import pytest
 
-from engines.protocol.debug import DebugConfig
 from engines.runtime.core.grammar import GrammarError
 from engines.runtime.core.request import EngineRequestError
 
+from engines.runtime.core.request import GrammarMode
 from tests.runtime.demo_engine import collect, prompts, request, run_all
 
 
@@ -20,7 +20,7 @@ def test_greedy_matches_model_argmax_step_by_step(make_engine, demo, demo_model)
 
     engine = make_engine()
     prompt = prompts(demo, 1, 12)[0]
-    out = run_all(engine, [request("a", prompt, max_tokens=5, debug_config=DebugConfig(ignore_eos=True))])["a"]
+    out = run_all(engine, [request("a", prompt, max_tokens=5, ignore_eos=True)])["a"]
     kv = demo_model.new_kv_cache(8, 16)
     seq = list(prompt)
     expected = []
@@ -40,7 +40,7 @@ def test_ignore_eos_gives_exactly_max_tokens(make_engine, demo):
     # A bias that makes EOS the argmax: without ignore_eos the request would stop at once.
     res = run_all(engine, [
         request("ignore", prompts(demo, 1)[0], max_tokens=17, logit_bias={eos: 100},
-                debug_config=DebugConfig(ignore_eos=True)),
+                ignore_eos=True),
         request("stops", prompts(demo, 1)[0], max_tokens=17, logit_bias={eos: 100}),
     ])
     assert len(res["ignore"].tokens) == 17 and res["ignore"].finish_reason == "length"
@@ -64,7 +64,7 @@ def test_same_seed_same_output_even_in_different_batches(make_engine, demo):
 def test_stop_string_trims_output(make_engine, demo):
     tok = demo.tokenizer
     p = prompts(demo, 1)[0]
-    free = run_all(make_engine(), [request("a", p, max_tokens=24, debug_config=DebugConfig(ignore_eos=True))])["a"]
+    free = run_all(make_engine(), [request("a", p, max_tokens=24, ignore_eos=True)])["a"]
     text = free.text
     assert len(text) > 12
     stop = text[6:9]
@@ -75,13 +75,13 @@ def test_stop_string_trims_output(make_engine, demo):
     assert tok.decode(stopped.tokens).startswith(text[:cut])
     # ignore_eos ignores stop strings too (MLC).
     ignored = run_all(make_engine(), [request("a", p, max_tokens=24, stop=[stop],
-                                              debug_config=DebugConfig(ignore_eos=True))])["a"]
+                                              ignore_eos=True)])["a"]
     assert ignored.text == text and ignored.finish_reason == "length"
 
 
 def test_stop_token_ids(make_engine, demo):
     p = prompts(demo, 1)[0]
-    free = run_all(make_engine(), [request("a", p, max_tokens=10, debug_config=DebugConfig(ignore_eos=True))])["a"]
+    free = run_all(make_engine(), [request("a", p, max_tokens=10, ignore_eos=True)])["a"]
     target = free.tokens[4]
     first = free.tokens.index(target)
     res = run_all(make_engine(), [request("a", p, max_tokens=10, stop_token_ids=[target])])["a"]
@@ -92,7 +92,7 @@ def test_stop_token_ids(make_engine, demo):
 def test_n_choices_and_logprobs(make_engine, demo):
     res = run_all(make_engine(), [request("a", prompts(demo, 1)[0], n=3, temperature=1.0, seed=7,
                                           max_tokens=6, logprobs=True, top_logprobs=3,
-                                          debug_config=DebugConfig(ignore_eos=True))])["a"]
+                                          ignore_eos=True)])["a"]
     assert sorted(res.token_ids) == [0, 1, 2]
     assert all(len(res.token_ids[i]) == 6 for i in range(3))
     assert len({tuple(res.token_ids[i]) for i in range(3)}) > 1
@@ -107,7 +107,7 @@ def test_n_choices_and_logprobs(make_engine, demo):
 
 def test_kv_pressure_preempts_and_output_is_unchanged(make_engine, demo):
     """A pool too small for the load forces preemptions; greedy output is the same as with room."""
-    reqs = lambda: [request(f"r{i}", p, max_tokens=24, debug_config=DebugConfig(ignore_eos=True))
+    reqs = lambda: [request(f"r{i}", p, max_tokens=24, ignore_eos=True)
                     for i, p in enumerate(prompts(demo, 6, length=30, seed=3))]
     roomy = make_engine(num_pages=128)
     tight = make_engine(num_pages=12, enable_prefix_cache=False)
@@ -150,8 +150,7 @@ def test_pinned_system_prompt_survives_eviction(make_engine, demo):
         run_all(engine, [req])
         return engine.metrics.as_dict()["prefill_tokens_sum"] - before
 
-    pin = DebugConfig(pinned_system_prompt=True)
-    assert prefill_of(request("p1", system_pinned + [300, 301], max_tokens=1, debug_config=pin,
+    assert prefill_of(request("p1", system_pinned + [300, 301], max_tokens=1, pin_system_prompt=True,
                               system_prompt_tokens=64)) == 66
     assert prefill_of(request("u1", system_plain + [300, 301], max_tokens=1)) == 66
     for i, f in enumerate(filler):  # enough distinct tokens to evict every unpinned cached page
@@ -184,7 +183,7 @@ def test_json_schema_output_is_valid(make_engine, demo, mode):
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
     res = run_all(engine, [request("a", prompts(demo, 1)[0], max_tokens=200, temperature=0.8, seed=5,
                                    response_format=fmt,
-                                   debug_config=DebugConfig(grammar_execution_mode=mode))])["a"]
+                                   grammar_mode=mode)])["a"]
     assert res.finish_reason == "stop", res.text
     jsonschema.validate(json.loads(res.text), SCHEMA)
 
@@ -195,7 +194,7 @@ def test_jump_forward_runs_fewer_model_steps(make_engine, demo):
     for mode in ("constraint", "jump_forward"):
         engine = make_engine()
         res = run_all(engine, [request("a", prompts(demo, 1)[0], max_tokens=200, response_format=fmt,
-                                       debug_config=DebugConfig(grammar_execution_mode=mode))])["a"]
+                                       grammar_mode=mode)])["a"]
         steps[mode], texts[mode] = engine.num_steps, res.text
         jump = engine.metrics.as_dict()["jump_forward_tokens_sum"]
         assert (jump > 0) == (mode == "jump_forward")
@@ -231,7 +230,7 @@ def test_bad_request_fails_alone(make_engine, demo):
 
 def test_abort_frees_pages(make_engine, demo):
     engine = make_engine()
-    engine.add_request(request("a", prompts(demo, 1)[0], max_tokens=50, debug_config=DebugConfig(ignore_eos=True)))
+    engine.add_request(request("a", prompts(demo, 1)[0], max_tokens=50, ignore_eos=True))
     engine.step()
     engine.step()
     assert engine.kv_pool.num_used_pages > 0
@@ -243,12 +242,12 @@ def test_abort_frees_pages(make_engine, demo):
 def test_reset_under_load_zeroes_everything(make_engine, demo):
     engine = make_engine(tracing=True)
     for i, p in enumerate(prompts(demo, 5)):
-        engine.add_request(request(f"r{i}", p, max_tokens=30, debug_config=DebugConfig(ignore_eos=True)))
+        engine.add_request(request(f"r{i}", p, max_tokens=30, ignore_eos=True))
     for _ in range(4):
         engine.step()
     run_all(engine, [])  # some finish, for non-zero sums
     for i, p in enumerate(prompts(demo, 5, seed=1)):
-        engine.add_request(request(f"s{i}", p, max_tokens=30, debug_config=DebugConfig(ignore_eos=True)))
+        engine.add_request(request(f"s{i}", p, max_tokens=30, ignore_eos=True))
     engine.step()
     events_before = engine.tracer.event_count
     outputs = engine.reset()
@@ -270,7 +269,7 @@ def test_reset_under_load_zeroes_everything(make_engine, demo):
 
 def test_metrics_after_run(make_engine, demo):
     engine = make_engine()
-    res = run_all(engine, [request(f"r{i}", p, max_tokens=5, debug_config=DebugConfig(ignore_eos=True))
+    res = run_all(engine, [request(f"r{i}", p, max_tokens=5, ignore_eos=True)
                            for i, p in enumerate(prompts(demo, 4, length=10))])
     m = engine.metrics.as_dict()
     assert m["prompt_tokens_sum"] == 40
@@ -287,7 +286,7 @@ def test_metrics_after_run(make_engine, demo):
 
 def test_trace_of_a_run_is_well_formed(make_engine, demo):
     engine = make_engine(tracing=True, num_pages=8)
-    reqs = [request(f"r{i}", p, max_tokens=10, debug_config=DebugConfig(ignore_eos=True))
+    reqs = [request(f"r{i}", p, max_tokens=10, ignore_eos=True)
             for i, p in enumerate(prompts(demo, 4, length=30))]
     run_all(engine, reqs)
     trace = json.loads(engine.tracer.dump_json())
@@ -320,14 +319,13 @@ def test_pinned_pages_never_strand_a_request(make_engine, demo):
     """
     engine = make_engine(num_pages=4)  # 64 token slots
     system, other, queued = prompts(demo, 3, length=40, seed=21)
-    pin = DebugConfig(pinned_system_prompt=True)
     # Queued behind the pinned request: it fitted when it arrived, not after the pin.
-    res = run_all(engine, [request("p", system, max_tokens=1, debug_config=pin, system_prompt_tokens=32),
+    res = run_all(engine, [request("p", system, max_tokens=1, pin_system_prompt=True, system_prompt_tokens=32),
                            request("q", queued + queued[:12], max_tokens=4)], max_steps=200)
     assert engine.kv_pool.num_pinned_pages == 2
     assert res["q"].finish_reason == "length" and res["q"].usage["completion_tokens"] == 0
     # Runs to the context limit: fits at first, then needs a pinned page.
-    res = run_all(engine, [request("a", other[:20], max_tokens=None, debug_config=DebugConfig(ignore_eos=True))],
+    res = run_all(engine, [request("a", other[:20], max_tokens=None, ignore_eos=True)],
                   max_steps=200)["a"]
     assert res.finish_reason == "length" and len(res.tokens) == 2 * 16 - 20 + 1
     assert engine.kv_pool.num_used_pages == engine.kv_pool.num_pinned_pages
@@ -348,16 +346,15 @@ def test_grammar_completed_on_the_last_allowed_token_finishes_with_stop(make_eng
                                                "color": {"enum": ["red", "green", "blue"]}},
               "required": ["age", "color"], "additionalProperties": False}
     fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": schema}}
-    debug = DebugConfig(grammar_execution_mode=mode)
     p = prompts(demo, 1)[0]
-    free = run_all(make_engine(), [request("a", p, max_tokens=100, response_format=fmt, debug_config=debug)])["a"]
+    free = run_all(make_engine(), [request("a", p, max_tokens=100, response_format=fmt, grammar_mode=mode)])["a"]
     assert free.finish_reason == "stop"
     exact = run_all(make_engine(), [request("a", p, max_tokens=len(free.tokens), response_format=fmt,
-                                            debug_config=debug)])["a"]
+                                            grammar_mode=mode)])["a"]
     assert exact.tokens == free.tokens and exact.text == free.text
     assert exact.finish_reason == "stop"
     cut = run_all(make_engine(), [request("a", p, max_tokens=len(free.tokens) - 1, response_format=fmt,
-                                          debug_config=debug)])["a"]
+                                          grammar_mode=mode)])["a"]
     assert cut.finish_reason == "length"
 
 
@@ -419,13 +416,12 @@ def _allow_nothing_after(calls: int, fill_mask):
 def test_a_request_failing_mid_stream_finishes_alone(make_engine, demo, where):
     """A per-request error (grammar, tokenizer) aborts that request; its batch mates are untouched."""
     p_good, p_bad = prompts(demo, 2, seed=9)
-    ignore = DebugConfig(ignore_eos=True)
     expected = run_all(make_engine(), [request("good", p_good, max_tokens=12, n=2, temperature=1.0, seed=4,
-                                               debug_config=ignore)])["good"]
+                                               ignore_eos=True)])["good"]
     engine = make_engine()
-    engine.add_request(request("good", p_good, max_tokens=12, n=2, temperature=1.0, seed=4, debug_config=ignore))
+    engine.add_request(request("good", p_good, max_tokens=12, n=2, temperature=1.0, seed=4, ignore_eos=True))
     engine.add_request(request("bad", p_bad, max_tokens=40, response_format={"type": "json_object"},
-                               debug_config=DebugConfig(grammar_execution_mode="constraint")))
+                               grammar_mode=GrammarMode.CONSTRAINT))
     seq = engine.requests["bad"].sequences[0]
     if where == "grammar consume":
         seq.grammar.consume = _fail_after(3, seq.grammar.consume, GrammarError("grammar rejected token(s)"))
@@ -490,16 +486,15 @@ def test_mixed_workload_under_kv_pressure_keeps_every_page_accounted_for(make_en
     engine = make_engine(tracing=True, num_pages=10, prefill_chunk_size=16, max_num_seqs=4)
     shared = prompts(demo, 1, length=32, seed=30)[0]
     tails = prompts(demo, 8, length=12, seed=31)
-    ignore = DebugConfig(ignore_eos=True)
     reqs = [
-        request("pin", shared + tails[0], max_tokens=4, debug_config=DebugConfig(pinned_system_prompt=True),
+        request("pin", shared + tails[0], max_tokens=4, pin_system_prompt=True,
                 system_prompt_tokens=32),
         request("n3", shared + tails[1], max_tokens=20, n=3, temperature=1.0, seed=1, stop=["e"]),
         request("json", shared + tails[2], max_tokens=40, response_format={"type": "json_object"}),
-        request("lp", shared + tails[3], max_tokens=16, n=2, logprobs=True, top_logprobs=2, debug_config=ignore),
-        request("long", tails[4] * 3, max_tokens=None, debug_config=ignore),
-        request("abort-running", shared + tails[5], max_tokens=40, debug_config=ignore),
-        request("abort-waiting", shared + tails[6], max_tokens=40, debug_config=ignore),
+        request("lp", shared + tails[3], max_tokens=16, n=2, logprobs=True, top_logprobs=2, ignore_eos=True),
+        request("long", tails[4] * 3, max_tokens=None, ignore_eos=True),
+        request("abort-running", shared + tails[5], max_tokens=40, ignore_eos=True),
+        request("abort-waiting", shared + tails[6], max_tokens=40, ignore_eos=True),
         request("last", tails[7], max_tokens=24, n=2, temperature=0.7, seed=2),
     ]
     results: dict = {}
@@ -534,7 +529,7 @@ def test_mixed_workload_under_kv_pressure_keeps_every_page_accounted_for(make_en
 def test_gauges_count_requests_not_choices(make_engine, demo):
     engine = make_engine(max_num_seqs=4)
     engine.add_request(request("n3", prompts(demo, 1)[0], max_tokens=10, n=3,
-                               debug_config=DebugConfig(ignore_eos=True)))
+                               ignore_eos=True))
     engine.add_request(request("n2", prompts(demo, 1, seed=1)[0], max_tokens=10, n=2))
     engine.step()  # four choices run: n3's three and one of n2's; n2's second waits
     m = engine.metrics.as_dict()
@@ -562,5 +557,5 @@ def test_max_tokens_beyond_the_context_is_refused(make_engine, demo):
         engine.add_request(request("a", prompts(demo, 1)[0], max_tokens=200))
     # Unset max_tokens runs until the context is full.
     res = run_all(engine, [request("b", prompts(demo, 1)[0], max_tokens=None,
-                                   debug_config=DebugConfig(ignore_eos=True))])["b"]
+                                   ignore_eos=True)])["b"]
     assert len(res.tokens) == 108 and res.finish_reason == "length"

@@ -6,12 +6,12 @@ import json
 
 import pytest
 
-from engines.protocol.debug import DebugConfig
 from engines.runtime.frontend.async_engine import AsyncEngine
 from engines.runtime.core.engine import EngineConfig
 from engines.runtime.core.grammar import GrammarCompiler, GrammarError, GrammarMatcher
 from engines.runtime.core.request import EngineRequestError
 
+from engines.runtime.core.request import GrammarMode
 from tests.runtime.demo_engine import Result, collect, consume, prompts, request
 
 
@@ -25,7 +25,7 @@ def async_engine(demo):
 
 
 async def test_32_concurrent_requests_complete(async_engine, demo):
-    reqs = [request(f"c{i}", p, max_tokens=8, debug_config=DebugConfig(ignore_eos=True))
+    reqs = [request(f"c{i}", p, max_tokens=8, ignore_eos=True)
             for i, p in enumerate(prompts(demo, 32, length=12))]
     results = await asyncio.gather(*(consume(async_engine, r) for r in reqs))
     assert all(len(r.tokens) == 8 and r.finish_reason == "length" for r in results)
@@ -40,7 +40,7 @@ async def test_32_concurrent_requests_complete(async_engine, demo):
 async def test_streams_deliver_deltas_as_they_come(async_engine, demo):
     outputs = []
     async for out in async_engine.generate(request("s", prompts(demo, 1)[0], max_tokens=6,
-                                                   debug_config=DebugConfig(ignore_eos=True))):
+                                                   ignore_eos=True)):
         outputs.append(out)
     assert len(outputs) == 6  # a consumer that keeps up gets one delta per token
     assert outputs[-1].usage is not None and all(o.usage is None for o in outputs[:-1])
@@ -49,7 +49,7 @@ async def test_streams_deliver_deltas_as_they_come(async_engine, demo):
 async def test_a_consumer_that_falls_behind_gets_merged_deltas(async_engine, demo):
     """Outputs that piled up are joined: same text and tokens, fewer chunks, usage at the end."""
     req = lambda rid: request(rid, prompts(demo, 1)[0], max_tokens=12, n=2, temperature=1.0, seed=3,
-                              logprobs=True, debug_config=DebugConfig(ignore_eos=True))
+                              logprobs=True, ignore_eos=True)
     fast = await consume(async_engine, req("fast"))
     outputs = []
     async for out in async_engine.generate(req("slow")):
@@ -74,7 +74,7 @@ async def test_bad_request_raises_before_output_and_engine_keeps_serving(async_e
 
 async def test_cancelled_consumer_aborts_and_frees_pages(async_engine, demo):
     gen = async_engine.generate(request("gone", prompts(demo, 1)[0], max_tokens=500,
-                                        debug_config=DebugConfig(ignore_eos=True)))
+                                        ignore_eos=True))
     await gen.__anext__()
     await gen.aclose()  # what a client disconnect does to a streaming view
     for _ in range(100):
@@ -86,7 +86,7 @@ async def test_cancelled_consumer_aborts_and_frees_pages(async_engine, demo):
 
 
 async def test_reset_aborts_live_streams_and_completes_before_returning(async_engine, demo):
-    reqs = [request(f"l{i}", p, max_tokens=400, debug_config=DebugConfig(ignore_eos=True))
+    reqs = [request(f"l{i}", p, max_tokens=400, ignore_eos=True)
             for i, p in enumerate(prompts(demo, 4))]
     tasks = [asyncio.create_task(consume(async_engine, r)) for r in reqs]
     while (await async_engine.metrics())["num_running_requests"] < 4:
@@ -99,18 +99,10 @@ async def test_reset_aborts_live_streams_and_completes_before_returning(async_en
     assert async_engine.is_alive
 
 
-async def test_special_request_returns_metrics_without_a_step(async_engine, demo):
-    await consume(async_engine, request("warm", prompts(demo, 1)[0], max_tokens=2))
-    steps = async_engine.engine.num_steps
-    res = await consume(async_engine, request("m", [], debug_config=DebugConfig(special_request="query_engine_metrics")))
-    assert res.usage["completion_tokens"] == 0
-    assert res.usage["extra"]["prompt_tokens_sum"] > 0
-    assert async_engine.engine.num_steps == steps
-
 
 async def test_duplicate_request_id_is_refused_and_the_first_stream_completes(async_engine, demo):
     first = asyncio.create_task(consume(async_engine, request("dup", prompts(demo, 1)[0], max_tokens=20,
-                                                              debug_config=DebugConfig(ignore_eos=True))))
+                                                              ignore_eos=True)))
     await asyncio.sleep(0)  # let the first register its stream
     with pytest.raises(EngineRequestError, match="already running"):
         await consume(async_engine, request("dup", prompts(demo, 1)[0], max_tokens=5))
@@ -129,12 +121,11 @@ async def test_a_request_failing_mid_stream_ends_alone_and_the_engine_keeps_serv
         real_consume(self, token_ids)
 
     monkeypatch.setattr(GrammarMatcher, "consume", consume_then_fail)
-    ignore = DebugConfig(ignore_eos=True)
     p_good, p_bad = prompts(demo, 2, seed=9)
-    good = asyncio.create_task(consume(async_engine, request("good", p_good, max_tokens=30, debug_config=ignore)))
+    good = asyncio.create_task(consume(async_engine, request("good", p_good, max_tokens=30, ignore_eos=True)))
     bad = await asyncio.wait_for(consume(async_engine, request(
         "bad", p_bad, max_tokens=30, response_format={"type": "json_object"},
-        debug_config=DebugConfig(grammar_execution_mode="constraint"))), 30)
+        grammar_mode=GrammarMode.CONSTRAINT)), 30)
     assert bad.finish_reason == "abort" and bad.usage is not None
     res = await asyncio.wait_for(good, 30)
     assert len(res.tokens) == 30 and res.finish_reason == "length"

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from engines.protocol.debug import DebugConfig
 from engines.registry import ModelSpec, build_engines
 from engines.runtime.frontend.async_engine import AsyncEngine, EngineDeadError
 from engines.runtime.model.checkpoint import load_checkpoint
@@ -60,7 +59,7 @@ async def test_greedy_output_matches_the_engine_on_a_thread(engine, demo) -> Non
     threaded = AsyncEngine(demo, "threaded", SIZING, backend="cpu")
     threaded.start()
     try:
-        reqs = [request(f"same-{i}", p, max_tokens=12, debug_config=DebugConfig(ignore_eos=True))
+        reqs = [request(f"same-{i}", p, max_tokens=12, ignore_eos=True)
                 for i, p in enumerate(prompts(demo, 3))]
         here = await asyncio.gather(*(consume(threaded, r) for r in reqs))
         there = await asyncio.gather(*(consume(engine, r) for r in reqs))
@@ -83,7 +82,7 @@ async def test_bad_requests_fail_before_the_first_output_and_the_engine_serves_o
 
 async def test_closing_a_stream_aborts_it_and_frees_its_pages(engine, demo) -> None:
     stream = engine.generate(request("walk-away", prompts(demo, 1)[0], max_tokens=500,
-                                     debug_config=DebugConfig(ignore_eos=True)))
+                                     ignore_eos=True))
     await anext(stream)
     assert (await engine.metrics())["kv_pages_used"] > 0
     await stream.aclose()
@@ -99,7 +98,7 @@ async def test_reset_aborts_streams_and_zeroes_metrics_before_returning(engine, 
     await consume(engine, request("done-before", prompts(demo, 1)[0], max_tokens=2))
     assert (await engine.metrics())["num_finished_requests"] >= 1
     tasks = [asyncio.create_task(consume(engine, request(f"live-{i}", p, max_tokens=500,
-                                                         debug_config=DebugConfig(ignore_eos=True))))
+                                                         ignore_eos=True)))
              for i, p in enumerate(prompts(demo, 3))]
     while (await engine.metrics())["num_running_requests"] < 3:
         await asyncio.sleep(0.01)
@@ -145,7 +144,7 @@ def test_blocking_calls_for_code_without_an_event_loop(engine) -> None:
 async def kill_mid_stream(engine: AsyncEngine, demo, request_id: str) -> None:
     """SIGKILL the engine process while a request streams; its stream must fail, not hang."""
     stream = asyncio.create_task(consume(engine, request(
-        request_id, prompts(demo, 1)[0], max_tokens=500, debug_config=DebugConfig(ignore_eos=True))))
+        request_id, prompts(demo, 1)[0], max_tokens=500, ignore_eos=True)))
     while (await engine.metrics())["num_running_requests"] < 1:
         await asyncio.sleep(0.01)
     os.kill(engine._transport.process.pid, signal.SIGKILL)
@@ -211,7 +210,7 @@ def test_a_checkpoint_that_fails_in_the_engine_process_raises_at_start(tmp_path)
 
 async def test_shutting_down_a_stuck_engine_process_ends_its_streams_and_calls(lone_engine, demo) -> None:
     stream = lone_engine.generate(request("stuck", prompts(demo, 1)[0], max_tokens=500,
-                                          debug_config=DebugConfig(ignore_eos=True)))
+                                          ignore_eos=True))
     await anext(stream)
     os.kill(lone_engine._transport.process.pid, signal.SIGSTOP)  # a hung kernel, say
     call = asyncio.create_task(lone_engine.reset())
@@ -243,10 +242,10 @@ async def test_a_request_id_reused_right_after_a_disconnect_gets_its_own_output(
         reused.start()
     try:
         prompt = prompts(demo, 1)[0]
-        first = reused.generate(request("alice", prompt, max_tokens=400, debug_config=DebugConfig(ignore_eos=True)))
+        first = reused.generate(request("alice", prompt, max_tokens=400, ignore_eos=True))
         await anext(first)
         await first.aclose()  # the client went away
-        again = await consume(reused, request("alice", prompt, max_tokens=5, debug_config=DebugConfig(ignore_eos=True)))
+        again = await consume(reused, request("alice", prompt, max_tokens=5, ignore_eos=True))
         assert (again.finish_reason, len(again.tokens)) == ("length", 5)
     finally:
         reused.shutdown()
