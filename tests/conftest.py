@@ -17,7 +17,7 @@ if os.environ.get("ENGINES_TEST_GPU") != "1":
 def async_db_connections_closed(django_db_setup, django_db_blocker) -> Iterator[None]:
     """For modules whose async tests use the database: at the end of the session, close the
     connection asgiref's worker thread keeps open, or PostgreSQL refuses to drop the test
-    database (stack-notes: Django + Channels #6). Requested by those modules only, so the
+    database (docs/reference.md, stack pitfall 6). Requested by those modules only, so the
     tests that need no database don't create one."""
     yield
     from asgiref.sync import SyncToAsync

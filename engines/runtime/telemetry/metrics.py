@@ -5,7 +5,7 @@ is the ``usage.extra`` object of the final response. :class:`EngineMetrics` accu
 engine's life (until :meth:`~EngineMetrics.reset`); :meth:`~EngineMetrics.as_dict` is what
 ``/debug/dump_engine_metrics`` and the ``query_engine_metrics`` special request return.
 
-MLC semantics kept on purpose (see ``reference/mlc-debug-surface.md`` §5, "where we differ"):
+MLC semantics kept on purpose (``docs/reference.md``, "Engine metrics"):
 
 * The ``*_tokens_sum`` counters move only when a request finishes; the step times move every
   step. Our ``*_tokens_processed`` counters and the gauges are the live view.
