@@ -12,7 +12,7 @@ query per row: these pages stay fast with 100,000 records and 1,000,000 summarie
 from __future__ import annotations
 
 import re
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator, Callable, Iterator
 
 import orjson
 from asgiref.sync import sync_to_async
@@ -21,7 +21,7 @@ from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied
 from django.core.handlers.asgi import ASGIRequest
 from django.core.paginator import Paginator
-from django.db import connections
+from django.db import connections, models
 from django.db.models import F, QuerySet
 from django.http import HttpRequest, HttpResponse, HttpResponseRedirect, StreamingHttpResponse
 from django.template.defaultfilters import filesizeformat
@@ -32,16 +32,17 @@ from django.utils.html import format_html
 from django.utils.http import content_disposition_header, urlencode
 
 from engines.history.capture import normalize_tags
+from engines.history.columns import REQUEST_COLUMNS, RequestColumn
 from engines.history.payload import iter_json_chunks, payload_problem
 from engines.history.report import PHASE_STATS, REQUEST_STATS, compare_records, trace_report
 from engines.history.retention import apply_retention
 from engines.models import MetricsSnapshot, RequestSummary, TraceRecord
+from engines.runtime import FinishReason
 
 # Status of a download whose stored payload cannot be served: the record exists but
 # its bytes no longer match what was saved; a conflict to report, not a server fault.
 PAYLOAD_ERROR_STATUS = 409
 REQUEST_TABLE_LIMIT = 200
-KNOWN_FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 class EstimatedCountPaginator(Paginator):
@@ -339,16 +340,10 @@ class TraceRecordAdmin(admin.ModelAdmin):
         return payload_problem(self._stored_payload(record), expected_size=record.compressed_bytes,
                                expected_crc32=record.payload_crc32)
 
-    REQUEST_COLUMNS = (
-        ("request_id", "request id"), ("prompt_tokens", "prompt tokens"),
-        ("completion_tokens", "completion tokens"), ("queue_us", "queue (ms)"), ("ttft_us", "TTFT (ms)"),
-        ("prefill_us", "prefill (ms)"), ("decode_us", "decode (ms)"), ("e2e_us", "e2e (ms)"),
-        ("finish_reason", "finish"), ("preemptions", "preemptions"),
-    )
-
     def _request_table(self, request: HttpRequest, record: TraceRecord) -> dict[str, Any]:
-        """The detail page's request table: sortable by any column, the first rows shown."""
-        fields = [f for f, _ in self.REQUEST_COLUMNS]
+        """The detail page's request table: sortable by any column (one trace's rows, found
+        through the trace's index, sort cheaply), the first rows shown."""
+        fields = [c.field for c in REQUEST_COLUMNS]
         sort = request.GET.get("requests_sort", "-e2e_us")
         if sort.lstrip("-") not in fields:
             sort = "-e2e_us"
@@ -358,14 +353,15 @@ class TraceRecordAdmin(admin.ModelAdmin):
         rows = list(RequestSummary.objects.filter(trace=record).order_by(order, "id")
                     .values_list(*fields)[:REQUEST_TABLE_LIMIT])
         headers = []
-        for field, label in self.REQUEST_COLUMNS:
+        for column in REQUEST_COLUMNS:
+            field = column.field
             next_sort = field if field == key and descending else f"-{field}"
             params = request.GET.copy()
             params["requests_sort"] = next_sort
-            headers.append({"label": label, "url": "?" + params.urlencode(), "sorted": field == key,
+            headers.append({"label": column.header, "url": "?" + params.urlencode(), "sorted": field == key,
                             "descending": descending})
-        display = [[_ms(v) if f.endswith("_us") else ("—" if v is None else v)
-                    for f, v in zip(fields, row, strict=True)] for row in rows]
+        display = [[_ms(v) if c.is_duration else ("—" if v is None else v)
+                    for c, v in zip(REQUEST_COLUMNS, row, strict=True)] for row in rows]
         all_url = (reverse("admin:engines_requestsummary_changelist")
                    + "?" + urlencode({"trace__id__exact": record.pk}))
         return {"request_headers": headers, "request_rows": display, "request_rows_limit": REQUEST_TABLE_LIMIT,
@@ -401,14 +397,15 @@ class EngineFilter(admin.SimpleListFilter):
 
 
 class FinishReasonFilter(admin.SimpleListFilter):
-    """The finish reasons the engine emits, plus requests the trace shows unfinished."""
+    """The finish reasons the engine emits (its ``FinishReason``), plus requests the trace
+    shows unfinished."""
 
     title = "finish reason"
     parameter_name = "finish_reason"
     UNFINISHED = "-"
 
     def lookups(self, request: HttpRequest, model_admin: admin.ModelAdmin):
-        return [(r, r) for r in KNOWN_FINISH_REASONS] + [(self.UNFINISHED, "unfinished in the trace")]
+        return [(r.value, r.value) for r in FinishReason] + [(self.UNFINISHED, "unfinished in the trace")]
 
     def queryset(self, request: HttpRequest, queryset: QuerySet):
         value = self.value()
@@ -417,12 +414,36 @@ class FinishReasonFilter(admin.SimpleListFilter):
         return queryset.filter(finish_reason="" if value == self.UNFINISHED else value)
 
 
+def _indexed_fields(model: type[models.Model]) -> frozenset[str]:
+    """The fields an index can sort the whole table by: ``db_index`` ones, and the first
+    field of each of ``Meta.indexes``."""
+    opts = model._meta
+    return frozenset({f.name for f in opts.concrete_fields if f.db_index}
+                     | {index.fields[0].lstrip("-") for index in opts.indexes})
+
+
+def _summary_column(column: RequestColumn, sortable: bool) -> Callable[[RequestSummary], Any]:
+    """``column`` in the request-summary admin: its header, a duration in ms, and sortable if asked."""
+    def value(summary: RequestSummary) -> Any:
+        raw = getattr(summary, column.field)
+        return _ms(raw) if column.is_duration else raw
+
+    value.__name__ = column.field  # the list's CSS class, column-<field>
+    return admin.display(description=column.header, ordering=column.field if sortable else None)(value)
+
+
+# Sorting a million summaries without an index would cost more than the whole list page, so
+# the list across all history sorts only by indexed columns (one trace's table sorts by any).
+_SUMMARY_COLUMNS = tuple(_summary_column(c, c.field in _indexed_fields(RequestSummary)) for c in REQUEST_COLUMNS)
+
+
 @admin.register(RequestSummary)
 class RequestSummaryAdmin(admin.ModelAdmin):
     """All requests of all saved traces: sort by TTFT or e2e to find the slowest."""
 
-    list_display = ("request_id", "trace_link", "engine", "finish_reason", "prompt_tokens", "completion_tokens",
-                    "queue_ms", "ttft_ms", "prefill_ms", "decode_ms", "e2e_ms", "preemptions")
+    # The trace and its engine right after the request id; bench/trace_history.py sorts by
+    # column index (o=-7: TTFT, o=-10: e2e).
+    list_display = (_SUMMARY_COLUMNS[0], "trace_link", "engine", *_SUMMARY_COLUMNS[1:])
     list_filter = (EngineFilter, FinishReasonFilter)
     search_fields = ("=request_id",)
     search_help_text = "Exact request id."
@@ -436,8 +457,7 @@ class RequestSummaryAdmin(admin.ModelAdmin):
     show_facets = admin.ShowFacets.NEVER
     # The detail page links the trace by id: showing the foreign key itself would load
     # the whole trace row, payload included, to print its name.
-    fields = ("request_id", "trace_link", "engine", "finish_reason", "prompt_tokens", "completion_tokens",
-              "queue_ms", "ttft_ms", "prefill_ms", "decode_ms", "e2e_ms", "preemptions", "added_ts")
+    fields = (*list_display, "added_ts")
     readonly_fields = fields
 
     def get_search_results(self, request: HttpRequest, queryset: QuerySet, search_term: str):
@@ -452,26 +472,6 @@ class RequestSummaryAdmin(admin.ModelAdmin):
         return format_html('<a href="{}">{} #{}</a>',
                            reverse("admin:engines_tracerecord_change", args=[obj.trace_id]), obj.engine,
                            obj.trace_id)
-
-    @admin.display(description="queue (ms)", ordering="queue_us")
-    def queue_ms(self, obj: RequestSummary) -> str:
-        return _ms(obj.queue_us)
-
-    @admin.display(description="TTFT (ms)", ordering="ttft_us")
-    def ttft_ms(self, obj: RequestSummary) -> str:
-        return _ms(obj.ttft_us)
-
-    @admin.display(description="prefill (ms)")
-    def prefill_ms(self, obj: RequestSummary) -> str:
-        return _ms(obj.prefill_us)
-
-    @admin.display(description="decode (ms)")
-    def decode_ms(self, obj: RequestSummary) -> str:
-        return _ms(obj.decode_us)
-
-    @admin.display(description="e2e (ms)", ordering="e2e_us")
-    def e2e_ms(self, obj: RequestSummary) -> str:
-        return _ms(obj.e2e_us)
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False

@@ -12,9 +12,10 @@ The public API (what the server, the dashboard and the admin call)::
     apply_retention(engine=None, *, max_records=None, max_days=None, dry_run=False) -> RetentionResult
     compare_records(a, b) -> TraceComparison
 
-Modules: ``analysis`` (trace -> summaries, pure Python), ``payload`` (gzip storage),
-``capture`` (saving), ``retention``, ``report`` (detail and compare tables), ``autosave``
-(the periodic trace windows and metrics snapshots of ``manage.py serve``).
+Modules: ``analysis`` (trace -> summaries, pure Python), ``columns`` (the request-summary
+columns, declared once), ``payload`` (gzip storage), ``capture`` (saving), ``retention``,
+``report`` (detail and compare tables), ``autosave`` (the periodic trace windows and metrics
+snapshots of ``manage.py serve``).
 """
 from engines.history.analysis import TraceAnalysis, TraceFormatError, analyze_trace
 from engines.history.capture import (

@@ -30,12 +30,12 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
+from engines.history.columns import STATISTIC_COLUMNS
+
 # "prefill (3)" -> "prefill": the recorder numbers the nth span of a name per request.
 _COUNTER_SUFFIX = re.compile(r" \(\d+\)$")
 
 ENGINE_LANE_NAME = "engine"
-LATENCY_FIELDS = ("queue_us", "ttft_us", "prefill_us", "decode_us", "e2e_us")
-TOKEN_FIELDS = ("prompt_tokens", "completion_tokens")
 
 
 class TraceFormatError(ValueError):
@@ -123,7 +123,7 @@ class TraceAnalysis:
     dropped_events: int
     requests: list[RequestStats]
     phases: list[PhaseStats]
-    # Request latency and token distributions, keyed by RequestStats field name.
+    # Distributions of the statistic columns (engines.history.columns), keyed by field name.
     request_distributions: dict[str, Distribution]
     other_data: Mapping[str, Any] = field(default_factory=dict)
 
@@ -325,10 +325,10 @@ def _request_stats(request_id: str, lane: _Lane) -> RequestStats:
 
 def _request_distributions(requests: Iterable[RequestStats]) -> dict[str, Distribution]:
     out: dict[str, Distribution] = {}
-    for name in LATENCY_FIELDS + TOKEN_FIELDS:
-        dist = Distribution.of([v for r in requests if (v := getattr(r, name)) is not None])
+    for column in STATISTIC_COLUMNS:
+        dist = Distribution.of([v for r in requests if (v := getattr(r, column.field)) is not None])
         if dist is not None:
-            out[name] = dist
+            out[column.field] = dist
     return out
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from engines.history.columns import STATISTIC_COLUMNS
 from engines.models import TraceRecord
 
 PHASE_STATS = ("count", "total", "mean", "p50", "p90", "p99", "max")
@@ -17,16 +18,6 @@ REQUEST_STATS = ("count", "mean", "p50", "p90", "p99", "max")
 COMPARE_PHASE_STATS = ("count", "total", "p50", "p99")
 COMPARE_REQUEST_STATS = ("mean", "p50", "p90", "p99")
 COUNT_STATS = frozenset({"count", "events", "requests"})
-# (key in stats["requests"], label, is a duration)
-REQUEST_METRICS = (
-    ("ttft_us", "Time to first token", True),
-    ("e2e_us", "End-to-end latency", True),
-    ("queue_us", "Queue wait", True),
-    ("prefill_us", "Prefill time", True),
-    ("decode_us", "Decode time", True),
-    ("prompt_tokens", "Prompt tokens", False),
-    ("completion_tokens", "Completion tokens", False),
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,8 +79,8 @@ def trace_report(record: TraceRecord) -> TraceReport:
     return TraceReport(
         phases=[StatRow(label, "ms", _scaled(stats, PHASE_STATS, True))
                 for label, stats in _phase_map(record).items()],
-        requests=[StatRow(label, "ms" if duration else "tokens", _scaled(requests[key], REQUEST_STATS, duration))
-                  for key, label, duration in REQUEST_METRICS if key in requests],
+        requests=[StatRow(c.statistic, c.unit, _scaled(requests[c.field], REQUEST_STATS, c.is_duration))
+                  for c in STATISTIC_COLUMNS if c.field in requests],
     )
 
 
@@ -102,10 +93,10 @@ def compare_records(a: TraceRecord, b: TraceRecord) -> TraceComparison:
     ]
     req_a, req_b = _request_map(a), _request_map(b)
     requests = [
-        _change_row(label, "ms" if duration else "tokens", req_a.get(key), req_b.get(key), COMPARE_REQUEST_STATS,
-                    duration)
-        for key, label, duration in REQUEST_METRICS
-        if key in req_a or key in req_b
+        _change_row(c.statistic, c.unit, req_a.get(c.field), req_b.get(c.field), COMPARE_REQUEST_STATS,
+                    c.is_duration)
+        for c in STATISTIC_COLUMNS
+        if c.field in req_a or c.field in req_b
     ]
     return TraceComparison(a=a, b=b, overview=[_overview_row(a, b)], phases=phases, requests=requests)
 

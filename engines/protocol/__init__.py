@@ -1,7 +1,9 @@
 """The request protocol: pydantic models of MLC's ``debug_config``, the OpenAI API and error replies.
 
-Pure pydantic, no Django: the views validate bodies with these models, the runtime
-reads ``DebugConfig`` from them. Import from here or from the submodules.
+Pure pydantic, no Django: the views validate bodies with these models and map them onto the
+runtime's requests. The runtime's own vocabulary (``FinishReason``, ``REQUEST_LIMITS``) is
+used here, not restated: import it from ``engines.runtime``. Import the models from here or
+from the submodules.
 """
 from .debug import DebugConfig, DisaggConfig, DisaggKind
 from .errors import (
@@ -14,10 +16,6 @@ from .errors import (
     validation_error_param,
 )
 from .openai import (
-    CHAT_MAX_TOP_LOGPROBS,
-    COMPLETION_MAX_LOGPROBS,
-    MAX_N,
-    MAX_STOP_SEQUENCES,
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -31,7 +29,6 @@ from .openai import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    FinishReason,
     JSONSchemaFormat,
     ModelCard,
     ModelList,
@@ -43,10 +40,6 @@ from .openai import (
 )
 
 __all__ = [
-    "CHAT_MAX_TOP_LOGPROBS",
-    "COMPLETION_MAX_LOGPROBS",
-    "MAX_N",
-    "MAX_STOP_SEQUENCES",
     "VALIDATION_STATUS",
     "ChatChoice",
     "ChatCompletionChunk",
@@ -65,7 +58,6 @@ __all__ = [
     "DisaggConfig",
     "DisaggKind",
     "ErrorResponse",
-    "FinishReason",
     "JSONSchemaFormat",
     "ModelCard",
     "ModelList",

@@ -2,9 +2,16 @@
 ``/v1/chat/completions`` and ``/v1/models``, with MLC LLM's ``debug_config`` extension.
 
 Requests
-    Validated here, completely, so a view only parses, calls the engine and shapes the
-    reply. Messages name the offending field; see :mod:`engines.protocol.errors` for how
-    a ``ValidationError`` becomes one line.
+    Parsed and type-checked here: strict integers and booleans, the shapes of ``stop``,
+    ``logit_bias``, ``messages`` and ``response_format``, and the rules of OpenAI's API
+    itself (``/v1/completions``' ``logprobs`` of at most
+    ``REQUEST_LIMITS.max_completion_logprobs``, refused features). The *ranges* of the
+    sampling parameters (temperature, top_p, penalties, ``n``, ``stop`` count,
+    ``top_logprobs``, ``logit_bias`` values, ...) are checked once, by the engine's
+    ``SamplingParams``, which the view builds from the request and whose
+    ``InvalidSamplingParams`` it answers with a 400 naming the field. Messages name the
+    offending field; see :mod:`engines.protocol.errors` for how a ``ValidationError``
+    becomes one line.
 
     Unknown top-level fields are accepted and ignored: OpenAI clients and frameworks add
     fields as the API grows (``store``, ``metadata``, ``parallel_tool_calls``,
@@ -23,8 +30,9 @@ Responses
     chunks keep ``finish_reason: null`` and every ``delta``, the usage chunk has
     ``choices: []``, and ``usage.extra`` is left out unless set. The official ``openai``
     client parses them; it builds responses without validation, so our extra finish
-    reasons (``"abort"`` after a reset, ``"preempt"`` in disaggregated mode) reach the
-    caller as strings instead of failing as they do with MLC's own schema.
+    reasons (``"abort"`` after a reset, ``"preempt"`` in disaggregated mode: the engine's
+    ``FinishReason``) reach the caller as strings instead of failing as they do with MLC's
+    own schema.
 """
 from __future__ import annotations
 
@@ -43,14 +51,12 @@ from pydantic import (
     model_validator,
 )
 
+from engines.runtime import REQUEST_LIMITS, FinishReason
+
 from .debug import DebugConfig
 from .errors import field_error
 
 __all__ = [
-    "CHAT_MAX_TOP_LOGPROBS",
-    "COMPLETION_MAX_LOGPROBS",
-    "MAX_N",
-    "MAX_STOP_SEQUENCES",
     "ChatCompletionChunk",
     "ChatCompletionRequest",
     "ChatCompletionResponse",
@@ -64,7 +70,6 @@ __all__ = [
     "CompletionLogprobs",
     "CompletionRequest",
     "CompletionResponse",
-    "FinishReason",
     "JSONSchemaFormat",
     "ModelCard",
     "ModelList",
@@ -74,20 +79,6 @@ __all__ = [
     "TopLogprob",
     "Usage",
 ]
-
-#: OpenAI's limits on returned alternatives per token (MLC uses the same).
-COMPLETION_MAX_LOGPROBS = 5
-CHAT_MAX_TOP_LOGPROBS = 20
-#: Choices per request. OpenAI allows 128; every choice is a full sequence in the batch
-#: and its KV pages, so one request may not crowd out the rest of the engine.
-MAX_N = 16
-#: OpenAI's limit on stop sequences.
-MAX_STOP_SEQUENCES = 4
-
-#: Why a choice ended. OpenAI's ``stop``/``length``, plus MLC's ``abort`` (the request
-#: was aborted, e.g. by an engine reset) and ``preempt`` (disaggregated mode gave up the
-#: request; the router retries it).
-FinishReason = Literal["stop", "length", "abort", "preempt"]
 
 
 # --------------------------------------------------------------------------- requests
@@ -190,33 +181,33 @@ class _GenerationRequest(BaseModel):
     """Fields shared by completion and chat requests: sampling, stopping, streaming, debug.
 
     Integer and boolean fields are strict, as OpenAI's API is: ``"max_tokens": true``,
-    ``"n": 2.5`` or ``"stream": "yes"`` are errors, not silently 1, 2 or true.
+    ``"n": 2.5`` or ``"stream": "yes"`` are errors, not silently 1, 2 or true. The sampling
+    fields' ranges are ``SamplingParams``' to check (see the module docstring).
     """
 
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
     #: Upper bound on generated tokens per choice; None = up to the context limit.
-    max_tokens: int | None = Field(default=None, ge=1, strict=True)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    #: Extension (vLLM's): keep only the k most likely tokens. -1 and 0 mean "off",
-    #: the spellings vLLM clients send, and become None.
+    max_tokens: int | None = Field(default=None, strict=True)
+    temperature: float | None = None
+    top_p: float | None = None
+    #: Extension (vLLM's): keep only the k most likely tokens; -1 and 0 (the spellings
+    #: vLLM clients send) mean "off".
     top_k: int | None = Field(default=None, strict=True)
-    n: int = Field(default=1, ge=1, strict=True)
+    n: int = Field(default=1, strict=True)
     stream: bool = Field(default=False, strict=True)
     stream_options: StreamOptions | None = None
-    #: Up to four stop strings; a single string is accepted and becomes a one-element list.
+    #: Stop strings; a single string is accepted and becomes a one-element list.
     stop: list[str] | None = None
     #: Any 64-bit integer, signed or not, as clients send them; turning it into an RNG
     #: seed is the sampler's job.
     seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1, strict=True)
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
     #: Extension: multiplicative penalty on tokens already present (1.0 = off).
-    repetition_penalty: float | None = Field(default=None, gt=0)
-    #: Token id -> bias added to its logit, in [-100, 100]. JSON keys are strings; they are
-    #: parsed to ints here.
+    repetition_penalty: float | None = None
+    #: Token id -> bias added to its logit. JSON keys are strings; they are parsed to ints here.
     logit_bias: dict[int, float] | None = None
     user: str | None = None
     response_format: ResponseFormat | None = None
@@ -232,24 +223,6 @@ class _GenerationRequest(BaseModel):
             return {key: value for key, value in data.items() if value is not None}
         return data
 
-    @field_validator("top_k")
-    @classmethod
-    def _check_top_k(cls, top_k: int | None) -> int | None:
-        if top_k is None:
-            return None
-        if top_k < -1:
-            raise field_error(f"must be a positive integer, or -1 / 0 for no top-k filtering (got {top_k})")
-        return top_k if top_k > 0 else None
-
-    @field_validator("n")
-    @classmethod
-    def _check_n(cls, n: int) -> int:
-        if n > MAX_N:
-            raise field_error(
-                f"at most {MAX_N} choices per request on this server (got {n}); send several requests instead"
-            )
-        return n
-
     @field_validator("stop", mode="before")
     @classmethod
     def _check_stop(cls, stop: Any) -> Any:
@@ -257,13 +230,9 @@ class _GenerationRequest(BaseModel):
             stop = [stop]
         if not isinstance(stop, list):
             raise field_error("must be a string or a list of strings")
-        if len(stop) > MAX_STOP_SEQUENCES:
-            raise field_error(f"at most {MAX_STOP_SEQUENCES} stop sequences (got {len(stop)})")
         for item in stop:
             if not isinstance(item, str):
                 raise field_error(f"stop sequences must be strings (got {item!r})")
-            if not item:
-                raise field_error("stop sequences must not be empty: an empty one would end every choice at once")
         return stop
 
     @field_validator("logit_bias", mode="before")
@@ -274,12 +243,12 @@ class _GenerationRequest(BaseModel):
         parsed: dict[int, float] = {}
         for key, bias in logit_bias.items():
             token_id = key if isinstance(key, int) and not isinstance(key, bool) else None
-            if isinstance(key, str) and re.fullmatch(r"\d+", key.strip()):
+            if isinstance(key, str) and re.fullmatch(r"-?\d+", key.strip()):
                 token_id = int(key)
-            if token_id is None or token_id < 0:
-                raise field_error(f"key {key!r} is not a token id (a non-negative integer, as a string in JSON)")
-            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:
-                raise field_error(f"bias for token {token_id} must be a number in [-100, 100] (got {bias!r})")
+            if token_id is None:
+                raise field_error(f"key {key!r} is not a token id (an integer, as a string in JSON)")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+                raise field_error(f"bias for token {token_id} must be a number (got {bias!r})")
             parsed[token_id] = float(bias)
         return parsed
 
@@ -320,8 +289,9 @@ class CompletionRequest(_GenerationRequest):
     """
 
     prompt: str | list[TokenId]
-    #: 0..5 alternatives per token (``logprobs: 0`` returns only the chosen token's).
-    logprobs: int | None = Field(default=None, ge=0, le=COMPLETION_MAX_LOGPROBS, strict=True)
+    #: 0..5 alternatives per token (``logprobs: 0`` returns only the chosen token's): OpenAI's
+    #: rule for this endpoint, narrower than the engine's ``top_logprobs`` it becomes.
+    logprobs: int | None = Field(default=None, ge=0, le=REQUEST_LIMITS.max_completion_logprobs, strict=True)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -415,8 +385,8 @@ class ChatCompletionRequest(_GenerationRequest):
 
     messages: list[ChatMessage]
     logprobs: bool = Field(default=False, strict=True)
-    top_logprobs: int | None = Field(default=None, ge=0, le=CHAT_MAX_TOP_LOGPROBS, strict=True)
-    max_completion_tokens: int | None = Field(default=None, ge=1, strict=True)
+    top_logprobs: int | None = Field(default=None, strict=True)
+    max_completion_tokens: int | None = Field(default=None, strict=True)
     tools: list[Any] | None = None
     tool_choice: Any = None
     functions: list[Any] | None = None
@@ -428,13 +398,14 @@ class ChatCompletionRequest(_GenerationRequest):
     def _check_request(self) -> "ChatCompletionRequest":
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
-        if self.top_logprobs and not self.logprobs:
-            raise field_error('"logprobs" must be True to support "top_logprobs"', "logprobs")
         self._check_tools()
         if self.modalities is not None and any(m != "text" for m in self.modalities):
             raise field_error(f'only the "text" modality is supported (got {self.modalities})', "modalities")
         if self.audio is not None:
             raise field_error("audio output is not supported: this server serves text-only models", "audio")
+        if self.top_logprobs and not self.logprobs:
+            # MLC's wording, which its clients match (the engine's own check words it its way).
+            raise field_error('"logprobs" must be True to support "top_logprobs"', "logprobs")
         if not self.messages and not self.is_special_request:
             raise field_error("messages must hold at least one message", "messages")
         self._check_streaming()

@@ -183,21 +183,26 @@ def make_generation_request(
     request_id: str, prompt: list[int], body: ChatCompletionRequest | CompletionRequest
 ) -> GenerationRequest:
     """Map the OpenAI parameters, and MLC's ``debug_config`` options, onto the engine's fields
-    (the pydantic ``DebugConfig`` never crosses into the runtime)."""
+    (the pydantic ``DebugConfig`` never crosses into the runtime).
+
+    ``SamplingParams`` is where the sampling ranges are checked (``REQUEST_LIMITS``): a value
+    out of range is a 400 naming the parameter the client sent.
+    """
     if isinstance(body, ChatCompletionRequest):
         logprobs, top_logprobs = body.logprobs, body.top_logprobs or 0
     else:
         logprobs, top_logprobs = body.logprobs is not None, body.logprobs or 0
     debug = body.debug_config  # None unless the server runs with --enable-debug (parse_body)
     try:
+        # "is None", not "or": a 0 the client sent must reach the range check, not become the default.
         sampling = SamplingParams(
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=body.top_k or -1,
+            top_k=-1 if body.top_k is None else body.top_k,
             seed=body.seed,
-            frequency_penalty=body.frequency_penalty or 0.0,
-            presence_penalty=body.presence_penalty or 0.0,
-            repetition_penalty=body.repetition_penalty or 1.0,
+            frequency_penalty=0.0 if body.frequency_penalty is None else body.frequency_penalty,
+            presence_penalty=0.0 if body.presence_penalty is None else body.presence_penalty,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
             logit_bias=body.logit_bias,
             stop=tuple(body.stop or ()),
             max_tokens=body.max_tokens,
@@ -207,7 +212,11 @@ def make_generation_request(
             ignore_eos=debug is not None and debug.ignore_eos,
         )
     except InvalidSamplingParams as exc:
-        raise ProtocolError(400, str(exc), param=exc.field) from None
+        param = exc.field
+        # Chat's max_completion_tokens (OpenAI's newer name) reaches the engine as max_tokens.
+        if param == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
+            param = "max_completion_tokens"
+        raise ProtocolError(400, f"{param} {exc.reason}", param=param) from None
     return GenerationRequest(
         request_id=request_id,
         prompt=prompt,

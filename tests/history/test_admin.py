@@ -5,11 +5,15 @@ import gzip
 
 import orjson
 import pytest
+from django.contrib.admin.templatetags.admin_list import result_headers
 from django.contrib.auth.models import Permission
 from django.urls import reverse
+from django.utils.text import capfirst
 
 from engines.history import save_metrics_snapshot, save_trace
+from engines.history.columns import REQUEST_COLUMNS, STATISTIC_COLUMNS
 from engines.models import MetricsSnapshot, RequestSummary, TraceRecord
+from engines.runtime import FinishReason
 from tests.history.trace_builder import T0, TraceBuilder, serving_trace
 
 pytestmark = pytest.mark.django_db
@@ -295,6 +299,38 @@ def test_request_list_filters_sorts_and_links_back(admin_client, saved_trace):
     assert ids(finish_reason="length", o="7") == ["req-0", "req-1", "req-2"]  # column 7: TTFT ascending
     assert ids(trace__id__exact=str(record.pk), o="-10") == ["req-2", "req-1", "req-0"]  # column 10: e2e descending
     assert ids(q="req-1") == ["req-1"]
+
+
+def test_request_columns_are_declared_once(admin_client, saved_trace):
+    """engines.history.columns is the one list of request columns: the trace page's table, its
+    request statistics, the request list and a summary's own page all follow it."""
+    record, _ = saved_trace
+    headers = [c.header for c in REQUEST_COLUMNS]
+    assert headers[:2] == ["request id", "finish reason"] and "TTFT (ms)" in headers
+
+    detail = admin_client.get(change_url(record)).context
+    assert [h["label"] for h in detail["request_headers"]] == headers
+    assert [row.label for row in detail["report"].requests] == [c.statistic for c in STATISTIC_COLUMNS]
+    assert set(record.stats["requests"]) == {c.field for c in STATISTIC_COLUMNS}
+
+    listed = list(result_headers(admin_client.get(reverse(REQUESTS)).context["cl"]))
+    assert [h["text"] for h in listed] == [headers[0], "trace", "engine", *headers[1:]]
+    # Across all history only indexed columns sort (a million rows); one trace's table sorts by any.
+    assert {h["text"] for h in listed if h["sortable"]} == {
+        "request id", "trace", "engine", "finish reason", "queue (ms)", "TTFT (ms)", "e2e (ms)"}
+
+    summary = RequestSummary.objects.get(trace=record, request_id="req-0")
+    page = admin_client.get(reverse("admin:engines_requestsummary_change", args=[summary.pk]))
+    assert page.status_code == 200
+    assert all(f"{capfirst(header)}:</label>" in page.text for header in headers)
+    assert f"{summary.e2e_us / 1000:,.1f}" in page.text  # durations in ms, as in the list
+
+
+def test_finish_reason_filter_offers_the_engines_finish_reasons(admin_client, saved_trace):
+    changelist = admin_client.get(reverse(REQUESTS)).context["cl"]
+    spec = next(f for f in changelist.filter_specs if f.parameter_name == "finish_reason")
+    assert [value for value, _ in spec.lookup_choices] == [*(r.value for r in FinishReason), "-"]
+    assert {"stop", "length", "abort", "preempt"} <= {value for value, _ in spec.lookup_choices}
 
 
 def test_list_pages_do_not_query_per_row(admin_client, django_assert_max_num_queries):

@@ -1,7 +1,10 @@
 """OpenAI request and response models: every check, and compatibility with the official client.
 
-The client tests put the real ``openai`` client in front of a mock transport: requests are
-what the client actually sends, and responses go through the client's own parsing.
+The models check types and shapes; the sampling ranges are checked once, by the engine's
+``SamplingParams``, when the view maps a request onto it (``make_generation_request``): the
+range tests here go through that mapping and pin what a client gets, a 400 naming the field
+and the limit. The client tests put the real ``openai`` client in front of a mock transport:
+requests are what the client actually sends, and responses go through the client's own parsing.
 """
 from __future__ import annotations
 
@@ -32,12 +35,15 @@ from engines.protocol import (
     DebugConfig,
     ModelCard,
     ModelList,
+    ProtocolError,
     TokenLogprob,
     TopLogprob,
     Usage,
     validation_error_message,
     validation_error_param,
 )
+from engines.runtime import GenerationRequest
+from engines.views.openai import make_generation_request
 
 USER = [{"role": "user", "content": "Hello"}]
 
@@ -60,6 +66,18 @@ def error_of(cls: type, data: dict[str, Any]) -> tuple[str, str | None]:
     return validation_error_message(info.value), validation_error_param(info.value)
 
 
+def generation_of(cls: type, data: dict[str, Any]) -> GenerationRequest:
+    """What the server hands the engine for this body."""
+    return make_generation_request("req-1", [1, 2, 3], cls.model_validate(data))
+
+
+def refusal_of(cls: type, data: dict[str, Any]) -> ProtocolError:
+    """The server's refusal of a body that parses but asks for values out of range."""
+    with pytest.raises(ProtocolError) as info:
+        generation_of(cls, data)
+    return info.value
+
+
 # -------------------------------------------------------------------- shared fields
 
 
@@ -77,17 +95,7 @@ def test_defaults(endpoint):
 @pytest.mark.parametrize(
     ("field", "value", "expected"),
     [
-        ("max_tokens", 0, "max_tokens: Input should be greater than or equal to 1 (got 0)"),
-        ("temperature", -0.1, "temperature: Input should be greater than or equal to 0"),
-        ("temperature", 2.5, "temperature: Input should be less than or equal to 2 (got 2.5)"),
-        ("top_p", 0, "top_p: Input should be greater than 0"),
-        ("top_p", 1.01, "top_p: Input should be less than or equal to 1"),
-        ("n", 0, "n: Input should be greater than or equal to 1"),
-        ("n", 17, "n: at most 16 choices per request on this server (got 17)"),
-        ("frequency_penalty", 2.5, "frequency_penalty: Input should be less than or equal to 2"),
-        ("presence_penalty", -2.5, "presence_penalty: Input should be greater than or equal to -2"),
-        ("repetition_penalty", 0, "repetition_penalty: Input should be greater than 0"),
-        ("top_k", -2, "top_k: must be a positive integer, or -1 / 0 for no top-k filtering (got -2)"),
+        ("temperature", "hot", "temperature: Input should be a valid number"),
         ("seed", 2**64, "seed: Input should be less than or equal to"),
         ("stream", "maybe", "stream: Input should be a valid boolean"),
         # Strict, as OpenAI: no silent coercion of booleans, strings or fractions.
@@ -96,14 +104,12 @@ def test_defaults(endpoint):
         ("max_tokens", "16", "max_tokens: Input should be a valid integer"),
         ("n", 2.5, "n: Input should be a valid integer"),
         ("seed", "7", "seed: Input should be a valid integer"),
-        ("stop", ["a", "b", "c", "d", "e"], "stop: at most 4 stop sequences (got 5)"),
-        ("stop", [""], "stop: stop sequences must not be empty"),
+        ("top_k", 2.5, "top_k: Input should be a valid integer"),
         ("stop", ["a", 3], "stop: stop sequences must be strings (got 3)"),
         ("stop", 3, "stop: must be a string or a list of strings"),
         ("logit_bias", {"abc": 1}, "logit_bias: key 'abc' is not a token id"),
-        ("logit_bias", {"-5": 1}, "logit_bias: key '-5' is not a token id"),
-        ("logit_bias", {"5": 101}, "logit_bias: bias for token 5 must be a number in [-100, 100] (got 101)"),
-        ("logit_bias", {"5": "high"}, "logit_bias: bias for token 5 must be a number in [-100, 100] (got 'high')"),
+        ("logit_bias", {"5": "high"}, "logit_bias: bias for token 5 must be a number (got 'high')"),
+        ("logit_bias", {"5": True}, "logit_bias: bias for token 5 must be a number (got True)"),
         ("logit_bias", [5], "logit_bias: must be an object mapping token ids to biases"),
         ("response_format", {"type": "xml"}, "response_format.type: Input should be 'text', 'json_object' or 'json_schema'"),
         ("debug_config", {"ignore_eos": "yes"}, "debug_config.ignore_eos: Input should be a valid boolean (got 'yes')"),
@@ -117,17 +123,49 @@ def test_bad_values_are_refused_naming_the_field(endpoint, field, value, expecte
 
 
 @pytest.mark.parametrize("endpoint", ["chat", "completion"])
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        ("max_tokens", 0, "max_tokens must be a positive integer, got 0"),
+        ("temperature", -0.1, "temperature must be at least 0 and at most 2, got -0.1"),
+        ("temperature", 2.5, "temperature must be at least 0 and at most 2, got 2.5"),
+        ("top_p", 0, "top_p must be greater than 0 and at most 1, got 0"),
+        ("top_p", 1.01, "top_p must be greater than 0 and at most 1, got 1.01"),
+        ("n", 0, "n must be an integer from 1 to 16"),
+        ("n", 17, "n must be an integer from 1 to 16 (choices per request on this server; send several requests for more), got 17"),
+        ("frequency_penalty", 2.5, "frequency_penalty must be at least -2 and at most 2, got 2.5"),
+        ("presence_penalty", -2.5, "presence_penalty must be at least -2 and at most 2, got -2.5"),
+        ("repetition_penalty", 0, "repetition_penalty must be a number greater than 0, got 0"),
+        ("top_k", -2, "top_k must be -1 or 0 (off) or a positive integer, got -2"),
+        ("stop", ["a", "b", "c", "d", "e"], "stop allows at most 4 sequences, got 5"),
+        ("stop", [""], "stop sequences must be non-empty strings"),
+        ("logit_bias", {"-5": 1}, "logit_bias token id -5 is negative"),
+        ("logit_bias", {"5": 101}, "logit_bias values must be numbers from -100 to 100, got 101.0 for token 5"),
+    ],
+)
+def test_out_of_range_values_are_a_400_naming_the_field_and_the_limit(endpoint, field, value, expected):
+    error = refusal_of(MODELS[endpoint], BODIES[endpoint](**{field: value}))
+    assert error.status == 400
+    assert error.message.startswith(expected), error.message
+    assert error.param == field
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completion"])
 def test_edges_of_ranges_are_accepted(endpoint):
     body = BODIES[endpoint](
-        temperature=0, top_p=1, n=16, frequency_penalty=-2, presence_penalty=2, max_tokens=1, seed=-1, top_k=50
+        temperature=0, top_p=1, n=16, frequency_penalty=-2, presence_penalty=2, repetition_penalty=0.01,
+        max_tokens=1, seed=-1, top_k=50, stop=["a", "b", "c", "d"], logit_bias={"0": -100, "7": 100},
     )
-    request = MODELS[endpoint].model_validate(body)
-    assert (request.temperature, request.top_p, request.n, request.top_k, request.seed) == (0, 1, 16, 50, -1)
+    sampling = generation_of(MODELS[endpoint], body).sampling
+    assert (sampling.temperature, sampling.top_p, sampling.n, sampling.top_k, sampling.seed) == (0, 1, 16, 50, -1)
+    assert (sampling.frequency_penalty, sampling.presence_penalty, sampling.max_tokens) == (-2, 2, 1)
+    assert sampling.stop == ("a", "b", "c", "d") and sampling.logit_bias == {0: -100.0, 7: 100.0}
 
 
 @pytest.mark.parametrize("top_k", [-1, 0])
-def test_top_k_off_spellings_become_none(top_k):
-    assert CompletionRequest.model_validate(completion(top_k=top_k)).top_k is None
+def test_top_k_off_spellings_turn_top_k_off(top_k):
+    sampling = generation_of(CompletionRequest, completion(top_k=top_k, temperature=0.7)).sampling
+    assert sampling.top_k in (-1, 0) and not sampling.is_greedy
 
 
 def test_stop_string_becomes_a_list():
@@ -318,16 +356,22 @@ def test_max_completion_tokens_wins():
     request = ChatCompletionRequest.model_validate(chat(max_tokens=50, max_completion_tokens=7))
     assert request.max_tokens == 7
     assert ChatCompletionRequest.model_validate(chat(max_tokens=50)).max_tokens == 50
-    message, _ = error_of(ChatCompletionRequest, chat(max_completion_tokens=0))
-    assert message.startswith("max_completion_tokens: Input should be greater than or equal to 1")
+    # Refused under the name the client used, though it reaches the engine as max_tokens.
+    error = refusal_of(ChatCompletionRequest, chat(max_completion_tokens=0))
+    assert (error.status, error.param) == (400, "max_completion_tokens")
+    assert error.message == "max_completion_tokens must be a positive integer, got 0"
 
 
 def test_logprobs_and_top_logprobs():
-    request = ChatCompletionRequest.model_validate(chat(logprobs=True, top_logprobs=20))
-    assert (request.logprobs, request.top_logprobs) == (True, 20)
-    assert error_of(ChatCompletionRequest, chat(top_logprobs=3))[0] == '"logprobs" must be True to support "top_logprobs"'
-    message, _ = error_of(ChatCompletionRequest, chat(logprobs=True, top_logprobs=21))
-    assert message.startswith("top_logprobs: Input should be less than or equal to 20")
+    sampling = generation_of(ChatCompletionRequest, chat(logprobs=True, top_logprobs=20)).sampling
+    assert (sampling.logprobs, sampling.top_logprobs) == (True, 20)
+    with pytest.raises(ValidationError, match='"logprobs" must be True to support "top_logprobs"'):
+        ChatCompletionRequest.model_validate(chat(top_logprobs=3))  # MLC's wording, at parse time
+    error = refusal_of(ChatCompletionRequest, chat(logprobs=True, top_logprobs=21))
+    assert (error.status, error.param) == (400, "top_logprobs")
+    assert error.message == "top_logprobs must be an integer from 0 to 20, got 21"
+    assert error_of(ChatCompletionRequest, chat(logprobs=True, top_logprobs=2.0))[0].startswith(
+        "top_logprobs: Input should be a valid integer")
 
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {}}}

@@ -1,5 +1,12 @@
-"""What one request may ask for: the single source of the limits that both the engine
-(``SamplingParams``) and the HTTP protocol (``engines.protocol``) enforce.
+"""What one request may ask for: the one declaration of the request limits.
+
+Who enforces what, each rule once:
+
+* ``SamplingParams`` (``core.sampler``) checks every sampling range below, for every caller:
+  the HTTP server (which answers its ``InvalidSamplingParams`` with a 400 naming the field)
+  and code that drives an engine directly.
+* The HTTP protocol (``engines.protocol``) checks only ``max_completion_logprobs``: a rule of
+  the ``/v1/completions`` API shape (its ``logprobs`` becomes the engine's ``top_logprobs``).
 
 OpenAI's limits, except ``max_n``: every choice is a full sequence in the batch with its own
 KV pages, so one request may not crowd out the rest of the engine (OpenAI allows 128).

@@ -7,7 +7,7 @@ positions and gets one token per row, plus log-probabilities when asked.
 
 Per row, in order (each step is skipped when it does nothing):
 
-1. ``logit_bias`` is added (OpenAI: -100..100, effectively ban/force).
+1. ``logit_bias`` is added (-100..100 as OpenAI, effectively ban/force).
 2. ``repetition_penalty`` (HF/vLLM: positive logits divided, negative ones
    multiplied) over tokens seen in the prompt or the output.
 3. ``frequency_penalty`` * count + ``presence_penalty`` * (count > 0) subtracted,
@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from engines.runtime.core.limits import REQUEST_LIMITS
+
 __all__ = [
     "InvalidSamplingParams",
     "Sampler",
@@ -46,22 +48,21 @@ __all__ = [
     "TokenLogprob",
 ]
 
-MAX_STOP_SEQUENCES = 4   # OpenAI's limit on `stop`
-MAX_TOP_LOGPROBS = 20    # OpenAI's limit on `top_logprobs`
-MAX_N = 128              # OpenAI's limit on `n`
 # First candidate-set size tried when looking for the top-p nucleus: almost always enough.
 _NUCLEUS_PREFILTER = 256
 
 
 class InvalidSamplingParams(ValueError):
-    """A sampling parameter is out of range; ``field`` names it, the message says why.
+    """A sampling parameter is out of range; ``field`` names it, ``reason`` says why.
 
-    The server turns it into a 400 with the message as is.
+    The message is ``"<field> <reason>"``. The server turns it into a 400 whose ``param``
+    is the field, so this is the one check of these ranges for HTTP and direct callers alike.
     """
 
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field} {message}")
+    def __init__(self, field: str, reason: str) -> None:
+        super().__init__(f"{field} {reason}")
         self.field = field
+        self.reason = reason
 
 
 def _is_int(value: object) -> bool:
@@ -76,21 +77,20 @@ def _check_range(name: str, value: object, lo: float, hi: float, lo_open: bool =
     if not _is_number(value) or not math.isfinite(value):
         raise InvalidSamplingParams(name, f"must be a number, got {value!r}")
     if value < lo or value > hi or (lo_open and value == lo):
-        low = f"greater than {lo}" if lo_open else f"at least {lo}"
-        raise InvalidSamplingParams(name, f"must be {low} and at most {hi}, got {value!r}")
+        low = f"greater than {lo:g}" if lo_open else f"at least {lo:g}"
+        raise InvalidSamplingParams(name, f"must be {low} and at most {hi:g}, got {value!r}")
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples and when it stops; validated on construction.
 
-    Defaults are OpenAI's. ``top_k`` of -1 or 0 means off. ``max_tokens=None`` means
-    "until the context is full" (the engine caps it). ``stop`` accepts a string or a
-    list (up to 4) and is stored as a tuple. ``logit_bias`` keys may be ints or
-    decimal strings (as in OpenAI's JSON) and are stored as ints; check them
-    against the model with ``check_vocab``. ``ignore_eos`` (MLC ``debug_config``)
-    disables EOS, ``stop_token_ids`` and ``stop`` strings: only ``max_tokens``, the
-    context limit or a finished grammar end the request.
+    Defaults are OpenAI's, ranges come from ``REQUEST_LIMITS``. ``top_k`` of -1 or 0 means
+    off. ``max_tokens=None`` means "until the context is full" (the engine caps it).
+    ``stop`` accepts a string or a list and is stored as a tuple. ``logit_bias`` maps
+    token ids to biases; check the ids against the model with ``check_vocab``.
+    ``ignore_eos`` (MLC ``debug_config``) disables EOS, ``stop_token_ids`` and ``stop``
+    strings: only ``max_tokens``, the context limit or a finished grammar end the request.
 
     Raises ``InvalidSamplingParams`` naming the first bad field.
     """
@@ -112,14 +112,15 @@ class SamplingParams:
     n: int = 1
 
     def __post_init__(self) -> None:
-        _check_range("temperature", self.temperature, 0.0, 2.0)
-        _check_range("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        limits = REQUEST_LIMITS
+        _check_range("temperature", self.temperature, limits.temperature_min, limits.temperature_max)
+        _check_range("top_p", self.top_p, limits.top_p_min_exclusive, limits.top_p_max, lo_open=True)
         if not _is_int(self.top_k) or self.top_k < -1:
             raise InvalidSamplingParams("top_k", f"must be -1 or 0 (off) or a positive integer, got {self.top_k!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise InvalidSamplingParams("seed", f"must be an integer, got {self.seed!r}")
-        _check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        _check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_range("frequency_penalty", self.frequency_penalty, limits.penalty_min, limits.penalty_max)
+        _check_range("presence_penalty", self.presence_penalty, limits.penalty_min, limits.penalty_max)
         if not _is_number(self.repetition_penalty) or not math.isfinite(self.repetition_penalty) \
                 or self.repetition_penalty <= 0:
             raise InvalidSamplingParams(
@@ -136,33 +137,33 @@ class SamplingParams:
         for name in ("ignore_eos", "logprobs"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidSamplingParams(name, f"must be a boolean, got {getattr(self, name)!r}")
-        if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+        if not _is_int(self.top_logprobs) or not 0 <= self.top_logprobs <= limits.max_top_logprobs:
             raise InvalidSamplingParams(
-                "top_logprobs", f"must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {self.top_logprobs!r}")
+                "top_logprobs", f"must be an integer from 0 to {limits.max_top_logprobs}, got {self.top_logprobs!r}")
         if self.top_logprobs and not self.logprobs:
             raise InvalidSamplingParams("top_logprobs", "requires logprobs to be true")
-        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
-            raise InvalidSamplingParams("n", f"must be an integer from 1 to {MAX_N}, got {self.n!r}")
+        if not _is_int(self.n) or not 1 <= self.n <= limits.max_n:
+            raise InvalidSamplingParams(
+                "n", f"must be an integer from 1 to {limits.max_n} (choices per request on this server; "
+                     f"send several requests for more), got {self.n!r}")
 
     @staticmethod
-    def _normalise_logit_bias(bias: Mapping[int | str, float] | None) -> dict[int, float] | None:
+    def _normalise_logit_bias(bias: Mapping[int, float] | None) -> dict[int, float] | None:
         if not bias:
             return None
         if not isinstance(bias, Mapping):
             raise InvalidSamplingParams("logit_bias", f"must map token ids to biases, got {bias!r}")
+        lo, hi = REQUEST_LIMITS.logit_bias_min, REQUEST_LIMITS.logit_bias_max
         out: dict[int, float] = {}
         for key, value in bias.items():
-            if _is_int(key):
-                tid = int(key)
-            elif isinstance(key, str) and key.strip().lstrip("-").isdigit():
-                tid = int(key)
-            else:
-                raise InvalidSamplingParams("logit_bias", f"keys must be token ids, got {key!r}")
+            if not _is_int(key):
+                raise InvalidSamplingParams("logit_bias", f"keys must be token ids (integers), got {key!r}")
+            tid = int(key)
             if tid < 0:
                 raise InvalidSamplingParams("logit_bias", f"token id {tid} is negative")
-            if not _is_number(value) or not -100.0 <= value <= 100.0:
+            if not _is_number(value) or not lo <= value <= hi:  # NaN fails the comparison too
                 raise InvalidSamplingParams(
-                    "logit_bias", f"values must be numbers from -100 to 100, got {value!r} for token {tid}")
+                    "logit_bias", f"values must be numbers from {lo:g} to {hi:g}, got {value!r} for token {tid}")
             out[tid] = float(value)
         return out
 
@@ -171,11 +172,14 @@ class SamplingParams:
         if stop is None:
             return ()
         items = (stop,) if isinstance(stop, str) else tuple(stop)
-        if len(items) > MAX_STOP_SEQUENCES:
-            raise InvalidSamplingParams("stop", f"allows at most {MAX_STOP_SEQUENCES} sequences, got {len(items)}")
+        most = REQUEST_LIMITS.max_stop_sequences
+        if len(items) > most:
+            raise InvalidSamplingParams("stop", f"allows at most {most} sequences, got {len(items)}")
         for s in items:
             if not isinstance(s, str) or not s:
-                raise InvalidSamplingParams("stop", f"sequences must be non-empty strings, got {s!r}")
+                raise InvalidSamplingParams(
+                    "stop", f"sequences must be non-empty strings (an empty one would end every choice at once), "
+                            f"got {s!r}")
         return items
 
     def check_vocab(self, vocab_size: int) -> None:

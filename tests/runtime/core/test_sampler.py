@@ -4,6 +4,7 @@ import math
 import numpy as np
 import pytest
 
+from engines.runtime.core.limits import REQUEST_LIMITS
 from engines.runtime.core.sampler import (
     InvalidSamplingParams,
     Sampler,
@@ -44,6 +45,7 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     ({"repetition_penalty": float("inf")}, "repetition_penalty"),
     ({"logit_bias": {5: 101}}, "logit_bias"),
     ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 1}}, "logit_bias"),  # JSON's string keys are the protocol's to parse
     ({"logit_bias": {-1: 1}}, "logit_bias"),
     ({"logit_bias": {3: float("nan")}}, "logit_bias"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
@@ -57,7 +59,7 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"top_logprobs": 3}, "top_logprobs"),  # needs logprobs=True
     ({"n": 0}, "n"),
-    ({"n": 1000}, "n"),
+    ({"n": 17}, "n"),
 ])
 def test_invalid_params_name_the_field(kwargs, field):
     with pytest.raises(InvalidSamplingParams) as exc:
@@ -68,7 +70,7 @@ def test_invalid_params_name_the_field(kwargs, field):
 
 
 def test_valid_params_are_normalised():
-    p = SamplingParams(temperature=0, top_k=0, seed=-7, stop="###", logit_bias={"5": 10, 6: -100},
+    p = SamplingParams(temperature=0, top_k=0, seed=-7, stop="###", logit_bias={5: 10, 6: -100},
                        stop_token_ids=[2, 3], max_tokens=1, logprobs=True, top_logprobs=20, n=4,
                        frequency_penalty=-2, presence_penalty=2, repetition_penalty=1.3)
     assert p.stop == ("###",)
@@ -78,6 +80,33 @@ def test_valid_params_are_normalised():
     assert SamplingParams(top_k=1).is_greedy
     assert not SamplingParams().is_greedy
     assert SamplingParams(logit_bias={}).logit_bias is None
+
+
+@pytest.mark.parametrize("edge, past, message", [
+    ({"temperature": REQUEST_LIMITS.temperature_max}, {"temperature": 2.01},
+     "temperature must be at least 0 and at most 2, got 2.01"),
+    ({"top_p": REQUEST_LIMITS.top_p_max}, {"top_p": REQUEST_LIMITS.top_p_min_exclusive},
+     "top_p must be greater than 0 and at most 1, got 0.0"),
+    ({"frequency_penalty": REQUEST_LIMITS.penalty_min}, {"frequency_penalty": -2.01},
+     "frequency_penalty must be at least -2 and at most 2, got -2.01"),
+    ({"presence_penalty": REQUEST_LIMITS.penalty_max}, {"presence_penalty": 2.01},
+     "presence_penalty must be at least -2 and at most 2, got 2.01"),
+    ({"stop": ["a"] * REQUEST_LIMITS.max_stop_sequences}, {"stop": ["a"] * 5},
+     "stop allows at most 4 sequences, got 5"),
+    ({"logprobs": True, "top_logprobs": REQUEST_LIMITS.max_top_logprobs}, {"logprobs": True, "top_logprobs": 21},
+     "top_logprobs must be an integer from 0 to 20, got 21"),
+    ({"logit_bias": {1: REQUEST_LIMITS.logit_bias_min}}, {"logit_bias": {1: -100.5}},
+     "logit_bias values must be numbers from -100 to 100, got -100.5 for token 1"),
+    ({"n": REQUEST_LIMITS.max_n}, {"n": 17},
+     "n must be an integer from 1 to 16 (choices per request on this server; send several requests for more), got 17"),
+])
+def test_ranges_are_the_request_limits_and_messages_say_them(edge, past, message):
+    """The server's limits (engines.runtime.REQUEST_LIMITS), checked here and only here:
+    the edge is accepted, a step past it refused with a message stating the limit."""
+    SamplingParams(**edge)
+    with pytest.raises(InvalidSamplingParams) as exc:
+        SamplingParams(**past)
+    assert str(exc.value) == message
 
 
 def test_token_ids_are_checked_against_the_vocabulary():
