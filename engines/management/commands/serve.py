@@ -95,8 +95,8 @@ class Command(BaseCommand):
         parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
         parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
         parser.add_argument("--api-key", default=os.environ.get("API_KEY") or None,
-                            help="require 'Authorization: Bearer KEY' on /v1, /debug, /microserving and "
-                                 "/metrics (default: $API_KEY)")
+                            help="require 'Authorization: Bearer KEY' on /v1, /debug, /microserving, /stats "
+                                 "and /metrics (default: $API_KEY)")
         parser.add_argument("--backend", choices=("auto", "cuda", "cpu"), default="auto",
                             help="compute backend: cuda when a GPU is usable, else cpu (default auto)")
         parser.add_argument("--engine-mode", choices=ENGINE_MODES, default="process",
@@ -122,6 +122,10 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         host, port, api_key = options["host"], options["port"], options["api_key"]
+        if api_key is not None and not api_key.strip():
+            # A blank key would pass the "a key is set" check below and protect nothing.
+            raise CommandError("the API key is empty or only whitespace: pass a real --api-key KEY "
+                               "(or set API_KEY), or none at all on 127.0.0.1.")
         if not is_loopback(host) and not api_key:
             raise CommandError(
                 f"refusing to listen on {host} without an API key: anyone who can reach that address could "
