@@ -8,8 +8,8 @@ The front end moves commands in and outputs out; it never touches model state. T
 * in a child process (``process=True``, what ``manage.py serve`` uses): the engine's
   Python work then never waits on the server's GIL, nor the server on the engine's.
 
-Both speak the same messages (see ``engine_core``), so everything above this class
-(views, history, metrics) works the same with either.
+Both carry the same typed messages (``messages``) over a transport (``transports``), so
+everything above this class (views, history, metrics) works the same with either.
 """
 from __future__ import annotations
 
@@ -17,44 +17,46 @@ import asyncio
 import concurrent.futures
 import itertools
 import logging
-import os
-import queue
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterable
-from multiprocessing.connection import Connection
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from engines.runtime.telemetry import trace_recorder as trace_clock
-from engines.runtime.model.checkpoint import Checkpoint
 from engines.runtime.core.engine import EngineConfig, validate_request
-from engines.runtime.frontend.engine_core import (
-    EngineCore,
+from engines.runtime.core.request import ChoiceDelta, EngineRequestError, GenerationRequest, RequestOutput
+from engines.runtime.frontend.engine_core import EngineCore, create_engine, engine_info
+from engines.runtime.frontend.messages import (
+    AbortRequest,
+    Aborted,
+    AddRequest,
+    Call,
+    CoreCommand,
+    CoreMessage,
+    CudaProfilerCall,
+    Dead,
+    DumpTraceCall,
+    EngineCall,
     EngineInfo,
     EngineSpec,
-    Message,
-    create_engine,
-    engine_info,
+    MetricsCall,
+    Rejected,
+    Reply,
+    ResetCall,
+    ServerTraceEvent,
+    ServerTraceEvents,
+    StepOutputs,
 )
+from engines.runtime.frontend.transports import ProcessTransport, ThreadTransport
+from engines.runtime.model.checkpoint import Checkpoint
+from engines.runtime.telemetry import trace_recorder as trace_clock
 from engines.runtime.telemetry.metrics import HistogramSnapshot
-from engines.runtime.core.request import ChoiceDelta, EngineRequestError, GenerationRequest, RequestOutput
 
 logger = logging.getLogger("engines.runtime")
 
 __all__ = ["AsyncEngine", "EngineDeadError", "merge_outputs"]
 
-# The folder that holds the ``engines`` package, for the engine process's import path.
-_PROJECT_ROOT = Path(__file__).resolve().parents[3]
-
 # How long a request waits for the abort of an abandoned request with the same id.
 ABORT_WAIT_S = 10.0
-
-# How long start() waits for an engine process to load its model and compile its kernels.
-PROCESS_START_TIMEOUT_S = 900.0
 
 
 class EngineDeadError(RuntimeError):
@@ -92,13 +94,13 @@ class AsyncEngine:
         self._calls: dict[int, concurrent.futures.Future] = {}
         self._call_ids = itertools.count()
         self._send_lock = threading.Lock()
-        self._server_events: list[tuple[tuple[str, ...], str, dict | None, int]] = []
+        self._server_events: list[ServerTraceEvent] = []
         self._tracing_requested = enable_tracing
-        self._transport: _ThreadTransport | _ProcessTransport
+        self._transport: ThreadTransport | ProcessTransport
         if process:
             self.engine = None
             self._info: EngineInfo | None = None
-            self._transport = _ProcessTransport(
+            self._transport = ProcessTransport(
                 EngineSpec(checkpoint.path, name, self.config, backend, dtype, enable_tracing,
                            trace_clock.epoch_anchor_ns()),
                 self._on_message,
@@ -107,7 +109,7 @@ class AsyncEngine:
             #: The engine itself, reachable only when it runs on a thread of this process.
             self.engine = create_engine(checkpoint, name, self.config, backend, dtype, enable_tracing)
             self._info = engine_info(self.engine)
-            self._transport = _ThreadTransport(EngineCore(self.engine, name), self._on_message)
+            self._transport = ThreadTransport(EngineCore(self.engine, name), self._on_message)
 
     # ------------------------------------------------------------- life cycle
 
@@ -187,7 +189,7 @@ class AsyncEngine:
         try:
             # A rejection arrives on the stream, before any output: the same path as the engine
             # dying, so the caller can never wait on an add that will not happen.
-            self._send(("add", request))
+            self._send(AddRequest(request))
             while True:
                 batch = [await outputs.get()]
                 # A consumer that fell behind (a busy event loop, a slow client) gets what is
@@ -227,7 +229,7 @@ class AsyncEngine:
     def _abort_quietly(self, request_id: str) -> None:
         if self.is_alive:
             try:
-                self._send(("abort", request_id))
+                self._send(AbortRequest(request_id))
             except EngineDeadError:  # died meanwhile: nothing is left to abort
                 pass
 
@@ -237,51 +239,51 @@ class AsyncEngine:
         if self._tracing_requested and self.error is None:
             at_ns = time.perf_counter_ns()
             with self._send_lock:
-                self._server_events.append(((request_id,), event, args, at_ns))
+                self._server_events.append(ServerTraceEvent((request_id,), event, args, at_ns))
 
     # ------------------------------------------------------------------ calls
 
     async def reset(self, clear_trace: bool = False) -> None:
         """Reset the engine and return once the reset has completed (MLC's is fire-and-forget)."""
-        await self._acall("reset", clear_trace)
+        await self._acall(ResetCall(clear_trace))
 
     async def metrics(self) -> dict[str, Any]:
         """MLC's engine metrics plus our gauges and latency distributions (JSON-ready), as of now."""
-        return await self._acall("metrics")
+        return await self._acall(MetricsCall())
 
     async def metrics_with_histograms(self) -> tuple[dict[str, Any], dict[str, HistogramSnapshot]]:
         """``metrics()`` and the latency histograms, read one after the other (possibly mid-step)."""
-        return await self._acall("metrics_with_histograms")
+        return await self._acall(MetricsCall(with_histograms=True))
 
     async def dump_trace(self, clear: bool = False, skip_empty: bool = False) -> bytes | None:
         """The Chrome trace as JSON bytes (``TraceRecorder.dump_json``); ``clear`` takes the window
         and empties the recorder in one step; ``skip_empty`` answers None when nothing is recorded.
         Raises ValueError when tracing is off."""
-        return await self._acall("dump_trace", clear, skip_empty)
+        return await self._acall(DumpTraceCall(clear, skip_empty))
 
     async def cuda_profiler(self, start: bool) -> None:
         """``cudaProfilerStart`` (or ``Stop``) in the engine's process, between two steps."""
-        await self._acall("cuda_profiler", start)
+        await self._acall(CudaProfilerCall(start))
 
     def metrics_blocking(self, timeout: float | None = None) -> dict[str, Any]:
         """``metrics()`` for code without an event loop (blocks until the engine answers)."""
-        return self._call("metrics").result(timeout)
+        return self._call(MetricsCall()).result(timeout)
 
     def dump_trace_blocking(self, clear: bool = False, skip_empty: bool = False,
                             timeout: float | None = None) -> bytes | None:
         """``dump_trace()`` for code without an event loop."""
-        return self._call("dump_trace", clear, skip_empty).result(timeout)
+        return self._call(DumpTraceCall(clear, skip_empty)).result(timeout)
 
-    async def _acall(self, method: str, *args: Any) -> Any:
-        return await asyncio.wrap_future(self._call(method, *args))
+    async def _acall(self, call: EngineCall) -> Any:
+        return await asyncio.wrap_future(self._call(call))
 
-    def _call(self, method: str, *args: Any) -> concurrent.futures.Future:
+    def _call(self, call: EngineCall) -> concurrent.futures.Future:
         self._check_alive()
         future: concurrent.futures.Future = concurrent.futures.Future()
         call_id = next(self._call_ids)
         self._calls[call_id] = future
         try:
-            self._send(("call", call_id, method, args))
+            self._send(Call(call_id, call))
         except BaseException:
             self._calls.pop(call_id, None)
             raise
@@ -297,40 +299,40 @@ class AsyncEngine:
         if not self._transport.started:
             raise EngineDeadError(f"engine {self.name!r} is not running")
 
-    def _send(self, message: Message) -> None:
+    def _send(self, command: CoreCommand) -> None:
         with self._send_lock:
             try:
                 if self._server_events:
                     events, self._server_events = self._server_events, []
-                    self._transport.send(("trace", events))
-                self._transport.send(message)
+                    self._transport.send(ServerTraceEvents(tuple(events)))
+                self._transport.send(command)
             except (OSError, EOFError, ValueError) as e:  # the process is gone; the reader reports it
                 raise EngineDeadError(f"engine {self.name!r} is not running: {e}") from None
 
     # --------------------------------------------------- messages from the core
 
-    def _on_message(self, message: Message) -> None:
-        """Handle one message from the core (on the engine thread, or the pipe reader thread)."""
-        kind = message[0]
-        if kind == "outputs":
-            self._deliver(message[1])
-        elif kind == "reply":
-            _, call_id, ok, value = message
-            future = self._calls.pop(call_id, None)
-            if future is not None and not future.done():
-                if ok:
-                    future.set_result(value)
-                else:
-                    future.set_exception(value)
-        elif kind == "aborted":
-            self._aborting.discard(message[1])
-        elif kind == "rejected":
-            _, rid, error = message
-            stream = self._streams.get(rid)
-            if stream is not None:
-                _put_threadsafe(stream[0], [(stream[1], error)])
-        elif kind == "dead":
-            self._die(message[1])
+    def _on_message(self, message: CoreMessage) -> None:
+        """Handle one message from the core (on the engine thread, or the socket's reader thread)."""
+        match message:
+            case StepOutputs(outputs):
+                self._deliver(outputs)
+            case Reply(call_id, ok, value):
+                future = self._calls.pop(call_id, None)
+                if future is not None and not future.done():
+                    if ok:
+                        future.set_result(value)
+                    else:
+                        future.set_exception(value)
+            case Aborted(request_id):
+                self._aborting.discard(request_id)
+            case Rejected(request_id, error):
+                stream = self._streams.get(request_id)
+                if stream is not None:
+                    _put_threadsafe(stream[0], [(stream[1], error)])
+            case Dead(reason):
+                self._die(reason)
+            case _:
+                logger.error("engine %s: ignored a message it does not know: %r", self.name, message)
 
     def _die(self, reason: str) -> None:
         """The core is gone: fail every stream and call, now and later (``error`` is set first)."""
@@ -360,156 +362,6 @@ class AsyncEngine:
         # One wake-up per event loop per step, not one per request.
         for loop, items in by_loop.items():
             _put_threadsafe(loop, items)
-
-
-# ---------------------------------------------------------------------- transports
-
-
-class _ThreadTransport:
-    """The core on a thread of this process; commands through a queue, messages by direct call."""
-
-    def __init__(self, core: EngineCore, on_message: Callable[[Message], None]) -> None:
-        self.core = core
-        self.on_message = on_message
-        self.inbox: queue.SimpleQueue[Message] = queue.SimpleQueue()
-        self.thread: threading.Thread | None = None
-
-    @property
-    def started(self) -> bool:
-        return self.thread is not None
-
-    @property
-    def alive(self) -> bool:
-        return self.thread is not None and self.thread.is_alive()
-
-    def start(self, info: EngineInfo | None) -> EngineInfo | None:
-        self.core.engine.warm_up()
-        self.thread = threading.Thread(target=self._run, name=f"engine-{self.core.name}", daemon=True)
-        self.thread.start()
-        return info
-
-    def _run(self) -> None:
-        self.core.run(self._receive, self.on_message)
-
-    def _receive(self, timeout: float | None) -> Message | None:
-        try:
-            return self.inbox.get(timeout=timeout) if timeout else self.inbox.get_nowait()
-        except queue.Empty:
-            return None
-
-    def send(self, message: Message) -> None:
-        if not self.core.answer_immediately(message, self.on_message):
-            self.inbox.put(message)
-
-    def stop(self, timeout: float) -> None:
-        assert self.thread is not None
-        self.inbox.put(("shutdown",))
-        self.thread.join(timeout)
-        self.thread = None
-
-
-class _ProcessTransport:
-    """The core in a child process, over a socket pair.
-
-    The child is a fresh interpreter (``python -c``), not a ``multiprocessing`` spawn, so it
-    never re-imports the parent's ``__main__`` (a script without a main guard, a notebook) and
-    inherits no threads or CUDA state. A reader thread here receives the child's messages;
-    the socket closing without a ``shutdown`` (the child crashed or was killed) counts as the
-    engine dying, and the child stops when the socket closes on its side (the server died).
-    """
-
-    def __init__(self, spec: EngineSpec, on_message: Callable[[Message], None]) -> None:
-        self.spec = spec
-        self.on_message = on_message
-        self.process: subprocess.Popen | None = None
-        self.conn: Connection | None = None
-        self.reader: threading.Thread | None = None
-        self.stopping = False
-
-    @property
-    def started(self) -> bool:
-        return self.process is not None
-
-    @property
-    def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    def start(self, info: EngineInfo | None) -> EngineInfo:
-        self.stopping = False  # a restart after a shutdown: its death must be reported again
-        ours, theirs = socket.socketpair()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_PROJECT_ROOT), env.get("PYTHONPATH")]))
-        try:
-            process = subprocess.Popen(
-                [sys.executable, "-c", "from engines.runtime.frontend.engine_core import main; main()", str(theirs.fileno())],
-                pass_fds=(theirs.fileno(),), env=env,
-            )
-        except BaseException:
-            ours.close()
-            raise
-        finally:
-            theirs.close()  # the child holds its end; ours alone lets EOF reach us when it dies
-        conn = Connection(ours.detach())
-        try:
-            conn.send(self.spec)
-            if not conn.poll(PROCESS_START_TIMEOUT_S):
-                raise RuntimeError(f"engine {self.spec.name!r} did not load its model in {PROCESS_START_TIMEOUT_S:.0f} s")
-            kind, value = conn.recv()
-        except (EOFError, OSError):
-            process.wait(5)
-            conn.close()
-            raise RuntimeError(f"engine {self.spec.name!r}: its process exited while starting "
-                               f"(exit code {process.returncode}); see the log above") from None
-        except BaseException:
-            process.kill()
-            process.wait(5)
-            conn.close()
-            raise
-        if kind == "failed":  # the child's own error (a CheckpointError, a PermissionError, ...)
-            process.wait(5)
-            conn.close()
-            raise value
-        self.process, self.conn = process, conn
-        self.reader = threading.Thread(target=self._read, name=f"engine-{self.spec.name}-reader", daemon=True)
-        self.reader.start()
-        return value
-
-    def _read(self) -> None:
-        conn, on_message = self.conn, self.on_message
-        assert conn is not None
-        try:
-            while True:
-                on_message(conn.recv())
-        except (EOFError, OSError):
-            if not self.stopping:
-                process = self.process
-                code = process.wait(5) if process is not None else None
-                on_message(("dead", f"its process ended unexpectedly (exit code {code})"))
-        except Exception as e:  # noqa: BLE001 - a message we could not read: the stream is lost
-            logger.exception("engine %s: reading from its process failed", self.spec.name)
-            on_message(("dead", f"reading from its process failed: {e!r}"))
-
-    def send(self, message: Message) -> None:
-        assert self.conn is not None
-        self.conn.send(message)
-
-    def stop(self, timeout: float) -> None:
-        assert self.process is not None and self.conn is not None
-        self.stopping = True
-        try:
-            self.conn.send(("shutdown",))
-        except (OSError, ValueError):
-            pass
-        try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            logger.warning("engine %s: its process did not stop in %.0f s; killing it", self.spec.name, timeout)
-            self.process.kill()
-            self.process.wait(5)
-        if self.reader is not None:
-            self.reader.join(timeout)
-        self.conn.close()
-        self.process = None
 
 
 def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:

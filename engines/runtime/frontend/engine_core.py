@@ -1,31 +1,12 @@
-"""The engine loop and the messages a front end exchanges with it, in a thread or in a process.
+"""The engine-core loop, and the ``main`` of an engine process.
 
 ``EngineCore`` owns one :class:`~engines.runtime.core.engine.Engine` and runs its step loop,
 taking commands between steps and sending every step's outputs as one message. It knows
-nothing of how messages travel: ``AsyncEngine`` runs it on a thread with queues, or in a
-child process over a pipe (:func:`run_engine_process`), as vLLM's engine core does. The
-process keeps the model's Python work (scheduling, sampling, detokenizing) off the server's
-GIL, so HTTP streaming and the engine no longer slow each other down.
-
-Messages are plain tuples of picklable values.
-
-Front end to core:
-
-* ``("add", GenerationRequest)``
-* ``("abort", request_id)``
-* ``("trace", [(request_ids, event, args, at_ns), ...])``: server-side events, timestamped there
-* ``("call", call_id, method, args)``: one of :data:`EngineCore.CALLS`, answered by a ``reply``
-* ``("shutdown",)``: abort everything and stop
-
-Core to front end:
-
-* ``("ready", EngineInfo)`` / ``("failed", exception)``: a child process's start-up
-* ``("outputs", [RequestOutput, ...])``: one step's outputs (or an abort's, or a reset's)
-* ``("aborted", request_id)``: an ``abort`` was carried out (after its outputs, if any)
-* ``("rejected", request_id, exception)``: an ``add`` that changed nothing (``EngineRequestError``
-  for a bad request)
-* ``("reply", call_id, ok, value)``: a call's result, or the exception it raised
-* ``("dead", message)``: the loop stopped on an internal error; nothing more will come
+nothing of how messages travel: ``AsyncEngine`` runs it on a thread or in a child process
+(``transports``), as vLLM's engine core does. The process keeps the model's Python work
+(scheduling, sampling, detokenizing) off the server's GIL, so HTTP streaming and the engine
+no longer slow each other down. The messages are the typed ones of ``messages``; the core
+dispatches on their type.
 """
 from __future__ import annotations
 
@@ -36,24 +17,44 @@ import queue
 import signal
 import sys
 import threading
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from pathlib import Path
 from typing import Any, Callable
 
 from engines import __version__
-from engines.runtime.telemetry import trace_recorder as trace_clock
-from engines.runtime.model.checkpoint import Checkpoint, load_checkpoint
 from engines.runtime.core.engine import Engine, EngineConfig
-from engines.runtime.frontend.messages import EngineInfo, EngineSpec
+from engines.runtime.frontend.messages import (
+    AbortRequest,
+    Aborted,
+    AddRequest,
+    Call,
+    CoreCommand,
+    CoreMessage,
+    CudaProfilerCall,
+    Dead,
+    DumpTraceCall,
+    EngineCall,
+    EngineInfo,
+    EngineSpec,
+    Failed,
+    MetricsCall,
+    Ready,
+    Rejected,
+    Reply,
+    ResetCall,
+    ServerTraceEvents,
+    Shutdown,
+    StepOutputs,
+)
+from engines.runtime.model.checkpoint import Checkpoint, load_checkpoint
 from engines.runtime.model.llama import LlamaModel
+from engines.runtime.telemetry import trace_recorder as trace_clock
 from engines.runtime.telemetry.trace_recorder import TraceRecorder
 
 logger = logging.getLogger("engines.runtime")
 
-__all__ = ["EngineCore", "EngineInfo", "EngineSpec", "create_engine", "main", "run_engine_process"]
+__all__ = ["EngineCore", "create_engine", "engine_info", "main", "portable_error", "run_engine_process"]
 
-Message = tuple
+Send = Callable[[CoreMessage], None]
 
 # How long an idle core waits for a command before looking again. A wait never ends early for
 # no reason, so this only bounds how late a stop flag set without a message is noticed.
@@ -77,129 +78,118 @@ def engine_info(engine: Engine) -> EngineInfo:
 
 
 class EngineCore:
-    """Runs an engine's step loop, taking commands between steps (see the module docstring)."""
-
-    #: The methods a ``call`` message may name.
-    CALLS = frozenset({"reset", "metrics", "metrics_with_histograms", "dump_trace", "cuda_profiler"})
-    #: Calls answered at once from the thread that receives them, even in the middle of a step
-    #: (``EngineMetrics`` reads are thread-safe): a metrics scrape never waits for a long prefill.
-    IMMEDIATE_CALLS = frozenset({"metrics", "metrics_with_histograms"})
+    """Runs an engine's step loop, taking commands between steps (see ``messages``)."""
 
     def __init__(self, engine: Engine, name: str = "engine") -> None:
         self.engine = engine
         self.name = name
 
-    def run(self, receive: Callable[[float | None], Message | None], send: Callable[[Message], None]) -> None:
-        """Serve until a ``shutdown`` command, or until ``receive`` raises ``EOFError`` (the
-        front end is gone).
+    def run(self, receive: Callable[[float | None], CoreCommand | None], send: Send) -> None:
+        """Serve until a :class:`Shutdown`, or until ``receive`` raises ``EOFError`` (the front
+        end is gone).
 
         ``receive(timeout)`` returns the next command, or None when none came within
-        ``timeout`` seconds (0: don't wait). An internal error is logged and reported as a
-        ``dead`` message; the loop then returns.
+        ``timeout`` seconds (0: don't wait). An internal error is logged and reported as
+        :class:`Dead`; the loop then returns.
         """
         engine = self.engine
         try:
             while True:
                 # Wait only when idle; otherwise take what is queued and step.
                 timeout: float | None = _IDLE_WAIT_S if not engine.has_work else 0
-                while (message := receive(timeout)) is not None:
-                    if not self.handle(message, send):
+                while (command := receive(timeout)) is not None:
+                    if not self.handle(command, send):
                         return
                     timeout = 0
                 if engine.has_work:
                     outputs = engine.step()
                     if outputs:
-                        send(("outputs", outputs))
+                        send(StepOutputs(outputs))
         except EOFError:
             logger.info("engine %s: its front end went away; stopping", self.name)
         except Exception as e:  # noqa: BLE001 - a dead engine must fail its streams, not hang them
             logger.exception("engine %s stopped on an internal error", self.name)
             try:
-                send(("dead", repr(e)))
+                send(Dead(repr(e)))
             except (OSError, ValueError):  # the front end is gone too
                 pass
 
-    def answer_immediately(self, message: Message, send: Callable[[Message], None]) -> bool:
-        """Answer ``message`` now if it is one of :data:`IMMEDIATE_CALLS` (from any thread); False
-        if it must wait for the loop."""
-        if message[0] != "call" or message[2] not in self.IMMEDIATE_CALLS:
-            return False
-        self.handle(message, send)
-        return True
+    @staticmethod
+    def is_immediate(command: CoreCommand) -> bool:
+        """Whether ``command`` is answered at once by the thread that receives it, even in the
+        middle of a step: metrics reads are thread-safe, and a scrape must never wait for a
+        long prefill."""
+        return isinstance(command, Call) and isinstance(command.call, MetricsCall)
 
-    def handle(self, message: Message, send: Callable[[Message], None]) -> bool:
-        """Carry out one command; False once it was ``shutdown``."""
-        kind = message[0]
+    def handle(self, command: CoreCommand, send: Send) -> bool:
+        """Carry out one command; False once it was :class:`Shutdown`."""
         engine = self.engine
-        if kind == "add":
-            request = message[1]
-            try:
-                engine.add_request(request)
-            except Exception as e:  # noqa: BLE001 - add_request changed nothing: the request fails alone
-                send(("rejected", request.request_id, portable_error(e)))
-        elif kind == "abort":
-            output = engine.abort_request(message[1])
-            if output is not None:
-                send(("outputs", [output]))
-            send(("aborted", message[1]))
-        elif kind == "trace":
-            if engine.tracer is not None:
-                for ids, event, args, at_ns in message[1]:
-                    engine.tracer.add_event(ids, event, args, at_ns=at_ns)
-        elif kind == "call":
-            _, call_id, method, args = message
-            try:
-                if method not in self.CALLS:
-                    raise ValueError(f"unknown engine call {method!r}")
-                value = getattr(self, "_call_" + method)(send, *args)
-            except Exception as e:  # noqa: BLE001 - handed to the caller
-                send(("reply", call_id, False, portable_error(e)))
-            else:
-                send(("reply", call_id, True, value))
-        elif kind == "shutdown":
-            send(("outputs", engine.reset()))
-            return False
-        else:
-            raise ValueError(f"unknown engine command {kind!r}")
+        match command:
+            case AddRequest(request):
+                try:
+                    engine.add_request(request)
+                except Exception as e:  # noqa: BLE001 - add_request changed nothing: the request fails alone
+                    send(Rejected(request.request_id, portable_error(e)))
+            case AbortRequest(request_id):
+                output = engine.abort_request(request_id)
+                if output is not None:
+                    send(StepOutputs([output]))
+                send(Aborted(request_id))
+            case ServerTraceEvents(events):
+                if engine.tracer is not None:
+                    for ev in events:
+                        engine.tracer.add_event(ev.request_ids, ev.event, ev.args, at_ns=ev.at_ns)
+            case Call(call_id, call):
+                try:
+                    value = self.call(call, send)
+                except Exception as e:  # noqa: BLE001 - handed to the caller
+                    send(Reply(call_id, False, portable_error(e)))
+                else:
+                    send(Reply(call_id, True, value))
+            case Shutdown():
+                send(StepOutputs(engine.reset()))
+                return False
+            case _:
+                raise TypeError(f"engine {self.name}: not an engine command: {command!r}")
         return True
 
-    # The calls. Each gets ``send`` so that outputs it causes go out before its reply.
+    def call(self, call: EngineCall, send: Send) -> Any:
+        """Carry out one call and return its reply's value; outputs it causes (a reset's aborts)
+        are sent first, so they reach their streams before the caller hears back."""
+        engine = self.engine
+        match call:
+            case ResetCall(clear_trace):
+                outputs = engine.reset(clear_trace)
+                if outputs:
+                    send(StepOutputs(outputs))
+                return None
+            case MetricsCall(with_histograms):
+                metrics = engine.metrics.as_dict()
+                return (metrics, engine.metrics.histograms()) if with_histograms else metrics
+            case DumpTraceCall(clear, skip_empty):
+                tracer = engine.tracer
+                if tracer is None:
+                    raise ValueError("tracing is off for this engine")
+                if skip_empty and tracer.event_count == 0:
+                    return None
+                return tracer.dump_json(clear)
+            case CudaProfilerCall(start):
+                if engine.model.backend_name != "cuda":
+                    raise ValueError("the CUDA profiler needs the cuda backend")
+                from numba import cuda
 
-    def _call_reset(self, send: Callable[[Message], None], clear_trace: bool = False) -> None:
-        outputs = self.engine.reset(clear_trace)
-        if outputs:
-            send(("outputs", outputs))
-
-    def _call_metrics(self, send: Callable[[Message], None]) -> dict[str, Any]:
-        return self.engine.metrics.as_dict()
-
-    def _call_metrics_with_histograms(self, send: Callable[[Message], None]) -> tuple[dict[str, Any], dict]:
-        return self.engine.metrics.as_dict(), self.engine.metrics.histograms()
-
-    def _call_dump_trace(self, send: Callable[[Message], None], clear: bool = False,
-                         skip_empty: bool = False) -> bytes | None:
-        tracer = self.engine.tracer
-        if tracer is None:
-            raise ValueError("tracing is off for this engine")
-        if skip_empty and tracer.event_count == 0:
-            return None
-        return tracer.dump_json(clear)
-
-
-    def _call_cuda_profiler(self, send: Callable[[Message], None], start: bool) -> None:
-        if self.engine.model.backend_name != "cuda":
-            raise ValueError("the CUDA profiler needs the cuda backend")
-        from numba import cuda
-
-        # Runs on the engine's own thread, where the device's primary context is current.
-        (cuda.profile_start if start else cuda.profile_stop)()
+                # Runs on the engine's own thread, where the device's primary context is current.
+                (cuda.profile_start if start else cuda.profile_stop)()
+                return None
+            case _:
+                raise TypeError(f"not an engine call: {call!r}")
 
 
 # ----------------------------------------------------------------------- child process
 
 
 def run_engine_process(conn: Any, spec: EngineSpec) -> None:
-    """A child process's main: build the engine, say ``ready``, and serve over ``conn``.
+    """A child process's main: build the engine, send :class:`Ready`, and serve over ``conn``.
 
     Ctrl-C reaches the whole process group, and a service manager may send SIGTERM to every
     process of the service; the child ignores both and stops when its server says so (after
@@ -217,19 +207,19 @@ def run_engine_process(conn: Any, spec: EngineSpec) -> None:
         engine.warm_up()
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
         logger.exception("engine %s could not start", spec.name)
-        conn.send(("failed", portable_error(e)))
+        conn.send(Failed(portable_error(e)))
         return
-    conn.send(("ready", engine_info(engine)))
+    conn.send(Ready(engine_info(engine)))
     core = EngineCore(engine, spec.name)
     send_lock = threading.Lock()
 
-    def send(message: Message) -> None:
+    def send(message: CoreMessage) -> None:
         with send_lock:
             conn.send(message)
 
     # A receiving thread answers metrics calls at once and queues the rest for the loop; it
     # holds the GIL only between the model's kernels, which release it.
-    inbox: queue.SimpleQueue[Message | None] = queue.SimpleQueue()
+    inbox: queue.SimpleQueue[CoreCommand | None] = queue.SimpleQueue()
 
     def receive_all() -> None:
         while True:
@@ -241,12 +231,14 @@ def run_engine_process(conn: Any, spec: EngineSpec) -> None:
             except Exception:  # noqa: BLE001 - one message that does not unpickle here; the stream is intact
                 logger.exception("engine %s: dropped a command it could not read", spec.name)
                 continue
-            if not core.answer_immediately(message, send):
+            if core.is_immediate(message):
+                core.handle(message, send)
+            else:
                 inbox.put(message)
 
     threading.Thread(target=receive_all, name="engine-receiver", daemon=True).start()
 
-    def receive(timeout: float | None) -> Message | None:
+    def receive(timeout: float | None) -> CoreCommand | None:
         try:
             message = inbox.get(timeout=timeout) if timeout else inbox.get_nowait()
         except queue.Empty:

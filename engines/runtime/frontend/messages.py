@@ -1,12 +1,41 @@
-"""The typed messages between ``AsyncEngine`` and the engine core (see ``docs/interfaces.md``)."""
+"""The typed messages between ``AsyncEngine`` and the engine core, one definition each.
+
+Every message is a frozen dataclass of picklable values; both sides dispatch on its type,
+never on a string. In an engine process they travel pickled over a socket pair; on a thread,
+through a queue. ``docs/interfaces.md`` lists them with their order guarantees.
+
+Front end to core (:data:`CoreCommand`):
+
+* :class:`AddRequest`: queue a request. Answered only on failure, by :class:`Rejected`.
+* :class:`AbortRequest`: abort one; answered by its last outputs, then :class:`Aborted`.
+* :class:`ServerTraceEvents`: server-side trace events (``receive request``, tokenization),
+  timestamped in the server; sent along before the next command.
+* :class:`Call`: one of the :data:`EngineCall` operations, answered by a :class:`Reply`.
+* :class:`Shutdown`: abort everything and stop.
+
+Core to front end (:data:`CoreMessage`):
+
+* :class:`Ready` / :class:`Failed`: an engine process's start-up.
+* :class:`StepOutputs`: one step's outputs (or an abort's, or a reset's), in one message.
+* :class:`Aborted`, :class:`Rejected`, :class:`Reply`.
+* :class:`Dead`: the loop stopped on an internal error; nothing more will come.
+
+The first message to an engine process is its :class:`EngineSpec`.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Union
 
 from engines.runtime.core.engine import EngineConfig
+from engines.runtime.core.request import GenerationRequest, RequestOutput
 
-__all__ = ["EngineInfo", "EngineSpec"]
+__all__ = [
+    "AbortRequest", "AddRequest", "Aborted", "Call", "CoreCommand", "CoreMessage", "CudaProfilerCall", "Dead",
+    "DumpTraceCall", "EngineCall", "EngineInfo", "EngineSpec", "Failed", "MetricsCall", "Ready", "Rejected",
+    "Reply", "ResetCall", "ServerTraceEvent", "ServerTraceEvents", "Shutdown", "StepOutputs",
+]
 
 
 @dataclass(frozen=True)
@@ -22,7 +51,7 @@ class EngineInfo:
 
 @dataclass(frozen=True)
 class EngineSpec:
-    """Everything a child process needs to build the engine its parent asked for (picklable)."""
+    """Everything a child process needs to build the engine its parent asked for."""
 
     checkpoint_path: Path
     name: str
@@ -31,3 +60,130 @@ class EngineSpec:
     dtype: str = "float32"
     enable_tracing: bool = False
     epoch_anchor_ns: int = 0
+
+
+# ----------------------------------------------------------------- calls (answered by Reply)
+
+
+@dataclass(frozen=True)
+class ResetCall:
+    """Abort every request, free the KV cache and prefix cache, zero the metrics; replies None."""
+
+    clear_trace: bool = False
+
+
+@dataclass(frozen=True)
+class MetricsCall:
+    """The engine metrics (``EngineMetrics.as_dict()``), or with ``with_histograms`` the pair
+    ``(as_dict(), histograms())``. Answered at once, even mid-step."""
+
+    with_histograms: bool = False
+
+
+@dataclass(frozen=True)
+class DumpTraceCall:
+    """The Chrome trace as JSON bytes; ``clear`` takes the window and empties the recorder;
+    ``skip_empty`` replies None when nothing is recorded. A ValueError when tracing is off."""
+
+    clear: bool = False
+    skip_empty: bool = False
+
+
+@dataclass(frozen=True)
+class CudaProfilerCall:
+    """``cudaProfilerStart`` (``start``) or ``Stop`` on the engine's thread; replies None."""
+
+    start: bool
+
+
+EngineCall = Union[ResetCall, MetricsCall, DumpTraceCall, CudaProfilerCall]
+
+
+# ---------------------------------------------------------------- front end -> core
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    request: GenerationRequest
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class ServerTraceEvent:
+    """A trace event recorded in the server, ``at_ns`` on its ``perf_counter_ns`` clock."""
+
+    request_ids: tuple[str, ...]
+    event: str
+    args: dict[str, Any] | None
+    at_ns: int
+
+
+@dataclass(frozen=True)
+class ServerTraceEvents:
+    events: tuple[ServerTraceEvent, ...]
+
+
+@dataclass(frozen=True)
+class Call:
+    call_id: int
+    call: EngineCall
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+CoreCommand = Union[AddRequest, AbortRequest, ServerTraceEvents, Call, Shutdown]
+
+
+# ---------------------------------------------------------------- core -> front end
+
+
+@dataclass(frozen=True)
+class Ready:
+    info: EngineInfo
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: BaseException
+
+
+@dataclass(frozen=True)
+class StepOutputs:
+    outputs: list[RequestOutput]
+
+
+@dataclass(frozen=True)
+class Aborted:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """An :class:`AddRequest` that changed nothing; ``error`` is for the client."""
+
+    request_id: str
+    error: BaseException
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A call's result (``ok``) or the exception it raised."""
+
+    call_id: int
+    ok: bool
+    value: Any
+
+
+@dataclass(frozen=True)
+class Dead:
+    reason: str
+
+
+CoreMessage = Union[Ready, Failed, StepOutputs, Aborted, Rejected, Reply, Dead]

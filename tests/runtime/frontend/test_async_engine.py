@@ -12,7 +12,7 @@ from engines.runtime.core.grammar import GrammarCompiler, GrammarError, GrammarM
 from engines.runtime.core.request import EngineRequestError
 
 from engines.runtime.core.request import GrammarMode
-from tests.runtime.demo_engine import Result, collect, consume, prompts, request
+from tests.runtime.demo_engine import collect, consume, prompts, request
 
 
 @pytest.fixture

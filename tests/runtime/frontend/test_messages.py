@@ -1,0 +1,105 @@
+"""The typed messages between AsyncEngine and the engine core, and the core's dispatch on them."""
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from pathlib import Path
+
+import pytest
+
+from engines.runtime.core.engine import EngineConfig
+from engines.runtime.core.request import ChoiceDelta, FinishReason, RequestOutput
+from engines.runtime.frontend import messages as m
+from engines.runtime.frontend.engine_core import EngineCore
+from tests.runtime.demo_engine import request
+
+INFO = m.EngineInfo("cpu", "float32", 4096, 2048, True)
+SAMPLES = [
+    m.AddRequest(request("r1", [5, 6, 7], max_tokens=3, response_format={"type": "json_object"})),
+    m.AbortRequest("r1"),
+    m.ServerTraceEvents((m.ServerTraceEvent(("r1",), "receive request", {"bytes": 12}, 123),)),
+    m.Call(7, m.ResetCall(clear_trace=True)),
+    m.Call(8, m.MetricsCall(with_histograms=True)),
+    m.Call(9, m.DumpTraceCall(clear=True, skip_empty=False)),
+    m.Call(10, m.CudaProfilerCall(start=False)),
+    m.Shutdown(),
+    m.Ready(INFO),
+    m.StepOutputs([RequestOutput("r1", [ChoiceDelta(0, "hi", [5], None, FinishReason.STOP)], {"prompt_tokens": 3})]),
+    m.Aborted("r1"),
+    m.Reply(7, True, {"ttft_s": 0.1}),
+    m.Dead("RuntimeError('boom')"),
+    m.EngineSpec(Path("/tmp/model"), "demo", EngineConfig(max_num_seqs=4)),
+]
+
+
+@pytest.mark.parametrize("message", SAMPLES, ids=lambda s: type(s).__name__)
+def test_every_message_is_frozen_and_crosses_a_process_boundary_intact(message) -> None:
+    assert pickle.loads(pickle.dumps(message)) == message
+    field = dataclasses.fields(message)[0].name if dataclasses.fields(message) else None
+    if field is not None:
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(message, field, None)
+
+
+def test_every_message_class_is_covered_by_the_samples() -> None:
+    classes = {getattr(m, name) for name in m.__all__ if dataclasses.is_dataclass(getattr(m, name))}
+    covered = {type(s) for s in SAMPLES} | {type(s.call) for s in SAMPLES if isinstance(s, m.Call)}
+    # Failed and Rejected carry an exception, which compares by identity: checked below;
+    # ServerTraceEvent and EngineInfo travel inside ServerTraceEvents and Ready.
+    assert classes - covered == {m.Failed, m.Rejected, m.ServerTraceEvent, m.EngineInfo}
+
+
+def test_error_messages_keep_their_exception() -> None:
+    for message in (m.Failed(ValueError("no weights")), m.Rejected("r1", ValueError("bad prompt"))):
+        back = pickle.loads(pickle.dumps(message))
+        assert type(back.error) is ValueError and str(back.error) == str(message.error)
+
+
+def test_only_metrics_calls_are_answered_mid_step() -> None:
+    immediate = [s for s in SAMPLES if EngineCore.is_immediate(s)]
+    assert immediate == [m.Call(8, m.MetricsCall(with_histograms=True))]
+    assert EngineCore.is_immediate(m.Call(1, m.MetricsCall()))
+
+
+def test_a_call_that_fails_is_replied_with_its_error(make_engine) -> None:
+    core = EngineCore(make_engine(tracing=False))
+    sent: list[m.CoreMessage] = []
+    assert core.handle(m.Call(3, m.DumpTraceCall()), sent.append)
+    [reply] = sent
+    assert isinstance(reply, m.Reply) and reply.call_id == 3 and not reply.ok
+    assert isinstance(reply.value, ValueError) and "tracing is off" in str(reply.value)
+
+
+def test_calls_are_carried_out(make_engine) -> None:
+    core = EngineCore(make_engine(tracing=True))
+    sent: list[m.CoreMessage] = []
+    core.handle(m.Call(1, m.MetricsCall()), sent.append)
+    core.handle(m.Call(2, m.MetricsCall(with_histograms=True)), sent.append)
+    core.handle(m.Call(3, m.DumpTraceCall(skip_empty=True)), sent.append)
+    core.handle(m.Call(4, m.CudaProfilerCall(start=True)), sent.append)
+    metrics, pair, empty, profiler = sent
+    assert metrics.ok and "engine_prefill_time_sum" in metrics.value
+    assert pair.ok and isinstance(pair.value, tuple) and pair.value[0].keys() == metrics.value.keys()
+    assert empty.ok and empty.value is None
+    assert not profiler.ok and "cuda backend" in str(profiler.value)
+
+
+def test_adding_a_bad_request_is_rejected_alone(make_engine) -> None:
+    core = EngineCore(make_engine())
+    sent: list[m.CoreMessage] = []
+    assert core.handle(m.AddRequest(request("bad", [])), sent.append)
+    [rejected] = sent
+    assert isinstance(rejected, m.Rejected) and rejected.request_id == "bad"
+    assert "prompt is empty" in str(rejected.error)
+
+
+def test_an_unknown_command_is_an_error_and_kills_the_loop_visibly(make_engine) -> None:
+    core = EngineCore(make_engine())
+    with pytest.raises(TypeError, match="not an engine command"):
+        core.handle(("add", None), lambda message: None)  # the old tuple form is not a command
+    with pytest.raises(TypeError, match="not an engine call"):
+        core.call("metrics", lambda message: None)
+    commands = iter([("abort", "x")])
+    sent: list[m.CoreMessage] = []
+    core.run(lambda timeout: next(commands), sent.append)
+    assert isinstance(sent[-1], m.Dead) and "not an engine command" in sent[-1].reason
