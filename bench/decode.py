@@ -48,9 +48,7 @@ import numpy as np  # noqa: E402  (after the thread settings above)
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from engines.runtime import load_checkpoint  # noqa: E402
-from engines.runtime import demo_checkpoint_path  # noqa: E402
-from engines.runtime import ForwardBatch, LlamaModel  # noqa: E402
+from engines.runtime import demo_checkpoint_path, ForwardBatch, LlamaModel, load_checkpoint  # noqa: E402
 
 
 class OurDecoder:

@@ -23,13 +23,16 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engines.runtime import load_checkpoint  # noqa: E402
-from engines.runtime import demo_checkpoint_path  # noqa: E402
-from engines.runtime import Engine, EngineConfig  # noqa: E402
-from engines.runtime import LlamaModel  # noqa: E402
-from engines.runtime import GenerationRequest  # noqa: E402
-from engines.runtime import SamplingParams  # noqa: E402
-from engines.runtime import TraceRecorder  # noqa: E402
+from engines.runtime import (  # noqa: E402
+    demo_checkpoint_path,
+    Engine,
+    EngineConfig,
+    GenerationRequest,
+    LlamaModel,
+    load_checkpoint,
+    SamplingParams,
+    TraceRecorder,
+)
 
 
 def workload(num_requests: int, vocab: int, seed: int, max_prompt: int, max_output: int) -> list[tuple[list[int], int]]:

@@ -120,8 +120,7 @@ async def run_engine_alone(engine, clients: int, requests_per_client: int, max_t
     """The same requests as the HTTP phase, straight into ``AsyncEngine.generate``, with
     ``AsyncEngine.metrics()`` timed every ``poll_interval`` s (the engine's side of the debug call)."""
     from engines.protocol import DebugConfig
-    from engines.runtime import GenerationRequest
-    from engines.runtime import SamplingParams
+    from engines.runtime import GenerationRequest, SamplingParams
 
     tokenizer = engine.tokenizer
     prompt = tokenizer.encode(tokenizer.apply_chat_template(PROMPT), add_special_tokens=False)

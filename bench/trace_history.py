@@ -67,20 +67,6 @@ def setup_django(database_url: str) -> None:
     django.setup()
     settings.ALLOWED_HOSTS = [*settings.ALLOWED_HOSTS, "testserver"]
     settings.DEBUG = False
-    try:
-        import debugsite.urls  # noqa: F401
-    except ImportError:
-        # The project's URLconf can be mid-change while engine views land; the admin is
-        # all this benchmark needs, mounted where debugsite.urls mounts it.
-        import types
-
-        from django.contrib import admin
-        from django.urls import path
-
-        module = types.ModuleType("bench_admin_urls")
-        module.urlpatterns = [path("admin/", admin.site.urls)]
-        sys.modules[module.__name__] = module
-        settings.ROOT_URLCONF = module.__name__
     from django.core.management import call_command
 
     call_command("migrate", verbosity=0)

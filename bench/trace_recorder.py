@@ -185,7 +185,7 @@ def main() -> None:
     print(f"{'-' * width}  {'-' * 40}")
     for name, value in rows:
         print(f"{name:<{width}}  {value.strip()}")
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    load = os.getloadavg()[0]
     print(f"\npython {sys.version.split()[0]}, {os.cpu_count()} CPUs, load {load:.2f}, "
           f"median of {opts.repeat}; recording figures are CPU time")
 

@@ -22,8 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 if TYPE_CHECKING:  # the runtime (numba and all) loads only when engines are built
-    from engines.runtime import AsyncEngine
-    from engines.runtime import EngineConfig
+    from engines.runtime import AsyncEngine, EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -177,9 +176,7 @@ def build_engines(
     Raises :class:`RegistryError` for two specs with one served name, and lets
     ``CheckpointError`` (whose message names the file at fault) through.
     """
-    from engines.runtime import load_checkpoint
-    from engines.runtime import demo_checkpoint_path
-    from engines.runtime import AsyncEngine
+    from engines.runtime import AsyncEngine, demo_checkpoint_path, load_checkpoint
 
     engines: list[AsyncEngine] = []
     names: set[str] = set()

@@ -47,6 +47,9 @@ _EXPORTS: dict[str, str] = {
     "LlamaModel": "model.llama",
     "ForwardBatch": "model.llama",
     "ModelConfig": "model.config",
+    "StepInputs": "model.backend",
+    "select_backend": "model.backend",
+    "rope_tables": "model.kernels.rope_kv",
     "CheckpointError": "model.config",
     "Checkpoint": "model.checkpoint",
     "load_checkpoint": "model.checkpoint",
@@ -90,9 +93,11 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names resolve l
     from engines.runtime.core.sampler import InvalidSamplingParams, SamplingParams, TokenLogprob
     from engines.runtime.frontend.async_engine import AsyncEngine, EngineDeadError
     from engines.runtime.frontend.messages import EngineInfo, EngineSpec
+    from engines.runtime.model.backend import StepInputs, select_backend
     from engines.runtime.model.checkpoint import Checkpoint, load_checkpoint
     from engines.runtime.model.config import CheckpointError, ModelConfig
     from engines.runtime.model.demo_model import demo_checkpoint_path
+    from engines.runtime.model.kernels.rope_kv import rope_tables
     from engines.runtime.model.llama import ForwardBatch, LlamaModel
     from engines.runtime.model.tokenizer import ChatTemplateError, Tokenizer
     from engines.runtime.telemetry.metrics import EngineMetrics, HistogramSnapshot

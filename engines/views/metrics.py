@@ -34,8 +34,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
 from engines.registry import registry
-from engines.runtime import AsyncEngine, EngineDeadError
-from engines.runtime import HistogramSnapshot
+from engines.runtime import AsyncEngine, EngineDeadError, HistogramSnapshot
 from engines.views.errors import api_view, json_response
 
 logger = logging.getLogger(__name__)

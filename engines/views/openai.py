@@ -51,11 +51,20 @@ from engines.protocol import (
     Usage,
 )
 from engines.registry import registry
-from engines.runtime import AsyncEngine, EngineDeadError
-from engines.runtime import ChoiceDelta, EngineRequestError, GenerationRequest, GrammarMode, RequestOutput
-from engines.runtime import InvalidSamplingParams, SamplingParams
-from engines.runtime import TokenLogprob as EngineTokenLogprob
-from engines.runtime import ChatTemplateError, Tokenizer
+from engines.runtime import (
+    AsyncEngine,
+    ChatTemplateError,
+    ChoiceDelta,
+    EngineDeadError,
+    EngineRequestError,
+    GenerationRequest,
+    GrammarMode,
+    InvalidSamplingParams,
+    RequestOutput,
+    SamplingParams,
+    Tokenizer,
+    TokenLogprob as EngineTokenLogprob,
+)
 from engines.views.errors import api_view, json_response
 
 logger = logging.getLogger(__name__)

@@ -179,8 +179,7 @@ class Command(BaseCommand):
         connections.close_all()
 
     def _load_engines(self, specs: list[ModelSpec], options: dict[str, Any]) -> None:
-        from engines.runtime import CheckpointError
-        from engines.runtime import EngineConfig
+        from engines.runtime import CheckpointError, EngineConfig
 
         sizing = {
             key: options[key]
