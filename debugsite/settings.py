@@ -144,5 +144,7 @@ def _env_non_negative(name: str, default: str, kind: type = int) -> float:
 # 0 means no limit (or, for the snapshot interval, no snapshots).
 TRACE_RETENTION_MAX_RECORDS = _env_non_negative("TRACE_RETENTION_MAX_RECORDS", "500")
 TRACE_RETENTION_MAX_DAYS = _env_non_negative("TRACE_RETENTION_MAX_DAYS", "30")
+# Stored (gzip) trace payload kept per engine, in bytes: 1 GiB by default.
+TRACE_RETENTION_MAX_BYTES = _env_non_negative("TRACE_RETENTION_MAX_BYTES", str(1 << 30))
 METRICS_SNAPSHOT_INTERVAL_S = _env_non_negative("METRICS_SNAPSHOT_INTERVAL_S", "10", float)
 METRICS_RETENTION_MAX_DAYS = _env_non_negative("METRICS_RETENTION_MAX_DAYS", "30")

@@ -16,6 +16,7 @@ from typing import Any, AsyncIterator, Callable, Iterator
 
 import orjson
 from asgiref.sync import sync_to_async
+from django.conf import settings
 from django.contrib import admin, messages
 from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied
@@ -141,6 +142,12 @@ class TraceRecordAdmin(admin.ModelAdmin):
     readonly_fields = ("engine", "model", "backend", "source", "captured_at", "engine_version", "window",
                        "duration_ms", "event_count", "request_count", "dropped_events", "payload_size",
                        "downloads")
+
+    def changelist_view(self, request: HttpRequest, extra_context: dict | None = None) -> HttpResponse:
+        """The list, with the retention limits in force shown above it."""
+        retention = {"max_records": settings.TRACE_RETENTION_MAX_RECORDS, "max_bytes": settings.TRACE_RETENTION_MAX_BYTES,
+                     "max_days": settings.TRACE_RETENTION_MAX_DAYS}
+        return super().changelist_view(request, {**(extra_context or {}), "retention": retention})
 
     # --- list columns -------------------------------------------------------------
 

@@ -1,9 +1,11 @@
 """Retention: how much trace and metrics history each engine keeps.
 
 Limits are per engine, so one busy engine never pushes out another's history:
-at most ``TRACE_RETENTION_MAX_RECORDS`` records and none older than
-``TRACE_RETENTION_MAX_DAYS`` days (0 turns a limit off). Metrics snapshots older than
-``METRICS_RETENTION_MAX_DAYS`` go the same way.
+at most ``TRACE_RETENTION_MAX_RECORDS`` records, together at most
+``TRACE_RETENTION_MAX_BYTES`` of stored (gzip) payload, and none older than
+``TRACE_RETENTION_MAX_DAYS`` days (0 turns a limit off). The byte limit never removes an
+engine's newest record: a single trace larger than the budget is kept until a newer one comes.
+Metrics snapshots older than ``METRICS_RETENTION_MAX_DAYS`` go the same way.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db.models import Q, QuerySet
+from django.db.models import F, Q, QuerySet, Sum, Window
 from django.utils import timezone
 
 from engines.models import MetricsSnapshot, RequestSummary, TraceRecord
@@ -35,11 +37,12 @@ class RetentionResult:
 
 
 def expired_records(engine: str, *, max_records: int | None = None, max_days: float | None = None,
-                    now: datetime | None = None) -> QuerySet[TraceRecord]:
+                    max_bytes: int | None = None, now: datetime | None = None) -> QuerySet[TraceRecord]:
     """The records of ``engine`` that fall outside its limits (``None``: from settings; 0: no limit)."""
     max_records = settings.TRACE_RETENTION_MAX_RECORDS if max_records is None else max_records
     max_days = settings.TRACE_RETENTION_MAX_DAYS if max_days is None else max_days
-    if not (max_records >= 0 and max_days >= 0):  # NaN included
+    max_bytes = settings.TRACE_RETENTION_MAX_BYTES if max_bytes is None else max_bytes
+    if not (max_records >= 0 and max_days >= 0 and max_bytes >= 0):  # NaN included
         raise ValueError("retention limits must be >= 0 (0 means no limit)")
     records = TraceRecord.objects.filter(engine=engine)
     expired = Q(pk__in=[])
@@ -54,18 +57,30 @@ def expired_records(engine: str, *, max_records: int | None = None, max_days: fl
         if boundary:
             at, pk = boundary[0]
             expired |= Q(captured_at__lt=at) | Q(captured_at=at, id__lte=pk)
+    if max_bytes:
+        # Newest first, the running total of payload bytes; the newest record past the budget
+        # and everything older go, except the engine's newest record itself.
+        newest_first = [F("captured_at").desc(), F("id").desc()]
+        over = list(records.annotate(total=Window(Sum("compressed_bytes"), order_by=newest_first))
+                    .filter(total__gt=max_bytes).order_by(*newest_first).values_list("captured_at", "id")[:2])
+        newest = records.order_by(*newest_first).values_list("id", flat=True).first()
+        if over and over[0][1] == newest:
+            over = over[1:]
+        if over:
+            at, pk = over[0]
+            expired |= Q(captured_at__lt=at) | Q(captured_at=at, id__lte=pk)
     return records.filter(expired)
 
 
 def apply_retention(engine: str | None = None, *, max_records: int | None = None,
-                    max_days: float | None = None, now: datetime | None = None,
+                    max_days: float | None = None, max_bytes: int | None = None, now: datetime | None = None,
                     dry_run: bool = False) -> RetentionResult:
     """Delete the records past the limits of ``engine`` (or of every engine, each on its own)."""
     engines = [engine] if engine is not None else list(
         TraceRecord.objects.order_by().values_list("engine", flat=True).distinct())
     result = RetentionResult(dry_run=dry_run)
     for name in engines:
-        doomed = expired_records(name, max_records=max_records, max_days=max_days, now=now)
+        doomed = expired_records(name, max_records=max_records, max_days=max_days, max_bytes=max_bytes, now=now)
         if dry_run:
             records = doomed.count()
             summaries = RequestSummary.objects.filter(trace__in=doomed.values("pk")).count() if records else 0

@@ -387,3 +387,16 @@ def test_request_summary_detail_links_trace_without_loading_payload(admin_client
     assert page.status_code == 200
     assert change_url(record) in page.text and "req-1" in page.text
     assert not any('"payload"' in q["sql"] for q in queries.captured_queries)
+
+
+def test_trace_list_shows_the_retention_limits(admin_client, settings):
+    settings.TRACE_RETENTION_MAX_RECORDS, settings.TRACE_RETENTION_MAX_BYTES = 7, 3 << 20
+    settings.TRACE_RETENTION_MAX_DAYS = 12
+    page = admin_client.get(reverse("admin:engines_tracerecord_changelist"))
+    assert page.status_code == 200
+    limits = page.text[page.text.index('id="retention-limits"'):]
+    limits = limits[:limits.index("</p>")]
+    assert "the newest 7 records" in limits and "3.0\xa0MB" in limits and "older than 12 days" in limits
+    settings.TRACE_RETENTION_MAX_RECORDS = settings.TRACE_RETENTION_MAX_BYTES = settings.TRACE_RETENTION_MAX_DAYS = 0
+    limits = admin_client.get(reverse("admin:engines_tracerecord_changelist")).text
+    assert "any number of records" in limits and "any size" in limits and "of any age" in limits

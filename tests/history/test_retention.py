@@ -139,3 +139,47 @@ def test_metrics_snapshot_retention_on_save(settings):
     save_metrics_snapshot("eng-a", "demo", {})
     assert MetricsSnapshot.objects.filter(engine="eng-a").count() == 1
     assert MetricsSnapshot.objects.filter(pk=other.pk).exists()  # only the saving engine is pruned
+
+
+@pytest.mark.django_db
+def test_byte_limit_keeps_the_newest_records_that_fit_per_engine():
+    a = [_save("eng-a", days_ago=d) for d in (5, 4, 3, 2, 1)]
+    other = _save("eng-b", days_ago=9)
+    sizes = {r.pk: r.compressed_bytes for r in a}
+    assert all(sizes.values())
+    budget = sizes[a[4].pk] + sizes[a[3].pk] + sizes[a[2].pk]  # exactly the newest three
+    result = apply_retention("eng-a", max_records=0, max_days=0, max_bytes=budget)
+    assert newest_first("eng-a") == [a[4].pk, a[3].pk, a[2].pk]
+    assert result.records == {"eng-a": 2}
+    apply_retention("eng-a", max_records=0, max_days=0, max_bytes=budget - 1)
+    assert newest_first("eng-a") == [a[4].pk, a[3].pk]
+    assert newest_first("eng-b") == [other.pk]
+
+
+@pytest.mark.django_db
+def test_byte_limit_never_removes_an_engines_newest_record():
+    old, newest = _save("eng-a", days_ago=2), _save("eng-a", days_ago=1)
+    apply_retention("eng-a", max_records=0, max_days=0, max_bytes=1)
+    assert newest_first("eng-a") == [newest.pk]
+    assert not TraceRecord.objects.filter(pk=old.pk).exists()
+
+
+@pytest.mark.django_db
+def test_byte_limit_is_applied_on_every_save(settings):
+    settings.TRACE_RETENTION_MAX_RECORDS = 0
+    settings.TRACE_RETENTION_MAX_DAYS = 0
+    first = _save("eng-a", days_ago=1)
+    settings.TRACE_RETENTION_MAX_BYTES = first.compressed_bytes + 1
+    second = save_trace(serving_trace(engine="eng-a", num_requests=2), engine="eng-a", model="demo")
+    assert newest_first("eng-a") == [second.pk]
+
+
+@pytest.mark.django_db
+def test_prune_history_takes_a_byte_limit():
+    _save("eng-a", days_ago=2)
+    newest = _save("eng-a", days_ago=1)
+    out = StringIO()
+    call_command("prune_history", "--max-records", "0", "--max-days", "0", "--max-bytes", "1", stdout=out)
+    assert newest_first("eng-a") == [newest.pk]
+    with pytest.raises(CommandError, match="--max-bytes must be >= 0"):
+        call_command("prune_history", "--max-bytes", "-1")
