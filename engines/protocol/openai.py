@@ -209,6 +209,7 @@ class _GenerationRequest(BaseModel):
     repetition_penalty: float | None = None
     #: Token id -> bias added to its logit. JSON keys are strings; they are parsed to ints here.
     logit_bias: dict[int, float] | None = None
+    #: Becomes the request id (MLC's rule), so it is bounded like one.
     user: str | None = None
     response_format: ResponseFormat | None = None
     #: MLC's extension; honoured by the server only with --enable-debug.
@@ -222,6 +223,15 @@ class _GenerationRequest(BaseModel):
         if isinstance(data, dict):
             return {key: value for key, value in data.items() if value is not None}
         return data
+
+    @field_validator("user")
+    @classmethod
+    def _check_user(cls, user: str | None) -> str | None:
+        limit = REQUEST_LIMITS.max_request_id_chars
+        if user is not None and len(user) > limit:
+            raise field_error(f"is {len(user)} characters long; it becomes the request id, which holds at most "
+                              f"{limit} characters: send a shorter one (an id or a hash, not the user's data)")
+        return user
 
     @field_validator("stop", mode="before")
     @classmethod
