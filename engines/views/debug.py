@@ -25,7 +25,7 @@ from engines.history import TraceUnavailableError, asave_engine_trace, normalize
 from engines.models import TraceRecord
 from engines.protocol.errors import ProtocolError
 from engines.registry import registry
-from engines.runtime import AsyncEngine, EngineDeadError
+from engines.runtime import AsyncEngine
 from engines.views.errors import AsyncView, api_view, error_response, json_response
 
 NOT_MOUNTED = "Not found: the /debug endpoints exist only when the server runs with --enable-debug."
@@ -94,11 +94,7 @@ async def dump_event_trace(request: HttpRequest) -> HttpResponse:
     if not engine.tracing_enabled:
         raise ProtocolError(400, f'The requested model "{body.model}" does not enable tracing')
     # The engine exports between two steps; this event loop (and every stream) keeps moving meanwhile.
-    try:
-        payload = await engine.dump_trace()
-    except EngineDeadError as exc:
-        raise ProtocolError(503, str(exc)) from None
-    return HttpResponse(payload, content_type="application/json")
+    return HttpResponse(await engine.dump_trace(), content_type="application/json")
 
 
 @debug_view
@@ -155,10 +151,7 @@ async def dump_engine_metrics(request: HttpRequest) -> HttpResponse:
     """``{"metrics": {...}}``: the engine's MLC metrics (``model`` optional, empty body allowed)."""
     body = parse_body(request, model_required=False, empty_ok=True)
     engine = lookup(body.model)
-    try:
-        return json_response({"metrics": await engine.metrics()})
-    except EngineDeadError as exc:
-        raise ProtocolError(503, str(exc)) from None
+    return json_response({"metrics": await engine.metrics()})
 
 
 @debug_view
@@ -166,10 +159,7 @@ async def reset_engine(request: HttpRequest) -> HttpResponse:
     """Abort everything in flight and zero the metrics; answers once the reset has completed."""
     body = parse_body(request, model_required=True)
     engine = lookup(body.model)
-    try:
-        await engine.reset(clear_trace=body.clear_trace)
-    except EngineDeadError as exc:
-        raise ProtocolError(503, str(exc)) from None
+    await engine.reset(clear_trace=body.clear_trace)
     return json_response({"status": "reset", "model": engine.name, "trace_cleared": body.clear_trace})
 
 
@@ -188,10 +178,7 @@ async def _cuda_profiler(request: HttpRequest, start: bool) -> HttpResponse:
             f'The CUDA profiler is unavailable: model "{engine.name}" runs on the {engine.backend_name} backend. '
             "Serve it with --backend cuda on a machine with an NVIDIA GPU.",
         )
-    try:
-        await engine.cuda_profiler(start)
-    except EngineDeadError as exc:
-        raise ProtocolError(503, str(exc)) from None
+    await engine.cuda_profiler(start)
     return json_response({"status": "started" if start else "stopped", "model": engine.name, "backend": "cuda"})
 
 

@@ -18,6 +18,7 @@ from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from django.views.decorators.csrf import csrf_exempt
 
 from engines.protocol.errors import ErrorResponse, ProtocolError
+from engines.runtime import EngineDeadError
 
 logger = logging.getLogger(__name__)
 
@@ -45,8 +46,10 @@ def api_view(*methods: str) -> Callable[[AsyncView], AsyncView]:
     CSRF-exempt (API clients authenticate with a bearer key, not a session
     cookie), restricted to ``methods`` (405 in the error shape otherwise), and
     any :class:`ProtocolError` it raises becomes its error reply, as does a body over
-    Django's ``DATA_UPLOAD_MAX_MEMORY_SIZE`` (413, raised on reading it). An unexpected
-    exception is logged and answered 500 in the same shape, never as HTML.
+    Django's ``DATA_UPLOAD_MAX_MEMORY_SIZE`` (413, raised on reading it) and an engine
+    that died (503 with the runtime's message; any engine call may raise it, so views
+    need not catch it). An unexpected exception is logged and answered 500 in the same
+    shape, never as HTML.
     """
     allowed = frozenset(m.upper() for m in methods)
     if "GET" in allowed:  # HTTP requires HEAD wherever GET works (the server drops the body)
@@ -65,6 +68,8 @@ def api_view(*methods: str) -> Callable[[AsyncView], AsyncView]:
                 return await view(request, *args, **kwargs)
             except ProtocolError as exc:
                 return error_response(exc)
+            except EngineDeadError as exc:
+                return error_response(ProtocolError(503, str(exc)))
             except RequestDataTooBig:
                 limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
                 return error_response(ProtocolError(

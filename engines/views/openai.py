@@ -17,7 +17,6 @@ refuses; 422 for MLC's two special-request rules (MLC's status for them);
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
@@ -259,42 +258,26 @@ async def generate_reply(
 
     The first output is awaited before any reply is made, so a request the
     engine refuses still gets a proper 400 instead of a broken stream.
+
+    A client that leaves meanwhile needs nothing here: Django cancels the view while it
+    awaits ``outputs``, so the cancellation lands inside ``AsyncEngine.generate``, whose
+    ``finally`` aborts the request (once) and frees its KV pages.
     """
     outputs = engine.generate(generation)
     try:
         first = await anext(outputs)
     except EngineRequestError as exc:
         raise ProtocolError(400, str(exc)) from None
-    except EngineDeadError as exc:
-        raise ProtocolError(503, str(exc)) from None
-    except asyncio.CancelledError:
-        # The client left before the first token: Django cancels the view; free the engine's slot.
-        await _abandon(engine, outputs, generation.request_id)
-        raise
     if body.stream:
         return StreamingHttpResponse(
-            sse_events(engine, outputs, first, shaper, body.include_usage),
+            sse_events(outputs, first, shaper, body.include_usage),
             content_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    try:
-        final = await collect(outputs, first, shaper)
-    except EngineDeadError as exc:
-        raise ProtocolError(503, str(exc)) from None
-    except asyncio.CancelledError:
-        await _abandon(engine, outputs, generation.request_id)
-        raise
-    return json_response(final.model_dump())
-
-
-async def _abandon(engine: AsyncEngine, outputs: AsyncIterator[RequestOutput], request_id: str) -> None:
-    """Stop a request nobody will read: close its stream and abort it in the engine."""
-    await outputs.aclose()  # type: ignore[attr-defined]
-    await engine.abort(request_id)
+    return json_response((await collect(outputs, first, shaper)).model_dump())
 
 
 async def sse_events(
-    engine: AsyncEngine,
     outputs: AsyncIterator[RequestOutput],
     first: RequestOutput,
     shaper: "ResponseShaper",
@@ -302,8 +285,9 @@ async def sse_events(
 ) -> AsyncIterator[bytes]:
     """The SSE body: one chunk per engine output, the usage chunk if asked, then ``[DONE]``.
 
-    When the client disconnects Django cancels this generator at its current
-    ``await``; ``finally`` then aborts the request so its KV pages are freed at once.
+    When the client disconnects Django cancels this generator at its current ``await``
+    (or closes it at a ``yield``); ``finally`` then closes the engine's stream, whose own
+    ``finally`` aborts the request so its KV pages are freed at once.
     """
     finished = False
     try:
@@ -326,7 +310,9 @@ async def sse_events(
         yield SSE_DONE
     finally:
         if not finished:
-            await _abandon(engine, outputs, shaper.request_id)
+            # Cancelled inside ``anext(outputs)``, the stream has closed itself and this is a no-op;
+            # closed at our ``yield``, the stream waits at its own and must be closed to abort.
+            await outputs.aclose()  # type: ignore[attr-defined]
 
 
 def _sse(model: BaseModel) -> bytes:
@@ -351,10 +337,7 @@ async def metrics_reply(engine: AsyncEngine, shaper: "ResponseShaper") -> HttpRe
     Never queued and never traced (MLC traces these and litters the trace with
     ``chatcmpl-`` lanes; we don't).
     """
-    try:
-        usage = Usage(extra=await engine.metrics())
-    except EngineDeadError as exc:
-        raise ProtocolError(503, str(exc)) from None
+    usage = Usage(extra=await engine.metrics())
     return StreamingHttpResponse(
         _aiter([_sse(shaper.usage_chunk(usage)), SSE_DONE]),
         content_type="text/event-stream",

@@ -4,6 +4,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
+from collections.abc import Callable
 
 import httpx
 import orjson
@@ -11,6 +13,7 @@ import pytest
 
 from debugsite.asgi import application
 from engines.registry import registry
+from engines.runtime import RequestOutput
 from tests.server.conftest import TRACED, UNTRACED, assert_error, sse_payloads, wait_until
 
 CHAT = "/v1/chat/completions"
@@ -169,32 +172,39 @@ async def test_streaming_without_include_usage_has_no_usage_chunk(client: httpx.
     assert all(e["choices"] for e in events[:-1])
 
 
-async def test_client_disconnect_aborts_the_request(client: httpx.AsyncClient, monkeypatch) -> None:
-    """A client gone mid-stream: Django cancels the stream, the view aborts the request in the engine."""
-    engine = registry.get(TRACED)
-    aborted: list[str] = []
-    real_abort = engine.abort
+@pytest.fixture
+def aborts(client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The request ids of every abort that reaches the ``demo`` engine (it runs on a thread here),
+    on a server configured by ``client``."""
+    engine = registry.get(TRACED).engine
+    seen: list[str] = []
+    real_abort = engine.abort_request
 
-    async def spy(request_id: str) -> None:
-        aborted.append(request_id)
-        await real_abort(request_id)
+    def spy(request_id: str) -> RequestOutput | None:
+        seen.append(request_id)
+        return real_abort(request_id)
 
-    monkeypatch.setattr(engine, "abort", spy)
-    body = orjson.dumps(chat_body(stream=True, max_tokens=1000, user="gone-1", debug_config={"ignore_eos": True}))
-    got_chunk = asyncio.Event()
+    monkeypatch.setattr(engine, "abort_request", spy)
+    return seen
+
+
+async def leave_when(body: dict, gone: Callable[[list[dict]], bool]) -> list[dict]:
+    """Stream a chat request through the ASGI app with a client that disconnects once ``gone``
+    holds of the ASGI messages sent so far (httpx's ASGI transport reads whole replies, so its
+    clients cannot leave midway). Returns those messages once every abort sent reached the engine."""
+    sent: list[dict] = []
     request_sent = False
 
-    async def receive():
+    async def receive() -> dict:
         nonlocal request_sent
         if not request_sent:
             request_sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await got_chunk.wait()
+            return {"type": "http.request", "body": orjson.dumps(body), "more_body": False}
+        await wait_until(lambda: gone(sent))
         return {"type": "http.disconnect"}
 
-    async def send(message):
-        if message["type"] == "http.response.body" and message.get("body"):
-            got_chunk.set()
+    async def send(message: dict) -> None:
+        sent.append(message)
 
     scope = {
         "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
@@ -203,11 +213,53 @@ async def test_client_disconnect_aborts_the_request(client: httpx.AsyncClient, m
         "client": ("127.0.0.1", 5000), "server": ("127.0.0.1", 80),
     }
     await asyncio.wait_for(application(scope, receive, send), timeout=30)
-    assert aborted == ["gone-1"]
+    # The engine takes commands in order: once this dump is answered, every abort sent has arrived.
+    await registry.get(TRACED).dump_trace()
+    return sent
+
+
+def finished_by_abort(request_id: str) -> bool:
+    """Whether the ``demo`` engine's trace ends ``request_id`` with finish reason ``abort``."""
+    events = registry.get(TRACED).engine.tracer.dump()["traceEvents"]
+    finishes = [e for e in events if e["name"] == "finish" and e["args"].get("request_id") == request_id]
+    return bool(finishes) and finishes[-1]["args"]["finish_reason"] == "abort"
+
+
+def streamed_a_chunk(sent: list[dict]) -> bool:
+    """Whether the ASGI messages sent so far hold a piece of the body."""
+    return any(m["type"] == "http.response.body" and m.get("body") for m in sent)
+
+
+async def test_client_disconnect_mid_stream_aborts_the_request_once(aborts: list[str]) -> None:
+    """Django cancels the stream; the engine hears one abort, which frees the request's KV pages."""
+    engine = registry.get(TRACED)
+    await leave_when(chat_body(stream=True, max_tokens=1000, user="gone-1", debug_config={"ignore_eos": True}),
+                     streamed_a_chunk)
+    assert aborts == ["gone-1"]
     await wait_until(lambda: engine.engine.metrics.as_dict()["num_running_requests"] == 0)
-    trace = engine.engine.tracer.dump()
-    finishes = [e for e in trace["traceEvents"] if e["name"] == "finish" and e["args"].get("request_id") == "gone-1"]
-    assert finishes and finishes[-1]["args"]["finish_reason"] == "abort"
+    assert finished_by_abort("gone-1")
+
+
+async def test_client_disconnect_before_the_first_token_aborts_the_request_once(
+        aborts: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Django cancels the view while it waits for the first output; the engine hears one abort."""
+    engine = registry.get(TRACED)
+    real_step = engine.engine.step
+
+    def held_step() -> list[RequestOutput]:
+        # Hold the first step until the client's stream has closed: it leaves before any token, surely.
+        deadline = time.monotonic() + 30
+        while engine.is_streaming("gone-2") and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return real_step()
+
+    monkeypatch.setattr(engine.engine, "step", held_step)
+    sent = await leave_when(chat_body(stream=True, max_tokens=1000, user="gone-2", debug_config={"ignore_eos": True}),
+                            lambda _: engine.is_streaming("gone-2"))
+    assert sent == []  # not even the headers: the view still waited for the first output
+    assert aborts == ["gone-2"]
+    await wait_until(lambda: engine.engine.metrics.as_dict()["num_running_requests"] == 0)
+    assert finished_by_abort("gone-2")
 
 
 # ------------------------------------------------------------------------- completions
@@ -249,7 +301,19 @@ async def test_debug_config_ignored_without_enable_debug(serve, caplog) -> None:
 
 
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
-async def test_query_engine_metrics_special_request(client: httpx.AsyncClient, path: str) -> None:
+async def test_query_engine_metrics_special_request(client: httpx.AsyncClient, path: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Answered by the view from the engine's metrics: the engine takes no step and traces nothing."""
+    engine = registry.get(TRACED)
+    steps: list[None] = []
+    real_step = engine.engine.step
+
+    def counted_step() -> list[RequestOutput]:
+        steps.append(None)
+        return real_step()
+
+    monkeypatch.setattr(engine.engine, "step", counted_step)
+    events = engine.engine.tracer.event_count
     body = {"model": TRACED, "stream": True, "stream_options": {"include_usage": True},
             "debug_config": {"special_request": "query_engine_metrics"}, "user": "metrics-query"}
     body |= {"messages": []} if path == CHAT else {"prompt": ""}
@@ -259,8 +323,11 @@ async def test_query_engine_metrics_special_request(client: httpx.AsyncClient, p
     assert done == "[DONE]" and chunk["choices"] == []
     assert chunk["usage"]["prompt_tokens"] == 0 and chunk["usage"]["completion_tokens"] == 0
     assert "engine_prefill_time_sum" in chunk["usage"]["extra"]
-    # Internal queries never show up in the trace (a fix over MLC).
-    assert "metrics-query" not in registry.get(TRACED).engine.tracer.request_ids()
+    # Server-side events travel with the engine's next command: after this dump, any sent was recorded.
+    await engine.dump_trace()
+    # Internal queries never show up in the trace (a fix over MLC), nor reach the step loop.
+    assert engine.engine.tracer.event_count == events
+    assert steps == []
 
 
 async def test_special_request_without_stream_is_422(client: httpx.AsyncClient) -> None:

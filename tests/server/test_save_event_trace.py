@@ -1,14 +1,21 @@
 """``POST /debug/save_event_trace`` and the Python API behind it (``asave_engine_trace``), on real demo engines."""
 from __future__ import annotations
 
+import os
+import signal
+import time
+from collections.abc import Iterator
+
 import httpx
 import pytest
 
 from engines.history import TraceUnavailableError, asave_engine_trace, save_engine_trace
 from engines.history.payload import decompress_json
 from engines.models import RequestSummary, TraceRecord
-from engines.registry import registry
-from tests.server.conftest import TRACED, UNTRACED, assert_error
+from engines.registry import ModelSpec, build_engines, registry
+from engines.runtime.core.engine import EngineConfig
+from engines.runtime.frontend.async_engine import AsyncEngine
+from tests.server.conftest import SMALL_ENGINE, TRACED, UNTRACED, assert_error
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("async_db_connections_closed")]
 
@@ -126,6 +133,30 @@ async def test_save_refuses_bad_options_and_keeps_the_trace(client: httpx.AsyncC
     assert error["message"].startswith(f"Invalid {field}"), error["message"]
     assert not await TraceRecord.objects.aexists()
     assert registry.get(TRACED).engine.tracer.request_ids() == ["kept"]  # a refused save never clears
+
+
+@pytest.fixture
+def killed_engine() -> Iterator[AsyncEngine]:
+    """A traced engine in its own process, SIGKILLed: how a crashed engine (an OOM kill, a segfault
+    in a kernel) looks to the server."""
+    (engine,) = build_engines([ModelSpec("demo", "killed")], EngineConfig(**SMALL_ENGINE), backend="cpu",
+                              enable_tracing=True, process=True)
+    engine.start()
+    os.kill(engine._transport.process.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while engine.error is None:  # the reader thread notices the closed socket
+        assert time.monotonic() < deadline, "the killed engine process was not noticed"
+        time.sleep(0.02)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("route", ["save_event_trace", "dump_event_trace"])
+async def test_a_killed_engine_process_is_503_not_500(serve, killed_engine: AsyncEngine, route: str) -> None:
+    async with serve(enable_debug=True, serving=[killed_engine]) as http:
+        error = assert_error(await http.post(f"/debug/{route}", json={"model": "killed"}), 503)
+    assert "'killed'" in error["message"]  # the runtime's message, naming the engine
+    assert not await TraceRecord.objects.aexists()
 
 
 async def test_a_request_id_with_nul_does_not_lose_the_cleared_window(client: httpx.AsyncClient) -> None:
