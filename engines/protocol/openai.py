@@ -36,7 +36,6 @@ Responses
 """
 from __future__ import annotations
 
-import json
 import re
 import time
 from typing import Annotated, Any, Literal
@@ -55,6 +54,7 @@ from engines.runtime import REQUEST_LIMITS, FinishReason
 
 from .debug import DebugConfig
 from .errors import field_error
+from .json_body import JSONTooDeepError, loads_bounded
 
 __all__ = [
     "ChatCompletionChunk",
@@ -101,8 +101,10 @@ def _parse_schema(value: Any) -> Any:
     """A JSON Schema given as an object, or (MLC's spelling) as JSON text."""
     if isinstance(value, str):
         try:
-            value = json.loads(value)
-        except (ValueError, RecursionError) as exc:  # RecursionError: nested past the parser's limit
+            value = loads_bounded(value)
+        except JSONTooDeepError as exc:
+            raise field_error(f"the schema is too deep: {exc}") from None
+        except ValueError as exc:
             raise field_error(f"the schema is not valid JSON: {exc}") from None
     if value is not None and not isinstance(value, dict):
         raise field_error("the schema must be a JSON object (a JSON Schema)")
