@@ -1,11 +1,18 @@
 """The serving engine: a synchronous step loop (``Engine``).
 
-``Engine.step()`` reads as three verbs, as in vLLM's engine core: the scheduler
-picks this step's chunks, the model computes them, and the engine updates every
-request from the result (sampling, grammar, stop checks, detokenization,
-metrics, trace events). ``engine_core.EngineCore`` runs that loop and
-``async_engine.AsyncEngine`` serves asyncio callers from it; no request handler
-touches model state.
+``Engine.step()`` reads as three verbs, as in vLLM's engine core:
+
+1. ``_schedule``: the scheduler picks this step's chunks (``SchedulerOutput``); the
+   engine stamps admissions, pins system prompts, ends what can never fit.
+2. ``_execute``: one forward pass over those chunks (``ModelOutput``: greedy token
+   ids computed on the device, or logits rows).
+3. ``_update``: commit the K/V written, apply grammar masks and sample, run the stop
+   rules and the detokenizer (and jump-forward); ``step`` then turns what changed into
+   one ``RequestOutput`` per touched request.
+
+Trace events and metrics hang off those seams. The engine is single-threaded:
+``frontend.engine_core.EngineCore`` runs the loop and ``frontend.async_engine.AsyncEngine``
+serves asyncio callers from it; no request handler touches model state.
 """
 from __future__ import annotations
 
@@ -25,14 +32,14 @@ from engines.runtime.model.llama import ForwardBatch, LlamaModel
 from engines.runtime.core.request import (
     ChoiceDelta,
     EngineRequestError,
+    FinishReason,
     GenerationRequest,
     GrammarMode,
     RequestOutput,
     RequestState,
     Sequence,
-    SequenceStatus,
 )
-from engines.runtime.core.sampler import InvalidSamplingParams, Sampler, SamplingState
+from engines.runtime.core.sampler import InvalidSamplingParams, Sampler, SamplingState, TokenLogprob
 from engines.runtime.core.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from engines.runtime.core.stop_checker import StopChecker
 from engines.runtime.telemetry.trace_recorder import TraceRecorder
@@ -55,9 +62,24 @@ class EngineConfig:
     enable_prefix_cache: bool = True
 
     def resolved_num_pages(self) -> int:
+        """``num_pages``, or as many pages as ``max_total_tokens`` needs when it is unset."""
         if self.num_pages is not None:
             return self.num_pages
         return -(-self.max_total_tokens // self.page_size)
+
+
+@dataclass
+class ModelOutput:
+    """What ``Engine._execute`` hands ``Engine._update``: one row per chunk that samples.
+
+    Exactly one of ``token_ids`` (int32 ``[len(sampled)]``: every row was greedy, so the
+    argmax ran on the device and only ids came back) and ``logits`` (``[len(sampled),
+    vocab_size]``, for the sampler) is set.
+    """
+
+    sampled: list[ScheduledChunk]
+    token_ids: np.ndarray | None = None
+    logits: np.ndarray | None = None
 
 
 def validate_request(request: GenerationRequest, vocab_size: int, max_seq_len: int) -> None:
@@ -95,8 +117,8 @@ class Engine:
         model: the model, weights already on its backend.
         checkpoint: tokenizer, EOS ids and name come from here.
         config: sizing.
-        tracer: the event recorder, or ``None`` when tracing is off (every call site
-            checks it, so a disabled trace costs one comparison).
+        tracer: the event recorder, or ``None`` when tracing is off (each seam checks it
+            before building any event, so a disabled trace costs one comparison there).
     """
 
     def __init__(self, model: LlamaModel, checkpoint: Checkpoint, config: EngineConfig | None = None,
@@ -174,7 +196,7 @@ class Engine:
             return None
         for seq in state.sequences:
             if not seq.finished:
-                self._finish_sequence(seq, "abort")
+                self._finish_sequence(seq, FinishReason.ABORT)
         out = self._collect_output(state)
         self._update_gauges()
         return out
@@ -192,6 +214,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
+        """Whether any request is waiting or running (``step`` has something to do)."""
         return self.scheduler.has_work
 
     def warm_up(self) -> None:
@@ -211,42 +234,176 @@ class Engine:
     # ---------------------------------------------------------------------- step
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, update every scheduled request; returns the new outputs."""
+        """One engine step: schedule, execute the model once, update from its output.
+
+        Returns what the requests this step changed have to report (new text, finish reasons, usage).
+        """
+        sched = self._schedule()
+        touched = [seq.request for seq in sched.out_of_pages]
+        if sched.chunks:
+            t0 = time.perf_counter()
+            output = self._execute(sched)
+            touched += self._update(sched, output)
+            self.metrics.on_step(time.perf_counter() - t0, prefill_tokens=sched.num_prefill_tokens,
+                                 decode_seqs=sched.num_decode_seqs)
+        return self._outputs(touched)
+
+    # ------------------------------------------------------------------ schedule
+
+    def _schedule(self) -> SchedulerOutput:
+        """This step's chunks, from the scheduler; the engine's side of admission and preemption.
+
+        Stamps each request's first admission, pins system prompts as they are admitted, counts
+        preemptions, and ends (``length``) the sequences the pool can never hold.
+        """
         sched = self.scheduler.schedule()
-        self._trace_schedule(sched)
-        touched: dict[str, RequestState] = {}
+        if self.tracer is not None:
+            self._trace_schedule(sched)  # first, while first_scheduled_time still tells a first admission
+        now = time.perf_counter()
+        for seq in sched.admitted:
+            state = seq.request
+            if state.first_scheduled_time is None:
+                state.first_scheduled_time = now
+            if state.request.pin_system_prompt and seq.index == 0:
+                self.kv_pool.pin(seq.seq_id, state.request.system_prompt_tokens or len(state.request.prompt))
+        for _ in sched.preempted:
+            self.metrics.on_preemption()
         for seq in sched.out_of_pages:
             # As at the context limit: the pool, less its pinned pages, is this sequence's limit.
             logger.warning("request %s: the KV cache, less its %d pinned pages, cannot hold the %d tokens of "
                            "choice %d; it ends with 'length'. Reset the engine to unpin system prompts, or "
                            "start it with more pages.", seq.request.request_id, self.kv_pool.num_pinned_pages,
                            len(seq.token_ids), seq.index)
-            self._finish_sequence(seq, "length")
-            touched[seq.request.request_id] = seq.request
-        if not sched.chunks:
-            return self._outputs(touched)
+            self._finish_sequence(seq, FinishReason.LENGTH)
+        return sched
+
+    def _trace_schedule(self, sched: SchedulerOutput) -> None:
+        """The schedule seam's events: queue spans that close, what each admission got, preemptions."""
+        tracer = self.tracer
+        dequeued: set[str] = set()  # the choices of one request leave its queue span once
+        for seq in sched.admitted:
+            rid = seq.request.request_id
+            if seq.request.first_scheduled_time is None and rid not in dequeued:
+                dequeued.add(rid)
+                tracer.add_event(rid, "finish queue")
+            # What the prefix cache gave back and what the pool handed out.
+            tracer.add_event(rid, "kv cache admit", {"cached_tokens": seq.num_cached_prefix_tokens,
+                                                     "pages": len(self.kv_pool.pages(seq.seq_id))})
+        for seq in sched.preempted:
+            tracer.add_event(seq.request.request_id, "preempt")
+
+    # ------------------------------------------------------------------- execute
+
+    def _execute(self, sched: SchedulerOutput) -> ModelOutput:
+        """The forward pass over every scheduled chunk: writes their K/V and returns a row per
+        chunk that samples (token ids when every such row is greedy, else logits)."""
         self.num_steps += 1
-        t0 = time.perf_counter()
-        sampled_chunks = [c for c in sched.chunks if c.samples]
-        token_ids = self._run_model(sched, sampled_chunks)
-        for chunk in sched.chunks:
+        chunks = sched.chunks
+        batch = ForwardBatch(
+            token_ids=np.fromiter((t for c in chunks for t in c.seq.token_ids[c.start:c.start + c.num_tokens]),
+                                  dtype=np.int32, count=sched.num_tokens),
+            query_starts=np.concatenate(([0], np.cumsum([c.num_tokens for c in chunks]))).astype(np.int32),
+            cached_lens=np.fromiter((c.start for c in chunks), dtype=np.int32, count=len(chunks)),
+            page_table=self.kv_pool.page_table([c.seq.seq_id for c in chunks]),
+        )
+        rows = [i for i, c in enumerate(chunks) if c.samples]
+        sampled = [chunks[i] for i in rows]
+        # Argmax on the device when no row needs its logits: only token ids come back.
+        greedy = not any(c.seq.grammar is not None or not c.seq.request.params.is_greedy
+                         or c.seq.request.params.logprobs or c.seq.sampling.modifies_logits for c in sampled)
+        tracer = self.tracer
+        if tracer is not None:
+            kind = "prefill" if sched.num_prefill_tokens else "decode"
+            lane_ids = [c.seq.request.request_id for c in chunks]
+            tracer.add_event(lane_ids, f"start {kind}", {"batch_size": len(chunks)}, engine_lane=True)
+        result = (self.model.forward_greedy if greedy else self.model.forward)(batch, self.kv)
+        if tracer is not None:
+            tracer.add_event(lane_ids, f"finish {kind}", {"tokens": sched.num_tokens}, engine_lane=True)
+        if greedy:
+            return ModelOutput(sampled, token_ids=result[rows])
+        return ModelOutput(sampled, logits=result[rows])
+
+    # -------------------------------------------------------------------- update
+
+    def _update(self, sched: SchedulerOutput, output: ModelOutput) -> list[RequestState]:
+        """Everything after the forward pass: commit the K/V it wrote, pick a token per sampling row
+        (grammar masks, sampler), append it (stop rules, detokenization); returns the requests with news."""
+        self._commit(sched.chunks)
+        picks = self._pick_tokens(output)
+        self._append_picks(output.sampled, picks)
+        return [c.seq.request for c in output.sampled]
+
+    def _commit(self, chunks: list[ScheduledChunk]) -> None:
+        """The forward pass wrote these chunks' K/V: the pool caches their full pages, the
+        sequences and requests count the tokens as computed."""
+        for chunk in chunks:
             seq = chunk.seq
             self.kv_pool.commit(seq.seq_id, seq.token_ids[chunk.start:chunk.start + chunk.num_tokens])
             seq.num_computed = chunk.start + chunk.num_tokens
-            state = seq.request
             if chunk.is_prefill:
-                state.prefill_tokens += chunk.num_tokens
+                seq.request.prefill_tokens += chunk.num_tokens
             else:
-                state.decode_tokens += chunk.num_tokens
+                seq.request.decode_tokens += chunk.num_tokens
+
+    def _pick_tokens(self, output: ModelOutput) -> list[tuple[int, TokenLogprob | None] | Exception]:
+        """(token, logprob) per sampling row: the device's argmax, or the sampler's draw under the
+        row's grammar mask.
+
+        A row whose grammar failed to give a mask gets the exception instead: that request fails
+        alone (``_update``), the rest of the batch samples as usual.
+        """
+        if output.token_ids is not None:
+            return [(int(t), None) for t in output.token_ids]
+        sampled = output.sampled
+        masks, failures = self._grammar_masks(sampled)
+        tracer = self.tracer
+        if tracer is not None:
+            sample_ids = [c.seq.request.request_id for c in sampled]
+            tracer.add_event(sample_ids, "start sampling")
+        picked = self.sampler.sample(output.logits, [c.seq.sampling for c in sampled], masks)
+        if tracer is not None:
+            tracer.add_event(sample_ids, "finish sampling")
+        return [failures[i] if i in failures
+                else (int(picked.token_ids[i]), picked.logprobs[i] if picked.logprobs else None)
+                for i in range(len(sampled))]
+
+    def _grammar_masks(self, sampled: list[ScheduledChunk]) -> tuple[list[np.ndarray | None], dict[int, Exception]]:
+        """Each row's allowed next tokens (``None``: no grammar), and the rows whose grammar failed."""
+        masks: list[np.ndarray | None] = [None] * len(sampled)
+        failures: dict[int, Exception] = {}
+        grammar_rows = [i for i, c in enumerate(sampled) if c.seq.grammar is not None]
+        if not grammar_rows:
+            return masks, failures
+        tracer = self.tracer
+        if tracer is not None:
+            grammar_ids = [sampled[i].seq.request.request_id for i in grammar_rows]
+            tracer.add_event(grammar_ids, "start apply logit mask")
+        rows_mask = np.empty((len(grammar_rows), self.vocab_size), dtype=np.bool_)
+        for j, i in enumerate(grammar_rows):
+            try:
+                sampled[i].seq.grammar.fill_mask(rows_mask[j])
+                if not rows_mask[j].any():  # the sampler would fail the whole batch on this row
+                    raise GrammarError("the grammar allows no next token")
+            except Exception as e:  # noqa: BLE001 - fails this request alone; its row samples unmasked, unused
+                failures[i] = e
+                continue
+            masks[i] = rows_mask[j]
+        if tracer is not None:
+            tracer.add_event(grammar_ids, "finish apply logit mask")
+        return masks, failures
+
+    def _append_picks(self, sampled: list[ScheduledChunk],
+                      picks: list[tuple[int, TokenLogprob | None] | Exception]) -> None:
+        """Give each sampling choice its token: stop rules, detokenization, jump-forward, failures."""
         now = time.perf_counter()
         gaps = []
-        sampled_ids = [c.seq.request.request_id for c in sampled_chunks]
-        if self.tracer is not None and sampled_ids:
+        tracer = self.tracer
+        if tracer is not None and sampled:
             # MLC's name for the streamer's work: text deltas, stop strings, grammar state.
-            self.tracer.add_event(sampled_ids, "start detokenization")
-        for chunk, picked in zip(sampled_chunks, token_ids):
+            sampled_ids = [c.seq.request.request_id for c in sampled]
+            tracer.add_event(sampled_ids, "start detokenization")
+        for chunk, picked in zip(sampled, picks):
             seq = chunk.seq
-            touched[seq.request.request_id] = seq.request
             if isinstance(picked, Exception):
                 self._fail_sequence(seq, picked)
                 continue
@@ -257,83 +414,11 @@ class Engine:
                 self._append_sampled(seq, *picked)
             except Exception as e:  # noqa: BLE001 - a grammar or tokenizer error fails its request, not the engine
                 self._fail_sequence(seq, e)
-        if self.tracer is not None and sampled_ids:
-            self.tracer.add_event(sampled_ids, "finish detokenization")
+        if tracer is not None and sampled:
+            tracer.add_event(sampled_ids, "finish detokenization")
         self.metrics.on_token_gaps(gaps)
-        elapsed = time.perf_counter() - t0
-        prefill_tokens = sched.num_prefill_tokens
-        decode_seqs = sched.num_decode_seqs
-        self.metrics.on_step(elapsed, prefill_tokens=prefill_tokens, decode_seqs=decode_seqs)
-        return self._outputs(touched)
 
-    def _outputs(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
-        """What the requests this step changed have to report; refreshes the gauges."""
-        outputs = [o for state in touched.values() if (o := self._collect_output(state)) is not None]
-        self._update_gauges()
-        return outputs
-
-    def _run_model(self, sched: SchedulerOutput,
-                   sampled: list[ScheduledChunk]) -> list[tuple[int, Any] | Exception]:
-        """The forward pass and sampling; returns (token, logprob) per sampling chunk.
-
-        A chunk whose grammar failed to give a mask gets the exception instead: that
-        request fails alone (``step``), the rest of the batch samples as usual.
-        """
-        chunks = sched.chunks
-        batch = ForwardBatch(
-            token_ids=np.fromiter((t for c in chunks for t in c.seq.token_ids[c.start:c.start + c.num_tokens]),
-                                  dtype=np.int32, count=sched.num_tokens),
-            query_starts=np.concatenate(([0], np.cumsum([c.num_tokens for c in chunks]))).astype(np.int32),
-            cached_lens=np.fromiter((c.start for c in chunks), dtype=np.int32, count=len(chunks)),
-            page_table=self.kv_pool.page_table([c.seq.seq_id for c in chunks]),
-        )
-        tracer = self.tracer
-        kind = "prefill" if sched.num_prefill_tokens else "decode"
-        lane_ids = [c.seq.request.request_id for c in chunks]
-        # Argmax on the device when no row needs its logits: only token ids come back.
-        greedy = not any(c.seq.grammar is not None or not c.seq.request.params.is_greedy
-                         or c.seq.request.params.logprobs or c.seq.sampling.modifies_logits for c in sampled)
-        if tracer is not None:
-            tracer.add_event(lane_ids, f"start {kind}", {"batch_size": len(chunks)}, engine_lane=True)
-        result = (self.model.forward_greedy if greedy else self.model.forward)(batch, self.kv)
-        if tracer is not None:
-            tracer.add_event(lane_ids, f"finish {kind}", {"tokens": sched.num_tokens}, engine_lane=True)
-        rows = [i for i, c in enumerate(chunks) if c.samples]
-        if greedy:
-            return [(int(result[r]), None) for r in rows]
-        logits = result[rows]
-        states = [c.seq.sampling for c in sampled]
-        sample_ids = [c.seq.request.request_id for c in sampled]
-        masks: list[np.ndarray | None] = [None] * len(sampled)
-        failures: dict[int, Exception] = {}
-        grammar_rows = [i for i, c in enumerate(sampled) if c.seq.grammar is not None]
-        if grammar_rows:
-            if tracer is not None:
-                tracer.add_event([sample_ids[i] for i in grammar_rows], "start apply logit mask")
-            rows_mask = np.empty((len(grammar_rows), self.vocab_size), dtype=np.bool_)
-            for j, i in enumerate(grammar_rows):
-                try:
-                    sampled[i].seq.grammar.fill_mask(rows_mask[j])
-                    if not rows_mask[j].any():  # the sampler would fail the whole batch on this row
-                        raise GrammarError("the grammar allows no next token")
-                except Exception as e:  # noqa: BLE001 - fails this request alone; its row samples unmasked, unused
-                    failures[i] = e
-                    continue
-                masks[i] = rows_mask[j]
-            if tracer is not None:
-                tracer.add_event([sample_ids[i] for i in grammar_rows], "finish apply logit mask")
-        if tracer is not None:
-            tracer.add_event(sample_ids, "start sampling")
-        picked = self.sampler.sample(logits, states, masks)
-        if tracer is not None:
-            tracer.add_event(sample_ids, "finish sampling")
-        return [failures[i] if i in failures
-                else (int(picked.token_ids[i]), picked.logprobs[i] if picked.logprobs else None)
-                for i in range(len(sampled))]
-
-    # -------------------------------------------------------------------- update
-
-    def _append_sampled(self, seq: Sequence, token: int, logprob: Any) -> None:
+    def _append_sampled(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
         """Add a sampled token (and any tokens the grammar then forces) and check every stop rule."""
         state = seq.request
         now = time.perf_counter()
@@ -365,13 +450,14 @@ class Engine:
             self.tracer.add_event(state.request_id, "jump forward", {"tokens": accepted})
 
     def _remaining_tokens(self, seq: Sequence) -> int:
+        """Output tokens the choice may still add before max_tokens or the context ends it."""
         limit = self.max_seq_len - len(seq.token_ids)
         max_tokens = seq.request.params.max_tokens
         if max_tokens is not None:
             limit = min(limit, max_tokens - seq.num_output_tokens)
         return max(limit, 0)
 
-    def _accept_token(self, seq: Sequence, token: int, logprob: Any) -> bool:
+    def _accept_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> bool:
         """Append one output token; finish the choice if a stop rule fires. Returns True if finished."""
         seq.token_ids.append(token)
         seq.pending_ids.append(token)
@@ -387,14 +473,14 @@ class Engine:
             text = seq.detokenizer.add(token)
         check = seq.stop_checker.step(token, text)
         seq.pending_text += check.text
-        if check.finish_reason == "stop":
+        if check.finish_reason is FinishReason.STOP:
             # Nothing to flush: the stop token took the rest, and what follows a stop string is dropped.
-            self._finish_sequence(seq, "stop", flush=False)
+            self._finish_sequence(seq, FinishReason.STOP, flush=False)
             return True
         # Before the length limit: output the grammar completes on its last allowed
         # token is whole, and "length" would tell the client it was cut.
         if seq.grammar is not None and seq.grammar.is_finished():
-            self._finish_sequence(seq, "stop")
+            self._finish_sequence(seq, FinishReason.STOP)
             return True
         if check.finish_reason is not None:
             self._finish_sequence(seq, check.finish_reason)  # the last token: what the detokenizer holds is whole
@@ -408,22 +494,30 @@ class Engine:
         if self.tracer is not None:
             self.tracer.add_event(rid, "request error", {"error": f"{type(error).__name__}: {error}"})
         # No flush: the detokenizer or stop checker may be what failed.
-        self._finish_sequence(seq, "abort", flush=False)
+        self._finish_sequence(seq, FinishReason.ABORT, flush=False)
 
-    def _finish_sequence(self, seq: Sequence, reason: str, flush: bool = True) -> None:
+    def _finish_sequence(self, seq: Sequence, reason: FinishReason, flush: bool = True) -> None:
         """End a choice. ``flush``: no stop rule cut the text (grammar done, length, abort), so
         held-back text is output."""
         if seq.finished:
             return
         if flush:
             seq.pending_text += seq.stop_checker.flush() + seq.detokenizer.finish()
-        seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.scheduler.remove(seq)
         state = seq.request
         if state.finished:
             state.finish_time = time.perf_counter()
             del self.requests[state.request_id]
+
+    # ------------------------------------------------------------------- outputs
+
+    def _outputs(self, touched: list[RequestState]) -> list[RequestOutput]:
+        """What the requests this step changed have to report, in the order they were touched;
+        refreshes the gauges."""
+        outputs = [o for state in dict.fromkeys(touched) if (o := self._collect_output(state)) is not None]
+        self._update_gauges()
+        return outputs
 
     def _collect_output(self, state: RequestState) -> RequestOutput | None:
         """Turn what each choice produced since the last output into deltas (and usage when done)."""
@@ -450,9 +544,10 @@ class Engine:
         return RequestOutput(state.request_id, choices, usage)
 
     def _finish_request(self, state: RequestState) -> dict[str, Any]:
+        """Account for a request whose every choice ended (metrics, trace); returns its usage."""
         completion = sum(s.num_output_tokens for s in state.sequences)
         prompt = len(state.request.prompt)
-        aborted = all(s.finish_reason == "abort" for s in state.sequences)
+        aborted = all(s.finish_reason is FinishReason.ABORT for s in state.sequences)
         rm = RequestMetrics(
             prompt_tokens=prompt,
             completion_tokens=completion,
@@ -469,9 +564,9 @@ class Engine:
         if self.tracer is not None:
             if state.first_scheduled_time is None:  # aborted or dropped while waiting
                 self.tracer.add_event(state.request_id, "finish queue")
-            reasons = sorted({s.finish_reason or "" for s in state.sequences})
             self.tracer.add_event(state.request_id, "finish", {
-                "finish_reason": reasons[0] if len(reasons) == 1 else ",".join(reasons),
+                # One reason, or the choices' several ("length,stop"); a plain str either way.
+                "finish_reason": ",".join(sorted({s.finish_reason for s in state.sequences})),
                 "prompt_tokens": prompt, "completion_tokens": completion,
                 "prefill_tokens": state.prefill_tokens,
             })
@@ -484,28 +579,8 @@ class Engine:
 
     # ----------------------------------------------------------------- bookkeeping
 
-    def _trace_schedule(self, sched: SchedulerOutput) -> None:
-        now = time.perf_counter()
-        for seq in sched.admitted:
-            state = seq.request
-            if state.first_scheduled_time is None:
-                state.first_scheduled_time = now
-                if self.tracer is not None:
-                    self.tracer.add_event(state.request_id, "finish queue")
-            if self.tracer is not None:
-                # What the prefix cache gave back and what the pool handed out.
-                self.tracer.add_event(state.request_id, "kv cache admit", {
-                    "cached_tokens": seq.num_cached_prefix_tokens,
-                    "pages": len(self.kv_pool.pages(seq.seq_id))})
-            if state.request.pin_system_prompt and seq.index == 0:
-                pin = state.request.system_prompt_tokens or len(state.request.prompt)
-                self.kv_pool.pin(seq.seq_id, pin)
-        for seq in sched.preempted:
-            self.metrics.on_preemption()
-            if self.tracer is not None:
-                self.tracer.add_event(seq.request.request_id, "preempt")
-
     def _update_gauges(self) -> None:
+        """Refresh the running/waiting and KV gauges after anything that may change them."""
         usage = self.kv_pool.usage()
         # Requests, not choices (a request has n). Counted from the running side, which is
         # bounded by max_num_seqs, where the waiting queue may be long: every other live

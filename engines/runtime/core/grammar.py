@@ -90,11 +90,6 @@ class GrammarMatcher:
         if not self._matcher.consume_tokens([int(t) for t in token_ids]):
             raise GrammarError(f"grammar rejected token(s) {list(token_ids)}: {self._matcher.get_error()}")
 
-    def rollback(self, num_tokens: int) -> None:
-        """Undo the last ``num_tokens`` consumed tokens (e.g. a discarded speculative step)."""
-        if not self._matcher.rollback(num_tokens):
-            raise GrammarError(f"cannot roll back {num_tokens} tokens: {self._matcher.get_error()}")
-
     def is_finished(self) -> bool:
         """The grammar allows no further token except EOS: the output is complete."""
         return self._matcher.is_stopped() and not self._matcher.is_error()
@@ -116,8 +111,7 @@ class GrammarMatcher:
 class CompiledGrammar:
     """A grammar checked against the tokenizer; ``matcher()`` starts a request on it."""
 
-    def __init__(self, key: str, pristine: llguidance.LLMatcher, vocab_size: int, warnings: list[str]) -> None:
-        self.key = key
+    def __init__(self, pristine: llguidance.LLMatcher, vocab_size: int, warnings: list[str]) -> None:
         self.warnings = warnings  # e.g. keywords ignored by a non-strict schema
         self._pristine = pristine
         self._vocab_size = vocab_size
@@ -176,7 +170,7 @@ class GrammarCompiler:
             if hit is not None:
                 self._cache.move_to_end(key)
                 return hit
-        compiled = self._compile(key, schema, strict)
+        compiled = self._compile(schema, strict)
         with self._lock:
             self._cache[key] = compiled
             self._cache.move_to_end(key)
@@ -196,7 +190,7 @@ class GrammarCompiler:
                     raise ValueError(f"llguidance cannot use this tokenizer: {e}") from e
             return self._tokenizer
 
-    def _compile(self, key: str, schema: Mapping, strict: bool) -> CompiledGrammar:
+    def _compile(self, schema: Mapping, strict: bool) -> CompiledGrammar:
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(
                 dict(schema), defaults=_JSON_DEFAULTS, overrides={"lenient": not strict})
@@ -213,7 +207,7 @@ class GrammarCompiler:
         pristine = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=_LIMITS)
         if pristine.is_error():
             raise GrammarError(f"invalid JSON schema: {pristine.get_error()}")
-        return CompiledGrammar(key, pristine, self.vocab_size, list(messages))
+        return CompiledGrammar(pristine, self.vocab_size, list(messages))
 
     @staticmethod
     def _schema_of(response_format: Mapping | None) -> tuple[Mapping | None, bool]:

@@ -43,27 +43,9 @@ __all__ = [
     "Admission",
     "KVCachePool",
     "KVCacheUsage",
-    "OutOfKVPages",
 ]
 
 SeqId = Hashable
-
-
-class OutOfKVPages(RuntimeError):
-    """The pool has too few free or evictable pages for an allocation.
-
-    Raised by ``KVCachePool.allocate``; the scheduler's answer is to preempt a
-    running sequence (free its pages) and retry. ``try_allocate`` returns ``False``
-    instead of raising.
-    """
-
-    def __init__(self, needed: int, available: int) -> None:
-        super().__init__(
-            f"KV cache out of pages: {needed} needed, {available} free or evictable; "
-            "preempt a running sequence or start the engine with more pages"
-        )
-        self.needed = needed
-        self.available = available
 
 
 @dataclass(frozen=True)
@@ -86,8 +68,7 @@ class KVCacheUsage:
 
     Every page is exactly one of: ``used`` (held by a live sequence, or pinned),
     ``cached`` (resident prefix-cache page nobody holds: reusable, evictable) or
-    ``free`` (no useful contents). ``pinned`` is the subset of ``used`` that is
-    pinned. ``query_tokens`` / ``hit_tokens`` count prompt tokens looked up at
+    ``free`` (no useful contents). ``query_tokens`` / ``hit_tokens`` count prompt tokens looked up at
     admission and those served from the cache.
     """
 
@@ -95,8 +76,6 @@ class KVCacheUsage:
     used_pages: int
     cached_pages: int
     free_pages: int
-    pinned_pages: int
-    page_size: int
     query_tokens: int
     hit_tokens: int
 
@@ -224,11 +203,6 @@ class KVCachePool:
         seq.pages.extend(self._take_fresh_page() for _ in range(needed))
         seq.num_slots += num_tokens
         return True
-
-    def allocate(self, seq_id: SeqId, num_tokens: int) -> None:
-        """Like ``try_allocate`` but raises ``OutOfKVPages`` instead of returning ``False``."""
-        if not self.try_allocate(seq_id, num_tokens):
-            raise OutOfKVPages(self.pages_needed(seq_id, num_tokens), self.num_available_pages)
 
     def pages_needed(self, seq_id: SeqId, num_tokens: int) -> int:
         """Fresh pages ``try_allocate(seq_id, num_tokens)`` would take."""
@@ -369,8 +343,6 @@ class KVCachePool:
             used_pages=self.num_used_pages,
             cached_pages=self.num_cached_pages,
             free_pages=self.num_free_pages,
-            pinned_pages=self._num_pinned,
-            page_size=self.page_size,
             query_tokens=self._query_tokens,
             hit_tokens=self._hit_tokens,
         )

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from enum import Enum, StrEnum
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -66,7 +66,7 @@ class ChoiceDelta:
     text: str
     token_ids: list[int]
     logprobs: "list[TokenLogprob] | None"
-    finish_reason: str | None
+    finish_reason: FinishReason | None
 
 
 @dataclass
@@ -79,13 +79,8 @@ class RequestOutput:
 
     @property
     def finished(self) -> bool:
+        """This is the request's last output."""
         return self.usage is not None
-
-
-class SequenceStatus(Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
-    FINISHED = "finished"
 
 
 _seq_ids = itertools.count()
@@ -101,11 +96,9 @@ class Sequence:
         self.token_ids: list[int] = list(prompt)
         self.num_prompt_tokens = len(prompt)
         self.num_computed = 0
-        self.num_cached_prefix_tokens = 0
-        self.num_preemptions = 0
+        self.num_cached_prefix_tokens = 0  # of the last admission, for its trace event
         self.last_token_time: float | None = None
-        self.status = SequenceStatus.WAITING
-        self.finish_reason: str | None = None
+        self.finish_reason: FinishReason | None = None  # set once, when the choice ends
         self.finish_reported = False  # the output carrying finish_reason has gone out
         self.sampling: SamplingState | None = None
         self.detokenizer: IncrementalDetokenizer | None = None
@@ -117,16 +110,14 @@ class Sequence:
         self.pending_logprobs: list[TokenLogprob] = []
 
     @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
-
-    @property
     def num_output_tokens(self) -> int:
+        """Tokens generated so far (sampled or forced by a grammar)."""
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
+        """The choice has ended (it has a finish reason); it holds no KV pages any more."""
+        return self.finish_reason is not None
 
 
 class RequestState:
@@ -147,4 +138,5 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
+        """Every choice has ended."""
         return all(s.finished for s in self.sequences)

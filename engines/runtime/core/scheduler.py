@@ -68,14 +68,17 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens computed this step (the forward batch's length)."""
         return sum(c.num_tokens for c in self.chunks)
 
     @property
     def num_prefill_tokens(self) -> int:
+        """Tokens of prefill (or recompute) chunks."""
         return sum(c.num_tokens for c in self.chunks if c.is_prefill)
 
     @property
     def num_decode_seqs(self) -> int:
+        """Sequences decoding one token this step."""
         return sum(1 for c in self.chunks if not c.is_prefill)
 
 
@@ -121,6 +124,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
+        """Whether any sequence waits or runs."""
         return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
@@ -172,6 +176,5 @@ class Scheduler:
         self.running.remove(seq)
         self.kv_pool.free(seq.seq_id)
         seq.num_computed = 0
-        seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)

@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from engines.runtime.core.request import FinishReason
 from engines.runtime.core.sampler import SamplingParams
 
 __all__ = ["StopCheck", "StopChecker"]
@@ -37,13 +38,13 @@ class StopCheck:
     """Result of one ``StopChecker.step``.
 
     ``text``: new output text that is safe to stream (possibly empty while text is
-    held back). ``finish_reason``: ``"stop"``, ``"length"`` or ``None`` while
-    running. ``stop_reason`` (as vLLM): the matched stop string or stop token id;
-    ``None`` for EOS, for ``"length"`` and while running.
+    held back). ``finish_reason``: ``FinishReason.STOP``, ``FinishReason.LENGTH`` or
+    ``None`` while running. ``stop_reason`` (as vLLM): the matched stop string or stop
+    token id; ``None`` for EOS, for ``"length"`` and while running.
     """
 
     text: str
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
 
 
@@ -91,13 +92,13 @@ class StopChecker:
         self.num_tokens += 1
         out, matched = self._scan(text) if self._stop else (text, None)
         if matched is not None:
-            return self._finish("stop", matched, out)
+            return self._finish(FinishReason.STOP, matched, out)
         if self.is_stop_token(token_id):
             # What was held back is output: no stop string can complete any more.
             reason = None if token_id in self._eos and token_id not in self._stop_token_ids else token_id
-            return self._finish("stop", reason, out + self.flush())
+            return self._finish(FinishReason.STOP, reason, out + self.flush())
         if self._max_tokens is not None and self.num_tokens >= self._max_tokens:
-            return self._finish("length", None, out + self.flush())
+            return self._finish(FinishReason.LENGTH, None, out + self.flush())
         return StopCheck(out)
 
     def flush(self) -> str:
@@ -135,6 +136,6 @@ class StopChecker:
                     break
         return best
 
-    def _finish(self, reason: str, stop_reason: str | int | None, text: str) -> StopCheck:
+    def _finish(self, reason: FinishReason, stop_reason: str | int | None, text: str) -> StopCheck:
         self.finished = True
         return StopCheck(text, reason, stop_reason)
