@@ -20,6 +20,7 @@ from django.conf import settings
 from django.contrib import admin, messages
 from django.contrib.admin.utils import unquote
 from django.core.exceptions import PermissionDenied
+from django.core.validators import MaxLengthValidator
 from django.core.handlers.asgi import ASGIRequest
 from django.core.paginator import Paginator
 from django.db import connections, models
@@ -32,7 +33,7 @@ from django.utils.functional import cached_property
 from django.utils.html import format_html
 from django.utils.http import content_disposition_header, urlencode
 
-from engines.history.capture import normalize_tags
+from engines.history.capture import MAX_NOTE_CHARS, normalize_tags
 from engines.history.columns import REQUEST_COLUMNS, RequestColumn
 from engines.history.payload import iter_json_chunks, payload_problem
 from engines.history.report import PHASE_STATS, REQUEST_STATS, compare_records, trace_report
@@ -205,6 +206,15 @@ class TraceRecordAdmin(admin.ModelAdmin):
                 pk__in=RequestSummary.objects.filter(request_id=term).values("trace_id"))
             results = results | by_request
         return results, may_have_duplicates
+
+    def formfield_for_dbfield(self, db_field: models.Field, request: HttpRequest, **kwargs: Any) -> Any:
+        """The note is bounded here as on every other way in (``MAX_NOTE_CHARS``)."""
+        field = super().formfield_for_dbfield(db_field, request, **kwargs)
+        if db_field.name == "note" and field is not None:
+            field.max_length = MAX_NOTE_CHARS
+            field.validators.append(MaxLengthValidator(MAX_NOTE_CHARS))
+            field.widget.attrs["maxlength"] = str(MAX_NOTE_CHARS)
+        return field
 
     def save_model(self, request: HttpRequest, obj: TraceRecord, form: Any, change: bool) -> None:
         obj.tags = normalize_tags(obj.tags)

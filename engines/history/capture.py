@@ -43,6 +43,10 @@ _MAX_ENGINE = TraceRecord._meta.get_field("engine").max_length
 _MAX_MODEL = TraceRecord._meta.get_field("model").max_length
 _MAX_BACKEND = TraceRecord._meta.get_field("backend").max_length
 _MAX_TAGS = TraceRecord._meta.get_field("tags").max_length
+#: A note is a sentence or a paragraph about the capture, not a document.
+MAX_NOTE_CHARS = 4000
+#: Tags in one save (their joined text is bounded by the column too).
+MAX_TAGS = 32
 _MAX_REQUEST_ID = RequestSummary._meta.get_field("request_id").max_length
 _MAX_FINISH_REASON = RequestSummary._meta.get_field("finish_reason").max_length
 
@@ -266,12 +270,16 @@ def validate_note(note: Any) -> str:
     if not isinstance(note, str):
         raise ValueError(f"note must be a string, not {type(note).__name__}")
     _check_no_nul("note", note)
+    if len(note) > MAX_NOTE_CHARS:
+        raise ValueError(f"note is {len(note)} characters long; at most {MAX_NOTE_CHARS} fit")
     return note
 
 
 def normalize_tags(tags: Iterable[str] | str) -> str:
     """``"a, b"`` or ``["a", "b"]`` -> ``"a,b"``: stripped, de-duplicated, order kept."""
     items = tags.split(",") if isinstance(tags, str) else list(tags)
+    if len(items) > MAX_TAGS:
+        raise ValueError(f"{len(items)} tags given; at most {MAX_TAGS}")
     seen: dict[str, None] = {}
     for tag in items:
         tag = str(tag).strip()

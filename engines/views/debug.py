@@ -19,11 +19,20 @@ import orjson
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from django.urls import reverse
 from django.views.decorators.csrf import csrf_exempt
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError
 
-from engines.history import TraceUnavailableError, asave_engine_trace, normalize_tags, traced_engine, validate_note
+from engines.history import (
+    MAX_NOTE_CHARS,
+    MAX_TAGS,
+    TraceUnavailableError,
+    asave_engine_trace,
+    normalize_tags,
+    traced_engine,
+    validate_note,
+)
 from engines.models import TraceRecord
 from engines.protocol.errors import ProtocolError
+from engines.protocol.json_body import JSONTooDeepError, loads_bounded
 from engines.registry import registry
 from engines.runtime import AsyncEngine
 from engines.views.errors import AsyncView, api_view, error_response, json_response
@@ -46,8 +55,8 @@ class SaveTraceOptions(BaseModel):
 
     model_config = ConfigDict(extra="ignore")
 
-    note: StrictStr = ""
-    tags: list[StrictStr] = []
+    note: StrictStr = Field(default="", max_length=MAX_NOTE_CHARS)
+    tags: list[StrictStr] = Field(default=[], max_length=MAX_TAGS)
     clear: StrictBool = False
 
 
@@ -65,17 +74,31 @@ def debug_view(view: AsyncView) -> AsyncView:
 
 
 def parse_body(request: HttpRequest, *, model_required: bool, empty_ok: bool = False) -> DebugRequest:
-    """Parse a debug body; anything unusable is MLC's ``Invalid request {raw_body}``."""
+    """Parse a debug body; anything unusable is MLC's ``Invalid request {raw_body}``, with the
+    body cut to a short prefix and the reason added."""
     raw = request.body.decode("utf-8", errors="replace")
     if empty_ok and not raw.strip():
         return DebugRequest()
     try:
-        body = DebugRequest.model_validate(orjson.loads(raw))
+        body = DebugRequest.model_validate(loads_bounded(raw))
+    except JSONTooDeepError as exc:
+        raise ProtocolError(400, invalid_request(raw, str(exc))) from None
     except (orjson.JSONDecodeError, ValidationError):
-        raise ProtocolError(400, f"Invalid request {raw}") from None
+        raise ProtocolError(400, invalid_request(raw, 'send a JSON object such as {"model": "<name>"}')) from None
     if model_required and body.model is None:
-        raise ProtocolError(400, f"Invalid request {raw}")
+        raise ProtocolError(400, invalid_request(raw, '"model" is required: name the engine'), param="model")
     return body
+
+
+#: How much of a rejected body an error message repeats: enough to recognise it, never a
+#: megabyte echoed back.
+ECHO_CHARS = 200
+
+
+def invalid_request(raw: str, reason: str) -> str:
+    """MLC's ``Invalid request {raw_body}`` text, the body cut to :data:`ECHO_CHARS`, and why."""
+    shown = raw if len(raw) <= ECHO_CHARS else f"{raw[:ECHO_CHARS]}... ({len(raw)} characters)"
+    return f"Invalid request {shown}: {reason}"
 
 
 def lookup(model: str | None) -> AsyncEngine:
@@ -129,7 +152,7 @@ def parse_save_options(request: HttpRequest) -> SaveTraceOptions:
     Checked before the trace is taken, so a refused request never clears it.
     """
     try:
-        options = SaveTraceOptions.model_validate(orjson.loads(request.body.decode("utf-8", errors="replace")))
+        options = SaveTraceOptions.model_validate(loads_bounded(request.body.decode("utf-8", errors="replace")))
     except ValidationError as exc:
         error = exc.errors()[0]
         field = ".".join(str(part) for part in error["loc"])

@@ -49,6 +49,7 @@ from engines.protocol import (
     TopLogprob,
     Usage,
 )
+from engines.protocol.json_body import JSONTooDeepError, loads_bounded
 from engines.registry import registry
 from engines.runtime import (
     AsyncEngine,
@@ -137,7 +138,9 @@ def new_request_id(engine: AsyncEngine, user: str | None, prefix: str) -> str:
 def parse_body(request: HttpRequest, model: type[RequestT]) -> RequestT:
     """Validate the JSON body; drop ``debug_config`` (with a warning) unless debug is enabled."""
     try:
-        data = orjson.loads(request.body)
+        data = loads_bounded(request.body)
+    except JSONTooDeepError as exc:
+        raise ProtocolError(400, f"the request body is too deep: {exc}") from None
     except orjson.JSONDecodeError as exc:
         raise ProtocolError(400, f"the request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):

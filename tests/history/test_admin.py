@@ -400,3 +400,14 @@ def test_trace_list_shows_the_retention_limits(admin_client, settings):
     settings.TRACE_RETENTION_MAX_RECORDS = settings.TRACE_RETENTION_MAX_BYTES = settings.TRACE_RETENTION_MAX_DAYS = 0
     limits = admin_client.get(reverse("admin:engines_tracerecord_changelist")).text
     assert "any number of records" in limits and "any size" in limits and "of any age" in limits
+
+
+def test_the_admin_bounds_the_note_as_the_api_does(admin_client, saved_trace):
+    record, _ = saved_trace
+    from engines.history import MAX_NOTE_CHARS
+
+    response = admin_client.post(change_url(record), {"note": "n" * (MAX_NOTE_CHARS + 1), "tags": ""})
+    assert response.status_code == 200 and response.context["adminform"].form.errors["note"]
+    assert TraceRecord.objects.get(pk=record.pk).note == record.note
+    admin_client.post(change_url(record), {"note": "n" * MAX_NOTE_CHARS, "tags": ""})
+    assert len(TraceRecord.objects.get(pk=record.pk).note) == MAX_NOTE_CHARS

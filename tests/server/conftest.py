@@ -96,6 +96,13 @@ def assert_error(response: httpx.Response, status: int, message: str | None = No
     return body
 
 
+def assert_invalid_request(response: httpx.Response, raw: str) -> dict[str, Any]:
+    """MLC's ``Invalid request {raw_body}`` 400, followed by our reason."""
+    body = assert_error(response, 400)
+    assert body["message"].startswith(f"Invalid request {raw}: "), body["message"]
+    return body
+
+
 async def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
     """Poll ``predicate`` on the event loop until it holds (engine state moves on its own thread)."""
     deadline = asyncio.get_running_loop().time() + timeout

@@ -15,7 +15,7 @@ from engines.models import RequestSummary, TraceRecord
 from engines.registry import ModelSpec, build_engines, registry
 from engines.runtime.core.engine import EngineConfig
 from engines.runtime.frontend.async_engine import AsyncEngine
-from tests.server.conftest import SMALL_ENGINE, TRACED, UNTRACED, assert_error
+from tests.server.conftest import SMALL_ENGINE, TRACED, UNTRACED, assert_error, assert_invalid_request
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("async_db_connections_closed")]
 
@@ -103,7 +103,7 @@ async def test_save_is_absent_without_enable_debug(serve) -> None:
 
 @pytest.mark.parametrize("raw", [b"", b"{oops", b"[]", b'{"note": "x"}', b'{"model": 7}'])
 async def test_save_invalid_request(client: httpx.AsyncClient, raw: bytes) -> None:
-    assert_error(await client.post("/debug/save_event_trace", content=raw), 400, f"Invalid request {raw.decode()}")
+    assert_invalid_request(await client.post("/debug/save_event_trace", content=raw), raw.decode())
 
 
 async def test_save_unknown_model(client: httpx.AsyncClient) -> None:
