@@ -88,7 +88,18 @@ class PathRouter:
         await (self.api_app if is_api else self.site_app)(scope, receive, send)
 
 
+async def refuse_websockets(scope, receive, send) -> None:
+    """No websocket route exists yet: refuse every handshake (the server answers 403) instead of
+    failing with a 500 and a traceback in the log."""
+    message = await receive()
+    if message["type"] == "websocket.connect":
+        await send({"type": "websocket.close", "code": 1008})  # policy violation: nothing served here
+
+
 if os.environ.get("ENGINES_MODELS") and not len(engine_registry.registry):
     engine_registry.configure_from_env()
 
-application = ProtocolTypeRouter({"http": APIKeyMiddleware(PathRouter(APIHandler(), django_asgi_app))})
+application = ProtocolTypeRouter({
+    "http": APIKeyMiddleware(PathRouter(APIHandler(), django_asgi_app)),
+    "websocket": refuse_websockets,
+})

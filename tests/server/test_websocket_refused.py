@@ -1,0 +1,19 @@
+"""Until the dashboard routes websockets, every handshake is refused cleanly (no 500, no traceback)."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+from channels.testing import WebsocketCommunicator
+
+from debugsite.asgi import application
+
+
+@pytest.mark.parametrize("path", ["/", "/ws/engines/demo/", "/v1/chat/completions", "/admin/"])
+async def test_a_websocket_to_any_path_is_refused(path: str, caplog) -> None:
+    caplog.set_level(logging.ERROR)
+    communicator = WebsocketCommunicator(application, path, headers=[(b"origin", b"http://127.0.0.1:8000")])
+    connected, code = await communicator.connect()
+    assert not connected and code == 1008
+    await communicator.disconnect()
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
