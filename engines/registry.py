@@ -169,14 +169,16 @@ def build_engines(
     dtype: str = "float32",
     enable_tracing: bool = False,
     process: bool = False,
+    restart: bool = True,
 ) -> list["AsyncEngine"]:
     """Load each checkpoint and make an (unstarted) engine for it; ``process=True`` runs each
-    engine loop in its own process (the checkpoint's weights are then loaded there, not here).
+    engine loop in its own process (the checkpoint's weights are then loaded there, not here);
+    ``restart=False`` leaves an engine that dies dead instead of restarting it.
 
     Raises :class:`RegistryError` for two specs with one served name, and lets
     ``CheckpointError`` (whose message names the file at fault) through.
     """
-    from engines.runtime import AsyncEngine, demo_checkpoint_path, load_checkpoint
+    from engines.runtime import AsyncEngine, RestartPolicy, demo_checkpoint_path, load_checkpoint
 
     engines: list[AsyncEngine] = []
     names: set[str] = set()
@@ -192,7 +194,7 @@ def build_engines(
         engines.append(
             AsyncEngine(
                 checkpoint, name, config=config, backend=backend, dtype=dtype, enable_tracing=enable_tracing,
-                process=process,
+                process=process, restart=RestartPolicy(enabled=restart),
             )
         )
     return engines
@@ -208,15 +210,18 @@ def engine_mode(mode: str) -> bool:
     return mode == "process"
 
 
-def _env_flag(env: dict[str, str], name: str) -> bool:
-    return env.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
+def _env_flag(env: dict[str, str], name: str, default: bool = False) -> bool:
+    value = env.get(name, "").strip().lower()
+    if not value:
+        return default
+    return value in {"1", "true", "yes", "on"}
 
 
 def configure_from_env(env: dict[str, str] | None = None) -> EngineRegistry:
     """Build and register engines from ``ENGINES_*`` variables, for ASGI servers other than ``serve``.
 
     ``ENGINES_MODELS`` (comma-separated ``--model`` specs), ``ENGINES_ENABLE_DEBUG``,
-    ``ENGINES_ENABLE_TRACING``, ``ENGINES_BACKEND``, ``ENGINES_DTYPE``,
+    ``ENGINES_ENABLE_TRACING``, ``ENGINES_RESTART`` (default on), ``ENGINES_BACKEND``, ``ENGINES_DTYPE``,
     ``ENGINES_MAX_NUM_SEQS``, ``ENGINES_NUM_PAGES``, ``ENGINES_MAX_TOTAL_TOKENS``,
     ``ENGINES_PREFILL_CHUNK_SIZE``, ``ENGINES_ENGINE_MODE`` (``process``, the default, or
     ``thread``) and ``API_KEY`` mean what the serve flags mean.
@@ -239,5 +244,6 @@ def configure_from_env(env: dict[str, str] | None = None) -> EngineRegistry:
         dtype=env.get("ENGINES_DTYPE", "float32"),
         enable_tracing=_env_flag(env, "ENGINES_ENABLE_TRACING"),
         process=engine_mode(env.get("ENGINES_ENGINE_MODE", "process")),
+        restart=_env_flag(env, "ENGINES_RESTART", default=True),
     )
     return configure(engines, enable_debug=_env_flag(env, "ENGINES_ENABLE_DEBUG"), api_key=env.get("API_KEY"))

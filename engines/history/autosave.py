@@ -138,7 +138,13 @@ async def _every(interval_s: float, action: Action, engine: "AsyncEngine", stopp
 
 async def _logged(action: Action, engine: "AsyncEngine") -> None:
     # One failed save (database down, disk full) must not end the capture of the whole run.
+    from engines.runtime import EngineDeadError  # the runtime is loaded by now; this module stays cheap
+
+    if not engine.is_alive:
+        return  # dead or restarting: the engine's supervisor has said so, once
     try:
         await action(engine)
+    except EngineDeadError:
+        pass  # died mid-action: the same
     except Exception:
         logger.exception("history autosave: %s of engine %s failed", action.__name__, engine.name)

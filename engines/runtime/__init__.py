@@ -29,6 +29,9 @@ _EXPORTS: dict[str, str] = {
     "EngineDeadError": "frontend.async_engine",
     "EngineSpec": "frontend.messages",
     "EngineInfo": "frontend.messages",
+    "EngineState": "frontend.supervision",
+    "EngineStatus": "frontend.supervision",
+    "RestartPolicy": "frontend.supervision",
     # core
     "Engine": "core.engine",
     "EngineConfig": "core.engine",
@@ -93,6 +96,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names resolve l
     from engines.runtime.core.sampler import InvalidSamplingParams, SamplingParams, TokenLogprob
     from engines.runtime.frontend.async_engine import AsyncEngine, EngineDeadError
     from engines.runtime.frontend.messages import EngineInfo, EngineSpec
+    from engines.runtime.frontend.supervision import EngineState, EngineStatus, RestartPolicy
     from engines.runtime.model.backend import StepInputs, select_backend
     from engines.runtime.model.checkpoint import Checkpoint, load_checkpoint
     from engines.runtime.model.config import CheckpointError, ModelConfig

@@ -125,13 +125,16 @@ async def read_engines(engines: Iterable[AsyncEngine]) -> list[EngineReading]:
 
 
 class EngineCollector(Collector):
-    """Prometheus families over the engine readings of one scrape."""
+    """Prometheus families over the engine readings of one scrape, and every served engine's
+    life (up or not, restarts), dead ones included."""
 
-    def __init__(self, readings: list[EngineReading]) -> None:
+    def __init__(self, readings: list[EngineReading], engines: Iterable[AsyncEngine] = ()) -> None:
         self.readings = readings
+        self.engines = list(engines)
 
     def collect(self) -> Iterator[Metric]:
         readings = self.readings
+        yield from self._life(self.engines)
         yield self._info(readings)
         for name, help_text in MLC_GAUGES.items():
             yield self._family(GaugeMetricFamily(name, help_text, labels=["model"]), readings, name)
@@ -151,6 +154,19 @@ class EngineCollector(Collector):
             if isinstance(value, (int, float)):
                 family.add_metric([reading.engine.name], float(value))
         return family
+
+    @staticmethod
+    def _life(engines: list[AsyncEngine]) -> Iterator[Metric]:
+        up = GaugeMetricFamily("engine_up", "1 while the engine runs; 0 while it restarts or is dead.",
+                               labels=["model", "state"])
+        restarts = CounterMetricFamily("engine_restarts", "Times the engine was restarted after it died.",
+                                       labels=["model"])
+        for engine in engines:
+            status = engine.status
+            up.add_metric([engine.name, status.state.value], 1.0 if engine.is_alive else 0.0)
+            restarts.add_metric([engine.name], float(status.restarts))
+        yield up
+        yield restarts
 
     @staticmethod
     def _info(readings: list[EngineReading]) -> Metric:
@@ -211,11 +227,12 @@ class EngineCollector(Collector):
             yield family
 
 
-def exposition_registry(readings: list[EngineReading]) -> CollectorRegistry:
+def exposition_registry(readings: list[EngineReading], engines: Iterable[AsyncEngine] = ()) -> CollectorRegistry:
     """A ``prometheus_client`` registry that exposes these readings (one per scrape: the engines
-    are asked asynchronously first, since they may run in other processes)."""
+    are asked asynchronously first, since they may run in other processes) and the life of
+    ``engines``."""
     exposition = CollectorRegistry(auto_describe=False)
-    exposition.register(EngineCollector(readings))
+    exposition.register(EngineCollector(readings, engines))
     return exposition
 
 
@@ -223,16 +240,22 @@ def exposition_registry(readings: list[EngineReading]) -> CollectorRegistry:
 async def prometheus_metrics(request: HttpRequest) -> HttpResponse:
     """Every engine's metrics in the exposition format the scraper asks for (0.0.4 text by default)."""
     encode, content_type = choose_encoder(request.headers.get("Accept", ""))
-    return HttpResponse(encode(exposition_registry(await read_engines(registry))), content_type=content_type)
+    engines = list(registry)
+    return HttpResponse(encode(exposition_registry(await read_engines(engines), engines)), content_type=content_type)
 
 
 @api_view("GET")
 async def health(request: HttpRequest) -> HttpResponse:
-    """200 ``{"status": "ok"}`` while every engine runs; 503 naming the dead ones (vLLM's contract)."""
+    """200 ``{"status": "ok"}`` while every engine runs; 503 naming the others (vLLM's contract).
+
+    ``engines`` gives each engine's state (``running``, ``restarting``, ``dead``), the reason
+    it is not running, and its restart count.
+    """
+    statuses = {engine.name: engine.status.as_dict() for engine in registry}
     dead = [engine.name for engine in registry if not engine.is_alive]
     if dead:
-        return json_response({"status": "unhealthy", "dead_engines": dead}, status=503)
-    return json_response({"status": "ok"})
+        return json_response({"status": "unhealthy", "dead_engines": dead, "engines": statuses}, status=503)
+    return json_response({"status": "ok", "engines": statuses})
 
 
 @api_view("GET")
@@ -246,13 +269,15 @@ async def stats(request: HttpRequest) -> HttpResponse:
     readings = {reading.engine.name: reading for reading in await read_engines(registry)}
     for engine in registry:
         reading = readings.get(engine.name)
-        if reading is None:  # dead: nothing to read
-            engines[engine.name] = {"backend": engine.backend_name, "alive": False}
+        life = engine.status.as_dict()
+        if reading is None:  # dead or restarting: nothing to read
+            engines[engine.name] = {"backend": engine.backend_name, "alive": False, **life}
             continue
         m = reading.metrics
         engines[engine.name] = {
             "backend": engine.backend_name,
             "alive": engine.is_alive,
+            **life,
             "prefill_tokens_per_s": m.get("prefill_tokens_per_s", 0.0),
             "decode_tokens_per_s": m.get("decode_tokens_per_s", 0.0),
             "num_running_requests": m["num_running_requests"],

@@ -78,7 +78,9 @@ async def test_metrics_not_gated_by_debug(serve) -> None:
 
 async def test_health_ok(client: httpx.AsyncClient) -> None:
     response = await client.get("/health")
-    assert response.status_code == 200 and response.json() == {"status": "ok"}
+    running = {"state": "running", "reason": None, "restarts": 0}
+    assert response.status_code == 200
+    assert response.json() == {"status": "ok", "engines": {TRACED: running, UNTRACED: running}}
 
 
 async def test_stats_summarises_each_engine(client: httpx.AsyncClient) -> None:
@@ -113,7 +115,9 @@ async def test_health_503_names_a_dead_engine(serve, engines, stopped_engine) ->
     async with serve(serving=[engines[TRACED], stopped_engine]) as http:
         response = await http.get("/health")
         assert response.status_code == 503
-        assert response.json() == {"status": "unhealthy", "dead_engines": ["stopped"]}
+        assert response.json() == {"status": "unhealthy", "dead_engines": ["stopped"], "engines": {
+            TRACED: {"state": "running", "reason": None, "restarts": 0},
+            "stopped": {"state": "stopped", "reason": None, "restarts": 0}}}
         # Requests to it fail with 503 rather than hanging.
         body = {"model": "stopped", "prompt": "hi", "max_tokens": 1}
         assert_error(await http.post("/v1/completions", json=body), 503)
@@ -126,5 +130,9 @@ async def test_debug_routes_on_a_dead_engine_are_503_not_500(serve, stopped_engi
         # Its metrics lived in its engine loop (perhaps another process): gone, and said so.
         error = assert_error(await http.post("/debug/dump_engine_metrics", json={"model": "stopped"}), 503)
         assert "is not running" in error["message"]
-        assert (await http.get("/stats")).json()["engines"]["stopped"] == {"backend": "cpu", "alive": False}
-        assert 'model="stopped"' not in (await http.get("/metrics")).text
+        assert (await http.get("/stats")).json()["engines"]["stopped"] == {
+            "backend": "cpu", "alive": False, "state": "stopped", "reason": None, "restarts": 0}
+        exposition = (await http.get("/metrics")).text
+        assert 'engine_up{model="stopped",state="stopped"} 0.0' in exposition
+        assert 'engine_restarts_total{model="stopped"} 0.0' in exposition
+        assert [line for line in exposition.splitlines() if 'model="stopped"' in line and "engine_" not in line] == []

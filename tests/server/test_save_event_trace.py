@@ -140,7 +140,7 @@ def killed_engine() -> Iterator[AsyncEngine]:
     """A traced engine in its own process, SIGKILLed: how a crashed engine (an OOM kill, a segfault
     in a kernel) looks to the server."""
     (engine,) = build_engines([ModelSpec("demo", "killed")], EngineConfig(**SMALL_ENGINE), backend="cpu",
-                              enable_tracing=True, process=True)
+                              enable_tracing=True, process=True, restart=False)
     engine.start()
     os.kill(engine._transport.process.pid, signal.SIGKILL)
     deadline = time.monotonic() + 30

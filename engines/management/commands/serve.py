@@ -102,6 +102,10 @@ class Command(BaseCommand):
         parser.add_argument("--engine-mode", choices=ENGINE_MODES, default="process",
                             help="run each engine loop in its own process (default: its Python work then never "
                                  "waits on the server's GIL) or on a thread of the server")
+        parser.add_argument("--no-engine-restart", action="store_true",
+                            help="leave an engine that dies dead (default: restart it after 0.5 s, 1 s, 2 s, ...; "
+                                 "an engine that dies 5 times in 10 minutes stays dead; /debug/reset_engine "
+                                 "restarts a dead one)")
         parser.add_argument("--dtype", choices=("float32", "float16"), default="float32",
                             help="weight and KV-cache dtype (default float32)")
         history = parser.add_argument_group("trace history")
@@ -196,6 +200,7 @@ class Command(BaseCommand):
                 dtype=options["dtype"],
                 enable_tracing=options["enable_tracing"],
                 process=engine_mode(options["engine_mode"]),
+                restart=not options["no_engine_restart"],
             )
             configure(engines, enable_debug=options["enable_debug"], api_key=options["api_key"])
         except (CheckpointError, RegistryError, ValueError, RuntimeError) as exc:

@@ -46,6 +46,7 @@ from engines.runtime.frontend.messages import (
     ServerTraceEvents,
     StepOutputs,
 )
+from engines.runtime.frontend.supervision import DeathLog, EngineState, EngineStatus, RestartPolicy
 from engines.runtime.frontend.transports import ProcessTransport, ThreadTransport
 from engines.runtime.model.checkpoint import Checkpoint
 from engines.runtime.telemetry import trace_recorder as trace_clock
@@ -76,11 +77,14 @@ class AsyncEngine:
         backend, dtype: where and how the model computes (``LlamaModel.from_checkpoint``).
         enable_tracing: record the event trace.
         process: run the engine loop in a child process instead of a thread.
+        restart: when the engine dies, restart it per this policy (``RestartPolicy()``: after
+            0.5 s, 1 s, 2 s, ... at most 30 s; left dead after 5 deaths in 10 minutes);
+            ``RestartPolicy(enabled=False)`` leaves a dead engine dead.
     """
 
     def __init__(self, checkpoint: Checkpoint, name: str, config: EngineConfig | None = None,
                  backend: str = "auto", dtype: str = "float32", enable_tracing: bool = False,
-                 *, process: bool = False) -> None:
+                 *, process: bool = False, restart: RestartPolicy | None = None) -> None:
         self.name = name
         self.checkpoint = checkpoint
         self.tokenizer = checkpoint.tokenizer
@@ -96,38 +100,94 @@ class AsyncEngine:
         self._send_lock = threading.Lock()
         self._server_events: list[ServerTraceEvent] = []
         self._tracing_requested = enable_tracing
-        self._transport: ThreadTransport | ProcessTransport
-        if process:
-            self.engine = None
-            self._info: EngineInfo | None = None
-            self._transport = ProcessTransport(
-                EngineSpec(checkpoint.path, name, self.config, backend, dtype, enable_tracing,
-                           trace_clock.epoch_anchor_ns()),
-                self._on_message,
-            )
-        else:
-            #: The engine itself, reachable only when it runs on a thread of this process.
-            self.engine = create_engine(checkpoint, name, self.config, backend, dtype, enable_tracing)
-            self._info = engine_info(self.engine)
-            self._transport = ThreadTransport(EngineCore(self.engine, name), self._on_message)
+        self._spec = EngineSpec(checkpoint.path, name, self.config, backend, dtype, enable_tracing,
+                                trace_clock.epoch_anchor_ns())
+        self._deaths = DeathLog(restart or RestartPolicy())
+        self._state = EngineState.STARTING
+        self._state_reason: str | None = None
+        #: How many times the engine was restarted after dying (or by hand, once dead).
+        self.restarts = 0
+        self._stopping = threading.Event()  # set by shutdown(): no restart may start after it
+        self._restart_lock = threading.Lock()
+        self._generation = 0  # which transport's messages count; a stale one's death is old news
+        self._info: EngineInfo | None = None
+        #: The engine itself, reachable only when it runs on a thread of this process.
+        self.engine = None
+        self._transport: ThreadTransport | ProcessTransport = self._new_transport()
 
     # ------------------------------------------------------------- life cycle
+
+    def _new_transport(self) -> ThreadTransport | ProcessTransport:
+        """A fresh transport (and, on a thread, a fresh engine), its messages tagged with a new
+        generation so that a replaced transport's last words are ignored."""
+        self._generation += 1
+        generation = self._generation
+
+        def on_message(message: CoreMessage) -> None:
+            self._on_message(message, generation)
+
+        if self.process:
+            return ProcessTransport(self._spec, on_message)
+        spec = self._spec
+        self.engine = create_engine(self.checkpoint, spec.name, spec.config, spec.backend, spec.dtype,
+                                    spec.enable_tracing)
+        self._info = engine_info(self.engine)
+        return ThreadTransport(EngineCore(self.engine, self.name), on_message)
 
     def start(self) -> None:
         """Warm the kernels up and start the engine loop (idempotent). A process engine has
         loaded its model when this returns; a model that fails to load raises here."""
         if self._transport.started:
             return
+        self._stopping.clear()
         self._info = self._transport.start(self._info)
+        self._set_state(EngineState.RUNNING)
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Abort live requests and stop the engine loop (and its process)."""
-        if not self._transport.started:
-            return
-        with self._send_lock:
-            self._transport.stop(timeout)
+        """Abort live requests and stop the engine loop (and its process); no restart follows."""
+        self._stopping.set()
+        with self._restart_lock:  # a restart under way finishes first, then is stopped here
+            self._set_state(EngineState.STOPPED)
+            if not self._transport.started:
+                return
+            with self._send_lock:
+                self._transport.stop(timeout)
         # A graceful stop answered everything; a stuck engine that had to be killed did not.
         self._fail_pending(EngineDeadError(f"engine {self.name!r} was shut down"))
+
+    def restart(self) -> None:
+        """Replace the engine (its process) with a fresh one now, whatever state it is in.
+
+        Blocks while the model loads; raises what a failed start raises. The requests and calls
+        in flight on the old engine fail with :class:`EngineDeadError`.
+        """
+        with self._restart_lock:
+            if self._stopping.is_set():
+                raise EngineDeadError(f"engine {self.name!r} was shut down")
+            old = self._transport
+            with self._send_lock:
+                if old.started:
+                    old.stop(5.0)
+                self._transport = self._new_transport()
+            self._fail_pending(EngineDeadError(f"engine {self.name!r} was restarted"))
+            self._info = self._transport.start(self._info)
+            self._aborting.clear()
+            self.error = None
+            self.restarts += 1
+            self._set_state(EngineState.RUNNING)
+            logger.info("engine %s: restarted (restart %d)", self.name, self.restarts)
+
+    async def arestart(self) -> None:
+        """:meth:`restart` off the event loop."""
+        await asyncio.to_thread(self.restart)
+
+    @property
+    def status(self) -> EngineStatus:
+        """State, the reason it is not running, and the restart count."""
+        return EngineStatus(self._state, self._state_reason, self.restarts)
+
+    def _set_state(self, state: EngineState, reason: str | None = None) -> None:
+        self._state, self._state_reason = state, reason
 
     @property
     def is_alive(self) -> bool:
@@ -244,7 +304,19 @@ class AsyncEngine:
     # ------------------------------------------------------------------ calls
 
     async def reset(self, clear_trace: bool = False) -> None:
-        """Reset the engine and return once the reset has completed (MLC's is fire-and-forget)."""
+        """Reset the engine and return once the reset has completed (MLC's is fire-and-forget).
+
+        An engine that died (and is not being restarted already) is restarted instead: a fresh
+        engine is a reset one.
+        """
+        if self.error is not None and self._state is not EngineState.RESTARTING:
+            try:
+                await self.arestart()
+            except EngineDeadError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the model failed to load again: still a dead engine
+                raise EngineDeadError(f"engine {self.name!r} could not be restarted: {e}") from e
+            return
         await self._acall(ResetCall(clear_trace))
 
     async def metrics(self) -> dict[str, Any]:
@@ -295,6 +367,9 @@ class AsyncEngine:
 
     def _check_alive(self) -> None:
         if self.error is not None:
+            if self._state is EngineState.RESTARTING:
+                raise EngineDeadError(f"engine {self.name!r} is restarting after it stopped ({self.error}); "
+                                      "retry in a few seconds")
             raise EngineDeadError(f"engine {self.name!r} stopped on an internal error: {self.error}")
         if not self._transport.started:
             raise EngineDeadError(f"engine {self.name!r} is not running")
@@ -311,8 +386,10 @@ class AsyncEngine:
 
     # --------------------------------------------------- messages from the core
 
-    def _on_message(self, message: CoreMessage) -> None:
+    def _on_message(self, message: CoreMessage, generation: int) -> None:
         """Handle one message from the core (on the engine thread, or the socket's reader thread)."""
+        if generation != self._generation:
+            return  # from a transport already replaced: its streams and calls were failed then
         match message:
             case StepOutputs(outputs):
                 self._deliver(outputs)
@@ -335,10 +412,48 @@ class AsyncEngine:
                 logger.error("engine %s: ignored a message it does not know: %r", self.name, message)
 
     def _die(self, reason: str) -> None:
-        """The core is gone: fail every stream and call, now and later (``error`` is set first)."""
+        """The core is gone: fail every stream and call, now and later (``error`` is set first),
+        log it once, and restart it if the policy says so.
+
+        The state is settled before anything fails, so whoever sees a failure also sees whether
+        a restart is coming.
+        """
         if self.error is None:
             self.error = EngineDeadError(reason)
+        restart = False
+        if not self._stopping.is_set():
+            deaths = self._deaths.record()
+            if self._deaths.exhausted(deaths):
+                self._set_state(EngineState.DEAD, reason)
+                policy = self._deaths.policy
+                why = ("restarts are off" if not policy.enabled
+                       else f"it died {deaths} times in {policy.window_s:.0f} s")
+                logger.error("engine %s died (%s) and stays dead: %s; /debug/reset_engine restarts it",
+                             self.name, reason, why)
+            else:
+                self._set_state(EngineState.RESTARTING, reason)
+                logger.error("engine %s died (%s); restarting it", self.name, reason)
+                restart = True
         self._fail_pending(EngineDeadError(f"engine {self.name!r} stopped on an internal error: {reason}"))
+        if restart:
+            threading.Thread(target=self._restart_with_backoff, name=f"engine-{self.name}-restart",
+                             daemon=True).start()
+
+    def _restart_with_backoff(self) -> None:
+        policy = self._deaths.policy
+        for attempt in range(policy.max_deaths):
+            if self._stopping.wait(policy.delay_s(attempt)):
+                return
+            try:
+                self.restart()
+                return
+            except Exception as e:  # noqa: BLE001 - a start that fails is tried again, then given up
+                logger.error("engine %s: restart attempt %d failed: %r", self.name, attempt + 1, e)
+                self._state_reason = f"restart failed: {e!r}"
+        if not self._stopping.is_set():
+            self._set_state(EngineState.DEAD, self._state_reason)
+            logger.error("engine %s: gave up after %d failed restarts; /debug/reset_engine restarts it",
+                         self.name, policy.max_deaths)
 
     def _fail_pending(self, err: EngineDeadError) -> None:
         """End every open stream and pending call with ``err``."""

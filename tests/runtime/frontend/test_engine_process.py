@@ -43,7 +43,7 @@ def engine():
 @pytest.fixture
 def lone_engine():
     """A process engine of this test's own, for tests that kill or strand it."""
-    engine = process_engine("lone")
+    engine = process_engine("lone", restart=False)
     yield engine
     engine.shutdown()
 
