@@ -14,6 +14,8 @@ and an unknown name is always "not served".
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -84,6 +86,10 @@ class EngineRegistry:
     def __init__(self) -> None:
         self._entries: dict[str, _Entry] = {}
         self.options = ServerOptions()
+        #: Set once a shutdown began: new generation requests are refused (503) from then on.
+        self.draining = False
+        #: Generation responses being written (a stream from its first chunk to ``[DONE]``).
+        self.responses_in_flight = 0
 
     def add(self, engine: "AsyncEngine") -> None:
         """Register an engine under ``engine.name`` (MLC's error text on a duplicate)."""
@@ -122,6 +128,41 @@ class EngineRegistry:
             if not engine.is_alive:
                 engine.start()
 
+    @contextlib.contextmanager
+    def response_in_flight(self) -> Iterator[None]:
+        """Count a generation response for as long as it is being written (for :meth:`drain`)."""
+        self.responses_in_flight += 1
+        try:
+            yield
+        finally:
+            self.responses_in_flight -= 1
+
+    async def drain(self, timeout_s: float, flush_timeout_s: float = 5.0) -> int:
+        """Shut down gracefully: refuse new requests, let the responses in flight finish within
+        ``timeout_s``, then end the rest as ``/debug/reset_engine`` does (each stream gets its last
+        chunk with ``finish_reason: "abort"`` and ``[DONE]``), and wait for them to be written.
+
+        Returns how many responses were still running at the timeout (and so were aborted).
+        """
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._busy() and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        cut = max(self.responses_in_flight, sum(engine.num_streams for engine in self))
+        if cut:
+            logger.info("shutdown: %d responses still running after %.1f s; ending them", cut, timeout_s)
+            await asyncio.gather(*(engine.reset() for engine in self if engine.is_alive), return_exceptions=True)
+            deadline = loop.time() + flush_timeout_s
+            while self._busy() and loop.time() < deadline:
+                await asyncio.sleep(0.02)
+        return cut
+
+    def _busy(self) -> bool:
+        # Both: a stream's request lives in its engine from before its response starts until
+        # after its last output; its response is written from its first chunk to ``[DONE]``.
+        return self.responses_in_flight > 0 or any(engine.num_streams for engine in self)
+
     def shutdown_all(self) -> None:
         """Stop every engine and forget them; safe to call twice (signal handler and ``finally``)."""
         engines = list(self)
@@ -138,6 +179,7 @@ class EngineRegistry:
         for engine in engines:
             self.add(engine)
         self.options = options
+        self.draining = False
 
 
 registry = EngineRegistry()

@@ -165,6 +165,9 @@ def lookup_engine(model: str | None) -> AsyncEngine:
     engine = registry.get(model)
     if engine is None:
         raise ProtocolError(404, f'The requested model "{model}" is not served. Served models: {served}.', "model")
+    if registry.draining:
+        raise ProtocolError(503, "The server is shutting down and takes no new requests; send this one to "
+                                 "another server, or again once it is back.")
     return engine
 
 
@@ -266,18 +269,20 @@ async def generate_reply(
     awaits ``outputs``, so the cancellation lands inside ``AsyncEngine.generate``, whose
     ``finally`` aborts the request (once) and frees its KV pages.
     """
-    outputs = engine.generate(generation)
-    try:
-        first = await anext(outputs)
-    except EngineRequestError as exc:
-        raise ProtocolError(400, str(exc)) from None
-    if body.stream:
-        return StreamingHttpResponse(
-            sse_events(outputs, first, shaper, body.include_usage),
-            content_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-    return json_response((await collect(outputs, first, shaper)).model_dump())
+    # Counted for a draining shutdown; a stream counts again while its body is written.
+    with registry.response_in_flight():
+        outputs = engine.generate(generation)
+        try:
+            first = await anext(outputs)
+        except EngineRequestError as exc:
+            raise ProtocolError(400, str(exc)) from None
+        if not body.stream:
+            return json_response((await collect(outputs, first, shaper)).model_dump())
+    return StreamingHttpResponse(
+        sse_events(outputs, first, shaper, body.include_usage),
+        content_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
 
 
 async def sse_events(
@@ -292,6 +297,17 @@ async def sse_events(
     (or closes it at a ``yield``); ``finally`` then closes the engine's stream, whose own
     ``finally`` aborts the request so its KV pages are freed at once.
     """
+    with registry.response_in_flight():
+        async for event in _sse_body(outputs, first, shaper, include_usage):
+            yield event
+
+
+async def _sse_body(
+    outputs: AsyncIterator[RequestOutput],
+    first: RequestOutput,
+    shaper: "ResponseShaper",
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
     finished = False
     try:
         output: RequestOutput | None = first

@@ -57,7 +57,8 @@ async def test_a_root_path_does_not_bypass_the_key(serve, method, path, body) ->
 async def test_health_needs_no_key(serve) -> None:
     async with serve(api_key=KEY) as http:
         response = await http.get("/health")
-    assert response.status_code == 200 and response.json() == {"status": "ok"}
+    assert response.status_code == 200 and response.json()["status"] == "ok"
+    assert {e["state"] for e in response.json()["engines"].values()} == {"running"}
 
 
 async def test_no_key_configured_means_open(serve) -> None:

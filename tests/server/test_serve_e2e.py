@@ -5,6 +5,7 @@ One server for the module; the tests run in file order and build on each other
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -51,7 +52,8 @@ def server(tmp_path_factory) -> Iterator[Server]:
     env |= {"DEBUGSITE_VAR_DIR": str(tmp_path_factory.mktemp("var")), "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(
         [sys.executable, "manage.py", "serve", "--enable-debug", "--enable-tracing", "--port", str(port),
-         "--backend", "cpu", "--max-num-seqs", "4", "--max-total-tokens", "2048", "--prefill-chunk-size", "128"],
+         "--backend", "cpu", "--max-num-seqs", "4", "--max-total-tokens", "2048", "--prefill-chunk-size", "128",
+         "--drain-timeout", "1"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     srv = Server(process, port)
@@ -149,26 +151,39 @@ def test_reset_brings_metrics_back_to_zero(server: Server) -> None:
     assert _value(families["time_to_first_token_seconds"], "time_to_first_token_seconds_count", model="demo") == 0
 
 
-def test_sigterm_stops_engines_and_exits_cleanly(server: Server) -> None:
-    """SIGTERM with a stream in flight: the stream is cut, the engine (and its process) stopped,
-    the exit status 0."""
+def test_sigterm_drains_then_stops_engines_and_exits_cleanly(server: Server) -> None:
+    """SIGTERM with streams in flight: new requests get 503; after the drain timeout every stream
+    still running ends as a reset ends it (finish_reason "abort", then [DONE]); the engine (and its
+    process) is stopped; the exit status is 0."""
     engine_processes = [int(pid) for task in Path(f"/proc/{server.process.pid}/task").iterdir()
                         for pid in (task / "children").read_text().split()]
     assert len(engine_processes) == 1  # serve runs the engine loop in its own process
     body = {"model": "demo", "messages": [{"role": "user", "content": "go on forever"}], "max_tokens": 1500,
             "stream": True, "debug_config": {"ignore_eos": True}}
-    with server.http.stream("POST", "/v1/chat/completions", json=body) as response:
-        lines = response.iter_lines()
-        assert next(lines).startswith("data: ")
+    streams = [server.http.stream("POST", "/v1/chat/completions", json={**body, "user": f"drain-{i}"})
+               for i in range(3)]
+    responses = [s.__enter__() for s in streams]
+    try:
+        lines = [r.iter_lines() for r in responses]
+        for it in lines:
+            assert next(it).startswith("data: ")
+        signalled = time.monotonic()
         server.process.send_signal(signal.SIGTERM)
-        try:
-            rest = list(lines)
-        except httpx.HTTPError:  # the server may drop the connection mid-chunk
-            rest = []
-    assert "data: [DONE]" not in rest  # it did not run to its end
+        time.sleep(0.2)
+        refused = server.http.post("/v1/chat/completions", json={**body, "stream": False, "max_tokens": 2})
+        assert refused.status_code == 503 and "shutting down" in refused.json()["message"]
+        for it in lines:
+            rest = [line for line in it if line]
+            assert rest[-1] == "data: [DONE]"
+            last = json.loads(rest[-2].removeprefix("data: "))
+            assert last["choices"][0]["finish_reason"] == "abort"
+        assert time.monotonic() - signalled < 10
+    finally:
+        for s in streams:
+            s.__exit__(None, None, None)
     assert server.process.wait(30) == 0
     output = server.output()
-    assert "Engines stopped." in output
+    assert "Engines stopped." in output and "Ended 3 unfinished request(s)" in output
     assert "Traceback" not in output
     assert "demo: cpu backend, tracing on, own process" in output
     for pid in engine_processes:  # reaped by the server, not left behind

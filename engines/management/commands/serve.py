@@ -102,6 +102,10 @@ class Command(BaseCommand):
         parser.add_argument("--engine-mode", choices=ENGINE_MODES, default="process",
                             help="run each engine loop in its own process (default: its Python work then never "
                                  "waits on the server's GIL) or on a thread of the server")
+        parser.add_argument("--drain-timeout", type=seconds, default=5.0, metavar="SECONDS",
+                            help="on SIGTERM or Ctrl-C, let running requests finish for up to SECONDS, then end "
+                                 "the rest with finish_reason 'abort' and [DONE] (as reset_engine does); new "
+                                 "requests get 503 meanwhile. A second signal stops at once (default 5)")
         parser.add_argument("--no-engine-restart", action="store_true",
                             help="leave an engine that dies dead (default: restart it after 0.5 s, 1 s, 2 s, ...; "
                                  "an engine that dies 5 times in 10 minutes stays dead; /debug/reset_engine "
@@ -156,7 +160,7 @@ class Command(BaseCommand):
             autosave = HistoryAutosave(registry, trace_interval_s=options["trace_autosave"],
                                        metrics_interval_s=options["metrics_snapshot_interval"])
             self._print_urls(host, port, options["enable_debug"], api_key, autosave)
-            self._run_daphne(host, port, options["verbosity"], autosave)
+            self._run_daphne(host, port, options["verbosity"], autosave, options["drain_timeout"])
         except (KeyboardInterrupt, _Interrupted):
             pass
         finally:
@@ -230,19 +234,29 @@ class Command(BaseCommand):
         self.stdout.write("\n".join(lines))
         self.stdout.flush()
 
-    def _run_daphne(self, host: str, port: int, verbosity: int, autosave: HistoryAutosave) -> None:
+    def _run_daphne(self, host: str, port: int, verbosity: int, autosave: HistoryAutosave,
+                    drain_timeout_s: float) -> None:
         from debugsite.asgi import application
+
+        def ready() -> None:
+            # Called with Daphne's loop set but not yet running: the tasks begin when it serves.
+            loop = asyncio.get_event_loop()
+            autosave.start(loop)
+            stopper = GracefulStop(loop, drain_timeout_s, self.stdout)
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(signum, stopper.signalled)
 
         # Serve the admin's and dashboard's static files straight from the app folders: this is a
         # single-process debug server, not a CDN, and it saves a collectstatic step.
         server = Server(
             application=ASGIStaticFilesHandler(application),
             endpoints=build_endpoint_description_strings(host=host, port=port),
-            signal_handlers=True,  # Twisted stops the reactor on SIGINT/SIGTERM; we clean up after run()
+            # Not Twisted's handlers, which stop the reactor at once and cut every stream: ours drain
+            # first (GracefulStop); the clean-up after run() is the same either way.
+            signal_handlers=False,
             action_logger=self._log_action if verbosity >= 2 else None,
             verbosity=verbosity,
-            # Called with Daphne's loop set but not yet running: the tasks begin when it serves.
-            ready_callable=lambda: autosave.start(asyncio.get_event_loop()),
+            ready_callable=ready,
         )
         server.run()
         loop = asyncio.get_event_loop()
@@ -259,6 +273,42 @@ class Command(BaseCommand):
         if protocol == "http" and action == "complete":
             self.stdout.write(f"{details['method']} {details['path']} {details['status']} "
                               f"{details['time_taken'] * 1000:.1f}ms")
+
+
+class GracefulStop:
+    """SIGTERM or Ctrl-C: drain (``EngineRegistry.drain``), then stop the server; a second
+    signal stops it at once."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, drain_timeout_s: float, out: Any) -> None:
+        self.loop = loop
+        self.drain_timeout_s = drain_timeout_s
+        self.out = out
+        self.task: asyncio.Task[None] | None = None
+
+    def signalled(self) -> None:
+        if self.task is not None:
+            self.out.write("Stopping now.")
+            _stop_reactor()
+            return
+        self.out.write(f"Shutting down: finishing the requests in flight (at most {self.drain_timeout_s:g} s; "
+                       "Ctrl-C again to stop now)...")
+        self.task = self.loop.create_task(self._drain_then_stop())
+
+    async def _drain_then_stop(self) -> None:
+        try:
+            cut = await registry.drain(self.drain_timeout_s)
+            if cut:
+                self.out.write(f"Ended {cut} unfinished request(s) with finish_reason 'abort'.")
+            await asyncio.sleep(0.1)  # the last chunks leave the socket buffers
+        finally:
+            _stop_reactor()
+
+
+def _stop_reactor() -> None:
+    from twisted.internet import reactor
+
+    if reactor.running:
+        reactor.stop()
 
 
 def _describe_autosave(autosave: HistoryAutosave) -> str:

@@ -207,6 +207,11 @@ class AsyncEngine:
         """Whether the engine records an event trace (``dump_trace`` answers)."""
         return self._tracing_requested
 
+    @property
+    def num_streams(self) -> int:
+        """How many ``generate`` calls are in flight."""
+        return len(self._streams)
+
     def is_streaming(self, request_id: str) -> bool:
         """Whether a ``generate`` with this request id is in flight."""
         return request_id in self._streams
