@@ -96,3 +96,20 @@ async def test_save_event_trace_bounds_the_note_and_the_tags(client: httpx.Async
     assert '"tags"' in tags["message"] and str(MAX_TAGS) in tags["message"]
     with pytest.raises(ValueError, match=f"at most {MAX_NOTE_CHARS} fit"):
         validate_note("n" * (MAX_NOTE_CHARS + 1))
+
+
+async def test_a_request_id_costs_the_trace_once_not_per_event(client: httpx.AsyncClient) -> None:
+    """The trace names a request's lane with its id and nothing else repeats it: a maximal id adds
+    its own length to the dump once, however many events its request has."""
+    limit = REQUEST_LIMITS.max_request_id_chars
+    sizes, events = {}, {}
+    for user in ("u", "u" * limit):
+        await registry.get(TRACED).reset(clear_trace=True)
+        body = {"model": TRACED, "messages": HELLO, "max_tokens": 24, "user": user, "debug_config": {"ignore_eos": True}}
+        assert (await client.post(CHAT, json=body)).status_code == 200
+        dump = await client.post("/debug/dump_event_trace", json={"model": TRACED})
+        sizes[user] = len(dump.content)
+        events[user] = dump.json()["otherData"]["event_count"]
+    short, long = sizes.values()
+    assert events["u"] == events["u" * limit] > 24  # one event or more per token
+    assert long - short < 2 * limit, (short, long)

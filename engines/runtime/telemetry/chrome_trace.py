@@ -34,7 +34,11 @@ _B, _E, _I = 0, 1, 2
 # An exported event is a concatenation of byte segments plus two numbers:
 #
 #   {"name":"decode   (3)"   ,"cat":"request","ph":"B","ts":   <ts>   ,"pid":1,"tid":   <tid>
-#   ,"args":{"request_id":   "<id>"   ,   "batch_size":3}   }
+#   ,"args":{   "batch_size":3}   }
+#
+# A request id is written once, as its lane's name (the thread_name metadata); the engine lane's
+# events name their batch by lane: "request_tids":[1,5,7]. So what a client's id costs the trace
+# does not grow with the events of its request.
 #
 # Python builds the segment table with a handful of bulk calls (the args of all calls, the
 # request ids, the engine batches: one orjson call each, split by a numba scan), numpy works out
@@ -66,24 +70,20 @@ _FIXED_SEGMENTS = (
     b',"cat":"request","ph":"i","s":"t","ts":',
     b',"cat":"engine","ph":"i","s":"t","ts":',
     b',"pid":%d,"tid":' % _PID,                         # 6
-    b',"args":{',                                       # 7: engine lane
-    b',"args":{"request_id":',                          # 8: request lane
-    b'"request_ids":',                                  # 9: engine lane: the batch, not one id
-    b"}}",                                              # 10: close args and the event
-    b',"unclosed":true}}',                              # 11: closing E at dump, request lane
-    b'"unclosed":true}}',                               # 12: same, engine lane (args empty so far)
-    b',{"name":"thread_name","ph":"M","pid":%d,"tid":' % _PID,  # 13: a request lane's name
-    b',"args":{"name":',                                # 14
+    b',"args":{',                                       # 7
+    b'"request_tids":',                                 # 8: engine lane: the batch, by lane
+    b"}}",                                              # 9: close args and the event
+    b'"unclosed":true}}',                               # 10: closing E at dump (args empty so far)
+    b',{"name":"thread_name","ph":"M","pid":%d,"tid":' % _PID,  # 11: a request lane's name
+    b',"args":{"name":',                                # 12
 )
 _SEG_PID_TID = 6
-_SEG_ARGS_ENGINE = 7
-_SEG_ARGS_REQUEST = 8
-_SEG_REQUEST_IDS = 9
-_SEG_CLOSE = 10
-_SEG_UNCLOSED_REQUEST = 11
-_SEG_UNCLOSED_ENGINE = 12
-_SEG_META_LANE = 13
-_SEG_META_NAME = 14
+_SEG_ARGS = 7
+_SEG_REQUEST_TIDS = 8
+_SEG_CLOSE = 9
+_SEG_UNCLOSED = 10
+_SEG_META_LANE = 11
+_SEG_META_NAME = 12
 
 # Bytes an event or a lane's metadata may take beyond its variable segments (an upper bound):
 # the fixed segments around them, up to three 20-digit numbers (ts, tid, counter) and ' ()"' ','.
@@ -187,7 +187,7 @@ def export_json(window: TraceWindow) -> bytes:
     tid_of = dict(zip(lane_ids, range(1, len(lane_ids) + 1)))
     req_tid = np.fromiter(map(tid_of.__getitem__, flat_ids), np.int64, len(flat_ids))
     n_req = len(flat_ids)
-    del flat_ids, tid_of
+    del flat_ids
     req_call = np.repeat(np.arange(n_calls, dtype=np.int64),
                          np.fromiter(map(len, ids_col), np.int64, n_calls))
     eng_call = np.flatnonzero(call_eng)
@@ -273,9 +273,10 @@ def export_json(window: TraceWindow) -> bytes:
         call_argseg[arg_calls] = first + np.arange(arg_calls.size)
     row_idsseg = np.full(n_rows, -1, np.int64)
     if eng_call.size:
-        first = segs.add_json_items(list(map(ids_col.__getitem__, eng_call.tolist())))
+        batches = [[tid_of[rid] for rid in ids_col[c]] for c in eng_call.tolist()]
+        first = segs.add_json_items(batches)
         row_idsseg[n_req:] = first + np.arange(eng_call.size)
-    del args_col, ids_col
+    del args_col, ids_col, tid_of
     blob, seg_off, seg_len = segs.arrays()
 
     out_name = ev_nameseg[row_ev[src]]
@@ -283,7 +284,7 @@ def export_json(window: TraceWindow) -> bytes:
     out_args = call_argseg[row_call[src]]
     out_ids = row_idsseg[src]
     out_fixed = np.full(n_out, -1, np.int64)
-    out_fixed[n_keep:] = np.where(out_eng[n_keep:], _SEG_UNCLOSED_ENGINE, _SEG_UNCLOSED_REQUEST)
+    out_fixed[n_keep:] = _SEG_UNCLOSED
     out_args[n_keep:] = -1
     out_ids[n_keep:] = -1
 
@@ -292,8 +293,7 @@ def export_json(window: TraceWindow) -> bytes:
         first_ts=int(out_ts.min()) if n_out else None, last_ts=int(out_ts.max()) if n_out else None,
         unclosed=int(open_rows.size), orphans=n_orphans)
     bound = (int(seg_len[out_name].sum() + seg_len[out_phase].sum() + seg_len[out_args].sum()
-                 + seg_len[out_ids].sum() + seg_len[out_fixed].sum() + seg_len[lane_seg].sum()
-                 + seg_len[lane_seg[out_tid]].sum())
+                 + seg_len[out_ids].sum() + seg_len[out_fixed].sum() + seg_len[lane_seg].sum())
              + n_out * _EVENT_EXTRA + n_lanes * _LANE_EXTRA)
     buf = np.empty(len(header) + bound + len(trailer), np.uint8)
     buf[:len(header)] = np.frombuffer(header, np.uint8)
@@ -500,8 +500,8 @@ def _assemble(buf, pos, lane_seg, order, name, counter, phase, ts, tid, args, id
               blob, seg_off, seg_len):
     """Write the request lanes' metadata, then the events, into ``buf`` from ``pos``.
 
-    Per event: name [' (n)"'] phase ts ',"pid":1,"tid":' tid args-open, then either a fixed
-    tail (closing E) or ['"request_ids":' ids] [',' args-members] '}}'. Segment id -1 means
+    Per event: name [' (n)"'] phase ts ',"pid":1,"tid":' tid ',"args":{', then either a fixed
+    tail (closing E) or ['"request_tids":' tids] [','] [args-members] '}}'. Segment id -1 means
     "absent". Returns the end position.
     """
     for t in range(1, lane_seg.shape[0]):
@@ -526,27 +526,26 @@ def _assemble(buf, pos, lane_seg, order, name, counter, phase, ts, tid, args, id
         pos = _put(buf, pos, blob, seg_off, seg_len, phase[e])
         pos = _put_int(buf, pos, ts[e])
         pos = _put(buf, pos, blob, seg_off, seg_len, _SEG_PID_TID)
-        t = tid[e]
-        pos = _put_int(buf, pos, t)
-        if t == 0:
-            pos = _put(buf, pos, blob, seg_off, seg_len, _SEG_ARGS_ENGINE)
-        else:
-            pos = _put(buf, pos, blob, seg_off, seg_len, _SEG_ARGS_REQUEST)
-            pos = _put(buf, pos, blob, seg_off, seg_len, lane_seg[t])
+        pos = _put_int(buf, pos, tid[e])
+        pos = _put(buf, pos, blob, seg_off, seg_len, _SEG_ARGS)
         if fixed[e] >= 0:
             pos = _put(buf, pos, blob, seg_off, seg_len, fixed[e])
             continue
+        member = False
         if ids[e] >= 0:
-            pos = _put(buf, pos, blob, seg_off, seg_len, _SEG_REQUEST_IDS)
+            pos = _put(buf, pos, blob, seg_off, seg_len, _SEG_REQUEST_TIDS)
             pos = _put(buf, pos, blob, seg_off, seg_len, ids[e])
+            member = True
         a = args[e]
         if a >= 0:
             # the args object minus its '{': its members, then its own '}' closes "args"
-            buf[pos] = 44  # ,
+            if member:
+                buf[pos] = 44  # ,
+                pos += 1
             o = seg_off[a] + 1
             n = seg_len[a] - 1
-            buf[pos + 1:pos + 1 + n] = blob[o:o + n]
-            pos += 1 + n
+            buf[pos:pos + n] = blob[o:o + n]
+            pos += n
             buf[pos] = 125  # }
             pos += 1
         else:

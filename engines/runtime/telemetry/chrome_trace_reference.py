@@ -45,10 +45,11 @@ def export_dict(window: TraceWindow) -> dict[str, Any]:
     for ns, request_ids, event, args, on_engine_lane in window.calls:
         ts = (ns + window.epoch_anchor_ns) // 1000
         for request_id in request_ids:
-            request_lanes.setdefault(request_id, []).append(
-                (ts, event, {"request_id": request_id, **_plain(args)}))
-        if on_engine_lane:
-            engine_lane.append((ts, event, {"request_ids": list(request_ids), **_plain(args)}))
+            request_lanes.setdefault(request_id, []).append((ts, event, _plain(args)))
+        if on_engine_lane:   # the batch by lane: a request's tid is its lane's place, from 1
+            tid_of = {request_id: tid for tid, request_id in enumerate(request_lanes, start=1)}
+            tids = [tid_of[request_id] for request_id in request_ids]
+            engine_lane.append((ts, event, {"request_tids": tids, **_plain(args)}))
 
     metadata = [_metadata("process_name", _ENGINE_TID, window.engine),
                 _metadata("thread_name", _ENGINE_TID, "engine")]
@@ -57,7 +58,7 @@ def export_dict(window: TraceWindow) -> dict[str, Any]:
     lanes = [(_ENGINE_TID, "engine", engine_lane, {"unclosed": True})]
     for tid, (request_id, recorded) in enumerate(request_lanes.items(), start=1):
         metadata.append(_metadata("thread_name", tid, request_id))
-        lanes.append((tid, "request", recorded, {"request_id": request_id, "unclosed": True}))
+        lanes.append((tid, "request", recorded, {"unclosed": True}))
     for tid, cat, recorded, closing_args in lanes:
         lane_events, lane_unclosed, lane_orphans = _lane(tid, cat, recorded, closing_args, now_us)
         events += lane_events

@@ -41,7 +41,7 @@ def random_args(rng: random.Random) -> Any:
     values = [0, -7, 2**53, 1.5, -0.25, 1e-300, "", 'q"u\\o\nte ü 🚀', True, False, None,
               [1, "a", None], (2, 3), {"nested": {"deep": [1.0, {}]}}, [], np.int64(42),
               np.float64(0.125), np.float32(0.5), np.bool_(True)]
-    keys = ["batch_size", "tokens", 'k"ey', "ключ", "", "request_id", "request_ids"]
+    keys = ["batch_size", "tokens", 'k"ey', "ключ", "", "request_id", "request_ids", "request_tids"]
     args = {rng.choice(keys): rng.choice(values) for _ in range(rng.randint(1, 4))}
     return types.MappingProxyType(args) if rng.random() < 0.1 else args
 
@@ -184,19 +184,19 @@ def hand_computed_tiny_trace() -> dict[str, Any]:
         "traceEvents": [
             meta("process_name", 0, "eng"), meta("thread_name", 0, "engine"),
             meta("thread_name", 1, "a"), meta("thread_name", 2, "b"),
-            ev("step (0)", "B", 3, 0, request_ids=["a", "b"], batch_size=2),
-            ev("step (0)", "E", 5, 0, request_ids=["a", "b"]),
-            ev("prefill (0)", "B", 1, 1, request_id="a", tokens=3),
-            ev("sampling (0)", "B", 2, 1, request_id="a"),
-            ev("sampling (0)", "E", 2, 1, request_id="a"),
-            ev("step (0)", "B", 3, 1, request_id="a", batch_size=2),
-            ev("step (0)", "E", 5, 1, request_id="a"),
-            ev("prefill (0)", "E", 5, 1, request_id="a"),
-            ev("decode (0)", "B", 5, 1, request_id="a"),
-            ev("decode (0)", "E", 9, 1, request_id="a", unclosed=True),
-            ev("step (0)", "B", 3, 2, request_id="b", batch_size=2),
-            ev("step (0)", "E", 5, 2, request_id="b"),
-            ev("first token", "i", 6, 2, request_id="b"),
+            ev("step (0)", "B", 3, 0, request_tids=[1, 2], batch_size=2),
+            ev("step (0)", "E", 5, 0, request_tids=[1, 2]),
+            ev("prefill (0)", "B", 1, 1, tokens=3),
+            ev("sampling (0)", "B", 2, 1),
+            ev("sampling (0)", "E", 2, 1),
+            ev("step (0)", "B", 3, 1, batch_size=2),
+            ev("step (0)", "E", 5, 1),
+            ev("prefill (0)", "E", 5, 1),
+            ev("decode (0)", "B", 5, 1),
+            ev("decode (0)", "E", 9, 1, unclosed=True),
+            ev("step (0)", "B", 3, 2, batch_size=2),
+            ev("step (0)", "E", 5, 2),
+            ev("first token", "i", 6, 2),
         ],
         "displayTimeUnit": "ms",
         "otherData": {"engine": "eng", "model": "m", "backend": "cpu", "version": "v",

@@ -50,8 +50,10 @@ def validate(trace: dict) -> dict[int, list[dict]]:
         if ev["ph"] == "i":
             assert ev["s"] == "t"
         assert ev["cat"] == ("engine" if ev["tid"] == 0 else "request")
-        if ev["tid"]:
-            assert ev["args"]["request_id"] == names[ev["tid"]]
+        # A request id is written once, as its lane's name; the engine lane names its batch by tid.
+        assert "request_id" not in ev["args"] or ev["args"]["request_id"] != names.get(ev["tid"]), ev
+        if ev["tid"] == 0 and "request_tids" in ev["args"]:
+            assert all(type(t) is int and t in names for t in ev["args"]["request_tids"]), ev
         lanes[ev["tid"]].append(ev)
     for tid, events in lanes.items():
         assert tid in names, f"tid {tid} has no thread_name"
@@ -136,7 +138,7 @@ def test_bare_start_and_finish_are_instants():
     rec.add_event("r", "first token")
     lanes = validate(rec.dump())
     assert [(e["ph"], e["name"]) for e in lanes[1]] == [("i", "start "), ("i", "finish"), ("i", "first token")]
-    assert lanes[1][1]["args"] == {"request_id": "r", "finish_reason": "stop"}
+    assert lanes[1][1]["args"] == {"finish_reason": "stop"}
 
 
 def test_engine_lane_batch_event_and_args():
@@ -151,14 +153,14 @@ def test_engine_lane_batch_event_and_args():
     assert meta[1] == {"name": "thread_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": "engine"}}
     begin, end = lanes[0]
     assert (begin["name"], begin["ph"], begin["cat"]) == ("decode (0)", "B", "engine")
-    assert begin["args"] == {"request_ids": ["r1", "r2"], "batch_size": 2}
-    assert end["args"] == {"request_ids": ["r1", "r2"], "tokens": 2}
+    assert begin["args"] == {"request_tids": [1, 2], "batch_size": 2}
+    assert end["args"] == {"request_tids": [1, 2], "tokens": 2}
     # The batch shares one timestamp across every lane.
     assert {lanes[t][0]["ts"] for t in (0, 1, 2)} == {begin["ts"]}
     assert lanes[1][0] == {"name": "decode (0)", "cat": "request", "ph": "B", "ts": begin["ts"],
-                           "pid": 1, "tid": 1, "args": {"request_id": "r1", "batch_size": 2}}
+                           "pid": 1, "tid": 1, "args": {"batch_size": 2}}
     assert lanes[1][2]["ph"] == "i" and lanes[1][2]["s"] == "t"
-    assert lanes[1][2]["args"] == {"request_id": "r1"}
+    assert lanes[1][2]["args"] == {}
     # An engine-only event (no requests) is allowed; a request-less, lane-less call records nothing.
     rec.add_event([], "start idle", engine_lane=True)
     rec.add_event([], "first token")
@@ -213,7 +215,7 @@ def test_unclosed_spans_closed_at_dump_and_marked():
     lanes = validate(trace)
     closes = [e for e in lanes[1] if e["ph"] == "E"]
     assert [e["name"] for e in closes] == ["decode (0)", "embedding (0)", "prefill (0)"]  # innermost first
-    assert all(e["args"] == {"request_id": "r", "unclosed": True} for e in closes)
+    assert all(e["args"] == {"unclosed": True} for e in closes)
     assert all(e["ts"] >= before - 1_000_000 for e in closes)
     assert lanes[0][-1]["args"] == {"unclosed": True}
     assert trace["otherData"]["unclosed_spans"] == 4
@@ -370,8 +372,8 @@ def test_awkward_ids_names_and_args():
     lanes = validate(trace)
     begin, end, custom = lanes[1]
     assert begin["name"] == 'weird "name" ]} (0)' and end["name"] == begin["name"]
-    assert begin["args"] == {"request_id": rid, "n": 3, "f": 0.5}
-    assert end["args"] == {"request_id": rid, "k": [1, 2]}
+    assert begin["args"] == {"n": 3, "f": 0.5}
+    assert end["args"] == {"k": [1, 2]}
     assert custom["args"]["nested"] == {"a": {"b": None}}
     assert custom["args"]["obj"].startswith("<object object")
     assert trace["traceEvents"][0]["args"]["name"] == 'eng "quoted"'
