@@ -229,7 +229,7 @@ class _GenerationRequest(BaseModel):
     @field_validator("user")
     @classmethod
     def _check_user(cls, user: str | None) -> str | None:
-        limit = REQUEST_LIMITS.max_request_id_chars
+        limit = REQUEST_LIMITS.max_user_chars
         if user is not None and len(user) > limit:
             raise field_error(f"is {len(user)} characters long; it becomes the request id, which holds at most "
                               f"{limit} characters: send a shorter one (an id or a hash, not the user's data)")

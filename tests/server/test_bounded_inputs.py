@@ -22,7 +22,7 @@ HELLO = [{"role": "user", "content": "Tell me a story."}]
 
 @pytest.mark.parametrize("path", [CHAT, "/v1/completions"])
 async def test_a_user_longer_than_a_request_id_is_refused(client: httpx.AsyncClient, path: str) -> None:
-    limit = REQUEST_LIMITS.max_request_id_chars
+    limit = REQUEST_LIMITS.max_user_chars
     prompt = {"messages": HELLO} if path == CHAT else {"prompt": "Once"}
     tracer = registry.get(TRACED).engine.tracer
     before = tracer.event_count
@@ -101,7 +101,7 @@ async def test_save_event_trace_bounds_the_note_and_the_tags(client: httpx.Async
 async def test_a_request_id_costs_the_trace_once_not_per_event(client: httpx.AsyncClient) -> None:
     """The trace names a request's lane with its id and nothing else repeats it: a maximal id adds
     its own length to the dump once, however many events its request has."""
-    limit = REQUEST_LIMITS.max_request_id_chars
+    limit = REQUEST_LIMITS.max_user_chars
     sizes, events = {}, {}
     for user in ("u", "u" * limit):
         await registry.get(TRACED).reset(clear_trace=True)

@@ -27,6 +27,7 @@ import numpy as np
 from engines.runtime.model.checkpoint import Checkpoint
 from engines.runtime.core.grammar import GrammarCompiler, GrammarError
 from engines.runtime.core.kv_pool import KVCachePool
+from engines.runtime.core.limits import REQUEST_LIMITS
 from engines.runtime.telemetry.metrics import EngineMetrics, RequestMetrics
 from engines.runtime.model.llama import ForwardBatch, LlamaModel
 from engines.runtime.core.request import (
@@ -85,6 +86,9 @@ class ModelOutput:
 def validate_request(request: GenerationRequest, vocab_size: int, max_seq_len: int) -> None:
     """Raise :class:`EngineRequestError` if no engine of this vocabulary and context could serve
     ``request`` (cheap, any thread or process: it reads only the request)."""
+    if not request.request_id or len(request.request_id) > REQUEST_LIMITS.max_request_id_chars:
+        raise EngineRequestError(f"the request id must be 1 to {REQUEST_LIMITS.max_request_id_chars} characters, "
+                                 f"got {len(request.request_id)}")
     if not request.prompt:
         raise EngineRequestError("the prompt is empty: send at least one token")
     bad = [t for t in request.prompt if not 0 <= t < vocab_size]

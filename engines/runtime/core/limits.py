@@ -23,9 +23,12 @@ class RequestLimits:
     """Bounds on sampling parameters; ranges are inclusive unless the name says ``_exclusive``."""
 
     max_n: int = 16
-    #: A request id (OpenAI's ``user``, which becomes it) names a trace lane and a history row:
+    #: OpenAI's ``user`` becomes the request id, which names a trace lane and a history row:
     #: OpenAI-style ids are a few dozen characters; a megabyte one would fill both.
-    max_request_id_chars: int = 256
+    max_user_chars: int = 256
+    #: The engine's bound on a request id: ``user``, or ``user`` plus ``-`` and a uuid4 hex
+    #: when that id is already streaming.
+    max_request_id_chars: int = 320
     max_stop_sequences: int = 4
     max_top_logprobs: int = 20           # chat's top_logprobs (and the engine's)
     max_completion_logprobs: int = 5     # /v1/completions' logprobs

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from engines.runtime.core.grammar import GrammarError
+from engines.runtime.core.limits import REQUEST_LIMITS
 from engines.runtime.core.request import EngineRequestError
 
 from engines.runtime.core.request import GrammarMode
@@ -224,6 +225,10 @@ def test_bad_request_fails_alone(make_engine, demo):
     with pytest.raises(EngineRequestError, match="response_format"):
         engine.add_request(request("schema", [400], response_format={
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}))
+    for bad_id in ("", "i" * (REQUEST_LIMITS.max_request_id_chars + 1)):
+        with pytest.raises(EngineRequestError, match="request id must be 1 to"):
+            engine.add_request(request(bad_id, [400]))
+    engine.add_request(request("i" * REQUEST_LIMITS.max_request_id_chars, [400], max_tokens=2))
     results = run_all(engine, [])
     assert results["good"].finish_reason in ("length", "stop")
 
