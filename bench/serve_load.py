@@ -119,7 +119,6 @@ async def run_engine_alone(engine, clients: int, requests_per_client: int, max_t
                            poll_interval: float | None = None) -> PhaseResult:
     """The same requests as the HTTP phase, straight into ``AsyncEngine.generate``, with
     ``AsyncEngine.metrics()`` timed every ``poll_interval`` s (the engine's side of the debug call)."""
-    from engines.protocol import DebugConfig
     from engines.runtime import GenerationRequest, SamplingParams
 
     tokenizer = engine.tokenizer
@@ -134,8 +133,7 @@ async def run_engine_alone(engine, clients: int, requests_per_client: int, max_t
             counter += 1
             request = GenerationRequest(
                 request_id=f"bench-{counter}", prompt=list(prompt),
-                sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens),
-                debug_config=DebugConfig(ignore_eos=True),
+                sampling=SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
             )
             start = time.perf_counter()
             first = True
