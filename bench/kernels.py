@@ -19,10 +19,8 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable
 
 
@@ -47,9 +45,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 ARGS = parse_args() if __name__ == "__main__" else None
 if ARGS is not None:
-    for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
-        os.environ[var] = str(ARGS.threads)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from cpu_threads import use_threads  # bench/ is the script's folder, first on sys.path
+
+    use_threads(ARGS.threads)
 
 import numpy as np  # noqa: E402  (after the thread settings above)
 

@@ -1,0 +1,17 @@
+"""Thread counts for a CPU bench: set before numpy or numba is first imported, or ignored."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
+
+
+def use_threads(count: int) -> None:
+    """Give BLAS, OpenMP and numba ``count`` threads, and put the repository on the import path."""
+    if "numpy" in sys.modules or "numba" in sys.modules:
+        raise RuntimeError("set the thread counts before numpy or numba is imported")
+    for name in THREAD_VARIABLES:
+        os.environ[name] = str(count)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
