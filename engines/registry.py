@@ -271,6 +271,9 @@ def configure_from_env(env: dict[str, str] | None = None) -> EngineRegistry:
     from engines.runtime import EngineConfig
 
     env = dict(os.environ if env is None else env)
+    api_key = env.get("API_KEY") or None
+    if api_key is not None and not api_key.strip():
+        raise RegistryError("API_KEY is only whitespace: set a real key, or unset it")  # before any engine loads
     specs = [ModelSpec.parse(s) for s in env.get("ENGINES_MODELS", DEMO_MODEL).split(",") if s.strip()]
     sizing = {
         "max_num_seqs": env.get("ENGINES_MAX_NUM_SEQS"),
@@ -288,4 +291,4 @@ def configure_from_env(env: dict[str, str] | None = None) -> EngineRegistry:
         process=engine_mode(env.get("ENGINES_ENGINE_MODE", "process")),
         restart=_env_flag(env, "ENGINES_RESTART", default=True),
     )
-    return configure(engines, enable_debug=_env_flag(env, "ENGINES_ENABLE_DEBUG"), api_key=env.get("API_KEY"))
+    return configure(engines, enable_debug=_env_flag(env, "ENGINES_ENABLE_DEBUG"), api_key=api_key)

@@ -85,3 +85,11 @@ async def consume(engine: AsyncEngine, req) -> Result:
     async for out in engine.generate(req):
         collect(results, [out])
     return results[req.request_id]
+
+
+def lane_events(trace: dict, request_id: str) -> list[dict]:
+    """The events of ``request_id``'s lane in a dumped trace (the lane is named by its
+    ``thread_name``; events do not repeat the id)."""
+    tids = {e["tid"] for e in trace["traceEvents"]
+            if e["ph"] == "M" and e["name"] == "thread_name" and e["tid"] != 0 and e["args"]["name"] == request_id}
+    return [e for e in trace["traceEvents"] if e["ph"] != "M" and e["tid"] in tids]

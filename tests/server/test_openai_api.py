@@ -14,6 +14,7 @@ import pytest
 from debugsite.asgi import application
 from engines.registry import registry
 from engines.runtime import RequestOutput
+from tests.runtime.demo_engine import lane_events
 from tests.server.conftest import TRACED, UNTRACED, assert_error, sse_payloads, wait_until
 
 CHAT = "/v1/chat/completions"
@@ -220,8 +221,8 @@ async def leave_when(body: dict, gone: Callable[[list[dict]], bool]) -> list[dic
 
 def finished_by_abort(request_id: str) -> bool:
     """Whether the ``demo`` engine's trace ends ``request_id`` with finish reason ``abort``."""
-    events = registry.get(TRACED).engine.tracer.dump()["traceEvents"]
-    finishes = [e for e in events if e["name"] == "finish" and e["args"].get("request_id") == request_id]
+    lane = lane_events(registry.get(TRACED).engine.tracer.dump(), request_id)
+    finishes = [e for e in lane if e["name"] == "finish"]
     return bool(finishes) and finishes[-1]["args"]["finish_reason"] == "abort"
 
 

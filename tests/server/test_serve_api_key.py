@@ -14,3 +14,10 @@ def test_serve_refuses_a_blank_api_key(monkeypatch, host: str, key: str) -> None
         monkeypatch.setattr(Command, step, lambda *args, _step=step, **kwargs: pytest.fail(f"{_step} ran"))
     with pytest.raises(CommandError, match="empty or only whitespace"):
         call_command("serve", "--host", host, "--api-key", key)
+
+
+def test_configure_from_env_refuses_a_whitespace_api_key() -> None:
+    from engines.registry import RegistryError, configure_from_env
+
+    with pytest.raises(RegistryError, match="only whitespace"):
+        configure_from_env({"ENGINES_MODELS": "demo", "API_KEY": "  "})

@@ -21,7 +21,7 @@ from engines.runtime.model.demo_model import demo_checkpoint_path
 from engines.runtime.core.engine import EngineConfig
 from engines.runtime.core.request import EngineRequestError
 
-from tests.runtime.demo_engine import consume, prompts, request
+from tests.runtime.demo_engine import consume, lane_events, prompts, request
 
 PROJECT_ROOT = Path(__file__).resolve().parents[3]
 SIZING = EngineConfig(max_num_seqs=16, num_pages=128, prefill_chunk_size=128)
@@ -116,7 +116,7 @@ async def test_server_events_and_engine_events_share_one_timeline(engine, demo) 
     engine.record_server_event("timed", "finish tokenization", {"prompt_tokens": 5})
     await consume(engine, request("timed", prompts(demo, 1)[0], max_tokens=3))
     trace = json.loads(await engine.dump_trace(clear=True))
-    lane = [e for e in trace["traceEvents"] if e.get("args", {}).get("request_id") == "timed"]
+    lane = lane_events(trace, "timed")
     names = [e["name"] for e in lane]
     assert names[:4] == ["receive request", "tokenization (0)", "tokenization (0)", "request added to engine"]
     assert "prefill (0)" in names and "finish" in names

@@ -32,7 +32,7 @@ class FakeClock:
 
 
 def validate(trace: dict) -> dict[int, list[dict]]:
-    """Check the validation rules of reference/peers.md plus our stronger guarantees; returns
+    """Check the Chrome-trace validation rules (docs/reference.md) plus our stronger guarantees; returns
     the non-metadata events per tid in file order."""
     assert isinstance(trace, dict) and isinstance(trace["traceEvents"], list)
     assert trace["displayTimeUnit"] == "ms"
