@@ -1,6 +1,7 @@
 """ASGI entry point.
 
-HTTP first passes the API-key gate (:mod:`engines.auth`), then goes to one of
+Websockets (the dashboard, :mod:`engines.routing`) pass the origin check and the session
+middleware. HTTP first passes the API-key gate (:mod:`engines.auth`), then goes to one of
 two Django handlers over the same URLconf:
 
 - the machine-facing routes (``/v1``, ``/debug``, ``/microserving``, ``/metrics``,
@@ -28,7 +29,9 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "debugsite.settings")
 # Django must be set up before anything imports models, consumers or routing.
 django_asgi_app = get_asgi_application()
 
-from channels.routing import ProtocolTypeRouter  # noqa: E402
+from channels.auth import AuthMiddlewareStack  # noqa: E402
+from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
+from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 from django.core.exceptions import DisallowedHost  # noqa: E402
 from django.core.handlers.asgi import ASGIHandler  # noqa: E402
 from django.core.handlers.exception import convert_exception_to_response  # noqa: E402
@@ -38,6 +41,7 @@ from django.http.request import split_domain_port  # noqa: E402
 from engines import registry as engine_registry  # noqa: E402
 from engines.auth import APIKeyMiddleware, routed_path  # noqa: E402
 from engines.protocol.errors import ProtocolError  # noqa: E402
+from engines.routing import websocket_urlpatterns  # noqa: E402
 from engines.views.errors import error_response  # noqa: E402
 
 API_PREFIXES = ("/v1", "/debug", "/microserving", "/metrics", "/stats", "/health")
@@ -88,18 +92,12 @@ class PathRouter:
         await (self.api_app if is_api else self.site_app)(scope, receive, send)
 
 
-async def refuse_websockets(scope, receive, send) -> None:
-    """No websocket route exists yet: refuse every handshake (the server answers 403) instead of
-    failing with a 500 and a traceback in the log."""
-    message = await receive()
-    if message["type"] == "websocket.connect":
-        await send({"type": "websocket.close", "code": 1008})  # policy violation: nothing served here
-
-
 if os.environ.get("ENGINES_MODELS") and not len(engine_registry.registry):
     engine_registry.configure_from_env()
 
 application = ProtocolTypeRouter({
     "http": APIKeyMiddleware(PathRouter(APIHandler(), django_asgi_app)),
-    "websocket": refuse_websockets,
+    # The dashboard's sockets: the browser's session (staff only, checked by the consumer), and
+    # only from a page of an allowed host, so another site cannot open one with the user's cookie.
+    "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
 })

@@ -33,6 +33,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.migrations.executor import MigrationExecutor
 
+from engines.dashboard.sampler import hub_for
 from engines.history.autosave import HistoryAutosave
 from engines.registry import ENGINE_MODES, ModelSpec, RegistryError, build_engines, configure, engine_mode, registry
 
@@ -242,6 +243,7 @@ class Command(BaseCommand):
             # Called with Daphne's loop set but not yet running: the tasks begin when it serves.
             loop = asyncio.get_event_loop()
             autosave.start(loop)
+            loop.call_soon(lambda: hub_for(registry).start())  # the dashboard's samplers, once it runs
             stopper = GracefulStop(loop, drain_timeout_s, self.stdout)
             for signum in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(signum, stopper.signalled)
@@ -265,6 +267,7 @@ class Command(BaseCommand):
         # between saves and saves the last window.
         _finish_pending_tasks(keep=autosave.tasks)
         loop.run_until_complete(autosave.stop())
+        loop.run_until_complete(_stop_samplers())
         loop.run_until_complete(loop.shutdown_asyncgens())
         if not server.listening_addresses:
             raise CommandError(f"could not listen on {host}:{port} (is the port already in use?)")
@@ -302,6 +305,10 @@ class GracefulStop:
             await asyncio.sleep(0.1)  # the last chunks leave the socket buffers
         finally:
             _stop_reactor()
+
+
+async def _stop_samplers() -> None:
+    await hub_for(registry).stop()
 
 
 def _stop_reactor() -> None:

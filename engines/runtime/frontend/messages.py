@@ -104,11 +104,15 @@ EngineCall = Union[ResetCall, MetricsCall, DumpTraceCall, CudaProfilerCall]
 
 @dataclass(frozen=True)
 class AddRequest:
+    """Queue ``request``; answered only if it fails, by :class:`Rejected`."""
+
     request: GenerationRequest
 
 
 @dataclass(frozen=True)
 class AbortRequest:
+    """Abort a request; answered by its last outputs (if it was running), then :class:`Aborted`."""
+
     request_id: str
 
 
@@ -124,18 +128,22 @@ class ServerTraceEvent:
 
 @dataclass(frozen=True)
 class ServerTraceEvents:
+    """Server-side trace events, in the order they happened; ignored when tracing is off."""
+
     events: tuple[ServerTraceEvent, ...]
 
 
 @dataclass(frozen=True)
 class Call:
+    """One :data:`EngineCall`; ``call_id`` pairs it with its :class:`Reply`."""
+
     call_id: int
     call: EngineCall
 
 
 @dataclass(frozen=True)
 class Shutdown:
-    pass
+    """Abort every request (their last outputs are sent) and stop the loop."""
 
 
 CoreCommand = Union[AddRequest, AbortRequest, ServerTraceEvents, Call, Shutdown]
@@ -146,21 +154,29 @@ CoreCommand = Union[AddRequest, AbortRequest, ServerTraceEvents, Call, Shutdown]
 
 @dataclass(frozen=True)
 class Ready:
+    """An engine process loaded its model and serves from now on."""
+
     info: EngineInfo
 
 
 @dataclass(frozen=True)
 class Failed:
+    """An engine process could not start; ``error`` is raised in the server."""
+
     error: BaseException
 
 
 @dataclass(frozen=True)
 class StepOutputs:
+    """Outputs of one step (or of an abort or a reset), sent together so each loop wakes once."""
+
     outputs: list[RequestOutput]
 
 
 @dataclass(frozen=True)
 class Aborted:
+    """An :class:`AbortRequest` is done: nothing more comes for ``request_id``, which is free again."""
+
     request_id: str
 
 
@@ -183,6 +199,8 @@ class Reply:
 
 @dataclass(frozen=True)
 class Dead:
+    """The loop stopped on an internal error; nothing more will come."""
+
     reason: str
 
 

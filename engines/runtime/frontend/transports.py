@@ -54,13 +54,16 @@ class ThreadTransport:
 
     @property
     def started(self) -> bool:
+        """Whether ``start`` ran and ``stop`` has not."""
         return self.thread is not None
 
     @property
     def alive(self) -> bool:
+        """Whether the engine thread still runs."""
         return self.thread is not None and self.thread.is_alive()
 
     def start(self, info: EngineInfo | None) -> EngineInfo | None:
+        """Warm the kernels up and start the loop; ``info`` is known already on a thread."""
         self.core.engine.warm_up()
         self.thread = threading.Thread(target=self._run, name=f"engine-{self.core.name}", daemon=True)
         self.thread.start()
@@ -76,12 +79,14 @@ class ThreadTransport:
             return None
 
     def send(self, command: CoreCommand) -> None:
+        """Queue ``command`` for the loop, or carry it out now if it is immediate."""
         if self.core.is_immediate(command):
             self.core.handle(command, self.on_message)  # on the caller's thread, even mid-step
         else:
             self.inbox.put(command)
 
     def stop(self, timeout: float) -> None:
+        """Send :class:`Shutdown` and wait up to ``timeout`` s for the thread to end."""
         assert self.thread is not None
         self.inbox.put(Shutdown())
         self.thread.join(timeout)
@@ -108,13 +113,21 @@ class ProcessTransport:
 
     @property
     def started(self) -> bool:
+        """Whether ``start`` ran and ``stop`` has not."""
         return self.process is not None
 
     @property
     def alive(self) -> bool:
+        """Whether the engine process still runs."""
         return self.process is not None and self.process.poll() is None
 
     def start(self, info: EngineInfo | None) -> EngineInfo:
+        """Start the child, send it the spec and wait for :class:`Ready`; return its info.
+
+        Raises the child's own error if it could not load the model, or a RuntimeError if it
+        exited or took longer than ``PROCESS_START_TIMEOUT_S``. ``info`` is unused: only the
+        child knows it.
+        """
         self.stopping = False  # a restart after a shutdown: its death must be reported again
         ours, theirs = socket.socketpair()
         env = dict(os.environ)
@@ -175,10 +188,12 @@ class ProcessTransport:
             on_message(Dead(f"reading from its process failed: {e!r}"))
 
     def send(self, command: CoreCommand) -> None:
+        """Pickle ``command`` to the child; raises OSError once it is gone."""
         assert self.conn is not None
         self.conn.send(command)
 
     def stop(self, timeout: float) -> None:
+        """Send :class:`Shutdown`, wait up to ``timeout`` s for the child to exit, else kill it."""
         assert self.process is not None and self.conn is not None
         self.stopping = True
         try:

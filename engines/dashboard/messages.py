@@ -1,0 +1,79 @@
+"""The messages of a dashboard websocket, and the channel-layer group names they travel in.
+
+Server to browser, each a JSON object with a ``type``:
+
+* ``snapshot``: :class:`EngineSnapshot`, an engine's state and metrics, several times a second.
+* ``ack``, ``progress``, ``done``, ``error``: :class:`ActionEvent`, about the action the browser
+  sent with that ``id`` (``error`` without an ``id``: a message that could not be read at all).
+
+Browser to server: :class:`ActionRequest`. Every snapshot names the server process it came from
+(:data:`SERVER_ID`), so that servers sharing a Redis channel layer can feed one fleet-wide view.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import socket
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+
+from engines.history import MAX_NOTE_CHARS, MAX_TAGS
+
+__all__ = ["SERVER_ID", "ActionEvent", "ActionRequest", "EngineSnapshot", "engine_group"]
+
+#: This server process, as snapshots name it: host and process id.
+SERVER_ID = f"{socket.gethostname()}:{os.getpid()}"
+
+_GROUP_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
+
+
+def engine_group(engine: str) -> str:
+    """The channel-layer group an engine's snapshots go to. Group names allow only ASCII letters,
+    digits, ``-_.`` and under 100 characters, and a served name may hold anything else, so the
+    name is cleaned and a hash of the real one keeps two names that clean alike apart."""
+    digest = hashlib.sha256(engine.encode()).hexdigest()[:12]
+    return f"dashboard.engine.{_GROUP_UNSAFE.sub('_', engine)[:60]}.{digest}"
+
+
+class EngineSnapshot(BaseModel):
+    """One engine as of ``at`` (Unix seconds): who serves it, its state, and its metrics
+    (``None`` while it is not running)."""
+
+    type: Literal["snapshot"] = "snapshot"
+    server: str
+    engine: str
+    at: float
+    state: str
+    reason: str | None = None
+    restarts: int = 0
+    backend: str
+    dtype: str
+    mode: Literal["process", "thread"]
+    tracing: bool
+    metrics: dict[str, Any] | None = None
+
+
+class ActionRequest(BaseModel):
+    """What a browser asks of an engine. ``engine`` may be left out on an engine's own socket."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    action: Literal["reset", "save_trace", "clear_trace", "profile_start", "profile_stop"]
+    id: StrictStr | StrictInt
+    engine: StrictStr | None = None
+    note: StrictStr = Field(default="", max_length=MAX_NOTE_CHARS)
+    tags: list[StrictStr] = Field(default=[], max_length=MAX_TAGS)
+
+
+class ActionEvent(BaseModel):
+    """The server's word on an action: taken (``ack``), under way (``progress``), finished
+    (``done``, with its ``result``) or failed (``error``, with a ``message`` for the user)."""
+
+    type: Literal["ack", "progress", "done", "error"]
+    id: StrictStr | StrictInt | None = None
+    action: str | None = None
+    engine: str | None = None
+    message: str | None = None
+    result: dict[str, Any] | None = None

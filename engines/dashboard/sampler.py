@@ -1,0 +1,143 @@
+"""One sampler per engine per server process: reads its metrics and publishes snapshots.
+
+Browsers never poll an engine: each server process reads each of its engines a few times a
+second (:data:`WATCHED_INTERVAL_S`) while anyone watches it, and every viewer gets the same
+snapshot from the engine's channel-layer group, so a thousand viewers cost the engine what one
+does. With no viewer the sampler slows down (:data:`IDLE_INTERVAL_S`), and a new viewer wakes it
+at once, so a page shows a snapshot as soon as it opens. A metrics read is answered by the
+engine process's receiving thread even mid-step, so sampling never waits for a long prefill.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from channels.layers import get_channel_layer
+
+from engines.dashboard.messages import SERVER_ID, EngineSnapshot, engine_group
+
+if TYPE_CHECKING:
+    from engines.registry import EngineRegistry
+    from engines.runtime import AsyncEngine
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["EngineSampler", "SamplerHub", "hub_for"]
+
+#: Seconds between snapshots while someone watches (the charts move at 4 Hz).
+WATCHED_INTERVAL_S = 0.25
+#: Seconds between snapshots while no one watches.
+IDLE_INTERVAL_S = 5.0
+#: A metrics read the engine does not answer in this long is skipped (a wedged engine).
+READ_TIMEOUT_S = 2.0
+
+
+class EngineSampler:
+    """Reads one engine's metrics and publishes :class:`EngineSnapshot` s to its group."""
+
+    def __init__(self, engine: AsyncEngine, layer: Any) -> None:
+        self.engine = engine
+        self.layer = layer
+        self.group = engine_group(engine.name)
+        self.viewers = 0
+        self.latest: EngineSnapshot | None = None
+        self._wake = asyncio.Event()
+
+    def watch(self) -> None:
+        """A viewer came: sample at the watched rate, starting now."""
+        self.viewers += 1
+        self._wake.set()
+
+    def unwatch(self) -> None:
+        self.viewers = max(0, self.viewers - 1)
+
+    async def snapshot(self) -> EngineSnapshot:
+        """The engine as of now (metrics left out while it does not run or does not answer)."""
+        from engines.runtime import EngineDeadError
+
+        engine = self.engine
+        metrics = None
+        if engine.is_alive:
+            try:
+                metrics = await asyncio.wait_for(engine.metrics(), READ_TIMEOUT_S)
+            except (EngineDeadError, asyncio.TimeoutError):
+                metrics = None
+        status = engine.status
+        return EngineSnapshot(
+            server=SERVER_ID, engine=engine.name, at=time.time(), state=status.state.value,
+            reason=status.reason, restarts=status.restarts, backend=engine.backend_name, dtype=engine.dtype,
+            mode="process" if engine.process else "thread", tracing=engine.tracing_enabled, metrics=metrics)
+
+    async def publish(self) -> EngineSnapshot:
+        """Take a snapshot and send it to the engine's group."""
+        snap = await self.snapshot()
+        self.latest = snap
+        await self.layer.group_send(self.group, {"type": "engine.snapshot", "snapshot": snap.model_dump(mode="json")})
+        return snap
+
+    async def run(self) -> None:
+        """Publish until cancelled: every :data:`WATCHED_INTERVAL_S` while watched, else every
+        :data:`IDLE_INTERVAL_S` or as soon as a viewer comes."""
+        while True:
+            self._wake.clear()
+            try:
+                await self.publish()
+            except Exception:  # noqa: BLE001 - one failed read or send must not end the engine's dashboard
+                logger.exception("dashboard: sampling engine %s failed", self.engine.name)
+            interval = WATCHED_INTERVAL_S if self.viewers else IDLE_INTERVAL_S
+            try:
+                await asyncio.wait_for(self._wake.wait(), interval)
+            except asyncio.TimeoutError:
+                pass
+
+
+class SamplerHub:
+    """The samplers of one server process's engines, running on its event loop."""
+
+    def __init__(self, registry: EngineRegistry) -> None:
+        self.registry = registry
+        self.samplers: dict[str, EngineSampler] = {}
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+
+    def start(self) -> None:
+        """Run a sampler for every registered engine (on the running loop); idempotent, and an
+        engine registered anew under a served name gets a new sampler."""
+        layer = get_channel_layer()
+        for engine in self.registry:
+            current = self.samplers.get(engine.name)
+            if current is not None and current.engine is engine:
+                continue
+            if engine.name in self.tasks:
+                self.tasks.pop(engine.name).cancel()
+            sampler = EngineSampler(engine, layer)
+            self.samplers[engine.name] = sampler
+            self.tasks[engine.name] = asyncio.get_running_loop().create_task(
+                sampler.run(), name=f"sampler-{engine.name}")
+
+    def get(self, engine: str) -> EngineSampler | None:
+        """The sampler of the engine served as ``engine``, starting the samplers if need be."""
+        self.start()
+        return self.samplers.get(engine)
+
+    async def stop(self) -> None:
+        """Stop every sampler."""
+        tasks = list(self.tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self.tasks.clear()
+        self.samplers.clear()
+
+
+_hubs: dict[int, SamplerHub] = {}
+
+
+def hub_for(registry: EngineRegistry) -> SamplerHub:
+    """The process's sampler hub for ``registry`` (one per event loop: tests run several)."""
+    key = id(asyncio.get_running_loop())
+    hub = _hubs.get(key)
+    if hub is None or hub.registry is not registry:
+        hub = _hubs[key] = SamplerHub(registry)
+    return hub

@@ -1,0 +1,227 @@
+"""The dashboard's websockets: who may open one, the snapshots it carries, the actions it takes."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from asgiref.sync import sync_to_async
+from channels.testing import WebsocketCommunicator
+from django.test import Client
+
+from debugsite.asgi import application
+from engines.consumers import CLOSE_FORBIDDEN, CLOSE_NOT_FOUND
+from engines.dashboard.messages import SERVER_ID, engine_group
+from engines.dashboard.sampler import hub_for
+from engines.models import TraceRecord
+from engines.registry import registry
+from tests.server.conftest import TRACED, UNTRACED
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+REPO = Path(__file__).resolve().parents[2]
+ORIGIN = (b"origin", b"http://127.0.0.1:8000")
+HOST = (b"host", b"127.0.0.1:8000")
+
+
+@pytest.fixture
+async def dashboard(serve) -> AsyncIterator[None]:
+    """Both demo engines served; the samplers of this test's event loop stopped afterwards."""
+    async with serve(enable_debug=True):
+        await registry.get(TRACED).reset(clear_trace=True)
+        yield
+        await hub_for(registry).stop()
+
+
+async def session_cookie(staff: bool = True) -> bytes:
+    def login() -> str:
+        from django.contrib.auth.models import User
+
+        user = User.objects.create_user(f"u{User.objects.count()}", password="pw", is_staff=staff)
+        client = Client()
+        client.force_login(user)
+        return client.cookies["sessionid"].value
+
+    return b"sessionid=" + (await sync_to_async(login)()).encode()
+
+
+async def open_socket(path: str, cookie: bytes | None = None, origin: tuple = ORIGIN) -> WebsocketCommunicator:
+    headers = [origin, HOST] + ([(b"cookie", cookie)] if cookie else [])
+    return WebsocketCommunicator(application, path, headers=headers)
+
+
+async def connected(path: str, staff: bool = True) -> WebsocketCommunicator:
+    socket = await open_socket(path, await session_cookie(staff))
+    ok, _ = await socket.connect()
+    assert ok
+    return socket
+
+
+async def next_message(socket: WebsocketCommunicator, want: Callable[[dict], bool], timeout: float = 10) -> dict:
+    """The next message ``want`` accepts (snapshots in between are skipped)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        message = json.loads(await socket.receive_from(timeout=max(0.01, deadline - loop.time())))
+        if want(message):
+            return message
+
+
+def of_type(kind: str, **fields: Any) -> Callable[[dict], bool]:
+    return lambda m: m.get("type") == kind and all(m.get(k) == v for k, v in fields.items())
+
+
+async def test_anonymous_and_non_staff_sockets_are_closed_with_a_clear_code(dashboard) -> None:
+    for cookie in (None, await session_cookie(staff=False)):
+        socket = await open_socket(f"/ws/engines/{TRACED}/", cookie)
+        assert (await socket.connect())[0]
+        assert (await socket.receive_output(5))["code"] == CLOSE_FORBIDDEN
+        await socket.disconnect()
+
+
+async def test_a_socket_from_a_foreign_origin_is_refused(dashboard) -> None:
+    socket = await open_socket("/ws/engines/", await session_cookie(), origin=(b"origin", b"https://evil.example"))
+    assert not (await socket.connect())[0]
+    await socket.disconnect()
+
+
+async def test_an_unknown_engine_is_closed_not_found(dashboard) -> None:
+    socket = await connected_or_closed("/ws/engines/nope/")
+    assert (await socket.receive_output(5))["code"] == CLOSE_NOT_FOUND
+    await socket.disconnect()
+
+
+async def connected_or_closed(path: str) -> WebsocketCommunicator:
+    socket = await open_socket(path, await session_cookie())
+    await socket.connect()
+    return socket
+
+
+async def test_snapshots_arrive_for_the_engine_joined_and_the_overview_sees_all(dashboard) -> None:
+    socket = await connected(f"/ws/engines/{TRACED}/")
+    snap = await next_message(socket, of_type("snapshot"))
+    assert (snap["engine"], snap["server"], snap["state"], snap["mode"]) == (TRACED, SERVER_ID, "running", "thread")
+    assert snap["tracing"] is True and snap["backend"] == "cpu"
+    assert {"num_running_requests", "kv_cache_usage", "ttft_s", "engine_prefill_time_sum"} <= snap["metrics"].keys()
+    second = await next_message(socket, of_type("snapshot"))
+    assert 0 < second["at"] - snap["at"] < 2  # watched: several a second
+    await socket.disconnect()
+
+    overview = await connected("/ws/engines/")
+    seen = set()
+    while seen != {TRACED, UNTRACED}:
+        seen.add((await next_message(overview, of_type("snapshot")))["engine"])
+    await overview.disconnect()
+
+
+async def test_two_sockets_on_one_engine_receive_every_snapshot(dashboard) -> None:
+    a, b = await connected(f"/ws/engines/{TRACED}/"), await connected(f"/ws/engines/{TRACED}/")
+    got_a = [(await next_message(a, of_type("snapshot")))["at"] for _ in range(6)]
+    got_b = [(await next_message(b, of_type("snapshot")))["at"] for _ in range(6)]
+    assert len(set(got_a) & set(got_b)) >= 4  # the same snapshots, sent once to the group
+    assert got_a == sorted(got_a) and got_b == sorted(got_b)
+    await a.disconnect()
+    await b.disconnect()
+
+
+async def test_reset_is_acknowledged_done_and_the_counters_drop(dashboard, client) -> None:
+    body = {"model": TRACED, "prompt": "Once upon a time", "max_tokens": 4}
+    assert (await client.post("/v1/completions", json=body)).status_code == 200
+    socket = await connected(f"/ws/engines/{TRACED}/")
+    before = await next_message(socket, of_type("snapshot"))
+    assert before["metrics"]["num_finished_requests"] >= 1
+    await socket.send_to(text_data=json.dumps({"action": "reset", "id": 7}))
+    assert (await next_message(socket, of_type("ack", id=7)))["engine"] == TRACED
+    await next_message(socket, of_type("done", id=7))
+    after = await next_message(socket, of_type("snapshot"))
+    assert after["metrics"]["num_finished_requests"] == 0 and after["metrics"]["prompt_tokens_sum"] == 0
+    await socket.disconnect()
+
+
+async def test_save_trace_reports_progress_and_links_the_record(dashboard, client) -> None:
+    body = {"model": TRACED, "prompt": "Once upon a time", "max_tokens": 4}
+    assert (await client.post("/v1/completions", json=body)).status_code == 200
+    socket = await connected(f"/ws/engines/{TRACED}/")
+    await socket.send_to(text_data=json.dumps({"action": "save_trace", "id": "s1", "note": "<b>n</b>",
+                                               "tags": ["x"]}))
+    await next_message(socket, of_type("progress", id="s1"))
+    done = await next_message(socket, of_type("done", id="s1"))
+    record = await TraceRecord.objects.aget(pk=done["result"]["record_id"])
+    assert (record.source, record.note, record.tags) == ("dashboard", "<b>n</b>", "x")
+    assert done["result"]["url"] == f"/admin/engines/tracerecord/{record.pk}/change/"
+    await socket.disconnect()
+
+
+async def test_clear_trace_and_profiling_answer_done_or_a_clear_error(dashboard) -> None:
+    traced = await connected(f"/ws/engines/{TRACED}/")
+    await traced.send_to(text_data=json.dumps({"action": "clear_trace", "id": 1}))
+    await next_message(traced, of_type("done", id=1))
+    await traced.send_to(text_data=json.dumps({"action": "profile_start", "id": 2}))
+    error = await next_message(traced, of_type("error", id=2))
+    assert "CUDA profiler is unavailable" in error["message"] and "cpu backend" in error["message"]
+    await traced.disconnect()
+    untraced = await connected(f"/ws/engines/{UNTRACED}/")
+    await untraced.send_to(text_data=json.dumps({"action": "clear_trace", "id": 3}))
+    assert "--enable-tracing" in (await next_message(untraced, of_type("error", id=3)))["message"]
+    await untraced.disconnect()
+
+
+@pytest.mark.parametrize(("message", "says"), [
+    ("not json", "not a JSON message"),
+    ("[" * 100 + "]" * 100, "not a JSON message"),
+    (json.dumps({"action": "explode", "id": 1}), "action"),
+    (json.dumps({"action": "reset"}), "id"),
+    (json.dumps({"action": "reset", "id": 1, "surprise": True}), "surprise"),
+    (json.dumps({"action": "reset", "id": 1, "engine": "nope"}), "no engine 'nope'"),
+    (json.dumps({"action": "save_trace", "id": 1, "note": "n" * 5000}), "note"),
+])
+async def test_a_bad_message_gets_an_error_event_and_the_socket_stays_open(dashboard, message, says) -> None:
+    socket = await connected(f"/ws/engines/{TRACED}/")
+    await socket.send_to(text_data=message)
+    error = await next_message(socket, of_type("error"))
+    assert says in error["message"]
+    await socket.send_to(text_data=json.dumps({"action": "clear_trace", "id": "after"}))
+    await next_message(socket, of_type("done", id="after"))
+    await socket.disconnect()
+
+
+async def test_the_overview_socket_needs_the_engine_named(dashboard) -> None:
+    socket = await connected("/ws/engines/")
+    await socket.send_to(text_data=json.dumps({"action": "clear_trace", "id": 1}))
+    assert "name the engine" in (await next_message(socket, of_type("error", id=1)))["message"]
+    await socket.send_to(text_data=json.dumps({"action": "clear_trace", "id": 2, "engine": TRACED}))
+    await next_message(socket, of_type("done", id=2))
+    await socket.disconnect()
+
+
+async def test_snapshots_from_another_server_process_arrive_over_redis(dashboard, settings) -> None:
+    """Two server processes sharing the Redis channel layer: one's snapshots reach the other's sockets."""
+    from channels.layers import channel_layers
+
+    url = os.environ.get("REDIS_TEST_URL", "redis://127.0.0.1:6379/1")
+    settings.CHANNEL_LAYERS = {"default": {"BACKEND": "channels_redis.core.RedisChannelLayer",
+                                           "CONFIG": {"hosts": [url], "prefix": "test-dashboard"}}}
+    channel_layers.backends.clear()
+    try:
+        socket = await connected(f"/ws/engines/{TRACED}/")
+        await next_message(socket, of_type("snapshot", server=SERVER_ID))  # ours, through Redis
+        script = (
+            "import asyncio, channels_redis.core as r\n"
+            f"layer = r.RedisChannelLayer(hosts=[{url!r}], prefix='test-dashboard')\n"
+            f"snap = dict(type='snapshot', server='other-host:1', engine={TRACED!r}, at=1.0, state='running',\n"
+            "            restarts=0, backend='cuda', dtype='float16', mode='process', tracing=False, metrics=None)\n"
+            f"asyncio.run(layer.group_send({engine_group(TRACED)!r}, dict(type='engine.snapshot', snapshot=snap)))\n"
+        )
+        await asyncio.to_thread(subprocess.run, [sys.executable, "-c", script], cwd=REPO, check=True, timeout=60)
+        other = await next_message(socket, of_type("snapshot", server="other-host:1"))
+        assert other["backend"] == "cuda"
+        await socket.disconnect()
+    finally:
+        await hub_for(registry).stop()
+        channel_layers.backends.clear()
