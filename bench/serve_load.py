@@ -12,11 +12,11 @@ The two alternate (``--repeats`` times) so that load drifting on a shared machin
 hits both sides alike; the client's own CPU use counts against HTTP, as it would
 on one box.
 
-Every request uses ``debug_config.ignore_eos`` so each produces exactly
-``--max-tokens`` tokens and both sides do identical work. Reported: output
-tokens/s of each, their ratio (HTTP / engine; the goal is >= 0.9), TTFT p50/p99
-of both, and the metrics endpoint's p99 latency while serving (and, for comparison,
-``AsyncEngine.metrics()``'s in the engine-alone runs).
+Every request ignores EOS (``debug_config.ignore_eos`` over HTTP, ``SamplingParams.ignore_eos``
+for the engine alone), so each produces exactly ``--max-tokens`` tokens and both sides do
+identical work. Reported: output tokens/s of each, their ratio (HTTP / engine; the goal is
+>= 0.9), TTFT p50/p99 of both, and the metrics endpoint's p99 latency while serving (and, for
+comparison, ``AsyncEngine.metrics()``'s in the engine-alone runs).
 
     .venv/bin/python bench/serve_load.py                  # 16 and 64 clients
     .venv/bin/python bench/serve_load.py --clients 16 --max-tokens 128 --json out.json
@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+from cpu_threads import use_threads  # bench/ is the script's folder, first on sys.path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -178,7 +179,7 @@ def start_engine(args: argparse.Namespace):
 
 
 async def run_http(base: str, clients: int, requests_per_client: int, max_tokens: int,
-                   poll_interval: float | None, client_kind: str = "raw") -> PhaseResult:
+                   poll_interval: float | None, client_kind: str) -> PhaseResult:
     """N streaming chat clients on their own connections, plus a metrics poller every ``poll_interval`` s."""
     ttfts: list[float] = []
     metrics_latency: list[float] = []
@@ -423,7 +424,7 @@ def main() -> None:
     parser.add_argument("--client", choices=("raw", "httpx"), default="raw",
                         help="load generator: raw HTTP/1.1 over asyncio (lean) or httpx")
     parser.add_argument("--threads", type=int,
-                        help="compute threads of the CPU engine, both sides (NUMBA_NUM_THREADS; default: one per core)")
+                        help="compute threads of the CPU engine, both sides (default: one per core)")
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-total-tokens", type=int, default=16384)
     parser.add_argument("--prefill-chunk-size", type=int, default=512)
@@ -431,8 +432,7 @@ def main() -> None:
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args()
     if args.threads:
-        # Before numba loads, here and (inherited) in the server and its engine process.
-        os.environ["NUMBA_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"] = str(args.threads)
+        use_threads(args.threads)  # before numba loads, here and (inherited) in the server and its engine process
     Path(args.var_dir).mkdir(parents=True, exist_ok=True)
 
     engine = start_engine(args)
