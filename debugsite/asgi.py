@@ -34,6 +34,7 @@ from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 from django.core.exceptions import DisallowedHost  # noqa: E402
 from django.core.handlers.asgi import ASGIHandler  # noqa: E402
+from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
 from django.core.handlers.exception import convert_exception_to_response  # noqa: E402
 from django.http import HttpRequest, HttpResponseBase  # noqa: E402
 from django.http.request import split_domain_port  # noqa: E402
@@ -96,7 +97,9 @@ if os.environ.get("ENGINES_MODELS") and not len(engine_registry.registry):
     engine_registry.configure_from_env()
 
 application = ProtocolTypeRouter({
-    "http": APIKeyMiddleware(PathRouter(APIHandler(), django_asgi_app)),
+    # Static files (the admin's, the dashboard's, the vendored uPlot) straight from the app folders,
+    # under serve and a bare Daphne alike, DEBUG on or off: no collectstatic, no CDN.
+    "http": APIKeyMiddleware(PathRouter(APIHandler(), ASGIStaticFilesHandler(django_asgi_app))),
     # The dashboard's sockets: the browser's session (staff only, checked by the consumer), and
     # only from a page of an allowed host, so another site cannot open one with the user's cookie.
     "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),

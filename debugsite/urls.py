@@ -1,4 +1,4 @@
-"""URL routes: the OpenAI API, MLC's debug endpoints, Prometheus metrics and health, the admin.
+"""URL routes: the dashboard, the OpenAI API, MLC's debug endpoints, Prometheus metrics and health, the admin.
 
 ``/debug/*`` is always routed but answers 404 unless the server runs with
 ``--enable-debug`` (checked per request in :mod:`engines.views.debug`), so the
@@ -7,10 +7,14 @@ of all of this in :mod:`debugsite.asgi`.
 """
 from django.contrib import admin
 from django.urls import path, re_path
+from django.views.generic import RedirectView
 
-from engines.views import debug, errors, metrics, openai
+from engines.views import dashboard, debug, errors, metrics, openai
 
 urlpatterns = [
+    path("", RedirectView.as_view(pattern_name="dashboard", permanent=False)),
+    path("dashboard/", dashboard.overview, name="dashboard"),
+    path("dashboard/engines/<str:name>/", dashboard.engine_page, name="dashboard-engine"),
     path("v1/models", openai.list_models, name="v1-models"),
     path("v1/completions", openai.completions, name="v1-completions"),
     path("v1/chat/completions", openai.chat_completions, name="v1-chat-completions"),

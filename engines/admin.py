@@ -41,6 +41,12 @@ from engines.history.retention import apply_retention
 from engines.models import MetricsSnapshot, RequestSummary, TraceRecord
 from engines.runtime import FinishReason
 
+# The admin is the dashboard's frame: its header names the product, not the framework.
+admin.site.site_header = "LLM engine debug server"
+admin.site.site_title = "LLM engine debug server"
+admin.site.index_title = "History and administration"
+admin.site.site_url = "/dashboard/"  # "View site": the live dashboard
+
 # Status of a download whose stored payload cannot be served: the record exists but
 # its bytes no longer match what was saved; a conflict to report, not a server fault.
 PAYLOAD_ERROR_STATUS = 409

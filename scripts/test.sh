@@ -9,6 +9,12 @@ if [ "${ENSURE_SERVICES:-1}" = "1" ]; then  # PostgreSQL and Redis for the datab
   scripts/services.sh
 fi
 
+# The browser tests drive Debian's chromium (never a downloaded browser build).
+if ! [ -x /usr/bin/chromium ]; then
+  echo "installing chromium for the browser tests"
+  apt-get update -qq && apt-get install -y -qq chromium >/dev/null
+fi
+
 status=0
 python -m pytest "$@" || status=$?
 if [ "$status" -eq 0 ] && [ $# -eq 0 ]; then

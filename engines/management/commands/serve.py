@@ -27,7 +27,6 @@ from typing import Any
 
 from daphne.endpoints import build_endpoint_description_strings
 from django.conf import settings
-from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 from django.db import DEFAULT_DB_ALIAS, connections
@@ -248,10 +247,8 @@ class Command(BaseCommand):
             for signum in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(signum, stopper.signalled)
 
-        # Serve the admin's and dashboard's static files straight from the app folders: this is a
-        # single-process debug server, not a CDN, and it saves a collectstatic step.
         server = Server(
-            application=ASGIStaticFilesHandler(application),
+            application=application,  # static files included (debugsite.asgi)
             endpoints=build_endpoint_description_strings(host=host, port=port),
             # Not Twisted's handlers, which stop the reactor at once and cut every stream: ours drain
             # first (GracefulStop); the clean-up after run() is the same either way.

@@ -1,0 +1,80 @@
+"""The dashboard's pages: the engines overview and one engine's page, in the admin's look.
+
+The pages are rendered once with what does not change (each engine's name, checkpoint and
+configuration); everything live arrives over the engine websockets (``engines.consumers``) and
+is drawn by the small modules under ``static/engines/js/``. Staff only, like the admin.
+"""
+from __future__ import annotations
+
+import platform
+from urllib.parse import quote
+from typing import Any
+
+from django.contrib import admin
+from django.contrib.admin.views.decorators import staff_member_required
+from django.http import Http404, HttpRequest, HttpResponse
+from django.shortcuts import render
+from django.urls import reverse
+from django.utils.http import urlencode
+
+from engines import __version__
+from engines.registry import registry
+
+
+def engine_facts(engine: Any) -> dict[str, Any]:
+    """What a page shows of an engine that does not change while it runs."""
+    checkpoint, config = engine.checkpoint, engine.config
+    model = checkpoint.config
+    return {
+        "name": engine.name,
+        "checkpoint": str(checkpoint.path),
+        "url": reverse("dashboard-engine", args=[engine.name]),
+        "ws": "/ws/engines/" + quote(engine.name, safe="") + "/",
+        "backend": engine.backend_name,
+        "dtype": engine.dtype,
+        "mode": "own process" if engine.process else "server thread",
+        "tracing": engine.tracing_enabled,
+        "traces_url": reverse("admin:engines_tracerecord_changelist") + "?" + urlencode({"engine__exact": engine.name}),
+        "snapshots_url": (reverse("admin:engines_metricssnapshot_changelist") + "?"
+                          + urlencode({"engine__exact": engine.name})),
+        "config": [
+            ("checkpoint", str(checkpoint.path)),
+            ("architecture", f"{model.model_type}: {model.num_hidden_layers} layers, hidden {model.hidden_size}, "
+                             f"{model.num_attention_heads} heads / {model.num_key_value_heads} KV heads, "
+                             f"head dim {model.head_dim}, intermediate {model.intermediate_size}"),
+            ("vocabulary", f"{model.vocab_size} tokens"),
+            ("context", f"{model.max_position_embeddings} positions"),
+            ("backend / dtype", f"{engine.backend_name} / {engine.dtype}"),
+            ("engine loop", "own process" if engine.process else "server thread"),
+            ("KV cache", f"{config.resolved_num_pages()} pages of {config.page_size} tokens"),
+            ("max sequences", str(config.max_num_seqs)),
+            ("step token budget", str(config.prefill_chunk_size)),
+            ("prefix cache", "on" if config.enable_prefix_cache else "off"),
+            ("tracing", f"on (at most {config.max_trace_events:,} events)" if engine.tracing_enabled else "off"),
+        ],
+    }
+
+
+def _versions() -> list[tuple[str, str]]:
+    import numba
+
+    return [("server", __version__), ("numba", numba.__version__), ("python", platform.python_version())]
+
+
+@staff_member_required
+def overview(request: HttpRequest) -> HttpResponse:
+    """``/dashboard/``: every served engine, live."""
+    context = {**admin.site.each_context(request), "title": "Engines",
+               "engines": [engine_facts(engine) for engine in registry], "versions": _versions()}
+    return render(request, "dashboard/overview.html", context)
+
+
+@staff_member_required
+def engine_page(request: HttpRequest, name: str) -> HttpResponse:
+    """``/dashboard/engines/<name>/``: one engine's charts, metrics, configuration and controls."""
+    engine = registry.get(name)
+    if engine is None:
+        raise Http404(f"No engine {name!r} is served here.")
+    context = {**admin.site.each_context(request), "title": f"Engine {name}", "engine": engine_facts(engine),
+               "versions": _versions()}
+    return render(request, "dashboard/engine.html", context)

@@ -1,0 +1,40 @@
+// Numbers the way a person reads them: units, a few significant digits, never 17 of them.
+
+const grouped = new Intl.NumberFormat(undefined, { maximumFractionDigits: 0 });
+
+export function count(value) {
+  return value == null || Number.isNaN(value) ? "–" : grouped.format(value);
+}
+
+export function rate(value) {
+  if (value == null || Number.isNaN(value)) return "–";
+  return value >= 100 ? grouped.format(value) : value.toFixed(1);
+}
+
+export function seconds(value) {
+  if (value == null || Number.isNaN(value)) return "–";
+  if (value === 0) return "0";
+  if (value < 1) return `${(value * 1000).toPrecision(3)} ms`;
+  return `${value.toPrecision(3)} s`;
+}
+
+export function percent(fraction) {
+  return fraction == null || Number.isNaN(fraction) ? "–" : `${(fraction * 100).toFixed(1)} %`;
+}
+
+/** A metric's value by its key's meaning: times in seconds, ratios, counts, rates. */
+export function metric(key, value) {
+  if (typeof value !== "number") return String(value);
+  if (key.endsWith("_per_s")) return `${rate(value)} tok/s`;
+  if (key.endsWith("_s") || key.endsWith("_time_sum") || key.startsWith("mean{")) return seconds(value);
+  if (key.endsWith("_rate") || key.endsWith("_usage")) return percent(value);
+  return Number.isInteger(value) ? count(value) : value.toPrecision(4);
+}
+
+/** Engine state as shown: "running", "restarting (why)", "dead (why, restarts N)". */
+export function state(snapshot) {
+  const s = snapshot.state;
+  if (s === "dead") return `dead (${snapshot.reason || "unknown"}, restarts ${snapshot.restarts})`;
+  if (s === "restarting") return `restarting (${snapshot.reason || "unknown"})`;
+  return snapshot.restarts ? `${s} (restarts ${snapshot.restarts})` : s;
+}

@@ -1,0 +1,208 @@
+"""The dashboard in a real browser: Debian's chromium driven by async Playwright, against a live
+``manage.py serve`` (Daphne, the engine in its own process) on a free port.
+
+Screenshots of every page go to ``var/screenshots/`` (look at them).
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+SHOTS = REPO / "var" / "screenshots"
+CHROMIUM = "/usr/bin/chromium"
+PASSWORD = "dashboard-test-pw"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LiveServer:
+    def __init__(self, process: subprocess.Popen, base: str) -> None:
+        self.process = process
+        self.base = base
+
+    def engine_pid(self) -> int:
+        children = [int(pid) for task in Path(f"/proc/{self.process.pid}/task").iterdir()
+                    for pid in (task / "children").read_text().split()]
+        assert len(children) == 1
+        return children[0]
+
+
+@pytest.fixture(scope="module")
+def dashboard_server(tmp_path_factory) -> Iterator[LiveServer]:
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} is missing: scripts/test.sh installs Debian's chromium")
+    var = tmp_path_factory.mktemp("var")
+    env = {k: v for k, v in os.environ.items() if k not in ("API_KEY", "DATABASE_URL", "DJANGO_SETTINGS_MODULE")}
+    env |= {"DEBUGSITE_VAR_DIR": str(var), "PYTHONUNBUFFERED": "1", "DJANGO_SUPERUSER_PASSWORD": PASSWORD}
+    manage = [sys.executable, "manage.py"]
+    subprocess.run(manage + ["migrate", "-v", "0"], cwd=REPO, env=env, check=True)
+    subprocess.run(manage + ["createsuperuser", "--noinput", "--username", "admin", "--email", "a@example.com"],
+                   cwd=REPO, env=env, check=True, capture_output=True)
+    port = free_port()
+    process = subprocess.Popen(
+        manage + ["serve", "--enable-debug", "--enable-tracing", "--port", str(port), "--backend", "cpu",
+                  "--max-num-seqs", "8", "--max-total-tokens", "4096", "--drain-timeout", "1"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        if process.poll() is not None:
+            pytest.fail(f"serve exited: {process.stdout.read() if process.stdout else ''}")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "serve did not come up"
+        time.sleep(0.2)
+    yield LiveServer(process, base)
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+@pytest.fixture
+async def page(dashboard_server: LiveServer) -> AsyncIterator:
+    from playwright.async_api import async_playwright
+
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    async with async_playwright() as pw:
+        browser = await pw.chromium.launch(executable_path=CHROMIUM)
+        context = await browser.new_context(viewport={"width": 1400, "height": 1000})
+        page = await context.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        await page.goto(f"{dashboard_server.base}/admin/login/?next=/dashboard/")
+        await page.fill("#id_username", "admin")
+        await page.fill("#id_password", PASSWORD)
+        await page.click("input[type=submit]")
+        await page.wait_for_url("**/dashboard/")
+        yield page
+        assert errors == [], errors  # no script error on any page
+        await browser.close()
+
+
+def load(base: str, stop: threading.Event, clients: int = 4) -> threading.Thread:
+    """Streaming requests in the background until ``stop``."""
+    def run() -> None:
+        body = {"model": "demo", "messages": [{"role": "user", "content": "Tell me a long story."}],
+                "max_tokens": 200, "stream": True, "debug_config": {"ignore_eos": True}}
+
+        def client() -> None:
+            with httpx.Client(base_url=base, timeout=60) as http:
+                while not stop.is_set():
+                    with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                        for _ in response.iter_lines():
+                            if stop.is_set():
+                                break
+
+        threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+async def number(page, selector: str) -> float:
+    text = (await page.text_content(selector)) or ""
+    text = text.replace(",", "").replace("\u202f", "").split()[0] if text.strip() else "–"
+    return float(text) if text not in ("–", "") else float("nan")
+
+
+async def test_overview_shows_the_demo_engine_live_and_load_moves_it(page, dashboard_server: LiveServer) -> None:
+    row = 'tr.engine-row[data-engine="demo"]'
+    await page.wait_for_selector(f'{row} [data-field="state"][data-state="running"]', timeout=15000)
+    await page.wait_for_selector('#connection[data-state="open"]')
+    assert await page.text_content(f'{row} [data-field="running"]') == "0"
+    await page.screenshot(path=str(SHOTS / "overview-idle.png"), full_page=True)
+    stop = threading.Event()
+    worker = load(dashboard_server.base, stop)
+    try:
+        await page.wait_for_function(
+            """() => {
+                 const row = document.querySelector('tr.engine-row[data-engine="demo"]');
+                 const running = Number(row.querySelector('[data-field="running"]').textContent);
+                 const decode = parseFloat(row.querySelector('[data-field="decode-rate"]').textContent.replace(/,/g, ''));
+                 return running > 0 && decode > 0;
+               }""", timeout=30000)
+        await asyncio.sleep(2)  # a few sparkline points
+        await page.screenshot(path=str(SHOTS / "overview-load.png"), full_page=True)
+    finally:
+        stop.set()
+        worker.join(30)
+
+
+async def test_engine_page_charts_controls_and_history_link(page, dashboard_server: LiveServer) -> None:
+    await page.click('tr.engine-row[data-engine="demo"] a')
+    await page.wait_for_url("**/dashboard/engines/demo/")
+    await page.wait_for_selector('h1 [data-field="state"][data-state="running"]', timeout=15000)
+    await page.wait_for_selector("#metrics tbody tr")
+    assert await page.locator(".charts canvas").count() >= 5  # uPlot drew every chart
+    stop = threading.Event()
+    worker = load(dashboard_server.base, stop, clients=2)
+    try:
+        await page.wait_for_function(
+            "() => [...document.querySelectorAll('#metrics th')].some(th => th.textContent === 'num_running_requests'"
+            " && Number(th.nextElementSibling.textContent) > 0)", timeout=30000)
+        await asyncio.sleep(3)
+        await page.screenshot(path=str(SHOTS / "engine-load.png"), full_page=True)
+    finally:
+        stop.set()
+        worker.join(30)
+
+    await page.fill("#trace-note", '<script>alert(1)</script> "><img src=x onerror=alert(2)>')
+    await page.fill("#trace-tags", "browser, test")
+    await page.click("#save-trace button[type=submit]")
+    link = page.locator("#action-log li.success a")
+    await link.wait_for(timeout=30000)
+    await page.screenshot(path=str(SHOTS / "engine-saved-trace.png"), full_page=True)
+    await link.click()
+    await page.wait_for_url("**/admin/engines/tracerecord/*/change/")
+    assert '<script>alert(1)</script>' in await page.input_value("#id_note")  # kept as text, never run
+    await page.screenshot(path=str(SHOTS / "admin-saved-trace.png"), full_page=True)
+    await page.go_back()
+
+    await page.wait_for_selector('#connection[data-state="open"]')
+    page.once("dialog", lambda dialog: asyncio.ensure_future(dialog.accept()))
+    await page.click("#reset")
+    await page.wait_for_selector("#action-log li.success >> text=reset", timeout=15000)
+    await page.wait_for_function(
+        "() => [...document.querySelectorAll('#metrics th')].some(th => th.textContent === 'num_finished_requests'"
+        " && th.nextElementSibling.textContent === '0')", timeout=15000)
+    await page.click("#profile-start")
+    await page.wait_for_selector("#action-log li.error >> text=CUDA profiler is unavailable", timeout=15000)
+    await page.screenshot(path=str(SHOTS / "engine-after-reset.png"), full_page=True)
+
+
+async def test_a_killed_engine_shows_restarting_then_running(page, dashboard_server: LiveServer) -> None:
+    await page.goto(f"{dashboard_server.base}/dashboard/engines/demo/")
+    await page.wait_for_selector('h1 [data-field="state"][data-state="running"]', timeout=15000)
+    os.kill(dashboard_server.engine_pid(), signal.SIGKILL)
+    await page.wait_for_selector('h1 [data-field="state"][data-state="restarting"]', timeout=15000)
+    await page.screenshot(path=str(SHOTS / "engine-restarting.png"), full_page=True)
+    await page.wait_for_selector('h1 [data-field="state"][data-state="running"]', timeout=60000)
+    assert "restarts 1" in (await page.text_content('h1 [data-field="state"]'))

@@ -1,0 +1,65 @@
+"""The dashboard's pages: staff only, in the admin's frame, static files served, the engines listed."""
+from __future__ import annotations
+
+import httpx
+import pytest
+from asgiref.sync import sync_to_async
+from django.test import Client
+
+from tests.server.conftest import TRACED, UNTRACED
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def staff_client(serve) -> Client:
+    from django.contrib.auth.models import User
+
+    client = Client()
+    client.force_login(User.objects.create_user("staff", password="pw", is_staff=True))
+    return client
+
+
+def test_root_leads_to_the_dashboard_and_anonymous_users_to_the_login(serve) -> None:
+    response = Client().get("/")
+    assert response.status_code == 302 and response["Location"] == "/dashboard/"
+    login = Client().get("/dashboard/")
+    assert login.status_code == 302 and login["Location"].startswith("/admin/login/?next=/dashboard/")
+
+
+async def test_the_overview_lists_every_engine_in_the_admins_frame(serve, staff_client: Client) -> None:
+    async with serve(enable_debug=True):
+        page = await sync_to_async(staff_client.get)("/dashboard/")
+    assert page.status_code == 200
+    html = page.content.decode()
+    assert f'data-engine="{TRACED}"' in html and f'data-engine="{UNTRACED}"' in html
+    assert "LLM engine debug server" in html and 'class="breadcrumbs"' in html
+    assert "vendor/uplot-1.6.32/uPlot.iife.min.js" in html and "engines/js/overview.js" in html
+
+
+async def test_an_engine_page_shows_its_configuration_and_an_unknown_one_is_404(serve, staff_client) -> None:
+    async with serve(enable_debug=True):
+        page = await sync_to_async(staff_client.get)(f"/dashboard/engines/{TRACED}/")
+        missing = await sync_to_async(staff_client.get)("/dashboard/engines/nope/")
+    html = page.content.decode()
+    assert page.status_code == 200 and 'data-ws="/ws/engines/demo/"' in html
+    assert "8 layers, hidden 512" in html and "numba version" in html
+    assert f"/admin/engines/tracerecord/?engine__exact={TRACED}" in html
+    assert missing.status_code == 404
+
+
+async def test_untraced_engines_have_their_trace_controls_disabled_with_the_reason(serve, staff_client) -> None:
+    async with serve(enable_debug=True):
+        html = (await sync_to_async(staff_client.get)(f"/dashboard/engines/{UNTRACED}/")).content.decode()
+    assert "Tracing is off for this engine" in html and html.count("disabled") >= 2
+
+
+async def test_static_files_are_served_by_the_asgi_app_with_debug_off(serve, settings) -> None:
+    from debugsite.asgi import application
+
+    settings.DEBUG = False
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=application), base_url="http://127.0.0.1") as http:
+        for path in ("/static/vendor/uplot-1.6.32/uPlot.iife.min.js", "/static/engines/js/engine.js",
+                     "/static/admin/css/base.css"):
+            response = await http.get(path)
+            assert response.status_code == 200, path
