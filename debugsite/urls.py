@@ -15,6 +15,7 @@ urlpatterns = [
     path("", RedirectView.as_view(pattern_name="dashboard", permanent=False)),
     path("dashboard/", dashboard.overview, name="dashboard"),
     path("dashboard/engines/<str:name>/", dashboard.engine_page, name="dashboard-engine"),
+    path("dashboard/login/<str:uid>/<str:token>/", dashboard.local_login, name="dashboard-local-login"),
     path("v1/models", openai.list_models, name="v1-models"),
     path("v1/completions", openai.completions, name="v1-completions"),
     path("v1/chat/completions", openai.chat_completions, name="v1-chat-completions"),

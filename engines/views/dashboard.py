@@ -13,7 +13,7 @@ from typing import Any
 from django.contrib import admin
 from django.contrib.admin.views.decorators import staff_member_required
 from django.http import Http404, HttpRequest, HttpResponse
-from django.shortcuts import render
+from django.shortcuts import redirect, render
 from django.urls import reverse
 from django.utils.http import urlencode
 
@@ -59,6 +59,31 @@ def _versions() -> list[tuple[str, str]]:
     import numba
 
     return [("server", __version__), ("numba", numba.__version__), ("python", platform.python_version())]
+
+
+LOOPBACK_ADDRESSES = {"127.0.0.1", "::1"}
+
+
+def local_login(request: HttpRequest, uid: str, token: str) -> HttpResponse:
+    """``serve``'s one-time link (``engines.dashboard.local_login``): sign in as the local staff
+    account and go to the dashboard. Only from this machine, only once."""
+    from django.contrib.auth import get_user_model, login
+    from django.contrib.auth.tokens import default_token_generator
+    from django.utils.http import urlsafe_base64_decode
+
+    from engines.dashboard.local_login import LOCAL_USERNAME
+
+    user = None
+    try:
+        user = get_user_model().objects.get(pk=int(urlsafe_base64_decode(uid)), username=LOCAL_USERNAME)
+    except (ValueError, TypeError, OverflowError, get_user_model().DoesNotExist):
+        pass
+    if (user is None or request.META.get("REMOTE_ADDR") not in LOOPBACK_ADDRESSES
+            or not default_token_generator.check_token(user, token)):
+        context = {**admin.site.each_context(request), "title": "This login link does not work"}
+        return render(request, "dashboard/login_link_used.html", context, status=403)
+    login(request, user, backend="django.contrib.auth.backends.ModelBackend")
+    return redirect("dashboard")
 
 
 @staff_member_required

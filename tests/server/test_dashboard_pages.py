@@ -63,3 +63,18 @@ async def test_static_files_are_served_by_the_asgi_app_with_debug_off(serve, set
                      "/static/admin/css/base.css"):
             response = await http.get(path)
             assert response.status_code == 200, path
+
+
+def test_the_one_time_link_signs_in_once_and_only_from_this_machine(serve) -> None:
+    from engines.dashboard.local_login import local_login_path
+
+    path = local_login_path()
+    assert Client(REMOTE_ADDR="192.0.2.9").get(path).status_code == 403  # another machine
+    browser = Client(REMOTE_ADDR="127.0.0.1")
+    response = browser.get(path)
+    assert response.status_code == 302 and response["Location"] == "/dashboard/"
+    assert browser.get("/dashboard/").status_code == 200  # signed in, as staff
+    again = Client(REMOTE_ADDR="127.0.0.1").get(path)
+    assert again.status_code == 403 and "was used already" in again.content.decode()
+    assert Client().get(path.replace(path.split("/")[-2], "forged-token")).status_code == 403
+    assert Client(REMOTE_ADDR="127.0.0.1").get(local_login_path()).status_code == 302  # a new link works

@@ -32,6 +32,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.migrations.executor import MigrationExecutor
 
+from engines.dashboard.local_login import local_login_path
 from engines.dashboard.sampler import hub_for
 from engines.history.autosave import HistoryAutosave
 from engines.registry import ENGINE_MODES, ModelSpec, RegistryError, build_engines, configure, engine_mode, registry
@@ -219,7 +220,12 @@ class Command(BaseCommand):
                     autosave: HistoryAutosave) -> None:
         shown = f"[{host}]" if ":" in host else host
         base = f"http://{shown}:{port}"
+        if is_loopback(host):
+            dashboard = f"{base}{local_login_path()}   (one-time link: the dashboard, signed in)"
+        else:
+            dashboard = f"{base}/dashboard/   (sign in with a staff account: manage.py createsuperuser)"
         lines = [
+            f"Dashboard    {dashboard}",
             f"OpenAI API   {base}/v1   (models: {', '.join(registry.model_names())})",
             f"Metrics      {base}/metrics",
             f"Health       {base}/health",
