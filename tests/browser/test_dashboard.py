@@ -19,6 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.processes import child_pids
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,8 +41,7 @@ class LiveServer:
         self.base = base
 
     def engine_pid(self) -> int:
-        children = [int(pid) for task in Path(f"/proc/{self.process.pid}/task").iterdir()
-                    for pid in (task / "children").read_text().split()]
+        children = child_pids(self.process.pid)
         assert len(children) == 1
         return children[0]
 

@@ -20,6 +20,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.processes import child_pids
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
@@ -155,8 +157,7 @@ def test_sigterm_drains_then_stops_engines_and_exits_cleanly(server: Server) -> 
     """SIGTERM with streams in flight: new requests get 503; after the drain timeout every stream
     still running ends as a reset ends it (finish_reason "abort", then [DONE]); the engine (and its
     process) is stopped; the exit status is 0."""
-    engine_processes = [int(pid) for task in Path(f"/proc/{server.process.pid}/task").iterdir()
-                        for pid in (task / "children").read_text().split()]
+    engine_processes = child_pids(server.process.pid)
     assert len(engine_processes) == 1  # serve runs the engine loop in its own process
     body = {"model": "demo", "messages": [{"role": "user", "content": "go on forever"}], "max_tokens": 1500,
             "stream": True, "debug_config": {"ignore_eos": True}}
