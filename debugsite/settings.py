@@ -102,7 +102,9 @@ if os.environ.get("REDIS_URL"):
     CHANNEL_LAYERS = {
         "default": {
             "BACKEND": "channels_redis.core.RedisChannelLayer",
-            "CONFIG": {"hosts": [os.environ["REDIS_URL"]]},
+            # redis-py pools hold at most 100 connections by default, and every dashboard socket
+            # that opens takes one for its group_add: a burst of viewers would fail past that.
+            "CONFIG": {"hosts": [{"address": os.environ["REDIS_URL"], "max_connections": 2000}]},
         }
     }
 else:

@@ -108,6 +108,15 @@ class IndexedValuesFilter(admin.AllValuesFieldListFilter):
         self.lookup_choices = distinct_values(model, field.name)
 
 
+def engine_dashboard_link(engine: str) -> str:
+    """A link to the engine's live dashboard page, when this server serves it."""
+    from engines.registry import registry
+
+    if registry.get(engine) is None:
+        return "not served by this server now"
+    return format_html('<a href="{}">{}</a>', reverse("dashboard-engine", args=[engine]), f"{engine}, live")
+
+
 def _ms(value_us: int | None) -> str:
     return "—" if value_us is None else f"{value_us / 1000:,.1f}"
 
@@ -140,13 +149,15 @@ class TraceRecordAdmin(admin.ModelAdmin):
     paginator = EstimatedCountPaginator
     actions = ("compare_traces", "apply_retention_limits", "delete_selected")
     fieldsets = (
-        (None, {"fields": ("engine", "model", "backend", "source", "captured_at", "engine_version")}),
+        (None, {"fields": ("engine", "engine_dashboard", "model", "backend", "source", "captured_at",
+                           "engine_version")}),
         ("Capture window", {"fields": ("window", "duration_ms", "event_count", "request_count",
                                         "dropped_events")}),
         ("Payload", {"fields": ("payload_size", "downloads")}),
         ("Notes", {"fields": ("note", "tags")}),
     )
-    readonly_fields = ("engine", "model", "backend", "source", "captured_at", "engine_version", "window",
+    readonly_fields = ("engine", "engine_dashboard", "model", "backend", "source", "captured_at", "engine_version",
+                       "window",
                        "duration_ms", "event_count", "request_count", "dropped_events", "payload_size",
                        "downloads")
 
@@ -155,6 +166,10 @@ class TraceRecordAdmin(admin.ModelAdmin):
         retention = {"max_records": settings.TRACE_RETENTION_MAX_RECORDS, "max_bytes": settings.TRACE_RETENTION_MAX_BYTES,
                      "max_days": settings.TRACE_RETENTION_MAX_DAYS}
         return super().changelist_view(request, {**(extra_context or {}), "retention": retention})
+
+    @admin.display(description="dashboard")
+    def engine_dashboard(self, obj: TraceRecord) -> str:
+        return engine_dashboard_link(obj.engine)
 
     # --- list columns -------------------------------------------------------------
 
@@ -514,8 +529,12 @@ class MetricsSnapshotAdmin(admin.ModelAdmin):
     show_facets = admin.ShowFacets.NEVER
     show_full_result_count = False
     paginator = EstimatedCountPaginator
-    fields = ("engine", "model", "taken_at", "metrics_json")
+    fields = ("engine", "engine_dashboard", "model", "taken_at", "metrics_json")
     readonly_fields = fields
+
+    @admin.display(description="dashboard")
+    def engine_dashboard(self, obj: MetricsSnapshot) -> str:
+        return engine_dashboard_link(obj.engine)
 
     @admin.display(description="metrics")
     def metrics_json(self, obj: MetricsSnapshot) -> str:

@@ -78,3 +78,28 @@ def test_the_one_time_link_signs_in_once_and_only_from_this_machine(serve) -> No
     assert again.status_code == 403 and "was used already" in again.content.decode()
     assert Client().get(path.replace(path.split("/")[-2], "forged-token")).status_code == 403
     assert Client(REMOTE_ADDR="127.0.0.1").get(local_login_path()).status_code == 302  # a new link works
+
+
+async def test_admin_records_link_back_to_their_engines_dashboard(serve) -> None:
+    from django.contrib.auth.models import User
+
+    from engines.history import asave_metrics_snapshot, asave_trace
+
+    staff_client = Client()
+    await sync_to_async(staff_client.force_login)(
+        await sync_to_async(User.objects.create_superuser)("boss", "b@example.com", "pw"))
+    from engines.models import MetricsSnapshot, TraceRecord
+    from tests.history.trace_builder import serving_trace
+
+    record = await asave_trace(serving_trace(engine=TRACED, num_requests=1), engine=TRACED, model="demo")
+    gone = await asave_trace(serving_trace(engine="retired", num_requests=1), engine="retired", model="demo")
+    await asave_metrics_snapshot(TRACED, "demo", {"num_running_requests": 0})
+    snapshot = await MetricsSnapshot.objects.aget(engine=TRACED)
+    async with serve(enable_debug=True):
+        pages = [(await sync_to_async(staff_client.get)(f"/admin/engines/{kind}/{pk}/change/")).content.decode()
+                 for kind, pk in (("tracerecord", record.pk), ("metricssnapshot", snapshot.pk),
+                                  ("tracerecord", gone.pk))]
+    for page in pages[:2]:
+        assert f'href="/dashboard/engines/{TRACED}/"' in page, page[page.find("dashboard"):][:300]
+    assert "not served by this server now" in pages[2]
+    assert await TraceRecord.objects.acount() == 2

@@ -1,0 +1,176 @@
+"""Many dashboard viewers of one engine while it serves load: delivery, latency, and their cost.
+
+Starts ``manage.py serve`` (demo engine in its own process), signs in with the one-time link it
+prints, then alternates rounds with ``--viewers`` websocket viewers of the engine page's socket
+and rounds with none, the same streaming load in each. Reports:
+
+* delivery: whether every viewer got every snapshot of the round, in order;
+* latency: snapshot taken (its ``at``) to received by a viewer, p50/p99 over all deliveries;
+* the server process's CPU per viewer-second, from /proc, with viewers against without;
+* the engine's tokens/s with viewers against without (goal >= 0.95).
+
+    python bench/ws_fanout.py                        # in-memory channel layer
+    python bench/ws_fanout.py --redis redis://127.0.0.1:6379/2
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import orjson
+import websockets
+
+REPO = Path(__file__).resolve().parents[1]
+SERVER_LOG = Path(tempfile.gettempdir()) / "ws_fanout_server.log"
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of the process ``pid`` (its threads included)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def start_server(redis: str | None) -> tuple[subprocess.Popen, str, str]:
+    """``serve`` on a free port; returns the process, its base URL and its one-time login path."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("API_KEY", "DATABASE_URL", "REDIS_URL")}
+    env |= {"DEBUGSITE_VAR_DIR": tempfile.mkdtemp(prefix="bench-ws-"), "PYTHONUNBUFFERED": "1"}
+    if redis:
+        env["REDIS_URL"] = redis
+    process = subprocess.Popen(
+        [sys.executable, "manage.py", "serve", "--port", str(port), "--backend", "cpu", "--enable-debug",
+         "--max-num-seqs", "16", "--max-total-tokens", "16384", "--metrics-snapshot-interval", "0"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert process.stdout is not None
+    for line in process.stdout:
+        match = re.search(r"Dashboard\s+http://[^/]+(/dashboard/login/\S+)", line)
+        if match:
+            # Keep reading its log (into SERVER_LOG), or a full pipe would stall the server.
+            log = open(SERVER_LOG, "w")  # noqa: SIM115 - closed with the process
+            threading.Thread(target=lambda: [log.write(x) or log.flush() for x in process.stdout], daemon=True).start()
+            return process, f"http://127.0.0.1:{port}", match.group(1)
+    raise SystemExit("serve exited before printing its dashboard link")
+
+
+async def load(base: str, clients: int, seconds: float) -> int:
+    """Streaming chat requests from ``clients`` clients for ``seconds``; returns tokens generated."""
+    body = {"model": "demo", "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 64,
+            "stream": True, "stream_options": {"include_usage": True}, "debug_config": {"ignore_eos": True}}
+    deadline = time.monotonic() + seconds
+    tokens = 0
+    async with httpx.AsyncClient(base_url=base, timeout=120, limits=httpx.Limits(max_connections=clients)) as http:
+        async def client() -> None:
+            nonlocal tokens
+            while time.monotonic() < deadline:
+                async with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                    async for line in response.aiter_lines():
+                        if line.startswith("data: {") and '"usage"' in line and '"choices":[]' in line:
+                            tokens += orjson.loads(line[6:])["usage"]["completion_tokens"]
+
+        await asyncio.gather(*(client() for _ in range(clients)))
+    return tokens
+
+
+async def viewer(url: str, cookie: str, origin: str, seen: list[tuple[float, float]], stop: asyncio.Event) -> None:
+    """One dashboard socket; records (snapshot at, received at) for each snapshot."""
+    async with websockets.connect(url, additional_headers={"Cookie": cookie, "Origin": origin},
+                                  max_queue=None) as ws:
+        while not stop.is_set():
+            try:
+                raw = await asyncio.wait_for(ws.recv(), 0.5)
+            except asyncio.TimeoutError:
+                continue
+            received = time.time()
+            message = orjson.loads(raw)
+            if message.get("type") == "snapshot":
+                seen.append((message["at"], received))
+
+
+async def round_with(base: str, cookie: str, viewers: int, clients: int, seconds: float, pid: int) -> dict:
+    stop = asyncio.Event()
+    logs: list[list[tuple[float, float]]] = [[] for _ in range(viewers)]
+    ws_url = base.replace("http", "ws") + "/ws/engines/demo/"
+    tasks = [asyncio.create_task(viewer(ws_url, cookie, base, log, stop)) for log in logs]
+    await asyncio.sleep(1.0 if viewers else 0)  # every socket open before the clock starts
+    cpu0, t0 = cpu_seconds(pid), time.monotonic()
+    tokens = await load(base, clients, seconds)
+    wall, cpu = time.monotonic() - t0, cpu_seconds(pid) - cpu0
+    stop.set()
+    await asyncio.gather(*tasks)
+    result = {"tok_s": tokens / wall, "cpu_s_per_s": cpu / wall}
+    if viewers:
+        union = sorted({at for log in logs for at, _ in log})
+        in_window = [at for at in union if union[0] + 1 < at < union[-1] - 1]  # all sockets open by then
+        complete = all(set(in_window) <= {at for at, _ in log} for log in logs)
+        ordered = all([at for at, _ in log] == sorted(at for at, _ in log) for log in logs)
+        # The snapshot a socket gets on opening is the sampler's latest, taken before: not a delivery.
+        window = set(in_window)
+        latencies = sorted(received - at for log in logs for at, received in log if at in window)
+        result |= {"snapshots": len(in_window), "complete": complete, "ordered": ordered,
+                   "p50_ms": 1000 * latencies[len(latencies) // 2],
+                   "p99_ms": 1000 * latencies[int(len(latencies) * 0.99)]}
+    return result
+
+
+async def main_async(args: argparse.Namespace) -> None:
+    server, base, login = start_server(args.redis)
+    try:
+        async with httpx.AsyncClient(base_url=base) as http:
+            response = await http.get(login)
+            assert response.status_code == 302, response.text
+            cookie = f"sessionid={response.cookies['sessionid']}"
+        rounds: dict[int, list[dict]] = {0: [], args.viewers: []}
+        for _ in range(args.rounds):
+            for viewers in (0, args.viewers):
+                rounds[viewers].append(await round_with(base, cookie, viewers, args.clients, args.seconds,
+                                                        server.pid))
+        watched, alone = rounds[args.viewers], rounds[0]
+        layer = "Redis" if args.redis else "in-memory"
+        print(f"{args.viewers} viewers, {args.clients} streaming clients, {args.rounds} x {args.seconds:g} s rounds "
+              f"alternated, {layer} channel layer")
+        print(f"  delivery: every snapshot to every viewer {all(r['complete'] for r in watched)}, in order "
+              f"{all(r['ordered'] for r in watched)} ({sum(r['snapshots'] for r in watched)} snapshots)")
+        print(f"  latency snapshot -> viewer: p50 {statistics.median(r['p50_ms'] for r in watched):.1f} ms, "
+              f"p99 {max(r['p99_ms'] for r in watched):.1f} ms (worst round)")
+        tok_w = statistics.median(r["tok_s"] for r in watched)
+        tok_a = statistics.median(r["tok_s"] for r in alone)
+        cpu_w = statistics.median(r["cpu_s_per_s"] for r in watched)
+        cpu_a = statistics.median(r["cpu_s_per_s"] for r in alone)
+        print(f"  engine tokens/s: {tok_w:.0f} with viewers, {tok_a:.0f} without: ratio {tok_w / tok_a:.3f}")
+        print(f"  server CPU: {cpu_w:.3f} vs {cpu_a:.3f} core-seconds/s: "
+              f"{1000 * (cpu_w - cpu_a) / args.viewers:.2f} ms of CPU per viewer-second")
+    finally:
+        server.terminate()
+        server.wait(60)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--viewers", type=int, default=100)
+    parser.add_argument("--clients", type=int, default=8, help="streaming load clients (default 8)")
+    parser.add_argument("--seconds", type=float, default=10.0, help="length of a round (default 10)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of each kind, alternated (default 3)")
+    parser.add_argument("--redis", help="REDIS_URL for the server's channel layer (default: in-memory)")
+    asyncio.run(main_async(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()
