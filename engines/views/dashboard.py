@@ -12,13 +12,15 @@ from typing import Any
 
 from django.contrib import admin
 from django.contrib.admin.views.decorators import staff_member_required
-from django.http import Http404, HttpRequest, HttpResponse
+from django.http import Http404, HttpRequest, HttpResponse, HttpResponseBase
+from django.views.decorators.csrf import csrf_protect
 from django.shortcuts import redirect, render
 from django.urls import reverse
 from django.utils.http import urlencode
 
 from engines import __version__
 from engines.registry import registry
+from engines.views import openai as openai_views
 
 
 def engine_facts(engine: Any) -> dict[str, Any]:
@@ -84,6 +86,29 @@ def local_login(request: HttpRequest, uid: str, token: str) -> HttpResponse:
         return render(request, "dashboard/login_link_used.html", context, status=403)
     login(request, user, backend="django.contrib.auth.backends.ModelBackend")
     return redirect("dashboard")
+
+
+@staff_member_required
+def playground(request: HttpRequest) -> HttpResponse:
+    """``/dashboard/playground/``: send a chat or completion request to an engine and watch it stream."""
+    context = {**admin.site.each_context(request), "title": "Playground",
+               "engines": [engine_facts(engine) for engine in registry], "versions": _versions(),
+               "debug_enabled": registry.options.enable_debug}
+    return render(request, "dashboard/playground.html", context)
+
+
+PLAYGROUND_ENDPOINTS = {"chat/completions": openai_views.chat_completions, "completions": openai_views.completions}
+
+
+@staff_member_required
+@csrf_protect
+async def playground_api(request: HttpRequest, endpoint: str) -> HttpResponseBase:
+    """The OpenAI endpoints for the playground, behind the staff session and CSRF instead of the
+    API key: with ``--api-key`` set, the key never has to reach the page."""
+    view = PLAYGROUND_ENDPOINTS.get(endpoint)
+    if view is None:
+        raise Http404(f"no endpoint {endpoint!r}")
+    return await view(request)
 
 
 @staff_member_required

@@ -207,3 +207,29 @@ async def test_a_killed_engine_shows_restarting_then_running(page, dashboard_ser
     await page.screenshot(path=str(SHOTS / "engine-restarting.png"), full_page=True)
     await page.wait_for_selector('h1 [data-field="state"][data-state="running"]', timeout=60000)
     assert "restarts 1" in (await page.text_content('h1 [data-field="state"]'))
+
+
+async def test_playground_streams_a_request_and_stops_one(page, dashboard_server: LiveServer) -> None:
+    await page.goto(f"{dashboard_server.base}/dashboard/playground/")
+    await page.fill("#pg-prompt", 'Say <b>hi</b> "><img src=x onerror=alert(1)>')
+    await page.fill("#pg-max-tokens", "24")
+    await page.click("#pg-send")
+    try:
+        await page.wait_for_selector("#pg-choices .finish >> text=finish_reason", timeout=30000)
+    except Exception:
+        await page.screenshot(path=str(SHOTS / "playground-failed.png"), full_page=True)
+        raise
+    stats = await page.text_content("#pg-stats")
+    assert "TTFT" in stats and "24 tokens" in stats, stats
+    assert len(await page.text_content(".choice-text")) > 0
+    await page.wait_for_selector('#pg-engine-now >> text=running')
+    await page.screenshot(path=str(SHOTS / "playground.png"), full_page=True)
+
+    await page.fill("#pg-max-tokens", "1500")
+    await page.fill("#pg-debug-config", '{"ignore_eos": true}')
+    await page.click("#pg-send")
+    await page.wait_for_function("() => document.querySelector('.choice-text')?.textContent.length > 20",
+                                 timeout=30000)
+    await page.click("#pg-stop")
+    await page.wait_for_selector("#pg-stats >> text=stopped", timeout=10000)
+    await page.wait_for_selector('#pg-engine-now >> text=running 0', timeout=15000)  # the engine let it go

@@ -103,3 +103,28 @@ async def test_admin_records_link_back_to_their_engines_dashboard(serve) -> None
         assert f'href="/dashboard/engines/{TRACED}/"' in page, page[page.find("dashboard"):][:300]
     assert "not served by this server now" in pages[2]
     assert await TraceRecord.objects.acount() == 2
+
+
+async def test_the_playground_needs_the_session_and_csrf_not_the_api_key(serve) -> None:
+    from django.contrib.auth.models import User
+
+    browser = Client(enforce_csrf_checks=True)
+    await sync_to_async(browser.force_login)(await sync_to_async(User.objects.create_user)(
+        "player", password="pw", is_staff=True))
+    body = {"model": TRACED, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    async with serve(enable_debug=True, api_key="secret-key"):
+        page = await sync_to_async(browser.get)("/dashboard/playground/")
+        assert page.status_code == 200 and "secret-key" not in page.content.decode()
+        token = browser.cookies["csrftoken"].value
+        post = sync_to_async(browser.post)
+        no_csrf = await post("/dashboard/playground/v1/chat/completions", body, content_type="application/json")
+        assert no_csrf.status_code == 403
+        ok = await post("/dashboard/playground/v1/chat/completions", body, content_type="application/json",
+                        HTTP_X_CSRFTOKEN=token)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
+        unknown = await post("/dashboard/playground/v1/embeddings", body, content_type="application/json",
+                             HTTP_X_CSRFTOKEN=token)
+        assert unknown.status_code == 404
+        anonymous = await sync_to_async(Client().post)("/dashboard/playground/v1/chat/completions", body,
+                                                       content_type="application/json")
+        assert anonymous.status_code == 302  # to the login page
