@@ -53,6 +53,8 @@ class EngineSnapshot(BaseModel):
     mode: Literal["process", "thread"]
     tracing: bool
     metrics: dict[str, Any] | None = None
+    #: The last requests that ended, newest first (``RecentRequest`` fields); None while not running.
+    recent_requests: list[dict[str, Any]] | None = None
 
 
 class ActionRequest(BaseModel):

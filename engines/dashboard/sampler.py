@@ -58,17 +58,19 @@ class EngineSampler:
         from engines.runtime import EngineDeadError
 
         engine = self.engine
-        metrics = None
+        metrics = recent = None
         if engine.is_alive:
             try:
-                metrics = await asyncio.wait_for(engine.metrics(), READ_TIMEOUT_S)
+                metrics, recent = await asyncio.wait_for(
+                    asyncio.gather(engine.metrics(), engine.recent_requests()), READ_TIMEOUT_S)
             except (EngineDeadError, asyncio.TimeoutError):
-                metrics = None
+                metrics = recent = None
         status = engine.status
         return EngineSnapshot(
             server=SERVER_ID, engine=engine.name, at=time.time(), state=status.state.value,
             reason=status.reason, restarts=status.restarts, backend=engine.backend_name, dtype=engine.dtype,
-            mode="process" if engine.process else "thread", tracing=engine.tracing_enabled, metrics=metrics)
+            mode="process" if engine.process else "thread", tracing=engine.tracing_enabled, metrics=metrics,
+            recent_requests=recent)
 
     async def publish(self) -> EngineSnapshot:
         """Take a snapshot and send it to the engine's group."""

@@ -169,6 +169,7 @@ async def test_engine_page_charts_controls_and_history_link(page, dashboard_serv
         await page.wait_for_function(
             "() => [...document.querySelectorAll('#metrics th')].some(th => th.textContent === 'num_running_requests'"
             " && Number(th.nextElementSibling.textContent) > 0)", timeout=30000)
+        await page.wait_for_selector("#recent tbody tr:not(.empty) a >> text=history", timeout=30000)
         await asyncio.sleep(3)
         await page.screenshot(path=str(SHOTS / "engine-load.png"), full_page=True)
     finally:

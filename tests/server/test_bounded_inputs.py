@@ -82,11 +82,6 @@ async def test_debug_errors_echo_a_short_prefix_of_the_body(client: httpx.AsyncC
     assert "deeper than 64 levels" in assert_error(deep, 400)["message"]
 
 
-async def test_reset_engine_without_a_model_names_the_field(client: httpx.AsyncClient) -> None:
-    body = assert_error(await client.post("/debug/reset_engine", json={}), 400)
-    assert body["param"] == "model" and '"model" is required' in body["message"]
-
-
 async def test_save_event_trace_bounds_the_note_and_the_tags(client: httpx.AsyncClient) -> None:
     note = assert_error(await client.post("/debug/save_event_trace",
                                           json={"model": TRACED, "note": "n" * (MAX_NOTE_CHARS + 1)}), 400)

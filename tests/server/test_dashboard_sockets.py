@@ -58,7 +58,7 @@ async def open_socket(path: str, cookie: bytes | None = None, origin: tuple = OR
 
 async def connected(path: str, staff: bool = True) -> WebsocketCommunicator:
     socket = await open_socket(path, await session_cookie(staff))
-    ok, _ = await socket.connect()
+    ok, _ = await socket.connect(timeout=10)
     assert ok
     return socket
 
@@ -80,14 +80,14 @@ def of_type(kind: str, **fields: Any) -> Callable[[dict], bool]:
 async def test_anonymous_and_non_staff_sockets_are_closed_with_a_clear_code(dashboard) -> None:
     for cookie in (None, await session_cookie(staff=False)):
         socket = await open_socket(f"/ws/engines/{TRACED}/", cookie)
-        assert (await socket.connect())[0]
+        assert (await socket.connect(timeout=10))[0]
         assert (await socket.receive_output(5))["code"] == CLOSE_FORBIDDEN
         await socket.disconnect()
 
 
 async def test_a_socket_from_a_foreign_origin_is_refused(dashboard) -> None:
     socket = await open_socket("/ws/engines/", await session_cookie(), origin=(b"origin", b"https://evil.example"))
-    assert not (await socket.connect())[0]
+    assert not (await socket.connect(timeout=10))[0]
     await socket.disconnect()
 
 
@@ -99,7 +99,7 @@ async def test_an_unknown_engine_is_closed_not_found(dashboard) -> None:
 
 async def connected_or_closed(path: str) -> WebsocketCommunicator:
     socket = await open_socket(path, await session_cookie())
-    await socket.connect()
+    await socket.connect(timeout=10)
     return socket
 
 
@@ -136,11 +136,13 @@ async def test_reset_is_acknowledged_done_and_the_counters_drop(dashboard, clien
     socket = await connected(f"/ws/engines/{TRACED}/")
     before = await next_message(socket, of_type("snapshot"))
     assert before["metrics"]["num_finished_requests"] >= 1
+    assert before["recent_requests"][0]["completion_tokens"] == 4  # the table of recent requests
     await socket.send_to(text_data=json.dumps({"action": "reset", "id": 7}))
     assert (await next_message(socket, of_type("ack", id=7)))["engine"] == TRACED
     await next_message(socket, of_type("done", id=7))
     after = await next_message(socket, of_type("snapshot"))
     assert after["metrics"]["num_finished_requests"] == 0 and after["metrics"]["prompt_tokens_sum"] == 0
+    assert after["recent_requests"] == []
     await socket.disconnect()
 
 

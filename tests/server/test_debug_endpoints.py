@@ -143,6 +143,12 @@ async def test_reset_engine_invalid_request(client: httpx.AsyncClient, raw: byte
     assert_invalid_request(await client.post("/debug/reset_engine", content=raw), raw.decode())
 
 
+@pytest.mark.parametrize("raw", [b"{}", b'{"clear_trace": true}'])
+async def test_reset_engine_without_model_names_the_field(client: httpx.AsyncClient, raw: bytes) -> None:
+    error = assert_invalid_request(await client.post("/debug/reset_engine", content=raw), raw.decode())
+    assert '"model" is required' in error["message"] and error["param"] == "model"
+
+
 async def test_reset_engine_unknown_model(client: httpx.AsyncClient) -> None:
     response = await client.post("/debug/reset_engine", json={"model": "nope"})
     assert_error(response, 400, 'The requested model "nope" is not served.')

@@ -17,7 +17,7 @@ async def test_a_websocket_to_any_other_path_is_refused(path: str, caplog) -> No
     caplog.set_level(logging.ERROR)
     communicator = WebsocketCommunicator(application, path, headers=[(b"origin", b"http://127.0.0.1:8000"),
                                                                       (b"host", b"127.0.0.1:8000")])
-    connected, code = await communicator.connect()
+    connected, code = await communicator.connect(timeout=10)
     assert not connected and code == CLOSE_NOT_FOUND
     await communicator.disconnect()
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

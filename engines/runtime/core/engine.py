@@ -28,7 +28,7 @@ from engines.runtime.model.checkpoint import Checkpoint
 from engines.runtime.core.grammar import GrammarCompiler, GrammarError
 from engines.runtime.core.kv_pool import KVCachePool
 from engines.runtime.core.limits import REQUEST_LIMITS
-from engines.runtime.telemetry.metrics import EngineMetrics, RequestMetrics
+from engines.runtime.telemetry.metrics import EngineMetrics, RecentRequest, RequestMetrics
 from engines.runtime.model.llama import ForwardBatch, LlamaModel
 from engines.runtime.core.request import (
     ChoiceDelta,
@@ -565,12 +565,21 @@ class Engine:
         )
         if not aborted:
             self.metrics.on_request_finished(rm)
+        # One reason, or the choices' several ("length,stop"); a plain str either way.
+        finish_reason = ",".join(sorted({s.finish_reason for s in state.sequences}))
+        extra = rm.as_usage_extra()
+        self.metrics.on_request_ended(RecentRequest(
+            request_id=state.request_id, finish_reason=finish_reason, prompt_tokens=prompt,
+            completion_tokens=completion,
+            queue_s=rm.queue_time_s if state.first_scheduled_time is not None else None,
+            ttft_s=rm.ttft_s if state.first_token_time is not None else None,
+            decode_tokens_per_s=extra.get("decode_tokens_per_s"), end_to_end_s=rm.end_to_end_latency_s,
+            finished_at=time.time()))
         if self.tracer is not None:
             if state.first_scheduled_time is None:  # aborted or dropped while waiting
                 self.tracer.add_event(state.request_id, "finish queue")
             self.tracer.add_event(state.request_id, "finish", {
-                # One reason, or the choices' several ("length,stop"); a plain str either way.
-                "finish_reason": ",".join(sorted({s.finish_reason for s in state.sequences})),
+                "finish_reason": finish_reason,
                 "prompt_tokens": prompt, "completion_tokens": completion,
                 "prefill_tokens": state.prefill_tokens,
             })
@@ -578,7 +587,7 @@ class Engine:
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
-            "extra": rm.as_usage_extra(),
+            "extra": extra,
         }
 
     # ----------------------------------------------------------------- bookkeeping

@@ -39,6 +39,7 @@ from engines.runtime.frontend.messages import (
     EngineInfo,
     EngineSpec,
     MetricsCall,
+    RecentRequestsCall,
     Rejected,
     Reply,
     ResetCall,
@@ -327,6 +328,11 @@ class AsyncEngine:
     async def metrics(self) -> dict[str, Any]:
         """MLC's engine metrics plus our gauges and latency distributions (JSON-ready), as of now."""
         return await self._acall(MetricsCall())
+
+    async def recent_requests(self) -> list[dict[str, Any]]:
+        """The last requests that ended (``EngineMetrics.recent_requests``), newest first; answered
+        even mid-step."""
+        return await self._acall(RecentRequestsCall())
 
     async def metrics_with_histograms(self) -> tuple[dict[str, Any], dict[str, HistogramSnapshot]]:
         """``metrics()`` and the latency histograms, read one after the other (possibly mid-step)."""

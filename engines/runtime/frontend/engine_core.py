@@ -38,6 +38,7 @@ from engines.runtime.frontend.messages import (
     Failed,
     MetricsCall,
     Ready,
+    RecentRequestsCall,
     Rejected,
     Reply,
     ResetCall,
@@ -119,7 +120,7 @@ class EngineCore:
         """Whether ``command`` is answered at once by the thread that receives it, even in the
         middle of a step: metrics reads are thread-safe, and a scrape must never wait for a
         long prefill."""
-        return isinstance(command, Call) and isinstance(command.call, MetricsCall)
+        return isinstance(command, Call) and isinstance(command.call, (MetricsCall, RecentRequestsCall))
 
     def handle(self, command: CoreCommand, send: Send) -> bool:
         """Carry out one command; False once it was :class:`Shutdown`."""
@@ -166,6 +167,8 @@ class EngineCore:
             case MetricsCall(with_histograms):
                 metrics = engine.metrics.as_dict()
                 return (metrics, engine.metrics.histograms()) if with_histograms else metrics
+            case RecentRequestsCall():
+                return engine.metrics.recent_requests()
             case DumpTraceCall(clear, skip_empty):
                 tracer = engine.tracer
                 if tracer is None:

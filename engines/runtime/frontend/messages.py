@@ -34,7 +34,7 @@ from engines.runtime.core.request import GenerationRequest, RequestOutput
 __all__ = [
     "AbortRequest", "AddRequest", "Aborted", "Call", "CoreCommand", "CoreMessage", "CudaProfilerCall", "Dead",
     "DumpTraceCall", "EngineCall", "EngineInfo", "EngineSpec", "Failed", "MetricsCall", "Ready", "Rejected",
-    "Reply", "ResetCall", "ServerTraceEvent", "ServerTraceEvents", "Shutdown", "StepOutputs",
+    "RecentRequestsCall", "Reply", "ResetCall", "ServerTraceEvent", "ServerTraceEvents", "Shutdown", "StepOutputs",
 ]
 
 
@@ -81,6 +81,12 @@ class MetricsCall:
 
 
 @dataclass(frozen=True)
+class RecentRequestsCall:
+    """The last requests that ended, newest first (``EngineMetrics.recent_requests``). Answered
+    at once, even mid-step."""
+
+
+@dataclass(frozen=True)
 class DumpTraceCall:
     """The Chrome trace as JSON bytes; ``clear`` takes the window and empties the recorder;
     ``skip_empty`` replies None when nothing is recorded. A ValueError when tracing is off."""
@@ -96,7 +102,7 @@ class CudaProfilerCall:
     start: bool
 
 
-EngineCall = Union[ResetCall, MetricsCall, DumpTraceCall, CudaProfilerCall]
+EngineCall = Union[ResetCall, MetricsCall, RecentRequestsCall, DumpTraceCall, CudaProfilerCall]
 
 
 # ---------------------------------------------------------------- front end -> core

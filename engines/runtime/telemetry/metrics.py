@@ -35,6 +35,7 @@ import dataclasses
 import math
 import threading
 from bisect import bisect_left
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -76,6 +77,28 @@ def _finite(x: float) -> float:
 
 
 # ---------------------------------------------------------------------- per request
+
+
+@dataclass(frozen=True, slots=True)
+class RecentRequest:
+    """A request that ended, as the dashboard's table of recent requests shows it."""
+
+    request_id: str
+    finish_reason: str        # one reason, or the choices' several ("length,stop")
+    prompt_tokens: int
+    completion_tokens: int
+    queue_s: float | None     # None: never scheduled (aborted while waiting)
+    ttft_s: float | None      # None: no token came
+    decode_tokens_per_s: float | None
+    end_to_end_s: float
+    finished_at: float        # Unix seconds
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+#: How many ended requests :meth:`EngineMetrics.recent_requests` keeps.
+RECENT_REQUESTS = 20
 
 
 @dataclass(slots=True)
@@ -325,6 +348,7 @@ class EngineMetrics:
         self.jump_forward_tokens_sum = 0
         self.last_finished_request = RequestMetrics()
         self.decode_time_by_batch_size: dict[int, TimeCost] = {}
+        self._recent: deque[RecentRequest] = deque(maxlen=RECENT_REQUESTS)
         # Ours: live counters (move every step) and gauges.
         self.num_prefill_steps = 0
         self.num_decode_steps = 0
@@ -415,6 +439,17 @@ class EngineMetrics:
                 dist["inter_token_latency_s"].observe(snapshot.inter_token_latency_standard_s)
             if request.add_time is not None and request.first_scheduled_time is not None:
                 dist["queue_time_s"].observe(snapshot.queue_time_s)
+
+    def on_request_ended(self, request: RecentRequest) -> None:
+        """Remember a request that ended (aborted ones too) for :meth:`recent_requests`."""
+        with self._lock:
+            self._recent.append(request)
+
+    def recent_requests(self) -> list[dict[str, Any]]:
+        """The last :data:`RECENT_REQUESTS` requests that ended, newest first (JSON-ready)."""
+        with self._lock:
+            recent = list(self._recent)
+        return [r.as_dict() for r in reversed(recent)]
 
     def set_gauges(self, *, num_running_requests: int | None = None,
                    num_waiting_requests: int | None = None, kv_pages_used: int | None = None,

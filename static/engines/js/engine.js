@@ -94,6 +94,41 @@ function renderMetrics(m) {
   body.replaceChildren(...rows);
 }
 
+// -------------------------------------------------------------------- recent requests
+
+const historyUrl = document.getElementById("recent-module").dataset.history;
+
+function renderRecent(recent) {
+  const body = document.querySelector("#recent tbody");
+  if (!recent.length) {
+    const tr = document.createElement("tr");
+    tr.className = "empty";
+    const td = document.createElement("td");
+    td.colSpan = 9;
+    td.textContent = "No request has ended since the engine started or was reset.";
+    tr.append(td);
+    body.replaceChildren(tr);
+    return;
+  }
+  body.replaceChildren(...recent.map((r) => {
+    const tr = document.createElement("tr");
+    const cells = [r.request_id, fmt.count(r.prompt_tokens), fmt.count(r.completion_tokens), fmt.seconds(r.queue_s),
+      fmt.seconds(r.ttft_s), fmt.rate(r.decode_tokens_per_s), fmt.seconds(r.end_to_end_s), r.finish_reason];
+    for (const value of cells) {
+      const td = document.createElement("td");
+      td.textContent = value;  // ids and reasons come from clients: text, never HTML
+      tr.append(td);
+    }
+    const link = document.createElement("a");
+    link.href = `${historyUrl}?q=${encodeURIComponent(r.request_id)}`;
+    link.textContent = "history";
+    const td = document.createElement("td");
+    td.append(link);
+    tr.append(td);
+    return tr;
+  }));
+}
+
 // ---------------------------------------------------------------------------- state
 
 const prefillRate = new Rate();
@@ -123,6 +158,7 @@ function onSnapshot(snap) {
     .map((s) => s * 1000));
   push("preemptions", at, [m.num_preemptions]);
   renderMetrics(m);
+  if (snap.recent_requests) renderRecent(snap.recent_requests);
 }
 
 // -------------------------------------------------------------------------- controls

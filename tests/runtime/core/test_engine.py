@@ -564,3 +564,24 @@ def test_max_tokens_beyond_the_context_is_refused(make_engine, demo):
     res = run_all(engine, [request("b", prompts(demo, 1)[0], max_tokens=None,
                                    ignore_eos=True)])["b"]
     assert len(res.tokens) == 108 and res.finish_reason == "length"
+
+
+def test_ended_requests_are_remembered_newest_first_aborts_included(make_engine, demo):
+    from engines.runtime.telemetry.metrics import RECENT_REQUESTS
+
+    engine = make_engine()
+    run_all(engine, [request("first", prompts(demo, 1)[0], max_tokens=3)])
+    engine.add_request(request("gone", prompts(demo, 1, seed=1)[0], max_tokens=50))
+    engine.step()
+    engine.abort_request("gone")
+    recent = engine.metrics.recent_requests()
+    assert [r["request_id"] for r in recent] == ["gone", "first"]
+    first = recent[1]
+    assert (first["finish_reason"], first["prompt_tokens"], first["completion_tokens"]) == ("length", 20, 3)
+    assert first["ttft_s"] > 0 and first["queue_s"] >= 0 and first["end_to_end_s"] >= first["ttft_s"]
+    assert recent[0]["finish_reason"] == "abort"
+    run_all(engine, [request(f"r{i}", prompts(demo, 1)[0], max_tokens=1) for i in range(RECENT_REQUESTS + 3)])
+    recent = engine.metrics.recent_requests()
+    assert len(recent) == RECENT_REQUESTS and recent[0]["request_id"] == f"r{RECENT_REQUESTS + 2}"
+    engine.reset()
+    assert engine.metrics.recent_requests() == []

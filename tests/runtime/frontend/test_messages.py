@@ -21,6 +21,7 @@ SAMPLES = [
     m.Call(7, m.ResetCall(clear_trace=True)),
     m.Call(8, m.MetricsCall(with_histograms=True)),
     m.Call(9, m.DumpTraceCall(clear=True, skip_empty=False)),
+    m.Call(11, m.RecentRequestsCall()),
     m.Call(10, m.CudaProfilerCall(start=False)),
     m.Shutdown(),
     m.Ready(INFO),
@@ -57,7 +58,7 @@ def test_error_messages_keep_their_exception() -> None:
 
 def test_only_metrics_calls_are_answered_mid_step() -> None:
     immediate = [s for s in SAMPLES if EngineCore.is_immediate(s)]
-    assert immediate == [m.Call(8, m.MetricsCall(with_histograms=True))]
+    assert immediate == [m.Call(8, m.MetricsCall(with_histograms=True)), m.Call(11, m.RecentRequestsCall())]
     assert EngineCore.is_immediate(m.Call(1, m.MetricsCall()))
 
 
