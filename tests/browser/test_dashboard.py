@@ -36,9 +36,34 @@ def free_port() -> int:
 
 
 class LiveServer:
-    def __init__(self, process: subprocess.Popen, base: str) -> None:
-        self.process = process
-        self.base = base
+    """``manage.py serve`` in a subprocess: its command and environment, to start it again."""
+
+    def __init__(self, command: list[str], env: dict[str, str], base: str) -> None:
+        self.command, self.env, self.base = command, env, base
+        self.process = self.start()
+
+    def start(self) -> subprocess.Popen:
+        process = subprocess.Popen(self.command, cwd=REPO, env=self.env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True)
+        deadline = time.monotonic() + 180
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"serve exited: {process.stdout.read() if process.stdout else ''}")
+            try:
+                if httpx.get(f"{self.base}/health", timeout=2).status_code == 200:
+                    return process
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "serve did not come up"
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(10)
 
     def engine_pid(self) -> int:
         children = child_pids(self.process.pid)
@@ -58,28 +83,11 @@ def dashboard_server(tmp_path_factory) -> Iterator[LiveServer]:
     subprocess.run(manage + ["createsuperuser", "--noinput", "--username", "admin", "--email", "a@example.com"],
                    cwd=REPO, env=env, check=True, capture_output=True)
     port = free_port()
-    process = subprocess.Popen(
-        manage + ["serve", "--enable-debug", "--enable-tracing", "--port", str(port), "--backend", "cpu",
-                  "--max-num-seqs", "8", "--max-total-tokens", "4096", "--drain-timeout", "1"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        if process.poll() is not None:
-            pytest.fail(f"serve exited: {process.stdout.read() if process.stdout else ''}")
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "serve did not come up"
-        time.sleep(0.2)
-    yield LiveServer(process, base)
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(30)
-    except subprocess.TimeoutExpired:
-        process.kill()
+    command = manage + ["serve", "--enable-debug", "--enable-tracing", "--port", str(port), "--backend", "cpu",
+                        "--max-num-seqs", "8", "--max-total-tokens", "4096", "--drain-timeout", "1"]
+    server = LiveServer(command, env, f"http://127.0.0.1:{port}")
+    yield server
+    server.stop()
 
 
 @pytest.fixture
@@ -234,3 +242,19 @@ async def test_playground_streams_a_request_and_stops_one(page, dashboard_server
     await page.click("#pg-stop")
     await page.wait_for_selector("#pg-stats >> text=stopped", timeout=10000)
     await page.wait_for_selector('#pg-engine-now >> text=running 0', timeout=15000)  # the engine let it go
+
+
+async def test_the_page_says_when_it_lost_the_server_and_resumes_without_a_reload(
+        page, dashboard_server: LiveServer) -> None:
+    """Last in this module: it stops the server and starts it again."""
+    await page.goto(f"{dashboard_server.base}/dashboard/engines/demo/")
+    await page.wait_for_selector('#connection[data-state="open"]', timeout=15000)
+    await page.evaluate("window.__sameDocument = true")
+    await asyncio.to_thread(dashboard_server.stop)
+    await page.wait_for_selector('#connection[data-state="retrying"]', timeout=15000)
+    assert "reconnecting" in await page.text_content("#connection")
+    await page.screenshot(path=str(SHOTS / "engine-disconnected.png"), full_page=True)
+    dashboard_server.process = await asyncio.to_thread(dashboard_server.start)
+    await page.wait_for_selector('#connection[data-state="open"]', timeout=60000)
+    await page.wait_for_selector('h1 [data-field="state"][data-state="running"]', timeout=15000)
+    assert await page.evaluate("window.__sameDocument === true")  # no reload happened

@@ -24,7 +24,10 @@ function plotFor(name) {
   plots[name] = new uPlot({
     width: Math.max(280, box.clientWidth - 8), height: 170,
     // The x axis always spans the window, however few points have come yet.
-    scales: { x: { time: true, range: (u, min, max) => [max - WINDOW_SECONDS, max] },
+    scales: { x: { time: true, range: (u, min, max) => {
+                const end = Number.isFinite(max) ? max : Date.now() / 1000;
+                return [end - WINDOW_SECONDS, end];
+              } },
               y: { range: (u, min, max) => [0, Math.max(max, 1)] } },
     series: [{}, ...CHARTS[name].map(([label, stroke]) => ({ label, stroke, width: 1.5, points: { show: false } }))],
     axes: [{}, { size: 52 }],

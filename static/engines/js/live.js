@@ -3,6 +3,7 @@
 const indicator = () => document.getElementById("connection");
 
 function showState(state, text) {
+  document.body.dataset.live = state; // the page fades while what it shows may be stale
   const el = indicator();
   if (el) {
     el.dataset.state = state;
