@@ -2,8 +2,9 @@
 carry out actions.
 
 ``/ws/engines/`` watches every served engine (the overview), ``/ws/engines/<name>/`` one engine.
-Snapshots come from the process's samplers (``engines.dashboard.sampler``) through the channel
-layer; this consumer only forwards them. Actions (``reset``, ``save_trace``, ``clear_trace``,
+Snapshots come from the samplers (``engines.dashboard.sampler``) through the channel layer to
+the process's fan-out (``engines.dashboard.fanout``: one layer subscription per engine, however
+many sockets), which hands them to this consumer already serialised. Actions (``reset``, ``save_trace``, ``clear_trace``,
 ``profile_start``, ``profile_stop``) run as tasks of their own, so a slow one (saving a
 million-event trace) never blocks the socket, and report back with ``ack``, ``progress``,
 ``done`` or ``error`` events carrying the request's ``id``. A message that cannot be read gets
@@ -20,6 +21,7 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from django.urls import reverse
 from pydantic import ValidationError
 
+from engines.dashboard.fanout import fanout
 from engines.dashboard.messages import ActionEvent, ActionRequest, engine_group
 from engines.dashboard.sampler import hub_for
 from engines.history import TraceUnavailableError, asave_engine_trace
@@ -54,7 +56,7 @@ class DashboardConsumer(AsyncWebsocketConsumer):
         hub = hub_for(registry)
         await self.accept()
         for engine_name in self.watched:
-            await self.channel_layer.group_add(engine_group(engine_name), self.channel_name)
+            await fanout().subscribe(engine_group(engine_name), self._deliver)
             sampler = hub.get(engine_name)
             if sampler is not None:
                 sampler.watch()
@@ -69,17 +71,18 @@ class DashboardConsumer(AsyncWebsocketConsumer):
     async def disconnect(self, code: int) -> None:
         hub = hub_for(registry)
         for engine_name in getattr(self, "watched", []):
-            await self.channel_layer.group_discard(engine_group(engine_name), self.channel_name)
+            await fanout().unsubscribe(engine_group(engine_name), self._deliver)
             sampler = hub.samplers.get(engine_name)
             if sampler is not None:
                 sampler.unwatch()
         for task in getattr(self, "tasks", ()):
             task.cancel()
 
-    # ---------------------------------------------------------------- from the layer
+    # ------------------------------------------------------- from the process's fan-out
 
-    async def engine_snapshot(self, event: dict[str, Any]) -> None:
-        await self._send(event["snapshot"])
+    async def _deliver(self, snapshot_json: str) -> None:
+        """A snapshot of a watched engine, serialised once for every socket of this process."""
+        await self.send(text_data=snapshot_json)
 
     # ---------------------------------------------------------------- from the browser
 
