@@ -2,9 +2,8 @@
 carry out actions.
 
 ``/ws/engines/`` watches every served engine (the overview), ``/ws/engines/<name>/`` one engine.
-Snapshots come from the samplers (``engines.dashboard.sampler``) through the channel layer to
-the process's fan-out (``engines.dashboard.fanout``: one layer subscription per engine, however
-many sockets), which hands them to this consumer already serialised. Actions (``reset``, ``save_trace``, ``clear_trace``,
+Snapshots come from the process's samplers (``engines.dashboard.sampler``) through the channel
+layer; this consumer only forwards them. Actions (``reset``, ``save_trace``, ``clear_trace``,
 ``profile_start``, ``profile_stop``) run as tasks of their own, so a slow one (saving a
 million-event trace) never blocks the socket, and report back with ``ack``, ``progress``,
 ``done`` or ``error`` events carrying the request's ``id``. A message that cannot be read gets
@@ -21,7 +20,6 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from django.urls import reverse
 from pydantic import ValidationError
 
-from engines.dashboard.fanout import fanout
 from engines.dashboard.messages import ActionEvent, ActionRequest, engine_group
 from engines.dashboard.sampler import hub_for
 from engines.history import TraceUnavailableError, asave_engine_trace
@@ -56,7 +54,7 @@ class DashboardConsumer(AsyncWebsocketConsumer):
         hub = hub_for(registry)
         await self.accept()
         for engine_name in self.watched:
-            await fanout().subscribe(engine_group(engine_name), self._deliver)
+            await self.channel_layer.group_add(engine_group(engine_name), self.channel_name)
             sampler = hub.get(engine_name)
             if sampler is not None:
                 sampler.watch()
@@ -71,18 +69,17 @@ class DashboardConsumer(AsyncWebsocketConsumer):
     async def disconnect(self, code: int) -> None:
         hub = hub_for(registry)
         for engine_name in getattr(self, "watched", []):
-            await fanout().unsubscribe(engine_group(engine_name), self._deliver)
+            await self.channel_layer.group_discard(engine_group(engine_name), self.channel_name)
             sampler = hub.samplers.get(engine_name)
             if sampler is not None:
                 sampler.unwatch()
         for task in getattr(self, "tasks", ()):
             task.cancel()
 
-    # ------------------------------------------------------- from the process's fan-out
+    # ---------------------------------------------------------------- from the layer
 
-    async def _deliver(self, snapshot_json: str) -> None:
-        """A snapshot of a watched engine, serialised once for every socket of this process."""
-        await self.send(text_data=snapshot_json)
+    async def engine_snapshot(self, event: dict[str, Any]) -> None:
+        await self._send(event["snapshot"])
 
     # ---------------------------------------------------------------- from the browser
 
