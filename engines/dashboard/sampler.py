@@ -100,6 +100,7 @@ class SamplerHub:
 
     def __init__(self, registry: EngineRegistry) -> None:
         self.registry = registry
+        self.loop = asyncio.get_running_loop()
         self.samplers: dict[str, EngineSampler] = {}
         self.tasks: dict[str, asyncio.Task[None]] = {}
 
@@ -138,8 +139,8 @@ _hubs: dict[int, SamplerHub] = {}
 
 def hub_for(registry: EngineRegistry) -> SamplerHub:
     """The process's sampler hub for ``registry`` (one per event loop: tests run several)."""
-    key = id(asyncio.get_running_loop())
-    hub = _hubs.get(key)
-    if hub is None or hub.registry is not registry:
-        hub = _hubs[key] = SamplerHub(registry)
+    loop = asyncio.get_running_loop()
+    hub = _hubs.get(id(loop))
+    if hub is None or hub.registry is not registry or hub.loop is not loop:  # a closed loop's id may come back
+        hub = _hubs[id(loop)] = SamplerHub(registry)
     return hub
