@@ -26,6 +26,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import orjson
@@ -48,6 +49,14 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
+def copy_lines(source: Any, path: Path) -> None:
+    """Write every line of ``source`` to ``path`` as it comes."""
+    with open(path, "w") as log:
+        for line in source:
+            log.write(line)
+            log.flush()
+
+
 def start_server(redis: str | None) -> tuple[subprocess.Popen, str, str]:
     """``serve`` on a free port; returns the process, its base URL and its one-time login path."""
     port = free_port()
@@ -64,8 +73,7 @@ def start_server(redis: str | None) -> tuple[subprocess.Popen, str, str]:
         match = re.search(r"Dashboard\s+http://[^/]+(/dashboard/login/\S+)", line)
         if match:
             # Keep reading its log (into SERVER_LOG), or a full pipe would stall the server.
-            log = open(SERVER_LOG, "w")  # noqa: SIM115 - closed with the process
-            threading.Thread(target=lambda: [log.write(x) or log.flush() for x in process.stdout], daemon=True).start()
+            threading.Thread(target=copy_lines, args=(process.stdout, SERVER_LOG), daemon=True).start()
             return process, f"http://127.0.0.1:{port}", match.group(1)
     raise SystemExit("serve exited before printing its dashboard link")
 

@@ -57,10 +57,13 @@ def engine_facts(engine: Any) -> dict[str, Any]:
     }
 
 
-def _versions() -> list[tuple[str, str]]:
+def page_context(request: HttpRequest, title: str, **extra: Any) -> dict[str, Any]:
+    """What every dashboard page renders with: the admin's frame (header, sidebar), its title,
+    the versions in the footer, and ``extra``."""
     import numba
 
-    return [("server", __version__), ("numba", numba.__version__), ("python", platform.python_version())]
+    versions = [("server", __version__), ("numba", numba.__version__), ("python", platform.python_version())]
+    return {**admin.site.each_context(request), "title": title, "versions": versions, **extra}
 
 
 LOOPBACK_ADDRESSES = {"127.0.0.1", "::1"}
@@ -82,8 +85,8 @@ def local_login(request: HttpRequest, uid: str, token: str) -> HttpResponse:
         pass
     if (user is None or request.META.get("REMOTE_ADDR") not in LOOPBACK_ADDRESSES
             or not default_token_generator.check_token(user, token)):
-        context = {**admin.site.each_context(request), "title": "This login link does not work"}
-        return render(request, "dashboard/login_link_used.html", context, status=403)
+        return render(request, "dashboard/login_link_used.html",
+                      page_context(request, "This login link does not work"), status=403)
     login(request, user, backend="django.contrib.auth.backends.ModelBackend")
     return redirect("dashboard")
 
@@ -91,9 +94,8 @@ def local_login(request: HttpRequest, uid: str, token: str) -> HttpResponse:
 @staff_member_required
 def playground(request: HttpRequest) -> HttpResponse:
     """``/dashboard/playground/``: send a chat or completion request to an engine and watch it stream."""
-    context = {**admin.site.each_context(request), "title": "Playground",
-               "engines": [engine_facts(engine) for engine in registry], "versions": _versions(),
-               "debug_enabled": registry.options.enable_debug}
+    context = page_context(request, "Playground", engines=[engine_facts(engine) for engine in registry],
+                           debug_enabled=registry.options.enable_debug)
     return render(request, "dashboard/playground.html", context)
 
 
@@ -114,8 +116,7 @@ async def playground_api(request: HttpRequest, endpoint: str) -> HttpResponseBas
 @staff_member_required
 def overview(request: HttpRequest) -> HttpResponse:
     """``/dashboard/``: every served engine, live."""
-    context = {**admin.site.each_context(request), "title": "Engines",
-               "engines": [engine_facts(engine) for engine in registry], "versions": _versions()}
+    context = page_context(request, "Engines", engines=[engine_facts(engine) for engine in registry])
     return render(request, "dashboard/overview.html", context)
 
 
@@ -125,6 +126,4 @@ def engine_page(request: HttpRequest, name: str) -> HttpResponse:
     engine = registry.get(name)
     if engine is None:
         raise Http404(f"No engine {name!r} is served here.")
-    context = {**admin.site.each_context(request), "title": f"Engine {name}", "engine": engine_facts(engine),
-               "versions": _versions()}
-    return render(request, "dashboard/engine.html", context)
+    return render(request, "dashboard/engine.html", page_context(request, f"Engine {name}", engine=engine_facts(engine)))

@@ -297,41 +297,32 @@ async def sse_events(
     (or closes it at a ``yield``); ``finally`` then closes the engine's stream, whose own
     ``finally`` aborts the request so its KV pages are freed at once.
     """
+    # Counted while it is written, so a draining shutdown waits for its [DONE].
     with registry.response_in_flight():
-        async for event in _sse_body(outputs, first, shaper, include_usage):
-            yield event
-
-
-async def _sse_body(
-    outputs: AsyncIterator[RequestOutput],
-    first: RequestOutput,
-    shaper: "ResponseShaper",
-    include_usage: bool,
-) -> AsyncIterator[bytes]:
-    finished = False
-    try:
-        output: RequestOutput | None = first
-        while output is not None:
-            chunk = shaper.chunk(output)
-            if chunk is not None:
-                yield _sse(chunk)
-            if output.finished:
-                break
-            output = await anext(outputs, None)
-        finished = True
-        if include_usage:
-            yield _sse(shaper.usage_chunk())
-        yield SSE_DONE
-    except EngineDeadError as exc:
-        # Headers are gone already: report in-band, as OpenAI's streams do.
-        finished = True
-        yield b"data: " + orjson.dumps(ErrorResponse.from_status(503, str(exc)).stream_event()) + b"\n\n"
-        yield SSE_DONE
-    finally:
-        if not finished:
-            # Cancelled inside ``anext(outputs)``, the stream has closed itself and this is a no-op;
-            # closed at our ``yield``, the stream waits at its own and must be closed to abort.
-            await outputs.aclose()  # type: ignore[attr-defined]
+        finished = False
+        try:
+            output: RequestOutput | None = first
+            while output is not None:
+                chunk = shaper.chunk(output)
+                if chunk is not None:
+                    yield _sse(chunk)
+                if output.finished:
+                    break
+                output = await anext(outputs, None)
+            finished = True
+            if include_usage:
+                yield _sse(shaper.usage_chunk())
+            yield SSE_DONE
+        except EngineDeadError as exc:
+            # Headers are gone already: report in-band, as OpenAI's streams do.
+            finished = True
+            yield b"data: " + orjson.dumps(ErrorResponse.from_status(503, str(exc)).stream_event()) + b"\n\n"
+            yield SSE_DONE
+        finally:
+            if not finished:
+                # Cancelled inside ``anext(outputs)``, the stream has closed itself and this is a no-op;
+                # closed at our ``yield``, the stream waits at its own and must be closed to abort.
+                await outputs.aclose()  # type: ignore[attr-defined]
 
 
 def _sse(model: BaseModel) -> bytes:
