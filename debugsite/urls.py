@@ -6,15 +6,22 @@ switch can be set after this module is imported. The API-key gate sits in front
 of all of this in :mod:`debugsite.asgi`.
 """
 from django.contrib import admin
-from django.urls import path, re_path
+from django.templatetags.static import static
+from django.urls import include, path, re_path
 from django.views.generic import RedirectView
 
-from engines.views import dashboard, debug, errors, metrics, openai
+from engines.views import dashboard, debug, errors, metrics, openai, timeline
 
 urlpatterns = [
     path("", RedirectView.as_view(pattern_name="dashboard", permanent=False)),
+    # Browsers ask for it on every page; an answer keeps tabs recognisable and the console clean.
+    path("favicon.ico", RedirectView.as_view(url=static("engines/favicon.svg"), permanent=True)),
     path("dashboard/", dashboard.overview, name="dashboard"),
     path("dashboard/engines/<str:name>/", dashboard.engine_page, name="dashboard-engine"),
+    path("dashboard/engines/<str:name>/timeline/", timeline.engine_timeline, name="dashboard-engine-timeline"),
+    path("dashboard/engines/<str:name>/trace.json", timeline.engine_trace, name="dashboard-engine-trace"),
+    path("dashboard/traces/<int:pk>/timeline/", timeline.trace_timeline, name="dashboard-trace-timeline"),
+    path("dashboard/profiles/", include("engines.views.profile_urls")),
     path("dashboard/login/<str:uid>/<str:token>/", dashboard.local_login, name="dashboard-local-login"),
     path("dashboard/playground/", dashboard.playground, name="dashboard-playground"),
     path("dashboard/playground/v1/<path:endpoint>", dashboard.playground_api, name="dashboard-playground-api"),
@@ -27,6 +34,8 @@ urlpatterns = [
     path("debug/reset_engine", debug.reset_engine, name="debug-reset-engine"),
     path("debug/cuda_profiler_start", debug.cuda_profiler_start, name="debug-cuda-profiler-start"),
     path("debug/cuda_profiler_stop", debug.cuda_profiler_stop, name="debug-cuda-profiler-stop"),
+    path("debug/profile_start", debug.profile_start, name="debug-profile-start"),
+    path("debug/profile_stop", debug.profile_stop, name="debug-profile-stop"),
     path("metrics", metrics.prometheus_metrics, name="metrics"),
     path("health", metrics.health, name="health"),
     path("stats", metrics.stats, name="stats"),

@@ -38,7 +38,7 @@ from engines.history.columns import REQUEST_COLUMNS, RequestColumn
 from engines.history.payload import iter_json_chunks, payload_problem
 from engines.history.report import PHASE_STATS, REQUEST_STATS, compare_records, trace_report
 from engines.history.retention import apply_retention
-from engines.models import MetricsSnapshot, RequestSummary, TraceRecord
+from engines.models import MetricsSnapshot, ProfileRecord, RequestSummary, TraceRecord
 from engines.runtime import FinishReason
 
 # The admin is the dashboard's frame: its header names the product, not the framework.
@@ -153,13 +153,13 @@ class TraceRecordAdmin(admin.ModelAdmin):
                            "engine_version")}),
         ("Capture window", {"fields": ("window", "duration_ms", "event_count", "request_count",
                                         "dropped_events")}),
-        ("Payload", {"fields": ("payload_size", "downloads")}),
+        ("Payload", {"fields": ("timeline", "payload_size", "downloads")}),
         ("Notes", {"fields": ("note", "tags")}),
     )
     readonly_fields = ("engine", "engine_dashboard", "model", "backend", "source", "captured_at", "engine_version",
                        "window",
                        "duration_ms", "event_count", "request_count", "dropped_events", "payload_size",
-                       "downloads")
+                       "downloads", "timeline")
 
     def changelist_view(self, request: HttpRequest, extra_context: dict | None = None) -> HttpResponse:
         """The list, with the retention limits in force shown above it."""
@@ -204,6 +204,10 @@ class TraceRecordAdmin(admin.ModelAdmin):
             reverse("admin:engines_tracerecord_download_json", args=[obj.pk]),
             reverse("admin:engines_tracerecord_download_gzip", args=[obj.pk]),
         )
+
+    @admin.display(description="timeline")
+    def timeline(self, obj: TraceRecord) -> str:
+        return format_html('<a href="{}">Open in the timeline</a>', reverse("dashboard-trace-timeline", args=[obj.pk]))
 
     # --- permissions and querysets --------------------------------------------------
 
@@ -299,6 +303,10 @@ class TraceRecordAdmin(admin.ModelAdmin):
                  name="engines_tracerecord_download_json"),
             path("<path:object_id>/download.json.gz", self.admin_site.admin_view(self.download_gzip_view),
                  name="engines_tracerecord_download_gzip"),
+            path("<path:object_id>/timeline-data.json", self.admin_site.admin_view(self.timeline_data_view),
+                 name="engines_tracerecord_timeline_data"),
+            path("<path:object_id>/requests.json", self.admin_site.admin_view(self.requests_json_view),
+                 name="engines_tracerecord_requests_json"),
         ]
         return extra + super().get_urls()
 
@@ -342,7 +350,38 @@ class TraceRecordAdmin(admin.ModelAdmin):
 
     # --- helpers ------------------------------------------------------------------------
 
-    def _download(self, request: HttpRequest, object_id: str, *, compressed: bool) -> HttpResponse:
+    def timeline_data_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
+        """The stored trace for the timeline viewer: the gzip bytes as they are, sent with
+        ``Content-Encoding: gzip`` so the browser inflates them natively (a million-event trace
+        travels as ~15 MB, not 160 MB of JSON, and costs the server no work). A record's payload
+        never changes, so the browser may keep it."""
+        checked = self._checked_payload(request, object_id)
+        if isinstance(checked, HttpResponse):
+            return checked
+        record, data = checked
+        response = HttpResponse(data, content_type="application/json")
+        response["Content-Encoding"] = "gzip"
+        response["Cache-Control"] = "private, max-age=86400"
+        response["X-Trace-Events"] = str(record.event_count)
+        return response
+
+    def requests_json_view(self, request: HttpRequest, object_id: str) -> HttpResponse:
+        """The record's request summaries, for the timeline's lane panel and filters: one row per
+        request id with its admin URL."""
+        record = self.get_object(request, unquote(object_id))
+        if record is None:
+            return HttpResponse(orjson.dumps({"error": f"no trace record {object_id!r}"}),
+                                content_type="application/json", status=404)
+        if not self.has_view_permission(request, record):
+            raise PermissionDenied
+        fields = ["id", "request_id"] + [c.field for c in REQUEST_COLUMNS if c.field != "request_id"]
+        rows = RequestSummary.objects.filter(trace=record).order_by("id").values_list(*fields)
+        change_url = reverse("admin:engines_requestsummary_change", args=["ID"])  # the browser puts each row's id in
+        return HttpResponse(orjson.dumps({"fields": fields, "rows": list(rows), "change_url": change_url}),
+                            content_type="application/json")
+
+    def _checked_payload(self, request: HttpRequest, object_id: str) -> HttpResponse | tuple[TraceRecord, bytes]:
+        """The record and its intact stored bytes, or the response that says why not."""
         record = self.get_object(request, unquote(object_id))
         if record is None:
             return self._get_obj_does_not_exist_redirect(request, self.opts, object_id)
@@ -356,6 +395,13 @@ class TraceRecordAdmin(admin.ModelAdmin):
                        "title": "Trace payload unavailable", "problem": problem}
             return TemplateResponse(request, "admin/engines/tracerecord/payload_error.html", context,
                                     status=PAYLOAD_ERROR_STATUS)
+        return record, data
+
+    def _download(self, request: HttpRequest, object_id: str, *, compressed: bool) -> HttpResponse:
+        checked = self._checked_payload(request, object_id)
+        if isinstance(checked, HttpResponse):
+            return checked
+        record, data = checked
         stamp = record.captured_at.strftime("%Y%m%dT%H%M%S")
         filename = f"trace-{_safe_filename_part(record.engine)}-{record.pk}-{stamp}.json"
         if compressed:
@@ -546,3 +592,53 @@ class MetricsSnapshotAdmin(admin.ModelAdmin):
 
     def has_change_permission(self, request: HttpRequest, obj: MetricsSnapshot | None = None) -> bool:
         return False
+
+
+@admin.register(ProfileRecord)
+class ProfileRecordAdmin(admin.ModelAdmin):
+    """Saved profiles: filter by engine, backend and date; open one's page, download it, compare two."""
+
+    list_display = ("__str__", "engine", "backend", "captured_at", "steps", "kernel_calls", "duration",
+                    "stopped_by", "source", "page", "download")
+    list_filter = (("engine", IndexedValuesFilter), "backend", "captured_at", "source")
+    search_fields = ("engine", "model", "note")
+    ordering = ("-captured_at", "-id")
+    show_facets = admin.ShowFacets.NEVER
+    actions = ("compare_two",)
+    fields = ("engine", "engine_dashboard", "model", "backend", "device", "source", "captured_at", "duration",
+              "steps", "kernel_calls", "stopped_by", "stack_samples", "size", "page", "download", "note")
+    readonly_fields = tuple(f for f in fields if f != "note")
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[ProfileRecord]:
+        return super().get_queryset(request).defer("payload")  # lists and detail never read the profile
+
+    @admin.display(description="duration", ordering="duration_us")
+    def duration(self, obj: ProfileRecord) -> str:
+        return f"{obj.duration_us / 1e6:.2f} s"
+
+    @admin.display(description="stored")
+    def size(self, obj: ProfileRecord) -> str:
+        return f"{filesizeformat(obj.compressed_bytes)} gzip ({filesizeformat(obj.payload_bytes)} JSON)"
+
+    @admin.display(description="dashboard")
+    def engine_dashboard(self, obj: ProfileRecord) -> str:
+        return engine_dashboard_link(obj.engine)
+
+    @admin.display(description="profile")
+    def page(self, obj: ProfileRecord) -> str:
+        return format_html('<a href="{}">Open the profile</a>', reverse("dashboard-profile", args=[obj.pk]))
+
+    @admin.display(description="download")
+    def download(self, obj: ProfileRecord) -> str:
+        return format_html('<a href="{}">.json.gz</a>', reverse("dashboard-profile-download", args=[obj.pk]))
+
+    @admin.action(description="Compare the two selected profiles")
+    def compare_two(self, request: HttpRequest, queryset: QuerySet[ProfileRecord]) -> HttpResponse | None:
+        ids = sorted(queryset.values_list("pk", flat=True))
+        if len(ids) != 2:
+            self.message_user(request, "Select exactly two profiles to compare.", messages.WARNING)
+            return None
+        return HttpResponseRedirect(f"{reverse('dashboard-profile-compare')}?{urlencode({'a': ids[0], 'b': ids[1]})}")
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False  # profiles come from the profiler, never from a form

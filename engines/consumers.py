@@ -20,15 +20,16 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from django.urls import reverse
 from pydantic import ValidationError
 
-from engines.dashboard.messages import ActionEvent, ActionRequest, engine_group
+from engines.dashboard.messages import SERVER_ID, ActionEvent, ActionRequest, engine_group
 from engines.dashboard.sampler import hub_for
+from engines.dashboard.timeline_messages import TimelineError, TimelineHello, TimelineRequest, TraceDeltaHeader
 from engines.history import TraceUnavailableError, asave_engine_trace
 from engines.protocol.json_body import JSONTooDeepError, loads_bounded
 from engines.registry import registry
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CLOSE_FORBIDDEN", "CLOSE_NOT_FOUND", "DashboardConsumer", "RefusedSocket"]
+__all__ = ["CLOSE_FORBIDDEN", "CLOSE_NOT_FOUND", "DashboardConsumer", "RefusedSocket", "TimelineConsumer"]
 
 #: Close codes (the 4000s are the application's): not a staff user; no such engine or route.
 CLOSE_FORBIDDEN = 4403
@@ -108,13 +109,13 @@ class DashboardConsumer(AsyncWebsocketConsumer):
 
     async def _carry_out(self, request: ActionRequest, engine: Any) -> None:
         """Run one action and report how it ended; its own task."""
-        from engines.runtime import EngineDeadError
+        from engines.runtime import EngineDeadError, ProfilerStateError
 
         try:
             result = await self._action(request, engine)
         except asyncio.CancelledError:
             raise
-        except (EngineDeadError, TraceUnavailableError, ValueError) as exc:
+        except (EngineDeadError, TraceUnavailableError, ProfilerStateError, ValueError) as exc:
             await self._event("error", request, engine=engine.name, message=str(exc))
         except Exception as exc:  # noqa: BLE001 - said to the user, logged for the operator
             logger.exception("dashboard action %s on %s failed", request.action, engine.name)
@@ -126,6 +127,8 @@ class DashboardConsumer(AsyncWebsocketConsumer):
                 await sampler.publish()
 
     async def _action(self, request: ActionRequest, engine: Any) -> dict[str, Any]:
+        from engines.profiling import start_profile, stop_profile
+
         match request.action:
             case "reset":
                 await engine.reset()
@@ -141,14 +144,16 @@ class DashboardConsumer(AsyncWebsocketConsumer):
                 return {"record_id": record.pk, "event_count": record.event_count,
                         "url": reverse("admin:engines_tracerecord_change", args=[record.pk]),
                         "message": f"saved {record.event_count} events"}
-            case "profile_start" | "profile_stop":
-                if engine.backend_name != "cuda":
-                    raise ValueError(f"The CUDA profiler is unavailable: engine {engine.name} runs on the "
-                                     f"{engine.backend_name} backend. Serve it with --backend cuda on a machine "
-                                     "with an NVIDIA GPU.")
-                start = request.action == "profile_start"
-                await engine.cuda_profiler(start)
-                return {"profiling": start, "message": "profiling" if start else "profiling stopped"}
+            case "profile_start":
+                await start_profile(engine, max_steps=request.max_steps, stack_sampling=request.stack_sampling,
+                                    source="dashboard")
+                steps = f" for {request.max_steps} steps" if request.max_steps else ""
+                return {"profiling": True, "message": f"profiling{steps}"}
+            case "profile_stop":
+                await self._event("progress", request, engine=engine.name, message="stopping and saving the profile")
+                saved = await stop_profile(engine, note=request.note, source="dashboard")
+                return {"profiling": False, "record_id": saved.id, "url": saved.url,
+                        "message": f"profile #{saved.id} saved ({saved.steps} steps)"}
         raise AssertionError(request.action)  # ActionRequest admits no other action
 
     async def _event(self, kind: str, request: ActionRequest | None = None, **fields: Any) -> None:
@@ -158,6 +163,107 @@ class DashboardConsumer(AsyncWebsocketConsumer):
 
     async def _send(self, message: dict[str, Any]) -> None:
         await self.send(text_data=orjson.dumps(message).decode())
+
+
+def _is_staff(scope: dict[str, Any]) -> bool:
+    user = scope.get("user")
+    return user is not None and user.is_active and user.is_staff
+
+
+class TimelineConsumer(AsyncWebsocketConsumer):
+    """One engine's trace, live: the calls its recorder took since the browser's cursor.
+
+    Each socket reads the recorder on its own (``AsyncEngine.trace_since``, answered by the
+    engine's reader even mid-step, copying only what is new), a few times a second; the
+    browser pairs spans by the dump's rules (``static/engines/js/timeline/model.js``).
+    """
+
+    #: It talks to no group: no channel of its own in the layer (with Redis, no receive loop).
+    channel_layer_alias = "timeline-sockets-use-no-layer"
+    #: Seconds between reads while nothing is pending: the view stays well under 1 s behind.
+    INTERVAL_S = 0.25
+    #: Seconds before trying again after the engine was down.
+    RETRY_S = 1.0
+
+    async def connect(self) -> None:
+        if not _is_staff(self.scope):
+            await self._refuse(CLOSE_FORBIDDEN)
+            return
+        self.engine = registry.get(self.scope["url_route"]["kwargs"]["engine"])
+        if self.engine is None:
+            await self._refuse(CLOSE_NOT_FOUND)
+            return
+        self.pump: asyncio.Task[None] | None = None
+        await self.accept()
+        hello = TimelineHello(server=SERVER_ID, engine=self.engine.name, tracing=self.engine.tracing_enabled,
+                              interval_s=self.INTERVAL_S)
+        await self.send(text_data=hello.model_dump_json())
+
+    async def _refuse(self, code: int) -> None:
+        await self.accept()
+        await self.close(code=code)
+
+    async def disconnect(self, code: int) -> None:
+        pump = getattr(self, "pump", None)
+        if pump is not None:
+            pump.cancel()
+
+    async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
+        try:
+            request = TimelineRequest.model_validate(loads_bounded(text_data if text_data is not None else bytes_data))
+        except (orjson.JSONDecodeError, JSONTooDeepError):
+            await self._error('not a JSON message: send {"action": "follow", "cursor": 0}')
+            return
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            await self._error(f"{'.'.join(str(p) for p in first['loc']) or 'message'}: {first['msg']}")
+            return
+        if not self.engine.tracing_enabled:
+            await self._error(f"Engine {self.engine.name} records no trace: serve it with --enable-tracing.")
+            return
+        if self.pump is not None:
+            self.pump.cancel()
+        self.pump = asyncio.get_running_loop().create_task(self._follow(request.cursor, request.tag))
+        self.pump.add_done_callback(self._pump_stopped)
+
+    def _pump_stopped(self, pump: asyncio.Task[None]) -> None:
+        if not pump.cancelled() and pump.exception() is not None:
+            logger.error("timeline of %s stopped", self.engine.name, exc_info=pump.exception())
+
+    async def _follow(self, cursor: int, tag: int) -> None:
+        """Send what the recorder took since ``cursor``, then keep following it."""
+        from engines.runtime import EngineDeadError
+
+        engine = self.engine
+        recorder: str | None = None
+        while True:
+            try:
+                delta = await engine.trace_since(cursor)
+            except EngineDeadError as exc:
+                await self._error(f"Engine {engine.name} is not running ({exc}); the timeline resumes when it is back.")
+                await asyncio.sleep(self.RETRY_S)
+                continue
+            except ValueError:
+                # The cursor is ahead of the recorder: the engine was restarted with a new one.
+                await self.send(text_data=orjson.dumps({"type": "restarted", "engine": engine.name}).decode())
+                cursor = 0
+                continue
+            if recorder is not None and delta.recorder != recorder:  # the engine came back with a new one
+                await self.send(text_data=orjson.dumps({"type": "restarted", "engine": engine.name}).decode())
+                recorder, cursor = delta.recorder, 0
+                continue
+            recorder, cursor = delta.recorder, delta.cursor
+            header = TraceDeltaHeader(engine=engine.name, tag=tag, cursor=delta.cursor, missed=delta.missed, more=delta.more,
+                                      now_us=delta.now_us, held_events=delta.held_events,
+                                      dropped_events=delta.dropped_events)
+            # The calls are spliced in as the engine serialised them: no parse and re-dump here.
+            head = orjson.dumps(header.model_dump())
+            await self.send(text_data=(head[:-1] + b',"calls":' + delta.calls_json + b"}").decode())
+            if not delta.more:
+                await asyncio.sleep(self.INTERVAL_S)
+
+    async def _error(self, message: str) -> None:
+        await self.send(text_data=TimelineError(message=message).model_dump_json())
 
 
 class RefusedSocket(AsyncWebsocketConsumer):

@@ -123,3 +123,44 @@ class MetricsSnapshot(models.Model):
 
     def __str__(self) -> str:
         return f"{self.engine} metrics at {self.taken_at:%Y-%m-%d %H:%M:%S}"
+
+
+class ProfileRecord(models.Model):
+    """One saved profile of one engine (``engines.runtime`` 's built-in profiler).
+
+    The row holds what the admin lists, filters and compares on (``kernels`` is the per-kernel
+    table); the whole profile (steps, kernel spans as a Chrome trace, stacks, configuration) is
+    gzip JSON in ``payload``, read only by its page and its download.
+    """
+
+    class Source(models.TextChoices):
+        API = "api", "API"
+        DASHBOARD = "dashboard", "Dashboard"
+
+    engine = models.CharField(max_length=200, help_text="Engine (served model) name.")
+    model = models.CharField(max_length=200, help_text="Model the engine served.")
+    backend = models.CharField(max_length=32, blank=True, help_text="cuda or cpu.")
+    device = models.CharField(max_length=200, blank=True)
+    source = models.CharField(max_length=16, choices=Source.choices, default=Source.API)
+    captured_at = models.DateTimeField(default=timezone.now, help_text="When the profile started.")
+    duration_us = models.BigIntegerField(default=0)
+    steps = models.PositiveIntegerField(default=0)
+    kernel_calls = models.PositiveIntegerField(default=0)
+    stopped_by = models.CharField(max_length=16, blank=True, help_text="request, max_steps or time_limit.")
+    stack_samples = models.PositiveIntegerField(default=0, help_text="Python stack samples (0: not sampled).")
+    kernels = models.JSONField(default=list, blank=True)
+    payload_bytes = models.BigIntegerField(default=0, help_text="Size of the profile JSON.")
+    compressed_bytes = models.BigIntegerField(default=0, help_text="Size of the stored gzip payload.")
+    payload = models.BinaryField(help_text="The profile JSON, gzip-compressed.")
+    note = models.TextField(blank=True)
+
+    class Meta:
+        ordering = ("-captured_at", "-id")
+        indexes = [
+            models.Index(fields=["captured_at", "id"], name="profile_captured_idx"),
+            models.Index(fields=["engine", "captured_at", "id"], name="profile_engine_captured_idx"),
+        ]
+        verbose_name = "profile record"
+
+    def __str__(self) -> str:
+        return f"{self.engine} profile #{self.pk} ({self.captured_at:%Y-%m-%d %H:%M:%S})"

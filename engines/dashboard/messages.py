@@ -17,11 +17,11 @@ import re
 import socket
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from engines.history import MAX_NOTE_CHARS, MAX_TAGS
 
-__all__ = ["SERVER_ID", "ActionEvent", "ActionRequest", "EngineSnapshot", "engine_group"]
+__all__ = ["SERVER_ID", "ActionEvent", "ActionRequest", "EngineSnapshot", "ProfileState", "engine_group"]
 
 #: This server process, as snapshots name it: host and process id.
 SERVER_ID = f"{socket.gethostname()}:{os.getpid()}"
@@ -35,6 +35,16 @@ def engine_group(engine: str) -> str:
     name is cleaned and a hash of the real one keeps two names that clean alike apart."""
     digest = hashlib.sha256(engine.encode()).hexdigest()[:12]
     return f"dashboard.engine.{_GROUP_UNSAFE.sub('_', engine)[:60]}.{digest}"
+
+
+class ProfileState(BaseModel):
+    """The built-in profiler of one engine as this server process knows it."""
+
+    running: bool = False
+    steps: int = 0                 # profiled so far (while running)
+    max_steps: int | None = None
+    last_id: int | None = None     # the newest profile this process saved for the engine
+    last_url: str | None = None    # its page (/dashboard/profiles/<id>/)
 
 
 class EngineSnapshot(BaseModel):
@@ -55,6 +65,7 @@ class EngineSnapshot(BaseModel):
     metrics: dict[str, Any] | None = None
     #: The last requests that ended, newest first (``RecentRequest`` fields); None while not running.
     recent_requests: list[dict[str, Any]] | None = None
+    profile: ProfileState = ProfileState()
 
 
 class ActionRequest(BaseModel):
@@ -67,6 +78,9 @@ class ActionRequest(BaseModel):
     engine: StrictStr | None = None
     note: StrictStr = Field(default="", max_length=MAX_NOTE_CHARS)
     tags: list[StrictStr] = Field(default=[], max_length=MAX_TAGS)
+    # profile_start only: stop by itself after this many steps; sample the engine's Python stacks.
+    max_steps: StrictInt | None = Field(default=None, ge=1, le=1_000_000)
+    stack_sampling: StrictBool = False
 
 
 class ActionEvent(BaseModel):

@@ -65,12 +65,14 @@ class EngineSampler:
                     asyncio.gather(engine.metrics(), engine.recent_requests()), READ_TIMEOUT_S)
             except (EngineDeadError, asyncio.TimeoutError):
                 metrics = recent = None
+        from engines.profiling import profile_state
+
         status = engine.status
         return EngineSnapshot(
             server=SERVER_ID, engine=engine.name, at=time.time(), state=status.state.value,
             reason=status.reason, restarts=status.restarts, backend=engine.backend_name, dtype=engine.dtype,
             mode="process" if engine.process else "thread", tracing=engine.tracing_enabled, metrics=metrics,
-            recent_requests=recent)
+            recent_requests=recent, profile=profile_state(engine))
 
     async def publish(self) -> EngineSnapshot:
         """Take a snapshot and send it to the engine's group."""

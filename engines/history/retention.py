@@ -1,11 +1,12 @@
-"""Retention: how much trace and metrics history each engine keeps.
+"""Retention: how much trace, profile and metrics history each engine keeps.
 
 Limits are per engine, so one busy engine never pushes out another's history:
 at most ``TRACE_RETENTION_MAX_RECORDS`` records, together at most
 ``TRACE_RETENTION_MAX_BYTES`` of stored (gzip) payload, and none older than
 ``TRACE_RETENTION_MAX_DAYS`` days (0 turns a limit off). The byte limit never removes an
 engine's newest record: a single trace larger than the budget is kept until a newer one comes.
-Metrics snapshots older than ``METRICS_RETENTION_MAX_DAYS`` go the same way.
+Profile records follow the same three limits, counted apart from the traces. Metrics
+snapshots older than ``METRICS_RETENTION_MAX_DAYS`` go the same way.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from django.conf import settings
 from django.db.models import F, Q, QuerySet, Sum, Window
 from django.utils import timezone
 
-from engines.models import MetricsSnapshot, RequestSummary, TraceRecord
+from engines.models import MetricsSnapshot, ProfileRecord, RequestSummary, TraceRecord
 
 
 @dataclass
@@ -37,14 +38,16 @@ class RetentionResult:
 
 
 def expired_records(engine: str, *, max_records: int | None = None, max_days: float | None = None,
-                    max_bytes: int | None = None, now: datetime | None = None) -> QuerySet[TraceRecord]:
-    """The records of ``engine`` that fall outside its limits (``None``: from settings; 0: no limit)."""
+                    max_bytes: int | None = None, now: datetime | None = None,
+                    kind: type[TraceRecord] | type[ProfileRecord] = TraceRecord) -> QuerySet:
+    """The records of ``engine`` that fall outside its limits (``None``: from settings; 0: no limit);
+    ``kind`` is the record model (trace records, or profile records under the same rules)."""
     max_records = settings.TRACE_RETENTION_MAX_RECORDS if max_records is None else max_records
     max_days = settings.TRACE_RETENTION_MAX_DAYS if max_days is None else max_days
     max_bytes = settings.TRACE_RETENTION_MAX_BYTES if max_bytes is None else max_bytes
     if not (max_records >= 0 and max_days >= 0 and max_bytes >= 0):  # NaN included
         raise ValueError("retention limits must be >= 0 (0 means no limit)")
-    records = TraceRecord.objects.filter(engine=engine)
+    records = kind.objects.filter(engine=engine)
     expired = Q(pk__in=[])
     cutoff = _cutoff(max_days, now)
     if cutoff is not None:
@@ -101,6 +104,12 @@ def delete_records(records: QuerySet[TraceRecord]) -> tuple[int, int]:
     """
     _, per_model = records.defer("payload", "stats").delete()
     return (per_model.get(TraceRecord._meta.label, 0), per_model.get(RequestSummary._meta.label, 0))
+
+
+def apply_profile_retention(engine: str) -> int:
+    """Delete the profile records of ``engine`` past the trace limits (settings); returns how many."""
+    deleted, _ = expired_records(engine, kind=ProfileRecord).defer("payload").delete()
+    return deleted
 
 
 def prune_metrics_snapshots(engine: str | None = None, *, max_days: float | None = None,

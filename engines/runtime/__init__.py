@@ -61,6 +61,11 @@ _EXPORTS: dict[str, str] = {
     "ChatTemplateError": "model.tokenizer",
     # telemetry
     "TraceRecorder": "telemetry.trace_recorder",
+    "TraceDelta": "telemetry.trace_recorder",
+    "ProfileResult": "telemetry.profiler",
+    "ProfileStatus": "telemetry.profiler",
+    "ProfilerStateError": "telemetry.profiler",
+    "measure_host_bandwidth": "telemetry.profiler",
     "epoch_anchor_ns": "telemetry.trace_recorder",
     "EngineMetrics": "telemetry.metrics",
     "HistogramSnapshot": "telemetry.metrics",

@@ -37,6 +37,7 @@ def engine_facts(engine: Any) -> dict[str, Any]:
         "mode": "own process" if engine.process else "server thread",
         "tracing": engine.tracing_enabled,
         "traces_url": reverse("admin:engines_tracerecord_changelist") + "?" + urlencode({"engine__exact": engine.name}),
+        "profiles_url": reverse("admin:engines_profilerecord_changelist") + "?" + urlencode({"engine__exact": engine.name}),
         "snapshots_url": (reverse("admin:engines_metricssnapshot_changelist") + "?"
                           + urlencode({"engine__exact": engine.name})),
         "config": [

@@ -1,5 +1,7 @@
 """MLC's ``/debug/*`` endpoints: event trace, engine metrics, reset, CUDA profiler start/stop;
-and ours, ``save_event_trace``: the event trace into the trace history.
+and ours: ``save_event_trace`` (the event trace into the trace history) and
+``profile_start`` / ``profile_stop`` (the built-in profiler, on every backend, which the CUDA
+profiler routes start and stop too).
 
 They exist only with ``--enable-debug``; otherwise every route answers 404 as if
 it were not mounted (the gate is checked per request so tests and ``serve`` can
@@ -13,13 +15,13 @@ profiler routes accept ``model`` and answer a status.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from django.urls import reverse
 from django.views.decorators.csrf import csrf_exempt
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from engines.history import (
     MAX_NOTE_CHARS,
@@ -31,10 +33,11 @@ from engines.history import (
     validate_note,
 )
 from engines.models import TraceRecord
+from engines.profiling import DEFAULT_MAX_SECONDS, ProfileSaved, start_profile, stop_profile
 from engines.protocol.errors import ProtocolError
 from engines.protocol.json_body import JSONTooDeepError, loads_bounded
 from engines.registry import registry
-from engines.runtime import AsyncEngine
+from engines.runtime import AsyncEngine, ProfilerStateError
 from engines.views.errors import AsyncView, api_view, error_response, json_response
 
 NOT_MOUNTED = "Not found: the /debug endpoints exist only when the server runs with --enable-debug."
@@ -58,6 +61,29 @@ class SaveTraceOptions(BaseModel):
     note: StrictStr = Field(default="", max_length=MAX_NOTE_CHARS)
     tags: list[StrictStr] = Field(default=[], max_length=MAX_TAGS)
     clear: StrictBool = False
+
+
+class ProfileOptions(BaseModel):
+    """What ``profile_start`` (and ``cuda_profiler_start``) take besides ``model``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    max_steps: StrictInt | None = Field(default=None, ge=1, le=1_000_000)
+    max_seconds: float = Field(default=DEFAULT_MAX_SECONDS, gt=0, le=3600)
+    stack_sampling: StrictBool = False
+
+
+class ProfileStopOptions(BaseModel):
+    """What ``profile_stop`` takes besides ``model``: the saved profile's note."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    note: StrictStr = Field(default="", max_length=MAX_NOTE_CHARS)
+
+
+Options = TypeVar("Options", bound=BaseModel)
+PROFILE_HINT = ('Send "max_steps" as a whole number >= 1, "max_seconds" as a number of seconds (at most 3600) '
+                'and "stack_sampling" as true or false.')
 
 
 def debug_view(view: AsyncView) -> AsyncView:
@@ -146,21 +172,24 @@ async def save_event_trace(request: HttpRequest) -> HttpResponse:
     })
 
 
+def parse_options(request: HttpRequest, schema: type[Options], hint: str) -> Options:
+    """A body ``parse_body`` accepted, read again as ``schema``; a 400 naming the bad field, then ``hint``."""
+    raw = request.body.decode("utf-8", errors="replace")
+    try:
+        return schema.model_validate(loads_bounded(raw) if raw.strip() else {})
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        field = ".".join(str(part) for part in error["loc"])
+        raise ProtocolError(400, f'Invalid "{field}": {error["msg"]}. {hint}', param=field or None) from None
+
+
 def parse_save_options(request: HttpRequest) -> SaveTraceOptions:
     """The note, tags and clear flag of a body ``parse_body`` accepted; a 400 naming the bad field.
 
     Checked before the trace is taken, so a refused request never clears it.
     """
-    try:
-        options = SaveTraceOptions.model_validate(loads_bounded(request.body.decode("utf-8", errors="replace")))
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        field = ".".join(str(part) for part in error["loc"])
-        raise ProtocolError(
-            400,
-            f'Invalid "{field}": {error["msg"]}. Send "note" as a string, "tags" as a list of strings '
-            'and "clear" as true or false.',
-        ) from None
+    options = parse_options(request, SaveTraceOptions, 'Send "note" as a string, "tags" as a list of strings '
+                                                       'and "clear" as true or false.')
     for field, check in (("note", validate_note), ("tags", normalize_tags)):
         try:
             check(getattr(options, field))
@@ -186,32 +215,88 @@ async def reset_engine(request: HttpRequest) -> HttpResponse:
     return json_response({"status": "reset", "model": engine.name, "trace_cleared": body.clear_trace})
 
 
-async def _cuda_profiler(request: HttpRequest, start: bool) -> HttpResponse:
-    """Start or stop ``cudaProfilerStart``/``Stop`` capture (for Nsight Systems' ``--capture-range=cudaProfilerApi``).
+async def _start_builtin(request: HttpRequest, engine: AsyncEngine) -> dict[str, Any]:
+    options = parse_options(request, ProfileOptions, PROFILE_HINT)
+    try:
+        await start_profile(engine, max_steps=options.max_steps, max_seconds=options.max_seconds,
+                            stack_sampling=options.stack_sampling)
+    except ProfilerStateError as exc:
+        raise ProtocolError(409, f"Engine {engine.name}: {exc} (POST /debug/profile_stop).") from None
+    return {"status": "profiling", "model": engine.name, "max_steps": options.max_steps,
+            "max_seconds": options.max_seconds, "stack_sampling": options.stack_sampling}
 
-    The CUDA profiler API acts on a whole process, so it is applied once, in the process of
-    the named engine or the first one (its engine process when engines run in their own). On a
-    CPU backend there is nothing to capture, and saying so beats MLC's silent ``null``.
-    """
+
+async def _stop_builtin(request: HttpRequest, engine: AsyncEngine) -> ProfileSaved:
+    note = parse_options(request, ProfileStopOptions, 'Send "note" as a string.').note
+    try:
+        validate_note(note)
+        return await stop_profile(engine, note=note)
+    except ValueError as exc:  # ProfilerStateError is not one
+        raise ProtocolError(400, f'Invalid "note": {exc}.') from None
+    except ProfilerStateError as exc:
+        raise ProtocolError(409, f"Engine {engine.name}: {exc} (POST /debug/profile_start).") from None
+
+
+def _saved_reply(engine: AsyncEngine, saved: ProfileSaved, **extra: Any) -> dict[str, Any]:
+    return {"status": "stopped", "model": engine.name, "profile_id": saved.id, "url": saved.url,
+            "admin_url": reverse("admin:engines_profilerecord_change", args=[saved.id]), "steps": saved.steps,
+            "kernel_calls": saved.kernel_calls, **extra}
+
+
+@debug_view
+async def profile_start(request: HttpRequest) -> HttpResponse:
+    """Start the built-in profiler (every backend): each kernel launch and engine step timed until
+    ``profile_stop``, ``max_steps`` steps or ``max_seconds``; a second start is a 409."""
+    body = parse_body(request, model_required=False, empty_ok=True)
+    return json_response(await _start_builtin(request, lookup(body.model)))
+
+
+@debug_view
+async def profile_stop(request: HttpRequest) -> HttpResponse:
+    """Stop the built-in profiler and save the profile; answers its id and pages (409 with none running)."""
     body = parse_body(request, model_required=False, empty_ok=True)
     engine = lookup(body.model)
-    if engine.backend_name != "cuda":
-        raise ProtocolError(
-            400,
-            f'The CUDA profiler is unavailable: model "{engine.name}" runs on the {engine.backend_name} backend. '
-            "Serve it with --backend cuda on a machine with an NVIDIA GPU.",
-        )
-    await engine.cuda_profiler(start)
-    return json_response({"status": "started" if start else "stopped", "model": engine.name, "backend": "cuda"})
+    return json_response(_saved_reply(engine, await _stop_builtin(request, engine)))
+
+
+def _no_cuda(engine: AsyncEngine, then: str) -> ProtocolError:
+    return ProtocolError(
+        400,
+        f'The CUDA profiler is unavailable: model "{engine.name}" runs on the {engine.backend_name} backend. '
+        f"Serve it with --backend cuda on a machine with an NVIDIA GPU. {then}",
+    )
 
 
 @debug_view
 async def cuda_profiler_start(request: HttpRequest) -> HttpResponse:
-    """Begin a CUDA profiler capture range."""
-    return await _cuda_profiler(request, start=True)
+    """Begin a CUDA profiler capture range (for Nsight Systems' ``--capture-range=cudaProfilerApi``)
+    in the engine's process, and the built-in profiler with it.
+
+    The CUDA profiler API acts on a whole process, so it is applied once, in the process of the
+    named engine or the first one. On a CPU backend there is nothing to capture: the answer is
+    a 400 saying so, and the built-in profiler starts all the same.
+    """
+    body = parse_body(request, model_required=False, empty_ok=True)
+    engine = lookup(body.model)
+    started = await _start_builtin(request, engine)
+    if engine.backend_name != "cuda":
+        raise _no_cuda(engine, "The built-in profiler started instead: POST /debug/profile_stop saves it.")
+    await engine.cuda_profiler(True)
+    return json_response({**started, "status": "started", "backend": "cuda"})
 
 
 @debug_view
 async def cuda_profiler_stop(request: HttpRequest) -> HttpResponse:
-    """End the CUDA profiler capture range."""
-    return await _cuda_profiler(request, start=False)
+    """End the CUDA profiler capture range and save the built-in profile that ran with it."""
+    body = parse_body(request, model_required=False, empty_ok=True)
+    engine = lookup(body.model)
+    if engine.backend_name == "cuda":
+        await engine.cuda_profiler(False)
+        return json_response(_saved_reply(engine, await _stop_builtin(request, engine), backend="cuda"))
+    try:
+        saved = await _stop_builtin(request, engine)
+    except ProtocolError as exc:
+        if exc.status != 409:
+            raise
+        raise _no_cuda(engine, "No built-in profile was running either.") from None
+    raise _no_cuda(engine, f"The built-in profile that ran meanwhile was saved as #{saved.id}: {saved.url}")

@@ -203,9 +203,33 @@ async def test_engine_page_charts_controls_and_history_link(page, dashboard_serv
     await page.wait_for_function(
         "() => [...document.querySelectorAll('#metrics th')].some(th => th.textContent === 'num_finished_requests'"
         " && th.nextElementSibling.textContent === '0')", timeout=15000)
-    await page.click("#profile-start")
-    await page.wait_for_selector("#action-log li.error >> text=CUDA profiler is unavailable", timeout=15000)
     await page.screenshot(path=str(SHOTS / "engine-after-reset.png"), full_page=True)
+
+
+async def test_profiling_from_the_engine_page_saves_a_profile_to_open(page, dashboard_server: LiveServer) -> None:
+    await page.goto(f"{dashboard_server.base}/dashboard/engines/demo/")
+    await page.wait_for_selector('#connection[data-state="open"]')
+    await page.check("#profile-stacks")
+    await page.click("#profile-start")
+    await page.wait_for_selector("#action-log li.success >> text=profiling", timeout=15000)
+    assert await page.is_disabled("#profile-start") and not await page.is_disabled("#profile-stop")
+    with httpx.Client(base_url=dashboard_server.base, timeout=60) as http:
+        for i in range(3):
+            http.post("/v1/completions", json={"model": "demo", "prompt": f"profile {i}", "max_tokens": 12})
+    # The snapshots count the profiled steps live.
+    await page.wait_for_function(
+        "() => /profiling: [1-9][0-9]* steps/.test(document.getElementById('profile-state').textContent)",
+        timeout=15000)
+    await page.screenshot(path=str(SHOTS / "engine-profiling.png"), full_page=True)
+    await page.click("#profile-stop")
+    link = page.locator("#action-log li.success a")
+    await link.wait_for(timeout=30000)
+    assert "saved" in await page.text_content("#action-log li.success")
+    await page.wait_for_selector("#profile-last:not([hidden])", timeout=15000)
+    await link.click()
+    await page.wait_for_url("**/dashboard/profiles/*/")
+    for kernel in ("attention", "add_rmsnorm", "embedding"):
+        await page.wait_for_selector(f"table >> text={kernel}", timeout=15000)
 
 
 async def test_a_killed_engine_shows_restarting_then_running(page, dashboard_server: LiveServer) -> None:

@@ -27,6 +27,15 @@ def test_root_leads_to_the_dashboard_and_anonymous_users_to_the_login(serve) -> 
     assert login.status_code == 302 and login["Location"].startswith("/admin/login/?next=/dashboard/")
 
 
+def test_the_favicon_is_the_dashboards_icon(serve) -> None:
+    from django.contrib.staticfiles import finders
+
+    response = Client().get("/favicon.ico")
+    assert response.status_code == 301 and response["Location"].endswith("/engines/favicon.svg")
+    icon = finders.find("engines/favicon.svg")
+    assert icon and open(icon).read().startswith("<svg")
+
+
 async def test_the_overview_lists_every_engine_in_the_admins_frame(serve, staff_client: Client) -> None:
     async with serve(enable_debug=True):
         page = await sync_to_async(staff_client.get)("/dashboard/")

@@ -19,7 +19,7 @@ from debugsite.asgi import application
 from engines.consumers import CLOSE_FORBIDDEN, CLOSE_NOT_FOUND
 from engines.dashboard.messages import SERVER_ID, engine_group
 from engines.dashboard.sampler import hub_for
-from engines.models import TraceRecord
+from engines.models import ProfileRecord, TraceRecord
 from engines.registry import registry
 from tests.server.conftest import TRACED, UNTRACED
 
@@ -163,13 +163,29 @@ async def test_save_trace_reports_progress_and_links_the_record(dashboard, clien
     await socket.disconnect()
 
 
-async def test_clear_trace_and_profiling_answer_done_or_a_clear_error(dashboard) -> None:
+async def test_clear_trace_and_profiling_answer_done_or_a_clear_error(dashboard, client) -> None:
     traced = await connected(f"/ws/engines/{TRACED}/")
     await traced.send_to(text_data=json.dumps({"action": "clear_trace", "id": 1}))
     await next_message(traced, of_type("done", id=1))
-    await traced.send_to(text_data=json.dumps({"action": "profile_start", "id": 2}))
-    error = await next_message(traced, of_type("error", id=2))
-    assert "CUDA profiler is unavailable" in error["message"] and "cpu backend" in error["message"]
+    # The built-in profiler, on a CPU engine too: started, shown in the snapshots, stopped and saved.
+    await traced.send_to(text_data=json.dumps({"action": "profile_stop", "id": 2}))
+    assert "no profile is running" in (await next_message(traced, of_type("error", id=2)))["message"]
+    await traced.send_to(text_data=json.dumps({"action": "profile_start", "id": 3, "stack_sampling": True}))
+    assert (await next_message(traced, of_type("done", id=3)))["result"]["profiling"] is True
+    await traced.send_to(text_data=json.dumps({"action": "profile_start", "id": 4}))
+    assert "already running" in (await next_message(traced, of_type("error", id=4)))["message"]
+    body = {"model": TRACED, "prompt": "Once upon a time", "max_tokens": 8}
+    assert (await client.post("/v1/completions", json=body)).status_code == 200
+    running = await next_message(traced, lambda m: m["type"] == "snapshot" and m["profile"]["steps"] > 0)
+    assert running["profile"]["running"] is True
+    await traced.send_to(text_data=json.dumps({"action": "profile_stop", "id": 5, "note": "<i>ws</i>"}))
+    await next_message(traced, of_type("progress", id=5))
+    done = await next_message(traced, of_type("done", id=5))
+    record = await ProfileRecord.objects.aget(pk=done["result"]["record_id"])
+    assert (record.source, record.note, record.engine) == ("dashboard", "<i>ws</i>", TRACED) and record.steps > 0
+    assert done["result"]["url"] == f"/dashboard/profiles/{record.pk}/" and done["result"]["profiling"] is False
+    after = await next_message(traced, lambda m: m["type"] == "snapshot" and not m["profile"]["running"])
+    assert after["profile"]["last_id"] == record.pk
     await traced.disconnect()
     untraced = await connected(f"/ws/engines/{UNTRACED}/")
     await untraced.send_to(text_data=json.dumps({"action": "clear_trace", "id": 3}))

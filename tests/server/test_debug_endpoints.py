@@ -10,7 +10,7 @@ from engines.registry import registry
 from tests.server.conftest import TRACED, UNTRACED, assert_error, assert_invalid_request, sse_payloads
 
 ROUTES = ["dump_event_trace", "save_event_trace", "dump_engine_metrics", "reset_engine", "cuda_profiler_start",
-          "cuda_profiler_stop"]
+          "cuda_profiler_stop", "profile_start", "profile_stop"]
 
 
 async def generate(http: httpx.AsyncClient, user: str, max_tokens: int = 4, model: str = TRACED) -> dict:
@@ -157,12 +157,19 @@ async def test_reset_engine_unknown_model(client: httpx.AsyncClient) -> None:
 # ---------------------------------------------------------------------- CUDA profiler
 
 
+@pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("route", ["cuda_profiler_start", "cuda_profiler_stop"])
 @pytest.mark.parametrize("content", [b"", b'{"model": "demo-untraced"}'])
 async def test_cuda_profiler_on_cpu_is_a_clear_400(client: httpx.AsyncClient, route: str, content: bytes) -> None:
     error = assert_error(await client.post(f"/debug/{route}", content=content), 400)
     assert error["message"].startswith("The CUDA profiler is unavailable")
     assert "cpu backend" in error["message"]
+    if route == "cuda_profiler_start":  # the built-in profiler started all the same
+        assert "built-in profiler started" in error["message"]
+        stopped = await client.post("/debug/profile_stop", content=content)
+        assert stopped.status_code == 200 and stopped.json()["profile_id"] > 0
+    else:
+        assert "No built-in profile was running" in error["message"]
 
 
 async def test_cuda_profiler_unknown_model(client: httpx.AsyncClient) -> None:

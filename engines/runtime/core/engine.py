@@ -16,7 +16,9 @@ serves asyncio callers from it; no request handler touches model state.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -43,6 +45,8 @@ from engines.runtime.core.request import (
 from engines.runtime.core.sampler import InvalidSamplingParams, Sampler, SamplingState, TokenLogprob
 from engines.runtime.core.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from engines.runtime.core.stop_checker import StopChecker
+from engines.runtime.telemetry.profiler import ProfiledBackend, ProfileResult, ProfilerStateError, ProfileStatus, \
+    StepProfiler, measure_host_bandwidth
 from engines.runtime.telemetry.trace_recorder import TraceRecorder
 
 logger = logging.getLogger("engines.runtime")
@@ -145,6 +149,12 @@ class Engine:
         # A sequence can never hold more tokens than the pool or the position table.
         self.max_seq_len = min(num_pages * self.config.page_size, model.config.max_position_embeddings)
         self.num_steps = 0
+        # The running profile (None when none runs: one check per step seam), and one that
+        # stopped by itself and waits for stop_profile().
+        self.profiler: StepProfiler | None = None
+        self._stopped_profile: StepProfiler | None = None
+        self._plain_backend = model.backend
+        self._peak_bandwidth: tuple[float | None, str] | None = None
         self._update_gauges()
 
     # ------------------------------------------------------------------ requests
@@ -235,6 +245,85 @@ class Engine:
         self.model.forward_greedy(ForwardBatch(np.array([1], np.int32), np.array([0, 1], np.int32),
                                                np.array([2], np.int32), page_table), self.kv)
 
+    # ------------------------------------------------------------------- profiling
+
+    def start_profile(self, max_steps: int | None = None, max_seconds: float = 60.0,
+                      stack_sampling: bool = False) -> ProfileStatus:
+        """Profile the next steps (every kernel launch and step seam timed) until
+        :meth:`stop_profile`, ``max_steps`` steps or ``max_seconds``; between steps only.
+        A profile already running (or stopped and not yet taken) is a :class:`ProfilerStateError`."""
+        if self.profiler is not None:
+            raise ProfilerStateError("a profile is already running: stop it first")
+        if self._stopped_profile is not None:
+            raise ProfilerStateError("a finished profile has not been taken yet: stop it first")
+        profiler = StepProfiler(max_steps=max_steps, max_seconds=max_seconds, stack_sampling=stack_sampling)
+        if self._peak_bandwidth is None:
+            self._peak_bandwidth = self._measure_peak()
+        self.model.use_backend(ProfiledBackend(self._plain_backend, profiler))
+        self.profiler = profiler
+        return profiler.status()
+
+    def profile_status(self) -> ProfileStatus:
+        """Where the profiler stands; safe from any thread."""
+        profiler = self.profiler or self._stopped_profile
+        return profiler.status() if profiler is not None else ProfileStatus(running=False)
+
+    def stop_profile(self, engine_name: str = "engine") -> ProfileResult:
+        """End the profile (or take the one that stopped by itself) and summarise it; between
+        steps only. None to stop is a :class:`ProfilerStateError`."""
+        if self.profiler is not None:
+            self._end_profile()
+        profiler, self._stopped_profile = self._stopped_profile, None
+        if profiler is None:
+            raise ProfilerStateError("no profile is running: start one first")
+        peak, source = self._peak_bandwidth or (None, "")
+        model = self.model
+        return profiler.result(engine=engine_name, model=self.checkpoint.name, backend=model.backend_name,
+                               device=self._device_name(), peak_gbs=peak, peak_source=source,
+                               config=self.describe())
+
+    def _end_profile(self) -> None:
+        profiler, self.profiler = self.profiler, None
+        self.model.use_backend(self._plain_backend)
+        assert profiler is not None
+        profiler.finish("request")  # no-op when it ended by itself
+        self._stopped_profile = profiler
+
+    def _measure_peak(self) -> tuple[float | None, str]:
+        """The memory bandwidth kernels are compared with: the GPU's spec, or this host's copy rate."""
+        if self.model.backend_name != "cuda":
+            return measure_host_bandwidth(), "measured"
+        from numba import cuda
+
+        try:
+            device = cuda.get_current_device()
+            clock_khz, bus_bits = device.MEMORY_CLOCK_RATE, device.GLOBAL_MEMORY_BUS_WIDTH
+        except Exception:  # noqa: BLE001 - the simulator has no such attributes
+            return None, ""
+        return 2 * clock_khz * 1e3 * bus_bits / 8 / 1e9, "device"
+
+    def _device_name(self) -> str:
+        if self.model.backend_name == "cuda":
+            from numba import cuda
+
+            try:
+                name = cuda.get_current_device().name
+                return name.decode() if isinstance(name, bytes) else str(name)
+            except Exception:  # noqa: BLE001 - the simulator
+                return "cuda (simulator)"
+        return f"cpu ({os.cpu_count()} cores)"
+
+    def describe(self) -> dict[str, Any]:
+        """The engine's configuration as plain data: what a profile was taken on."""
+        import numba
+
+        return {
+            "checkpoint": self.checkpoint.name, "backend": self.model.backend_name, "dtype": self.model.dtype,
+            **dataclasses.asdict(self.model.config),
+            **{f"engine_{k}": v for k, v in dataclasses.asdict(self.config).items()},
+            "numba": numba.__version__,
+        }
+
     # ---------------------------------------------------------------------- step
 
     def step(self) -> list[RequestOutput]:
@@ -242,7 +331,12 @@ class Engine:
 
         Returns what the requests this step changed have to report (new text, finish reasons, usage).
         """
+        prof = self.profiler
+        if prof is not None:
+            prof.begin_step()
         sched = self._schedule()
+        if prof is not None:
+            prof.lap("schedule")
         touched = [seq.request for seq in sched.out_of_pages]
         if sched.chunks:
             t0 = time.perf_counter()
@@ -250,7 +344,12 @@ class Engine:
             touched += self._update(sched, output)
             self.metrics.on_step(time.perf_counter() - t0, prefill_tokens=sched.num_prefill_tokens,
                                  decode_seqs=sched.num_decode_seqs)
-        return self._outputs(touched)
+        outputs = self._outputs(touched)
+        if prof is not None:
+            prof.lap("outputs")
+            if prof.end_step(len(sched.chunks), sched.num_tokens, sched.num_prefill_tokens):
+                self._end_profile()
+        return outputs
 
     # ------------------------------------------------------------------ schedule
 
@@ -315,12 +414,16 @@ class Engine:
         # Argmax on the device when no row needs its logits: only token ids come back.
         greedy = not any(c.seq.grammar is not None or not c.seq.request.params.is_greedy
                          or c.seq.request.params.logprobs or c.seq.sampling.modifies_logits for c in sampled)
-        tracer = self.tracer
+        tracer, prof = self.tracer, self.profiler
         if tracer is not None:
             kind = "prefill" if sched.num_prefill_tokens else "decode"
             lane_ids = [c.seq.request.request_id for c in chunks]
             tracer.add_event(lane_ids, f"start {kind}", {"batch_size": len(chunks)}, engine_lane=True)
+        if prof is not None:
+            prof.lap("prepare")
         result = (self.model.forward_greedy if greedy else self.model.forward)(batch, self.kv)
+        if prof is not None:
+            prof.lap("forward")
         if tracer is not None:
             tracer.add_event(lane_ids, f"finish {kind}", {"tokens": sched.num_tokens}, engine_lane=True)
         if greedy:
@@ -332,9 +435,16 @@ class Engine:
     def _update(self, sched: SchedulerOutput, output: ModelOutput) -> list[RequestState]:
         """Everything after the forward pass: commit the K/V it wrote, pick a token per sampling row
         (grammar masks, sampler), append it (stop rules, detokenization); returns the requests with news."""
+        prof = self.profiler
         self._commit(sched.chunks)
+        if prof is not None:
+            prof.lap("commit")
         picks = self._pick_tokens(output)
+        if prof is not None:
+            prof.lap("sampling")
         self._append_picks(output.sampled, picks)
+        if prof is not None:
+            prof.lap("detokenization")
         return [c.seq.request for c in output.sampled]
 
     def _commit(self, chunks: list[ScheduledChunk]) -> None:
@@ -360,6 +470,8 @@ class Engine:
             return [(int(t), None) for t in output.token_ids]
         sampled = output.sampled
         masks, failures = self._grammar_masks(sampled)
+        if self.profiler is not None:
+            self.profiler.lap("grammar")
         tracer = self.tracer
         if tracer is not None:
             sample_ids = [c.seq.request.request_id for c in sampled]

@@ -33,8 +33,10 @@ from engines.runtime.frontend.messages import (
     CoreCommand,
     CoreMessage,
     CudaProfilerCall,
+    ProfileCall,
     Dead,
     DumpTraceCall,
+    TraceSinceCall,
     EngineCall,
     EngineInfo,
     EngineSpec,
@@ -52,6 +54,8 @@ from engines.runtime.frontend.transports import ProcessTransport, ThreadTranspor
 from engines.runtime.model.checkpoint import Checkpoint
 from engines.runtime.telemetry import trace_recorder as trace_clock
 from engines.runtime.telemetry.metrics import HistogramSnapshot
+from engines.runtime.telemetry.trace_recorder import TraceDelta
+from engines.runtime.telemetry.profiler import ProfileResult, ProfileStatus
 
 logger = logging.getLogger("engines.runtime")
 
@@ -343,6 +347,26 @@ class AsyncEngine:
         and empties the recorder in one step; ``skip_empty`` answers None when nothing is recorded.
         Raises ValueError when tracing is off."""
         return await self._acall(DumpTraceCall(clear, skip_empty))
+
+    async def trace_since(self, cursor: int = 0) -> TraceDelta:
+        """The trace calls recorded since ``cursor`` (``TraceRecorder.read_since``): a live
+        viewer's read. Raises ValueError when tracing is off or the cursor is not this engine's."""
+        return await self._acall(TraceSinceCall(cursor))
+
+    async def profile_start(self, max_steps: int | None = None, max_seconds: float = 60.0,
+                            stack_sampling: bool = False) -> ProfileStatus:
+        """Start the built-in profiler (``Engine.start_profile``) between two steps; a
+        ``ProfilerStateError`` when one runs already."""
+        return await self._acall(ProfileCall("start", max_steps, max_seconds, stack_sampling))
+
+    async def profile_stop(self) -> ProfileResult:
+        """Stop the profile (or take the one that stopped by itself) and return its result; a
+        ``ProfilerStateError`` when there is none."""
+        return await self._acall(ProfileCall("stop"))
+
+    async def profile_status(self) -> ProfileStatus:
+        """Where the profiler stands (answered at once, even mid-step)."""
+        return await self._acall(ProfileCall("status"))
 
     async def cuda_profiler(self, start: bool) -> None:
         """``cudaProfilerStart`` (or ``Stop``) in the engine's process, between two steps."""

@@ -32,11 +32,13 @@ from engines.runtime.frontend.messages import (
     CudaProfilerCall,
     Dead,
     DumpTraceCall,
+    TraceSinceCall,
     EngineCall,
     EngineInfo,
     EngineSpec,
     Failed,
     MetricsCall,
+    ProfileCall,
     Ready,
     RecentRequestsCall,
     Rejected,
@@ -118,9 +120,11 @@ class EngineCore:
     @staticmethod
     def is_immediate(command: CoreCommand) -> bool:
         """Whether ``command`` is answered at once by the thread that receives it, even in the
-        middle of a step: metrics reads are thread-safe, and a scrape must never wait for a
-        long prefill."""
-        return isinstance(command, Call) and isinstance(command.call, (MetricsCall, RecentRequestsCall))
+        middle of a step: metrics and trace reads are thread-safe, and a scrape or a live
+        timeline must never wait for a long prefill."""
+        call = command.call if isinstance(command, Call) else None
+        return isinstance(call, (MetricsCall, RecentRequestsCall, TraceSinceCall)) or (
+            isinstance(call, ProfileCall) and call.action == "status")
 
     def handle(self, command: CoreCommand, send: Send) -> bool:
         """Carry out one command; False once it was :class:`Shutdown`."""
@@ -176,6 +180,17 @@ class EngineCore:
                 if skip_empty and tracer.event_count == 0:
                     return None
                 return tracer.dump_json(clear)
+            case TraceSinceCall(cursor):
+                tracer = engine.tracer
+                if tracer is None:
+                    raise ValueError("tracing is off for this engine")
+                return tracer.read_since(cursor)
+            case ProfileCall("start", max_steps, max_seconds, stack_sampling):
+                return engine.start_profile(max_steps, max_seconds, stack_sampling)
+            case ProfileCall("stop"):
+                return engine.stop_profile(self.name)
+            case ProfileCall("status"):
+                return engine.profile_status()
             case CudaProfilerCall(start):
                 if engine.model.backend_name != "cuda":
                     raise ValueError("the CUDA profiler needs the cuda backend")

@@ -26,14 +26,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Literal, Union
 
 from engines.runtime.core.engine import EngineConfig
 from engines.runtime.core.request import GenerationRequest, RequestOutput
 
 __all__ = [
     "AbortRequest", "AddRequest", "Aborted", "Call", "CoreCommand", "CoreMessage", "CudaProfilerCall", "Dead",
-    "DumpTraceCall", "EngineCall", "EngineInfo", "EngineSpec", "Failed", "MetricsCall", "Ready", "Rejected",
+    "DumpTraceCall", "TraceSinceCall", "ProfileCall", "EngineCall", "EngineInfo", "EngineSpec", "Failed", "MetricsCall", "Ready", "Rejected",
     "RecentRequestsCall", "Reply", "ResetCall", "ServerTraceEvent", "ServerTraceEvents", "Shutdown", "StepOutputs",
 ]
 
@@ -96,13 +96,35 @@ class DumpTraceCall:
 
 
 @dataclass(frozen=True)
+class TraceSinceCall:
+    """The trace calls recorded since ``cursor`` (``TraceRecorder.read_since``), a
+    ``TraceDelta``; a ValueError when tracing is off. Answered at once, even mid-step."""
+
+    cursor: int = 0
+
+
+@dataclass(frozen=True)
+class ProfileCall:
+    """The built-in profiler (``Engine.start_profile`` / ``stop_profile`` / ``profile_status``):
+    ``start`` replies a ``ProfileStatus``, ``stop`` a ``ProfileResult``, ``status`` a
+    ``ProfileStatus`` (answered at once, even mid-step). A start while one runs, or a stop
+    with none, is a ``ProfilerStateError``."""
+
+    action: Literal["start", "stop", "status"]
+    max_steps: int | None = None
+    max_seconds: float = 60.0
+    stack_sampling: bool = False
+
+
+@dataclass(frozen=True)
 class CudaProfilerCall:
     """``cudaProfilerStart`` (``start``) or ``Stop`` on the engine's thread; replies None."""
 
     start: bool
 
 
-EngineCall = Union[ResetCall, MetricsCall, RecentRequestsCall, DumpTraceCall, CudaProfilerCall]
+EngineCall = Union[ResetCall, MetricsCall, RecentRequestsCall, DumpTraceCall, TraceSinceCall,
+                   ProfileCall, CudaProfilerCall]
 
 
 # ---------------------------------------------------------------- front end -> core

@@ -177,6 +177,13 @@ class LlamaModel:
         # Distinct objects that tell a greedy step's graph from a logits step's.
         self._greedy_marker, self._logits_marker = object(), object()
 
+    def use_backend(self, backend: Backend) -> None:
+        """Launch through ``backend`` from now on (the profiler's timed wrapper of this model's own
+        backend, or the plain one again): the model and each of its layers hold it."""
+        self.backend = backend
+        for layer in self.layers:
+            layer.backend = layer.attention.backend = layer.mlp.backend = backend
+
     @classmethod
     def from_checkpoint(cls, ckpt: "Checkpoint", backend: str = "auto", dtype: str = "float32") -> "LlamaModel":
         """Build from a loaded :class:`~engines.runtime.model.checkpoint.Checkpoint`."""

@@ -23,7 +23,7 @@ import orjson
 if TYPE_CHECKING:  # for the annotation only: the recorder imports this module at import time
     from engines.runtime.telemetry.trace_recorder import TraceWindow
 
-__all__ = ["export_json"]
+__all__ = ["export_json", "json_bytes"]
 
 _PID = 1
 _ENGINE_TID = 0
@@ -53,7 +53,8 @@ def _json_default(value: Any) -> Any:
     return str(value)
 
 
-def _json(value: Any) -> bytes:
+def json_bytes(value: Any) -> bytes:
+    """``value`` as compact JSON, the way trace args are written."""
     # numpy scalars are common in args (batch sizes from array lengths); a non-str key
     # (a token id) should not fail the whole dump.
     return orjson.dumps(value, default=_json_default,
@@ -116,7 +117,7 @@ class _Segments:
         """Add the JSON of each value (one orjson call for all); returns the first id."""
         self._flush()
         first = self._count
-        array = _json(values)
+        array = json_bytes(values)
         starts, lens = _split_json_array(np.frombuffer(array, np.uint8))
         if starts.size != len(values):  # orjson output is canonical; this would be our bug
             raise AssertionError(f"split {starts.size} JSON items, expected {len(values)}")
@@ -209,11 +210,11 @@ def export_json(window: TraceWindow) -> bytes:
         kind, name = _classify(event)
         ev_kind[i] = kind
         if kind == _I:
-            ev_nameseg[i] = segs.add(b'{"name":' + _json(name))
+            ev_nameseg[i] = segs.add(b'{"name":' + json_bytes(name))
             continue
         if name not in bases:
             # left open: ' (n)"' completes the name
-            bases[name] = (len(bases), segs.add(b'{"name":' + _json(name)[:-1]))
+            bases[name] = (len(bases), segs.add(b'{"name":' + json_bytes(name)[:-1]))
         ev_base[i], ev_nameseg[i] = bases[name]
     row_kind = ev_kind[row_ev]
 
@@ -320,7 +321,7 @@ def _frame(identity: dict[str, str], max_events: int, *, event_count: int, reque
     """The JSON before the lanes' metadata and after the events (otherData)."""
     header = (b'{"traceEvents":[{"name":"process_name","ph":"M","pid":%d,"tid":%d,"args":{"name":%s}},'
               b'{"name":"thread_name","ph":"M","pid":%d,"tid":%d,"args":{"name":"engine"}}'
-              % (_PID, _ENGINE_TID, _json(identity["engine"]), _PID, _ENGINE_TID))
+              % (_PID, _ENGINE_TID, json_bytes(identity["engine"]), _PID, _ENGINE_TID))
     other = {
         **identity,                        # engine, model, backend, version
         "window": {"first_ts": first_ts, "last_ts": last_ts},
@@ -331,7 +332,7 @@ def _frame(identity: dict[str, str], max_events: int, *, event_count: int, reque
         "unclosed_spans": unclosed,        # closed at dump time, args.unclosed = true
         "orphan_finishes": orphans,        # finishes whose start was evicted or cleared: omitted
     }
-    trailer = b'],"displayTimeUnit":"ms","otherData":' + _json(other) + b"}"
+    trailer = b'],"displayTimeUnit":"ms","otherData":' + json_bytes(other) + b"}"
     return header, trailer
 
 

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -56,12 +57,17 @@ from typing import Any
 
 import orjson
 
-from engines.runtime.telemetry.chrome_trace import export_json
+from engines.runtime.telemetry.chrome_trace import export_json, json_bytes
 
-__all__ = ["TraceRecorder", "TraceWindow", "RecordedCall", "DEFAULT_MAX_EVENTS",
-           "epoch_anchor_ns", "set_epoch_anchor_ns"]
+__all__ = ["TraceRecorder", "TraceWindow", "TraceDelta", "RecordedCall", "DEFAULT_MAX_EVENTS",
+           "DEFAULT_DELTA_CALLS", "DEFAULT_DELTA_BYTES", "epoch_anchor_ns", "set_epoch_anchor_ns"]
 
 DEFAULT_MAX_EVENTS = 1_000_000
+# A live reader takes at most this many calls a read: the lock is held while they are copied,
+# so a reader that fell far behind catches up over several reads instead of stalling a step.
+DEFAULT_DELTA_CALLS = 20_000
+#: A read's ``calls_json`` stays under this: a websocket message has a size limit (Daphne's is 1 MiB).
+DEFAULT_DELTA_BYTES = 512 * 1024
 
 # One anchor per process: perf_counter_ns is monotonic (ts never goes backwards when the wall
 # clock is adjusted) and high resolution; adding this offset once maps it onto the Unix epoch.
@@ -101,6 +107,27 @@ class TraceWindow:
     version: str
 
 
+@dataclass(frozen=True, slots=True)
+class TraceDelta:
+    """The calls recorded since a cursor (:meth:`TraceRecorder.read_since`), for a live viewer.
+
+    ``calls_json`` is a JSON array, one ``[ts_us, [request ids], event, args, engine_lane]`` per
+    ``add_event`` call in recorded order, ``ts_us`` on the dump's clock (µs since the Unix epoch)
+    and ``args`` as the dump writes them (``null`` for none). Pairing, lanes and the ``"X (n)"``
+    counters are the reader's to apply, by the rules of the dump (``trace_recorder``'s docstring).
+    """
+
+    calls_json: bytes
+    calls: int          # how many calls ``calls_json`` holds
+    recorder: str       # the recorder's identity: cursors mean nothing to another one
+    cursor: int         # pass back to read on from here
+    missed: int         # trace events evicted or cleared before this reader took them
+    more: bool          # more calls are held past ``cursor`` (the read was capped)
+    now_us: int         # the recorder clock at the read, µs since the Unix epoch
+    held_events: int    # trace events the recorder holds now
+    dropped_events: int  # trace events evicted since the last clear()
+
+
 class TraceRecorder:
     """Records engine events per request and exports them as a Chrome trace (object form).
 
@@ -127,6 +154,11 @@ class TraceRecorder:
         self._calls: deque[RecordedCall] = deque()   # oldest first
         self._held = 0      # trace events the held calls expand to
         self._dropped = 0   # trace events evicted since the last clear()
+        # Cursors count trace events ever recorded: the held calls expand to events number
+        # [_first_event, _next_event). Eviction and clear() move _first_event; nothing resets it.
+        self._first_event = 0
+        self._next_event = 0
+        self.identity = uuid.uuid4().hex   # a cursor belongs to one recorder (an engine restart makes a new one)
         self._clock = clock
 
     # ------------------------------------------------------------------ recording
@@ -152,7 +184,9 @@ class TraceRecorder:
         with self._lock:
             # Read the clock under the lock: buffer order is then timestamp order.
             self._calls.append((self._clock() if at_ns is None else at_ns, ids, event, args, engine_lane))
-            self._held += len(ids) + engine_lane
+            n = len(ids) + engine_lane
+            self._held += n
+            self._next_event += n
             if self._held > self._max_events:
                 self._evict()
 
@@ -164,6 +198,7 @@ class TraceRecorder:
             n = len(ids) + engine_lane
             self._held -= n
             self._dropped += n
+            self._first_event += n
 
     def clear(self) -> None:
         """Forget every recorded event and the dropped count (spans open now lose their start)."""
@@ -171,6 +206,7 @@ class TraceRecorder:
             self._calls.clear()
             self._held = 0
             self._dropped = 0
+            self._first_event = self._next_event
 
     # ------------------------------------------------------------------ inspection
 
@@ -207,11 +243,59 @@ class TraceRecorder:
                 # thread's add_event never waits on a large window being taken.
                 calls, self._calls = self._calls, deque()
                 dropped, self._held, self._dropped = self._dropped, 0, 0
+                self._first_event = self._next_event
             else:
                 calls, dropped = list(self._calls), self._dropped
             now_ns = self._clock()  # under the lock: no earlier than any event it timed
         return TraceWindow(calls, now_ns, _EPOCH_ANCHOR_NS, dropped, self._max_events,
                            self.engine, self.model, self.backend, self.version)
+
+    def read_since(self, cursor: int = 0, max_calls: int = DEFAULT_DELTA_CALLS,
+                   max_bytes: int = DEFAULT_DELTA_BYTES) -> TraceDelta:
+        """The calls recorded since ``cursor`` (0, or the ``cursor`` of the previous read).
+
+        Cheap while the engine runs: the lock is held only to copy references to the new calls,
+        walking back from the newest, so a read costs what was recorded since the last one
+        (capped at ``max_calls`` and ``max_bytes`` of JSON, though one call always comes; ``more``
+        says to read again). Events evicted or cleared before
+        they were read are counted in ``missed``, never silently skipped. A cursor ahead of the
+        recorder (from another recorder, or a made-up one) is a ValueError.
+        """
+        if not isinstance(cursor, int) or cursor < 0:
+            raise ValueError(f"cursor must be a non-negative integer, got {cursor!r}")
+        if max_calls < 1 or max_bytes < 1:
+            raise ValueError(f"max_calls and max_bytes must be positive, got {max_calls!r}, {max_bytes!r}")
+        with self._lock:
+            if cursor > self._next_event:
+                raise ValueError(f"cursor {cursor} is ahead of the recorder ({self._next_event} events recorded)")
+            missed = max(0, self._first_event - cursor)
+            start = max(cursor, self._first_event)
+            # The calls past `start`, found from the newest end: O(new calls), not O(held).
+            new: list[RecordedCall] = []
+            position = self._next_event
+            for call in reversed(self._calls):
+                if position <= start:
+                    break
+                new.append(call)
+                position -= len(call[1]) + call[4]
+            new.reverse()
+            more = len(new) > max_calls
+            if more:
+                new = new[:max_calls]
+            now_ns = self._clock()
+            held, dropped = self._held, self._dropped
+        anchor = _EPOCH_ANCHOR_NS
+        rows = [((ns + anchor) // 1000, ids, event, args, engine_lane)
+                for ns, ids, event, args, engine_lane in new]
+        payload = json_bytes(rows)
+        while len(payload) > max_bytes and len(rows) > 1:
+            # Cut to the share that fits, with room to spare: one or two passes in practice.
+            keep = max(1, min(len(rows) - 1, int(len(rows) * max_bytes / len(payload) * 0.9)))
+            rows, new, more = rows[:keep], new[:keep], True
+            payload = json_bytes(rows)
+        end = start + sum(len(call[1]) + call[4] for call in new)
+        return TraceDelta(payload, len(rows), self.identity, end, missed, more,
+                          (now_ns + anchor) // 1000, held, dropped)
 
     def dump_json(self, clear: bool = False) -> bytes:
         """The trace as Chrome Trace Event Format JSON (object form), compact UTF-8 bytes.

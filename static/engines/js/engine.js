@@ -146,8 +146,24 @@ function showState(snap) {
   reason.textContent = snap.state === "running" ? "" : `The engine is ${fmt.state(snap)}; its requests answer 503 meanwhile.`;
 }
 
+// The built-in profiler's state: live from the snapshots, and at once from an action's answer.
+function showProfile(profile) {
+  if (!profile) return;
+  const steps = profile.max_steps ? `${profile.steps} of ${profile.max_steps} steps` : `${profile.steps} steps`;
+  document.getElementById("profile-state").textContent = profile.running ? `profiling: ${steps}` : "not profiling";
+  document.getElementById("profile-start").disabled = profile.running;
+  document.getElementById("profile-stop").disabled = !profile.running;
+  const last = document.getElementById("profile-last");
+  if (profile.last_url) {
+    last.href = profile.last_url;
+    last.textContent = `last profile (#${profile.last_id})`;
+    last.hidden = false;
+  }
+}
+
 function onSnapshot(snap) {
   showState(snap);
+  showProfile(snap.profile);
   const m = snap.metrics;
   document.getElementById("metrics-module").classList.toggle("stale", !m);
   if (!m) return;
@@ -214,7 +230,7 @@ function onActionEvent(event) {
       entry.append(a);
     }
     if (event.type === "done" && "profiling" in (event.result || {})) {
-      document.getElementById("profile-state").textContent = event.result.profiling ? "profiling" : "not profiling";
+      showProfile({ running: event.result.profiling, steps: 0, last_url: event.result.url, last_id: event.result.record_id });
     }
   }
 }
@@ -235,5 +251,11 @@ document.getElementById("save-trace").addEventListener("submit", (event) => {
   act("save_trace", { note: document.getElementById("trace-note").value, tags });
 });
 document.getElementById("clear-trace").addEventListener("click", () => act("clear_trace"));
-document.getElementById("profile-start").addEventListener("click", () => act("profile_start"));
+document.getElementById("profile-start").addEventListener("click", () => {
+  const maxSteps = parseInt(document.getElementById("profile-max-steps").value, 10);
+  act("profile_start", {
+    stack_sampling: document.getElementById("profile-stacks").checked,
+    ...(Number.isInteger(maxSteps) && maxSteps > 0 ? { max_steps: maxSteps } : {}),
+  });
+});
 document.getElementById("profile-stop").addEventListener("click", () => act("profile_stop"));

@@ -127,6 +127,60 @@ async def test_server_events_and_engine_events_share_one_timeline(engine, demo) 
     assert await engine.dump_trace(skip_empty=True) is None  # clear=True took everything
 
 
+async def test_a_live_reader_follows_the_engine_process_trace_mid_stream(engine, demo) -> None:
+    """``trace_since`` crosses the process boundary as a typed TraceDelta, answered while the
+    engine is busy, and what a reader collects is what the dump holds."""
+    from engines.runtime import TraceDelta
+    from engines.runtime.telemetry.chrome_trace_reference import export_dict
+    from engines.runtime.telemetry.trace_recorder import TraceWindow
+
+    await engine.dump_trace(clear=True)
+    start = await engine.trace_since(0)
+    assert isinstance(start, TraceDelta) and start.calls == 0
+    cursor, calls = start.cursor, []
+    stream = asyncio.ensure_future(consume(engine, request("live", prompts(demo, 1)[0], max_tokens=24)))
+    while not stream.done():   # read while the request runs
+        delta = await engine.trace_since(cursor)
+        assert delta.missed == 0 and delta.recorder == start.recorder
+        calls += json.loads(delta.calls_json)
+        cursor = delta.cursor
+        await asyncio.sleep(0.005)
+    await stream
+    delta = await engine.trace_since(cursor)
+    calls += json.loads(delta.calls_json)
+    assert [c[2] for c in calls][:2] == ["request added to engine", "start queue"]
+    window = TraceWindow([(ts * 1000, tuple(ids), ev, args, lane) for ts, ids, ev, args, lane in calls],
+                         delta.now_us * 1000, 0, 0, 1, "demo", "", "", "")
+    rebuilt = [e for e in export_dict(window)["traceEvents"] if e["ph"] != "M"]
+    dumped = [e for e in json.loads(await engine.dump_trace(clear=True))["traceEvents"] if e["ph"] != "M"]
+    assert rebuilt == dumped
+    with pytest.raises(ValueError, match="ahead"):
+        await engine.trace_since(cursor + 10**9)
+
+
+async def test_a_profile_of_the_engine_process_comes_back_whole(engine, demo) -> None:
+    """The profiler runs in the engine's process; its status is answered mid-stream, and the
+    result crosses back typed, with the steps of the request that ran meanwhile."""
+    from engines.runtime import ProfileResult, ProfilerStateError
+
+    started = await engine.profile_start(max_seconds=30, stack_sampling=True)
+    assert started.running and started.stack_sampling
+    with pytest.raises(ProfilerStateError, match="already running"):
+        await engine.profile_start()
+    stream = asyncio.ensure_future(consume(engine, request("profiled", prompts(demo, 1)[0], max_tokens=16)))
+    seen = 0
+    while not stream.done():
+        seen = max(seen, (await engine.profile_status()).steps)
+        await asyncio.sleep(0.01)
+    await stream
+    result = await engine.profile_stop()
+    assert isinstance(result, ProfileResult) and result.engine == engine.name and result.backend == "cpu"
+    assert len(result.steps) >= max(seen, 16) and result.stacks["samples"] > 0
+    assert {"attention", "embedding"} <= {k["name"] for k in result.kernels}
+    with pytest.raises(ProfilerStateError):
+        await engine.profile_stop()
+
+
 async def test_sigterm_to_the_service_leaves_the_engine_to_its_server(engine, demo) -> None:
     """systemd signals every process of a service; the engine stops when its server tells it to
     (after the server saved the last trace window), not on the signal."""

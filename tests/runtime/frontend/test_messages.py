@@ -23,6 +23,9 @@ SAMPLES = [
     m.Call(9, m.DumpTraceCall(clear=True, skip_empty=False)),
     m.Call(11, m.RecentRequestsCall()),
     m.Call(10, m.CudaProfilerCall(start=False)),
+    m.Call(12, m.TraceSinceCall(cursor=42)),
+    m.Call(13, m.ProfileCall("start", max_steps=5, max_seconds=2.5, stack_sampling=True)),
+    m.Call(14, m.ProfileCall("status")),
     m.Shutdown(),
     m.Ready(INFO),
     m.StepOutputs([RequestOutput("r1", [ChoiceDelta(0, "hi", [5], None, FinishReason.STOP)], {"prompt_tokens": 3})]),
@@ -58,8 +61,24 @@ def test_error_messages_keep_their_exception() -> None:
 
 def test_only_metrics_calls_are_answered_mid_step() -> None:
     immediate = [s for s in SAMPLES if EngineCore.is_immediate(s)]
-    assert immediate == [m.Call(8, m.MetricsCall(with_histograms=True)), m.Call(11, m.RecentRequestsCall())]
+    assert immediate == [m.Call(8, m.MetricsCall(with_histograms=True)), m.Call(11, m.RecentRequestsCall()),
+                         m.Call(12, m.TraceSinceCall(cursor=42)), m.Call(14, m.ProfileCall("status"))]
     assert EngineCore.is_immediate(m.Call(1, m.MetricsCall()))
+
+
+def test_profile_calls_start_stop_and_report(make_engine) -> None:
+    core = EngineCore(make_engine(), "demo")
+    sent: list[m.CoreMessage] = []
+    for call_id, call in enumerate([m.ProfileCall("start", max_steps=2), m.ProfileCall("status"),
+                                    m.ProfileCall("start"), m.ProfileCall("stop"), m.ProfileCall("stop")]):
+        core.handle(m.Call(call_id, call), sent.append)
+    started, status, again, stopped, none = sent
+    assert started.ok and started.value.running and started.value.max_steps == 2
+    assert status.ok and status.value.running and status.value.steps == 0
+    assert not again.ok and "already running" in str(again.value)
+    assert stopped.ok and stopped.value.engine == "demo" and stopped.value.stopped_by == "request"
+    assert not none.ok and "no profile is running" in str(none.value)
+    assert pickle.loads(pickle.dumps(stopped)).value == stopped.value  # crosses the process boundary
 
 
 def test_a_call_that_fails_is_replied_with_its_error(make_engine) -> None:

@@ -1,0 +1,54 @@
+"""Saving the built-in profiler's results (``ProfileResult``) as :class:`ProfileRecord` rows.
+
+The profile's JSON is stored gzip-compressed, as traces are; the row keeps the per-kernel
+table for the admin's list and the compare page. Retention follows the trace limits.
+"""
+from __future__ import annotations
+
+from datetime import datetime, timezone as dt_timezone
+from typing import Any
+
+import orjson
+from asgiref.sync import sync_to_async
+from django.db import transaction
+
+from engines.history.capture import _closing_connections, _finite_json, validate_note
+from engines.history.payload import compress_json
+from engines.history.retention import apply_profile_retention
+from engines.models import ProfileRecord
+
+__all__ = ["asave_profile", "save_profile"]
+
+
+def save_profile(profile: dict[str, Any], *, engine: str, source: str = ProfileRecord.Source.API, note: str = "",
+                 retention: bool = True) -> ProfileRecord:
+    """Store ``profile`` (``ProfileResult.to_json()``) for ``engine``; applies retention after."""
+    if source not in ProfileRecord.Source.values:
+        raise ValueError(f"source must be one of {', '.join(ProfileRecord.Source.values)}, got {source!r}")
+    note = validate_note(note)
+    profile = _finite_json(profile)  # a kernel that never ran gives no inf/nan to the JSON
+    raw = orjson.dumps(profile)
+    stored = compress_json(raw)
+    stacks = profile.get("stacks") or {}
+    record = ProfileRecord(
+        engine=engine, model=str(profile.get("model", "")), backend=str(profile.get("backend", "")),
+        device=str(profile.get("device", ""))[:200], source=source,
+        captured_at=datetime.fromtimestamp(profile["started_at_us"] / 1e6, tz=dt_timezone.utc),
+        duration_us=int(profile.get("duration_us", 0)), steps=int(profile.get("steps", 0)),
+        kernel_calls=sum(int(k["calls"]) for k in profile.get("kernels", [])),
+        stopped_by=str(profile.get("stopped_by", "")), stack_samples=int(stacks.get("samples", 0)),
+        kernels=profile.get("kernels", []), payload_bytes=len(raw), compressed_bytes=len(stored.data),
+        payload=stored.data, note=note,
+    )
+    with transaction.atomic():
+        record.save(force_insert=True)
+    if retention:
+        apply_profile_retention(engine)
+    return record
+
+
+async def asave_profile(profile: dict[str, Any], *, engine: str, source: str = ProfileRecord.Source.API,
+                        note: str = "", retention: bool = True) -> ProfileRecord:
+    """:func:`save_profile` on a worker thread with its own database connection."""
+    save = sync_to_async(_closing_connections(save_profile), thread_sensitive=False)
+    return await save(profile, engine=engine, source=source, note=note, retention=retention)

@@ -1,0 +1,128 @@
+"""The server's side of the built-in profiler: start, stop and save, one profile per engine.
+
+A profile runs in the engine (``AsyncEngine.profile_start``); this module remembers, per engine
+and per server process, the one it started, watches it (a profile that stops by itself after
+``max_steps`` or its time limit is saved without anyone asking), and saves each finished profile
+as a :class:`~engines.models.ProfileRecord`. Stop and save never block the event loop: the engine
+answers between two steps and the record is written on a worker thread.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import weakref
+from dataclasses import dataclass, field
+
+from django.urls import reverse
+
+from engines.dashboard.messages import ProfileState
+from engines.history.profiles import asave_profile
+from engines.runtime import AsyncEngine, ProfilerStateError, ProfileStatus
+
+__all__ = ["ProfileSaved", "profile_state", "start_profile", "stop_profile"]
+
+logger = logging.getLogger("engines.profiling")
+
+#: Seconds between two looks at a running profile (has it stopped by itself?).
+WATCH_INTERVAL_S = 0.5
+#: A profile nobody stops ends after this long (seconds), and is saved.
+DEFAULT_MAX_SECONDS = 60.0
+
+
+@dataclass(frozen=True)
+class ProfileSaved:
+    """A saved profile: its record id and page."""
+
+    id: int
+    url: str
+    steps: int
+    kernel_calls: int
+
+
+@dataclass
+class _EngineProfiles:
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    watcher: asyncio.Task[None] | None = None
+    status: ProfileStatus = ProfileStatus(running=False)
+    last: ProfileSaved | None = None
+    source: str = "api"
+
+
+# Per engine object (a restarted server, or a test's fresh engine, starts with nothing).
+_engines: weakref.WeakKeyDictionary[AsyncEngine, _EngineProfiles] = weakref.WeakKeyDictionary()
+
+
+def _of(engine: AsyncEngine) -> _EngineProfiles:
+    state = _engines.get(engine)
+    if state is None:
+        state = _engines[engine] = _EngineProfiles()
+    return state
+
+
+def profile_state(engine: AsyncEngine) -> ProfileState:
+    """What the dashboard shows of ``engine``'s profiler (no call to the engine)."""
+    state = _engines.get(engine)
+    if state is None:
+        return ProfileState()
+    last = state.last
+    return ProfileState(running=state.watcher is not None and not state.watcher.done(), steps=state.status.steps,
+                        max_steps=state.status.max_steps, last_id=last.id if last else None,
+                        last_url=last.url if last else None)
+
+
+async def start_profile(engine: AsyncEngine, *, max_steps: int | None = None,
+                        max_seconds: float = DEFAULT_MAX_SECONDS, stack_sampling: bool = False,
+                        source: str = "api") -> ProfileStatus:
+    """Start profiling ``engine``; raises ``ProfilerStateError`` when a profile runs already."""
+    state = _of(engine)
+    async with state.lock:
+        status = await engine.profile_start(max_steps, max_seconds, stack_sampling)
+        state.status, state.source = status, source
+        state.watcher = asyncio.get_running_loop().create_task(_watch(engine, state))
+    return status
+
+
+async def stop_profile(engine: AsyncEngine, *, note: str = "", source: str | None = None) -> ProfileSaved:
+    """Stop ``engine``'s profile and save it. If it had stopped by itself and was saved
+    already, that record is the answer; with no profile at all, ``ProfilerStateError``."""
+    state = _of(engine)
+    async with state.lock:
+        watcher = state.watcher
+        if watcher is None or watcher.done():
+            if state.last is not None and watcher is not None and state.status.finished:
+                state.watcher = None
+                return state.last  # it ended by itself and was saved meanwhile
+            raise ProfilerStateError(f"no profile is running on engine {engine.name}: start one first")
+        watcher.cancel()
+        state.watcher = None
+        return await _save(engine, state, note=note, source=source or state.source)
+
+
+async def _watch(engine: AsyncEngine, state: _EngineProfiles) -> None:
+    """Follow a running profile; save it when it stops by itself."""
+    while True:
+        await asyncio.sleep(WATCH_INTERVAL_S)
+        try:
+            state.status = await engine.profile_status()
+        except Exception:  # noqa: BLE001 - the engine died: the profile died with it
+            logger.warning("engine %s: its profile ended with the engine", engine.name)
+            state.status = ProfileStatus(running=False)
+            return
+        if state.status.finished or not state.status.running:
+            break
+    async with state.lock:
+        if state.watcher is asyncio.current_task():
+            try:
+                await _save(engine, state, note="", source=state.source)
+            except Exception:  # noqa: BLE001 - logged; the next start begins afresh
+                logger.exception("engine %s: the profile that stopped by itself could not be saved", engine.name)
+
+
+async def _save(engine: AsyncEngine, state: _EngineProfiles, *, note: str, source: str) -> ProfileSaved:
+    result = await engine.profile_stop()
+    record = await asave_profile(result.to_json(), engine=engine.name, source=source, note=note)
+    state.last = ProfileSaved(record.pk, reverse("dashboard-profile", args=[record.pk]), record.steps,
+                              record.kernel_calls)
+    state.status = ProfileStatus(running=False, steps=record.steps, finished=True)
+    logger.info("engine %s: profile #%d saved (%d steps)", engine.name, record.pk, record.steps)
+    return state.last

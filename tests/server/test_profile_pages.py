@@ -1,0 +1,133 @@
+"""The profile pages: staff only, the kernel table from the record, the data and downloads as
+stored, two profiles compared with the changes marked, and user text escaped everywhere."""
+from __future__ import annotations
+
+import copy
+import gzip
+
+import orjson
+import pytest
+from django.test import Client
+
+from engines.history.profiles import save_profile
+from engines.models import ProfileRecord
+from engines.runtime.core.request import GenerationRequest
+from engines.runtime.core.sampler import SamplingParams
+
+pytestmark = pytest.mark.django_db
+HOSTILE = '<script>alert(1)</script> "><img src=x onerror=alert(2)>'
+
+
+@pytest.fixture(scope="module")
+def profile(make_engine_for_pages) -> dict:
+    """A real profile of the demo engine, with its stacks; one frame named with markup."""
+    engine = make_engine_for_pages
+    engine.warm_up()
+    engine.start_profile(max_steps=12, stack_sampling=True)
+    for i in range(3):
+        engine.add_request(GenerationRequest(f"r{i}", engine.tokenizer.encode("profile pages " * 4),
+                                             SamplingParams(max_tokens=16, ignore_eos=True), None, None))
+    while engine.profiler is not None:
+        engine.step()
+    result = engine.stop_profile("demo").to_json()
+    result["stacks"]["folded"].append([f"engine:step;{HOSTILE}", 1])
+    result["stacks"]["samples"] += 1
+    return result
+
+
+@pytest.fixture(scope="module")
+def make_engine_for_pages():
+    from engines.runtime.core.engine import Engine, EngineConfig
+    from engines.runtime.model.checkpoint import load_checkpoint
+    from engines.runtime.model.demo_model import demo_checkpoint_path
+    from engines.runtime.model.llama import LlamaModel
+
+    ckpt = load_checkpoint(demo_checkpoint_path())
+    return Engine(LlamaModel.from_checkpoint(ckpt, backend="cpu"), ckpt,
+                  EngineConfig(max_num_seqs=4, num_pages=64, prefill_chunk_size=64))
+
+
+@pytest.fixture
+def staff() -> Client:
+    from django.contrib.auth.models import User
+
+    client = Client()
+    client.force_login(User.objects.create_user("staff", password="pw", is_staff=True, is_superuser=True))
+    return client
+
+
+def test_the_page_shows_every_kernel_with_its_calls(staff: Client, profile: dict) -> None:
+    record = save_profile(profile, engine=HOSTILE, note=HOSTILE)
+    page = staff.get(f"/dashboard/profiles/{record.pk}/")
+    assert page.status_code == 200
+    html = page.content.decode()
+    for kernel in profile["kernels"]:
+        assert f'<td data-sort="{kernel["name"]}">{kernel["name"]}</td>' in html
+        assert f'data-sort="{kernel["calls"]}">{kernel["calls"]:,}</td>' in html
+    assert "<script>alert(1)</script>" not in html and "&lt;script&gt;alert(1)&lt;/script&gt;" in html
+    assert 'class="breadcrumbs"' in html and "engines/js/profile/page.js" in html
+    assert f'/dashboard/profiles/{record.pk}/timeline/' in html
+
+
+def test_anonymous_users_go_to_the_login(profile: dict) -> None:
+    record = save_profile(profile, engine="demo")
+    for path in ("", "data.json", "profile.json.gz", "trace.json", "timeline/"):
+        response = Client().get(f"/dashboard/profiles/{record.pk}/{path}")
+        assert response.status_code == 302 and "/admin/login/" in response["Location"]
+
+
+def test_data_download_and_trace_are_the_stored_profile(staff: Client, profile: dict) -> None:
+    record = save_profile(profile, engine="demo")
+    data = staff.get(f"/dashboard/profiles/{record.pk}/data.json")
+    assert data["Content-Encoding"] == "gzip" and data["Content-Type"] == "application/json"
+    assert orjson.loads(gzip.decompress(data.content)) == orjson.loads(orjson.dumps(profile))
+    download = staff.get(f"/dashboard/profiles/{record.pk}/profile.json.gz")
+    assert download.content == bytes(ProfileRecord.objects.get(pk=record.pk).payload)
+    assert "attachment" in download["Content-Disposition"] and ".json.gz" in download["Content-Disposition"]
+    trace = orjson.loads(gzip.decompress(staff.get(f"/dashboard/profiles/{record.pk}/trace.json").content))
+    assert trace == profile["trace"]
+    timeline = staff.get(f"/dashboard/profiles/{record.pk}/timeline/").content.decode()
+    assert "Profile records" in timeline and f"/dashboard/profiles/{record.pk}/trace.json" in timeline
+
+
+def test_missing_profiles_are_404(staff: Client) -> None:
+    for path in ("/dashboard/profiles/999999/", "/dashboard/profiles/999999/data.json",
+                 "/dashboard/profiles/compare/?a=999998&b=999999"):
+        assert staff.get(path).status_code == 404
+    assert staff.get("/dashboard/profiles/compare/?a=x").status_code == 400
+
+
+def test_compare_marks_a_kernel_that_got_slower(staff: Client, profile: dict) -> None:
+    slower = copy.deepcopy(profile)
+    target = next(k for k in slower["kernels"] if k["name"] == "attention")
+    target["mean_us"] *= 1.5
+    target["total_us"] *= 1.5
+    slower["kernels"].append({**target, "name": f"new {HOSTILE}"})
+    a, b = save_profile(profile, engine="demo"), save_profile(slower, engine="demo", note=HOSTILE)
+    page = staff.get(f"/dashboard/profiles/compare/?a={a.pk}&b={b.pk}")
+    assert page.status_code == 200
+    html = page.content.decode()
+    assert '<tr class="change-slower" data-kernel="attention">' in html and "+50.0 %" in html
+    assert 'class="change-same" data-kernel="embedding"' in html
+    assert "change-only-b" in html and "only in B" in html
+    assert "<script>alert(1)</script>" not in html
+    for phase in profile["phases"]:
+        assert f"<td>{phase}</td>" in html
+
+
+def test_the_admin_lists_profiles_and_compares_two(staff: Client, profile: dict) -> None:
+    a, b = save_profile(profile, engine="demo"), save_profile(profile, engine="other")
+    listing = staff.get("/admin/engines/profilerecord/?engine__exact=demo").content.decode()
+    assert f"/dashboard/profiles/{a.pk}/" in listing and f"/dashboard/profiles/{b.pk}/" not in listing
+    response = staff.post("/admin/engines/profilerecord/", {"action": "compare_two", "_selected_action": [a.pk, b.pk]})
+    assert response.status_code == 302 and response["Location"] == f"/dashboard/profiles/compare/?a={a.pk}&b={b.pk}"
+    change = staff.get(f"/admin/engines/profilerecord/{a.pk}/change/").content.decode()
+    assert "Open the profile" in change and "not served by this server now" in change
+
+
+def test_retention_keeps_each_engines_newest_profiles(profile: dict, settings) -> None:
+    settings.TRACE_RETENTION_MAX_RECORDS = 2
+    kept = [save_profile(profile, engine="demo") for _ in range(4)][-2:]
+    save_profile(profile, engine="other")
+    assert sorted(ProfileRecord.objects.filter(engine="demo").values_list("pk", flat=True)) == [r.pk for r in kept]
+    assert ProfileRecord.objects.filter(engine="other").count() == 1

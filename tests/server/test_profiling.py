@@ -1,0 +1,76 @@
+"""The built-in profiler over HTTP and the dashboard's socket: start, stop and save; a profile
+that stops by itself is saved without anyone asking; clear 4xx for wrong states and bodies."""
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from asgiref.sync import sync_to_async
+
+from engines.models import ProfileRecord
+from tests.server.conftest import TRACED, UNTRACED, assert_error
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+async def load(http: httpx.AsyncClient, n: int = 3, max_tokens: int = 12, model: str = TRACED) -> None:
+    async def one(i: int) -> None:
+        body = {"model": model, "prompt": f"profile me {i}", "max_tokens": max_tokens,
+                "debug_config": {"ignore_eos": True}}
+        response = await http.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+
+    await asyncio.gather(*(one(i) for i in range(n)))
+
+
+async def test_start_load_stop_saves_a_profile_of_every_kernel(client: httpx.AsyncClient) -> None:
+    started = await client.post("/debug/profile_start", json={"model": TRACED, "stack_sampling": True})
+    assert started.status_code == 200, started.text
+    assert started.json() == {"status": "profiling", "model": TRACED, "max_steps": None, "max_seconds": 60.0,
+                              "stack_sampling": True}
+    await load(client)
+    stopped = await client.post("/debug/profile_stop", json={"model": TRACED, "note": "<b>first</b>"})
+    assert stopped.status_code == 200, stopped.text
+    reply = stopped.json()
+    record = await ProfileRecord.objects.aget(pk=reply["profile_id"])
+    assert reply["url"] == f"/dashboard/profiles/{record.pk}/"
+    assert reply["admin_url"] == f"/admin/engines/profilerecord/{record.pk}/change/"
+    assert record.engine == TRACED and record.backend == "cpu" and record.note == "<b>first</b>"
+    assert record.steps == reply["steps"] > 0 and record.stopped_by == "request" and record.stack_samples > 0
+    names = {k["name"] for k in record.kernels}
+    assert {"embedding", "add_rmsnorm", "rope_kv_append", "attention", "silu_mul"} <= names
+    assert sum(k["calls"] for k in record.kernels) == record.kernel_calls == reply["kernel_calls"]
+
+
+async def test_wrong_states_and_bodies_are_clear_4xx(client: httpx.AsyncClient) -> None:
+    assert_error(await client.post("/debug/profile_stop", json={"model": TRACED}), 409)
+    for body, field in (({"max_steps": 0}, "max_steps"), ({"max_steps": "5"}, "max_steps"),
+                        ({"stack_sampling": "yes"}, "stack_sampling"), ({"max_seconds": -1}, "max_seconds")):
+        error = assert_error(await client.post("/debug/profile_start", json={"model": TRACED, **body}), 400)
+        assert f'Invalid "{field}"' in error["message"]
+    assert (await client.post("/debug/profile_start", json={"model": TRACED})).status_code == 200
+    try:
+        error = assert_error(await client.post("/debug/profile_start", json={"model": TRACED}), 409)
+        assert "already running" in error["message"]
+        assert_error(await client.post("/debug/profile_start", json={"model": "nope"}), 400)
+    finally:
+        assert (await client.post("/debug/profile_stop", json={"model": TRACED})).status_code == 200
+    assert_error(await client.post("/debug/profile_stop", json={"model": TRACED}), 409)
+
+
+async def test_a_profile_that_stops_by_itself_is_saved(client: httpx.AsyncClient) -> None:
+    before = await ProfileRecord.objects.acount()
+    started = await client.post("/debug/profile_start", json={"model": UNTRACED, "max_steps": 3})
+    assert started.status_code == 200
+    await load(client, model=UNTRACED)
+    for _ in range(100):  # the watcher looks twice a second
+        if await ProfileRecord.objects.acount() > before:
+            break
+        await asyncio.sleep(0.1)
+    record = await sync_to_async(ProfileRecord.objects.latest)("id")
+    assert record.engine == UNTRACED and record.steps == 3 and record.stopped_by == "max_steps"
+    # Stop now answers with that record; after that, nothing is running.
+    stopped = await client.post("/debug/profile_stop", json={"model": UNTRACED})
+    assert stopped.status_code == 200 and stopped.json()["profile_id"] == record.pk
+    assert_error(await client.post("/debug/profile_stop", json={"model": UNTRACED}), 409)
