@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ from pathlib import Path
 
 import httpx
 from cpu_threads import use_threads  # bench/ is the script's folder, first on sys.path
+from servers import launch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -319,37 +319,10 @@ def _dechunk(body: bytes) -> bytes:
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     """``manage.py serve`` with the same sizing, debug on (for the metrics endpoint), tracing off."""
-    port = _free_port()
-    command = [sys.executable, "manage.py", "serve", "--enable-debug", "--port", str(port), "--backend", args.backend,
-               "--engine-mode", args.engine_mode]
+    command = ["--enable-debug", "--backend", args.backend, "--engine-mode", args.engine_mode]
     for key, value in sizing(args).items():
         command += [f"--{key.replace('_', '-')}", str(value)]
-    env = {k: v for k, v in os.environ.items() if k != "API_KEY"}
-    env["DEBUGSITE_VAR_DIR"] = str(Path(args.var_dir).resolve())
-    server = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    base = f"http://127.0.0.1:{port}"
-    _wait_healthy(server, base)
-    return server, base
-
-
-def _wait_healthy(server: subprocess.Popen, base: str, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise SystemExit(f"the server exited: {server.stderr.read() if server.stderr else ''}")
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise SystemExit("the server did not become healthy in time")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return launch(command, args.var_dir)
 
 
 def sizing(args: argparse.Namespace) -> dict[str, int]:

@@ -10,7 +10,7 @@ from django.templatetags.static import static
 from django.urls import include, path, re_path
 from django.views.generic import RedirectView
 
-from engines.views import dashboard, debug, errors, metrics, openai, timeline
+from engines.views import dashboard, debug, errors, metrics, microserving, openai, timeline
 
 urlpatterns = [
     path("", RedirectView.as_view(pattern_name="dashboard", permanent=False)),
@@ -36,10 +36,15 @@ urlpatterns = [
     path("debug/cuda_profiler_stop", debug.cuda_profiler_stop, name="debug-cuda-profiler-stop"),
     path("debug/profile_start", debug.profile_start, name="debug-profile-start"),
     path("debug/profile_stop", debug.profile_stop, name="debug-profile-stop"),
+    path("microserving/prep_recv", microserving.prep_recv, name="microserving-prep-recv"),
+    path("microserving/remote_send", microserving.remote_send, name="microserving-remote-send"),
+    path("microserving/start_generate", microserving.start_generate, name="microserving-start-generate"),
+    path("microserving/kv_transfer", microserving.kv_transfer, name="microserving-kv-transfer"),
+    path("microserving/kv_release", microserving.kv_release, name="microserving-kv-release"),
     path("metrics", metrics.prometheus_metrics, name="metrics"),
     path("health", metrics.health, name="health"),
     path("stats", metrics.stats, name="stats"),
     path("admin/", admin.site.urls),
     # Last: anything else under the API prefixes gets a JSON 404, not Django's HTML page.
-    re_path(r"^(?P<path>(v1|debug)/.*)$", errors.api_not_found, name="api-not-found"),
+    re_path(r"^(?P<path>(v1|debug|microserving)/.*)$", errors.api_not_found, name="api-not-found"),
 ]

@@ -19,6 +19,7 @@ import contextlib
 import logging
 import os
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Sequence
@@ -86,6 +87,11 @@ class EngineRegistry:
     def __init__(self) -> None:
         self._entries: dict[str, _Entry] = {}
         self.options = ServerOptions()
+        #: Names this server process in disaggregation metadata: K/V bound for an engine of the
+        #: same process is copied directly instead of over HTTP.
+        self.server_id = uuid.uuid4().hex
+        #: Set by ``serve --router disagg``: the OpenAI routes go to prefill and decode servers.
+        self.router: "DisaggRouter | None" = None
         #: Set once a shutdown began: new generation requests are refused (503) from then on.
         self.draining = False
         #: Generation responses being written (a stream from its first chunk to ``[DONE]``).
@@ -174,12 +180,14 @@ class EngineRegistry:
                 logger.exception("engine %s did not shut down cleanly", engine.name)
 
     def replace(self, engines: Sequence["AsyncEngine"], options: ServerOptions) -> None:
-        """Serve exactly ``engines`` with ``options`` from now on (does not stop the old ones)."""
+        """Serve exactly ``engines`` with ``options`` from now on, routing nothing (does not stop the
+        old ones)."""
         self._entries.clear()
         for engine in engines:
             self.add(engine)
         self.options = options
         self.draining = False
+        self.router = None
 
 
 registry = EngineRegistry()

@@ -1,7 +1,75 @@
 """Process helpers for the tests that run a real server."""
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class Server:
+    """A ``manage.py serve`` subprocess, with an httpx client and an ``openai`` client on it."""
+
+    def __init__(self, process: subprocess.Popen, port: int, api_key: str | None = None) -> None:
+        self.process = process
+        self.port = port
+        self.base = f"http://127.0.0.1:{port}"
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=self.base, timeout=60, headers=headers)
+        self.openai = openai.OpenAI(base_url=f"{self.base}/v1", api_key=api_key or "not-needed", max_retries=0)
+
+    def output(self) -> str:
+        """Everything the server printed (only once it has exited)."""
+        return self.process.stdout.read() if self.process.stdout else ""
+
+    def stop(self) -> None:
+        """Kill the server if it still runs."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(10)
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(args: list[str], var_dir: Path, api_key: str | None = None, timeout_s: float = 180) -> Server:
+    """``manage.py serve ARGS --port P`` on a free port, once it answers ``/health`` (the test
+    fails with the server's output if it exits or stays silent)."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("API_KEY", "DATABASE_URL", "DJANGO_SETTINGS_MODULE")}
+    env |= {"DEBUGSITE_VAR_DIR": str(var_dir), "PYTHONUNBUFFERED": "1"}
+    if api_key:
+        env["API_KEY"] = api_key
+    process = subprocess.Popen(
+        [sys.executable, "manage.py", "serve", *args, "--port", str(port)],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    srv = Server(process, port, api_key)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if process.poll() is not None:
+            pytest.fail(f"the server exited with {process.returncode}:\n{srv.output()}")
+        try:
+            if srv.http.get("/health").status_code == 200:
+                return srv
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"the server did not answer /health in time:\n{srv.output()}")
+        time.sleep(0.2)
 
 
 def child_pids(pid: int) -> list[int]:

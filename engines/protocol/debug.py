@@ -184,6 +184,9 @@ class DisaggConfig(_ClosedModel):
         except (UnicodeDecodeError, ValueError, RecursionError) as exc:
             # RecursionError: arrays nested past the parser's depth limit (any client can send them).
             raise field_error(f"kv_append_metadata parse error: {exc}", param="kv_append_metadata") from None
+        if isinstance(values, dict) and "receiver" in values:
+            # Ours (``engines.protocol.microserving.KVAppendMetadata``): MLC's array plus the receiver's address.
+            values = values.get("segments")
         if not isinstance(values, list):
             raise field_error("kv_append_metadata is not array of integer.", param="kv_append_metadata")
         # JSON true/false are ints to Python but not to MLC's parser.

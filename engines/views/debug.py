@@ -15,6 +15,7 @@ profiler routes accept ``model`` and answer a status.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import orjson
@@ -86,17 +87,23 @@ PROFILE_HINT = ('Send "max_steps" as a whole number >= 1, "max_seconds" as a num
                 'and "stack_sampling" as true or false.')
 
 
-def debug_view(view: AsyncView) -> AsyncView:
-    """POST-only JSON endpoint that exists only with ``--enable-debug`` (404 for any method otherwise)."""
-    endpoint = api_view("POST")(view)
+def debug_gated(not_mounted: str) -> Callable[[AsyncView], AsyncView]:
+    """POST-only JSON endpoints that exist only with ``--enable-debug`` (404 saying
+    ``not_mounted`` for any method otherwise)."""
+    def decorate(view: AsyncView) -> AsyncView:
+        endpoint = api_view("POST")(view)
 
-    @functools.wraps(view)
-    async def gated(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
-        if not registry.options.enable_debug:
-            return error_response(ProtocolError(404, NOT_MOUNTED))
-        return await endpoint(request, *args, **kwargs)
+        @functools.wraps(view)
+        async def gated(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
+            if not registry.options.enable_debug:
+                return error_response(ProtocolError(404, not_mounted))
+            return await endpoint(request, *args, **kwargs)
 
-    return csrf_exempt(gated)
+        return csrf_exempt(gated)
+    return decorate
+
+
+debug_view = debug_gated(NOT_MOUNTED)
 
 
 def parse_body(request: HttpRequest, *, model_required: bool, empty_ok: bool = False) -> DebugRequest:

@@ -66,6 +66,7 @@ from engines.runtime import (
     TokenLogprob as EngineTokenLogprob,
 )
 from engines.views.errors import api_view, json_response
+from engines.views.router import routed_generation, routed_models
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +82,9 @@ _SPECIAL_REQUEST_RULE = "DebugConfig.special_request requires"
 
 @api_view("GET")
 async def list_models(request: HttpRequest) -> HttpResponse:
-    """The served models, in the order the engines were added."""
+    """The served models, in the order the engines were added (a router's: its decode servers')."""
+    if registry.router is not None:
+        return await routed_models(registry.router)
     cards = [ModelCard(id=name, created=registry.created(name)) for name in registry.model_names()]
     return json_response(ModelList(data=cards).model_dump())
 
@@ -89,6 +92,8 @@ async def list_models(request: HttpRequest) -> HttpResponse:
 @api_view("POST")
 async def completions(request: HttpRequest) -> HttpResponse:
     """``/v1/completions``: a text (or token-id) prompt continued."""
+    if registry.router is not None:
+        return await routed_generation(registry.router, request)
     body = parse_body(request, CompletionRequest)
     engine = lookup_engine(body.model)
     request_id = new_request_id(engine, body.user, "cmpl")
@@ -105,6 +110,8 @@ async def completions(request: HttpRequest) -> HttpResponse:
 @api_view("POST")
 async def chat_completions(request: HttpRequest) -> HttpResponse:
     """``/v1/chat/completions``: messages rendered with the checkpoint's chat template, then continued."""
+    if registry.router is not None:
+        return await routed_generation(registry.router, request)
     body = parse_body(request, ChatCompletionRequest)
     engine = lookup_engine(body.model)
     request_id = new_request_id(engine, body.user, "chatcmpl")

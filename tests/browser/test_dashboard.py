@@ -232,6 +232,29 @@ async def test_profiling_from_the_engine_page_saves_a_profile_to_open(page, dash
         await page.wait_for_selector(f"table >> text={kernel}", timeout=15000)
 
 
+async def test_a_disaggregated_requests_two_halves_show_in_the_recent_table(
+        page, dashboard_server: LiveServer) -> None:
+    """The three MicroServing calls on one engine: it prefills and sends, then receives and decodes;
+    its table shows both halves under the one request id."""
+    await page.goto(f"{dashboard_server.base}/dashboard/engines/demo/")
+    await page.wait_for_selector('#connection[data-state="open"]', timeout=15000)
+    body = {"model": "demo", "prompt": "Tell me about the two halves of a lighthouse keeper's day.",
+            "user": "disagg-in-the-browser", "max_tokens": 8}
+    with httpx.Client(base_url=dashboard_server.base, timeout=60) as http:
+        prep = http.post("/microserving/prep_recv", json={**body, "end": -1}).json()
+        end = prep["prompt_length"] - 1
+        send = http.post("/microserving/remote_send", json={**body, "begin": prep["prefix_matched_length"],
+                                                             "end": end, "kv_addr_info": prep["kv_append_metadata"]})
+        assert send.status_code == 200, send.text
+        assert http.post("/microserving/start_generate", json={**body, "begin": end}).status_code == 200
+    await page.wait_for_function("() => document.querySelectorAll('#recent .disagg-tag').length >= 2", timeout=15000)
+    tags = await page.locator("#recent .disagg-tag").all_text_contents()
+    assert tags[:2] == [f"decode, KV [0:{end}] received", f"prefill, sent KV [0:{end}]"]
+    rows = await page.locator("#recent tbody tr").all_text_contents()
+    assert all(row.startswith("disagg-in-the-browser") for row in rows[:2])
+    await page.locator("#recent-module").screenshot(path=str(SHOTS / "engine-disaggregated-halves.png"))
+
+
 async def test_a_killed_engine_shows_restarting_then_running(page, dashboard_server: LiveServer) -> None:
     await page.goto(f"{dashboard_server.base}/dashboard/engines/demo/")
     await page.wait_for_selector('h1 [data-field="state"][data-state="running"]', timeout=15000)

@@ -278,3 +278,18 @@ def test_microserving_flow_bodies_validate():
     start = DebugConfig(disagg_config=DisaggConfig(kind="start_generation", kv_window_begin=40))
     for config in (prep, send, start):
         assert DebugConfig.model_validate_json(config.model_dump_json()) == config
+
+
+def test_our_metadata_object_carries_mlcs_segments():
+    """``KVAppendMetadata`` (MLC's array plus the receiver) passes where MLC's bare array does,
+    and its segments are checked the same way."""
+    from engines.protocol.microserving import KVAppendMetadata, KVReceiverAddress
+
+    receiver = KVReceiverAddress(url="http://decode:8000/", server="s", engine="demo", request_id="r", ticket="t")
+    ours = KVAppendMetadata.for_window([(128, 24), (512, 16)], receiver, {"weights": "ab"}).encode()
+    config = DisaggConfig(kind="remote_send", kv_window_begin=0, kv_window_end=40, kv_append_metadata=ours)
+    assert config.kv_append_metadata_segments() == [[(128, 24), (512, 16)]]
+    assert KVAppendMetadata.decode(ours).receiver == receiver
+    message, _ = error_of(DebugConfig, {"disagg_config": {
+        "kind": "remote_send", "kv_window_begin": 0, "kv_window_end": 30, "kv_append_metadata": ours}})
+    assert "covers 40 tokens" in message

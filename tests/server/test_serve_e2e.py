@@ -6,76 +6,30 @@ One server for the module; the tests run in file order and build on each other
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.processes import child_pids
+from tests.processes import Server, child_pids, start_server
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 16
 STREAM_USER = "e2e-stream-1"
 
 
-class Server:
-    def __init__(self, process: subprocess.Popen, port: int) -> None:
-        self.process = process
-        self.base = f"http://127.0.0.1:{port}"
-        self.http = httpx.Client(base_url=self.base, timeout=60)
-        self.openai = openai.OpenAI(base_url=f"{self.base}/v1", api_key="not-needed", max_retries=0)
-
-    def output(self) -> str:
-        """Everything the server printed (only once it has exited)."""
-        return self.process.stdout.read() if self.process.stdout else ""
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[Server]:
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("API_KEY", "DATABASE_URL", "DJANGO_SETTINGS_MODULE")}
-    env |= {"DEBUGSITE_VAR_DIR": str(tmp_path_factory.mktemp("var")), "PYTHONUNBUFFERED": "1"}
-    process = subprocess.Popen(
-        [sys.executable, "manage.py", "serve", "--enable-debug", "--enable-tracing", "--port", str(port),
-         "--backend", "cpu", "--max-num-seqs", "4", "--max-total-tokens", "2048", "--prefill-chunk-size", "128",
-         "--drain-timeout", "1"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    srv = Server(process, port)
-    deadline = time.monotonic() + 180
-    while True:
-        if process.poll() is not None:
-            pytest.fail(f"the server exited with {process.returncode}:\n{srv.output()}")
-        try:
-            if srv.http.get("/health").status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            process.kill()
-            pytest.fail(f"the server did not answer /health in time:\n{srv.output()}")
-        time.sleep(0.2)
+    srv = start_server(["--enable-debug", "--enable-tracing", "--backend", "cpu", "--max-num-seqs", "4",
+                        "--max-total-tokens", "2048", "--prefill-chunk-size", "128", "--drain-timeout", "1"],
+                       tmp_path_factory.mktemp("var"))
     yield srv
-    if process.poll() is None:
-        process.kill()
-        process.wait(10)
+    srv.stop()
 
 
 def test_openai_client_streaming_chat_returns_exactly_max_tokens(server: Server) -> None:

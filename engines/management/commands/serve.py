@@ -111,6 +111,14 @@ class Command(BaseCommand):
                             help="leave an engine that dies dead (default: restart it after 0.5 s, 1 s, 2 s, ...; "
                                  "an engine that dies 5 times in 10 minutes stays dead; /debug/reset_engine "
                                  "restarts a dead one)")
+        router = parser.add_argument_group("disaggregated serving (a router in front of engine servers)")
+        router.add_argument("--router", choices=("disagg",),
+                            help="serve no engines: route /v1/completions and /v1/chat/completions over "
+                                 "--prefill-url and --decode-url servers (MicroServing, as MLC's router)")
+        router.add_argument("--prefill-url", action="append", default=[], metavar="URL",
+                            help="a server that prefills (repeatable; taken in turn)")
+        router.add_argument("--decode-url", action="append", default=[], metavar="URL",
+                            help="a server that decodes (repeatable; the least loaded is picked)")
         parser.add_argument("--dtype", choices=("float32", "float16"), default="float32",
                             help="weight and KV-cache dtype (default float32)")
         history = parser.add_argument_group("trace history")
@@ -148,14 +156,22 @@ class Command(BaseCommand):
                 "--trace-autosave saves the event trace, which engines record only with --enable-tracing: "
                 "add --enable-tracing, or drop --trace-autosave."
             )
-        specs = self._model_specs(options["models"] or ["demo"])
+        if options["router"] and (options["models"] or not options["prefill_url"] or not options["decode_url"]):
+            raise CommandError("--router disagg serves no engines: give it at least one --prefill-url and one "
+                               "--decode-url (servers run with --enable-debug), and no --model.")
+        if (options["prefill_url"] or options["decode_url"]) and not options["router"]:
+            raise CommandError("--prefill-url and --decode-url belong to a router: add --router disagg.")
+        specs = [] if options["router"] else self._model_specs(options["models"] or ["demo"])
 
         # Until Daphne installs its own handlers, SIGTERM must unwind like Ctrl-C: a migration
         # rolls back and engines built so far are stopped, rather than the process dying mid-step.
         previous_term = signal.signal(signal.SIGTERM, _raise_interrupted)
         try:
             self._apply_migrations()
-            self._load_engines(specs, options)
+            if options["router"]:
+                self._configure_router(options)
+            else:
+                self._load_engines(specs, options)
             if options["enable_debug"]:
                 logger.info("Enable debug endpoint and debug_config in requests...")
             autosave = HistoryAutosave(registry, trace_interval_s=options["trace_autosave"],
@@ -216,6 +232,14 @@ class Command(BaseCommand):
             where = "own process" if engine.process else "server thread"
             self.stdout.write(f"  {engine.name}: {engine.backend_name} backend, {tracing}, {where}")
 
+    def _configure_router(self, options: dict[str, Any]) -> None:
+        from engines.disagg.router import DisaggRouter
+
+        configure([], enable_debug=options["enable_debug"], api_key=options["api_key"], start=False)
+        registry.router = DisaggRouter(options["prefill_url"], options["decode_url"], api_key=options["api_key"])
+        self.stdout.write(f"Routing over prefill {', '.join(registry.router.prefill_urls)} and decode "
+                          f"{', '.join(registry.router.decode_urls)}")
+
     def _print_urls(self, host: str, port: int, enable_debug: bool, api_key: str | None,
                     autosave: HistoryAutosave) -> None:
         shown = f"[{host}]" if ":" in host else host
@@ -226,7 +250,7 @@ class Command(BaseCommand):
             dashboard = f"{base}/dashboard/   (sign in with a staff account: manage.py createsuperuser)"
         lines = [
             f"Dashboard    {dashboard}",
-            f"OpenAI API   {base}/v1   (models: {', '.join(registry.model_names())})",
+            f"OpenAI API   {base}/v1   (models: {', '.join(registry.model_names()) or 'those of the decode servers'})",
             f"Metrics      {base}/metrics",
             f"Health       {base}/health",
             f"Admin        {base}/admin/",

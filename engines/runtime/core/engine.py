@@ -29,6 +29,8 @@ import numpy as np
 from engines.runtime.model.checkpoint import Checkpoint
 from engines.runtime.core.grammar import GrammarCompiler, GrammarError
 from engines.runtime.core.kv_pool import KVCachePool
+from engines.runtime.core.kv_transfer import KVBlock, KVReceipt, KVReceiver, KVSend, KVTransferError, \
+    ModelIdentity, resolve_window_end
 from engines.runtime.core.limits import REQUEST_LIMITS
 from engines.runtime.telemetry.metrics import EngineMetrics, RecentRequest, RequestMetrics
 from engines.runtime.model.llama import ForwardBatch, LlamaModel
@@ -42,7 +44,7 @@ from engines.runtime.core.request import (
     RequestState,
     Sequence,
 )
-from engines.runtime.core.sampler import InvalidSamplingParams, Sampler, SamplingState, TokenLogprob
+from engines.runtime.core.sampler import InvalidSamplingParams, Sampler, SamplingParams, SamplingState, TokenLogprob
 from engines.runtime.core.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from engines.runtime.core.stop_checker import StopChecker
 from engines.runtime.telemetry.profiler import ProfiledBackend, ProfileResult, ProfilerStateError, ProfileStatus, \
@@ -85,6 +87,16 @@ class ModelOutput:
     sampled: list[ScheduledChunk]
     token_ids: np.ndarray | None = None
     logits: np.ndarray | None = None
+
+
+def _disagg_half(request: GenerationRequest) -> str | None:
+    """Which half of a disaggregated request this is, for the dashboard's table (None: not one)."""
+    if request.kv_send is not None:
+        end = resolve_window_end(request.kv_send.end, len(request.prompt))
+        return f"prefill, sent KV [{request.kv_send.begin}:{end}]"
+    if request.kv_window_begin is not None:
+        return f"decode, KV [0:{request.kv_window_begin}] received"
+    return None
 
 
 def validate_request(request: GenerationRequest, vocab_size: int, max_seq_len: int) -> None:
@@ -155,6 +167,9 @@ class Engine:
         self._stopped_profile: StepProfiler | None = None
         self._plain_backend = model.backend
         self._peak_bandwidth: tuple[float | None, str] | None = None
+        self._identity: ModelIdentity | None = None
+        # Disaggregated serving's receive side: pages reserved for K/V another engine sends.
+        self.kv_receiver = KVReceiver(self.kv_pool, self.kv, lambda: self.model_identity, tracer)
         self._update_gauges()
 
     # ------------------------------------------------------------------ requests
@@ -179,14 +194,19 @@ class Engine:
                 f"the pinned system prompts ({self.kv_pool.num_pinned_pages} pages). Shorten the prompt, "
                 f"or reset the engine to unpin them."
             )
+        kv_send = self._check_kv_send(request)
         try:
             grammar = self.grammars.compile(request.response_format)
         except GrammarError as e:
             raise EngineRequestError(f"response_format: {e}") from e
+        if request.kv_window_begin is not None:  # last check: adopting takes the reservation
+            received = self.kv_receiver.adopt(request.request_id, request.prompt, request.kv_window_begin,
+                                              request.sampling.n)
         state = RequestState(request, time.perf_counter())
         max_output = self.max_seq_len - len(request.prompt)
-        for index in range(request.sampling.n):
-            seq = Sequence(state, index, request.prompt)
+        for index in range(1 if kv_send else request.sampling.n):
+            seq = Sequence(state, index, request.prompt[:kv_send.end] if kv_send else request.prompt)
+            seq.kv_send = kv_send
             seq.sampling = SamplingState(request.sampling, self.vocab_size, request.prompt, index)
             seq.detokenizer = self.tokenizer.detokenizer()
             seq.stop_checker = StopChecker.from_params(request.sampling, self.eos_token_ids, max_output)
@@ -194,6 +214,8 @@ class Engine:
                 seq.grammar = grammar.matcher()
             state.sequences.append(seq)
         # Queued only once every choice is built, so a failure above leaves no orphan sequence.
+        if request.kv_window_begin is not None:
+            self.kv_pool.rename(received.pool_id, state.sequences[0].seq_id)
         for seq in state.sequences:
             self.scheduler.add(seq)
         self.requests[request.request_id] = state
@@ -215,9 +237,73 @@ class Engine:
         self._update_gauges()
         return out
 
+    def _check_kv_send(self, request: GenerationRequest) -> KVSend | None:
+        """A ``remote_send`` request's window with its end resolved (MLC forces ``n = 1`` there)."""
+        send = request.kv_send
+        if send is None:
+            return None
+        end = resolve_window_end(send.end, len(request.prompt))
+        if not 0 <= send.begin < end:
+            raise KVTransferError(f'"begin >= end" is not supported by remote prefill (begin {send.begin}, '
+                                  f"end {end} on a prompt of {len(request.prompt)} tokens)")
+        return dataclasses.replace(send, end=end)
+
+    # ------------------------------------------------------- disaggregated serving
+
+    @property
+    def model_identity(self) -> ModelIdentity:
+        """What another engine must share with this one to exchange K/V (computed once)."""
+        if self._identity is None:
+            self._identity = ModelIdentity.of(self.checkpoint, self.model.config, self.kv.dtype,
+                                              self.config.page_size)
+        return self._identity
+
+    def prepare_receive(self, request_id: str, prompt: list[int], end: int,
+                        timeout_s: float = 60.0) -> KVReceipt:
+        """Reserve pages for the K/V of ``prompt[:end]`` another engine will send (MicroServing's
+        ``prep_recv``); released after ``timeout_s`` if no ``start_generation`` took them."""
+        if request_id in self.requests:
+            raise KVTransferError(f"request id {request_id!r} is already running on this engine")
+        validate_request(GenerationRequest(request_id, prompt, SamplingParams()), self.vocab_size,
+                         self.max_seq_len)
+        receipt = self.kv_receiver.prepare(request_id, prompt, end, timeout_s, time.monotonic())
+        self._update_gauges()
+        return receipt
+
+    def receive_kv(self, block: KVBlock) -> None:
+        """Store K/V another engine computed into the pages ``prepare_receive`` reserved."""
+        try:
+            self.kv_receiver.receive(block)
+        finally:
+            self._update_gauges()
+
+    def release_receive(self, request_id: str, ticket: str | None = None) -> bool:
+        """Give up a reservation (its transfer failed elsewhere); False when there was none, or
+        ``ticket`` names another one."""
+        released = self.kv_receiver.release(request_id, "released", ticket)
+        self._update_gauges()
+        return released
+
+    def expire_receives(self) -> None:
+        """Free the reservations no ``start_generation`` took in time (the loop calls it)."""
+        if self.kv_receiver.reservations and self.kv_receiver.expire(time.monotonic()):
+            self._update_gauges()
+
+    def _send_kv(self, seq: Sequence) -> None:
+        """A ``remote_send`` sequence computed its window: copy the K/V out and end it."""
+        send = seq.kv_send
+        k, v = self.kv.read_tokens(self.kv_pool.pages(seq.seq_id), send.begin, send.end)
+        block = KVBlock(seq.request.request_id, send.ticket, send.begin, send.end, self.model_identity, k, v)
+        seq.request.kv_block = block
+        if self.tracer is not None:
+            self.tracer.add_event(seq.request.request_id, "kv send", {
+                "begin": send.begin, "end": send.end, "bytes": block.nbytes})
+        self._finish_sequence(seq, FinishReason.STOP, flush=False)
+
     def reset(self, clear_trace: bool = False) -> list[RequestOutput]:
         """Abort everything, free all KV pages and the prefix cache (pinned too), zero every metric."""
         outputs = [o for rid in list(self.requests) if (o := self.abort_request(rid)) is not None]
+        self.kv_receiver.clear()
         self.scheduler.clear()
         self.kv_pool.reset()
         self.metrics.reset()
@@ -337,7 +423,7 @@ class Engine:
         sched = self._schedule()
         if prof is not None:
             prof.lap("schedule")
-        touched = [seq.request for seq in sched.out_of_pages]
+        touched = [seq.request for seq in sched.out_of_pages + sched.preempted if seq.finished]
         if sched.chunks:
             t0 = time.perf_counter()
             output = self._execute(sched)
@@ -369,8 +455,11 @@ class Engine:
                 state.first_scheduled_time = now
             if state.request.pin_system_prompt and seq.index == 0:
                 self.kv_pool.pin(seq.seq_id, state.request.system_prompt_tokens or len(state.request.prompt))
-        for _ in sched.preempted:
+        for seq in sched.preempted:
             self.metrics.on_preemption()
+            if seq.kv_send is not None or seq.request.request.kv_window_begin is not None:
+                # As MLC: a disaggregated request is not recomputed here; the router retries it.
+                self._finish_sequence(seq, FinishReason.PREEMPT)
         for seq in sched.out_of_pages:
             # As at the context limit: the pool, less its pinned pages, is this sequence's limit.
             logger.warning("request %s: the KV cache, less its %d pinned pages, cannot hold the %d tokens of "
@@ -437,6 +526,10 @@ class Engine:
         (grammar masks, sampler), append it (stop rules, detokenization); returns the requests with news."""
         prof = self.profiler
         self._commit(sched.chunks)
+        sent = [c.seq for c in sched.chunks
+                if c.seq.kv_send is not None and c.start + c.num_tokens == len(c.seq.token_ids)]
+        for seq in sent:
+            self._send_kv(seq)
         if prof is not None:
             prof.lap("commit")
         picks = self._pick_tokens(output)
@@ -445,7 +538,7 @@ class Engine:
         self._append_picks(output.sampled, picks)
         if prof is not None:
             prof.lap("detokenization")
-        return [c.seq.request for c in output.sampled]
+        return [c.seq.request for c in output.sampled] + [seq.request for seq in sent]
 
     def _commit(self, chunks: list[ScheduledChunk]) -> None:
         """The forward pass wrote these chunks' K/V: the pool caches their full pages, the
@@ -657,7 +750,7 @@ class Engine:
             usage = self._finish_request(state)
         if not choices and usage is None:
             return None
-        return RequestOutput(state.request_id, choices, usage)
+        return RequestOutput(state.request_id, choices, usage, state.kv_block if usage is not None else None)
 
     def _finish_request(self, state: RequestState) -> dict[str, Any]:
         """Account for a request whose every choice ended (metrics, trace); returns its usage."""
@@ -686,7 +779,7 @@ class Engine:
             queue_s=rm.queue_time_s if state.first_scheduled_time is not None else None,
             ttft_s=rm.ttft_s if state.first_token_time is not None else None,
             decode_tokens_per_s=extra.get("decode_tokens_per_s"), end_to_end_s=rm.end_to_end_latency_s,
-            finished_at=time.time()))
+            finished_at=time.time(), disagg=_disagg_half(state.request)))
         if self.tracer is not None:
             if state.first_scheduled_time is None:  # aborted or dropped while waiting
                 self.tracer.add_event(state.request_id, "finish queue")

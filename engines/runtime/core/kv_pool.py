@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -173,26 +173,29 @@ class KVCachePool:
             raise ValueError("cannot admit a sequence with no tokens")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        hits, keys = self._match(token_ids)
-        cached_tokens = len(hits) * self.page_size
-        new_tokens = min(len(token_ids) - cached_tokens, max_new_tokens)
-        needed = -(-new_tokens // self.page_size)
-        # Matched pages sitting in the evictable list stop being evictable once shared.
-        reclaimed = sum(1 for p in hits if p in self._evictable)
-        if needed > self.num_available_pages - reclaimed:
-            return None
-        seq = _Sequence()
-        for page in hits:
-            self._acquire(page)
-        seq.pages = hits
-        seq.page_keys = keys
-        seq.token_ids = list(token_ids[:cached_tokens])
-        seq.num_slots = cached_tokens + new_tokens
-        seq.pages.extend(self._take_fresh_page() for _ in range(needed))
-        self._seqs[seq_id] = seq
-        self._query_tokens += len(token_ids)
-        self._hit_tokens += cached_tokens
-        return Admission(cached_tokens=cached_tokens, new_tokens=new_tokens)
+        return self._register(seq_id, token_ids, lambda cached: min(len(token_ids) - cached, max_new_tokens))
+
+    def reserve(self, seq_id: SeqId, token_ids: Sequence[int], end: int) -> Admission | None:
+        """Register a sequence whose K/V for ``token_ids[:end]`` will arrive from another engine
+        (disaggregated serving's receive side).
+
+        Reuses the longest cached full-page prefix of ``token_ids`` (the whole prompt: the
+        match may reach past ``end``) and reserves slots up to ``end`` for the rest. The
+        caller writes the arriving K/V into ``pages(seq_id)`` and ``commit``s those tokens.
+        Returns ``None`` (nothing changed) when the pool cannot hold the window.
+        """
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} is already in the KV cache; free it first")
+        if not 0 < end <= len(token_ids):
+            raise ValueError(f"end must be in 1..{len(token_ids)}, got {end}")
+        return self._register(seq_id, token_ids, lambda cached: max(0, end - cached))
+
+    def rename(self, seq_id: SeqId, new_id: SeqId) -> None:
+        """Hand a sequence's pages and contents to ``new_id`` (a received KV window becomes the
+        sequence that generates on it)."""
+        if new_id in self._seqs:
+            raise ValueError(f"sequence {new_id!r} is already in the KV cache")
+        self._seqs[new_id] = self._seqs.pop(seq_id)
 
     def try_allocate(self, seq_id: SeqId, num_tokens: int) -> bool:
         """Reserve slots for ``num_tokens`` more tokens; ``False`` (nothing changed) if out of pages."""
@@ -348,6 +351,30 @@ class KVCachePool:
         )
 
     # ------------------------------------------------------------------ internals
+
+    def _register(self, seq_id: SeqId, token_ids: Sequence[int], chunk: Callable[[int], int]) -> Admission | None:
+        """Reuse the longest cached prefix of ``token_ids`` and reserve ``chunk(cached_tokens)``
+        more slots after it; ``None`` (nothing changed, statistics included) if they do not fit."""
+        hits, keys = self._match(token_ids)
+        cached_tokens = len(hits) * self.page_size
+        new_tokens = chunk(cached_tokens)
+        needed = -(-new_tokens // self.page_size)  # the cached prefix is whole pages
+        # Matched pages sitting in the evictable list stop being evictable once shared.
+        reclaimed = sum(1 for p in hits if p in self._evictable)
+        if needed > self.num_available_pages - reclaimed:
+            return None
+        seq = _Sequence()
+        for page in hits:
+            self._acquire(page)
+        seq.pages = hits
+        seq.page_keys = keys
+        seq.token_ids = list(token_ids[:cached_tokens])
+        seq.num_slots = cached_tokens + new_tokens
+        seq.pages.extend(self._take_fresh_page() for _ in range(needed))
+        self._seqs[seq_id] = seq
+        self._query_tokens += len(token_ids)
+        self._hit_tokens += cached_tokens
+        return Admission(cached_tokens=cached_tokens, new_tokens=new_tokens)
 
     def _match(self, token_ids: Sequence[int]) -> tuple[list[int], list[bytes]]:
         """Pages (and their keys) holding the longest cached full-page prefix of ``token_ids``."""

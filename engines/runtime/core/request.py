@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from engines.runtime.core.grammar import GrammarMatcher
+    from engines.runtime.core.kv_transfer import KVBlock, KVSend
     from engines.runtime.core.sampler import SamplingParams, SamplingState, TokenLogprob
     from engines.runtime.core.stop_checker import StopChecker
     from engines.runtime.model.tokenizer import IncrementalDetokenizer
@@ -53,6 +54,11 @@ class GenerationRequest:
     #: evicted, until the engine is reset (MLC's ``pinned_system_prompt``).
     pin_system_prompt: bool = False
     grammar_mode: GrammarMode = GrammarMode.JUMP_FORWARD
+    #: Disaggregated serving's prefill side (``remote_send``): prefill only, send the K/V.
+    kv_send: "KVSend | None" = None
+    #: Disaggregated serving's decode side (``start_generation``): generate on the K/V that
+    #: ``prepare_receive`` reserved for this request id, from this position on.
+    kv_window_begin: int | None = None
 
     def __post_init__(self) -> None:
         self.grammar_mode = GrammarMode(self.grammar_mode)  # a plain "constraint" works too
@@ -76,6 +82,8 @@ class RequestOutput:
     request_id: str
     choices: list[ChoiceDelta]
     usage: dict[str, Any] | None = None
+    #: On the last output of a ``kv_send`` request: the K/V to deliver to the receiver.
+    kv_block: "KVBlock | None" = None
 
     @property
     def finished(self) -> bool:
@@ -93,6 +101,7 @@ class Sequence:
         self.seq_id = next(_seq_ids)
         self.request = request
         self.index = index
+        self.kv_send = request.request.kv_send  # prefill only, never samples (disaggregation)
         self.token_ids: list[int] = list(prompt)
         self.num_prompt_tokens = len(prompt)
         self.num_computed = 0
@@ -135,6 +144,7 @@ class RequestState:
         self.decode_tokens = 0
         self.jump_forward_tokens = 0
         self.sequences: list[Sequence] = []
+        self.kv_block: KVBlock | None = None  # a remote_send request's K/V, on its last output
 
     @property
     def finished(self) -> bool:

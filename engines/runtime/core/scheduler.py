@@ -28,7 +28,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engines.runtime.core.kv_pool import KVCachePool
+from engines.runtime.core.kv_pool import Admission, KVCachePool
 
 if TYPE_CHECKING:
     from engines.runtime.core.request import Sequence
@@ -44,8 +44,9 @@ class ScheduledChunk:
 
     @property
     def samples(self) -> bool:
-        """Whether this chunk reaches the sequence's last token, so a new one is sampled after it."""
-        return self.start + self.num_tokens == len(self.seq.token_ids)
+        """Whether this chunk reaches the sequence's last token, so a new one is sampled after it
+        (never for a sequence that only prefills to send its K/V to another engine)."""
+        return self.start + self.num_tokens == len(self.seq.token_ids) and self.seq.kv_send is None
 
     @property
     def is_prefill(self) -> bool:
@@ -152,7 +153,7 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
-            admission = self.kv_pool.admit(seq.seq_id, seq.token_ids, budget)
+            admission = self._admit(seq, budget)
             if admission is None:
                 if self.running:  # they will finish and free pages
                     break
@@ -167,6 +168,15 @@ class Scheduler:
             out.chunks.append(ScheduledChunk(seq, admission.cached_tokens, admission.new_tokens))
             budget -= admission.new_tokens
         return out
+
+    def _admit(self, seq: "Sequence", budget: int) -> Admission | None:
+        """The pool's admission of a waiting sequence; one that already holds pages (its prompt's
+        K/V arrived from another engine: disaggregated serving) only reserves its next chunk."""
+        if seq.seq_id not in self.kv_pool:
+            return self.kv_pool.admit(seq.seq_id, seq.token_ids, budget)
+        computed = self.kv_pool.num_computed_tokens(seq.seq_id)
+        n = min(len(seq.token_ids) - computed, budget)
+        return Admission(computed, n) if self.kv_pool.try_allocate(seq.seq_id, n) else None
 
     def _drop(self, seq: "Sequence") -> None:
         self.running.remove(seq)

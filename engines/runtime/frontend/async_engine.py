@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from engines.runtime.core.engine import EngineConfig, validate_request
+from engines.runtime.core.kv_transfer import KVBlock, KVReceipt
 from engines.runtime.core.request import ChoiceDelta, EngineRequestError, GenerationRequest, RequestOutput
 from engines.runtime.frontend.engine_core import EngineCore, create_engine, engine_info
 from engines.runtime.frontend.messages import (
@@ -41,6 +42,9 @@ from engines.runtime.frontend.messages import (
     EngineInfo,
     EngineSpec,
     MetricsCall,
+    PrepareReceiveCall,
+    ReceiveKVCall,
+    ReleaseReceiveCall,
     RecentRequestsCall,
     Rejected,
     Reply,
@@ -372,6 +376,24 @@ class AsyncEngine:
         """``cudaProfilerStart`` (or ``Stop``) in the engine's process, between two steps."""
         await self._acall(CudaProfilerCall(start))
 
+    @property
+    def max_kv_transfer_bytes(self) -> int:
+        """The most K/V bytes a block for this engine can hold (its whole context); 0 before start."""
+        return self._info.kv_bytes_per_token * self._info.max_seq_len if self._info else 0
+
+    async def prepare_receive(self, request_id: str, prompt: list[int], end: int,
+                              timeout_s: float = 60.0) -> KVReceipt:
+        """Reserve pages for K/V another engine will send (``Engine.prepare_receive``)."""
+        return await self._acall(PrepareReceiveCall(request_id, tuple(prompt), end, timeout_s))
+
+    async def receive_kv(self, block: KVBlock) -> None:
+        """Store K/V another engine sent into its reservation (``Engine.receive_kv``)."""
+        await self._acall(ReceiveKVCall(block))
+
+    async def release_receive(self, request_id: str, ticket: str | None = None) -> bool:
+        """Give up a reservation whose K/V will not come; whether there was one."""
+        return await self._acall(ReleaseReceiveCall(request_id, ticket))
+
     def metrics_blocking(self, timeout: float | None = None) -> dict[str, Any]:
         """``metrics()`` for code without an event loop (blocks until the engine answers)."""
         return self._call(MetricsCall()).result(timeout)
@@ -532,7 +554,7 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
                 m.logprobs = (m.logprobs or []) + list(c.logprobs)
             m.finish_reason = c.finish_reason or m.finish_reason
     last = outputs[-1]
-    return RequestOutput(last.request_id, [merged[i] for i in sorted(merged)], last.usage)
+    return RequestOutput(last.request_id, [merged[i] for i in sorted(merged)], last.usage, last.kv_block)
 
 
 def _put_threadsafe(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, Any]]) -> None:

@@ -20,6 +20,8 @@ import threading
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
+import numpy as np
+
 from engines import __version__
 from engines.runtime.core.engine import Engine, EngineConfig
 from engines.runtime.frontend.messages import (
@@ -38,6 +40,9 @@ from engines.runtime.frontend.messages import (
     EngineSpec,
     Failed,
     MetricsCall,
+    PrepareReceiveCall,
+    ReceiveKVCall,
+    ReleaseReceiveCall,
     ProfileCall,
     Ready,
     RecentRequestsCall,
@@ -76,8 +81,10 @@ def create_engine(checkpoint: Checkpoint, name: str, config: EngineConfig, backe
 
 def engine_info(engine: Engine) -> EngineInfo:
     """The :class:`EngineInfo` of a built engine."""
+    kv = engine.kv
+    per_token = 2 * kv.num_layers * int(np.prod(kv.k.shape[2:])) // kv.page_size * np.dtype(kv.dtype).itemsize
     return EngineInfo(engine.model.backend_name, engine.model.dtype, engine.vocab_size,
-                      engine.max_seq_len, engine.tracer is not None)
+                      engine.max_seq_len, engine.tracer is not None, per_token)
 
 
 class EngineCore:
@@ -104,6 +111,7 @@ class EngineCore:
                     if not self.handle(command, send):
                         return
                     timeout = 0
+                engine.expire_receives()
                 if engine.has_work:
                     outputs = engine.step()
                     if outputs:
@@ -191,6 +199,12 @@ class EngineCore:
                 return engine.stop_profile(self.name)
             case ProfileCall("status"):
                 return engine.profile_status()
+            case PrepareReceiveCall(request_id, prompt, end, timeout_s):
+                return engine.prepare_receive(request_id, list(prompt), end, timeout_s)
+            case ReceiveKVCall(block):
+                return engine.receive_kv(block)
+            case ReleaseReceiveCall(request_id, ticket):
+                return engine.release_receive(request_id, ticket)
             case CudaProfilerCall(start):
                 if engine.model.backend_name != "cuda":
                     raise ValueError("the CUDA profiler needs the cuda backend")

@@ -29,12 +29,13 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 from engines.runtime.core.engine import EngineConfig
+from engines.runtime.core.kv_transfer import KVBlock
 from engines.runtime.core.request import GenerationRequest, RequestOutput
 
 __all__ = [
     "AbortRequest", "AddRequest", "Aborted", "Call", "CoreCommand", "CoreMessage", "CudaProfilerCall", "Dead",
     "DumpTraceCall", "TraceSinceCall", "ProfileCall", "EngineCall", "EngineInfo", "EngineSpec", "Failed", "MetricsCall", "Ready", "Rejected",
-    "RecentRequestsCall", "Reply", "ResetCall", "ServerTraceEvent", "ServerTraceEvents", "Shutdown", "StepOutputs",
+    "PrepareReceiveCall", "ReceiveKVCall", "RecentRequestsCall", "ReleaseReceiveCall", "Reply", "ResetCall", "ServerTraceEvent", "ServerTraceEvents", "Shutdown", "StepOutputs",
 ]
 
 
@@ -47,6 +48,8 @@ class EngineInfo:
     vocab_size: int
     max_seq_len: int
     tracing: bool
+    #: K and V bytes one token takes in every layer (bounds what a KV transfer may announce).
+    kv_bytes_per_token: int = 0
 
 
 @dataclass(frozen=True)
@@ -123,8 +126,36 @@ class CudaProfilerCall:
     start: bool
 
 
+@dataclass(frozen=True)
+class PrepareReceiveCall:
+    """Disaggregated serving's receive side (``Engine.prepare_receive``): reserve pages for the
+    K/V of ``prompt[:end]``; replies a ``KVReceipt``, or raises ``KVTransferError``."""
+
+    request_id: str
+    prompt: tuple[int, ...]
+    end: int
+    timeout_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class ReceiveKVCall:
+    """Store a ``KVBlock`` another engine sent into its reservation (``Engine.receive_kv``);
+    replies None, or raises ``KVTransferError`` (and the reservation is released)."""
+
+    block: KVBlock
+
+
+@dataclass(frozen=True)
+class ReleaseReceiveCall:
+    """Give up the reservation of ``request_id`` (only if it is ``ticket``'s, when given); replies
+    whether there was one."""
+
+    request_id: str
+    ticket: str | None = None
+
+
 EngineCall = Union[ResetCall, MetricsCall, RecentRequestsCall, DumpTraceCall, TraceSinceCall,
-                   ProfileCall, CudaProfilerCall]
+                   ProfileCall, CudaProfilerCall, PrepareReceiveCall, ReceiveKVCall, ReleaseReceiveCall]
 
 
 # ---------------------------------------------------------------- front end -> core

@@ -54,3 +54,49 @@ class PagedKVCache:
     def nbytes(self) -> int:
         """Bytes of K and V storage together."""
         return 2 * int(np.prod(self.k.shape)) * np.dtype(self.dtype).itemsize
+
+    # ------------------------------------------------------------- token windows (disaggregation)
+
+    def read_tokens(self, pages: tuple[int, ...], begin: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """Host copies of the K and V of positions ``[begin:end]`` of a sequence holding ``pages``,
+        each ``[num_layers, num_kv_heads, end - begin, head_dim]``."""
+        page_ids, slots, used = self._window(pages, begin, end)
+        k = _host_pages(self.k, used)[:, page_ids, :, slots, :]  # advanced indices first: [n, L, H, D]
+        v = _host_pages(self.v, used)[:, page_ids, :, slots, :]
+        return np.ascontiguousarray(k.transpose(1, 2, 0, 3)), np.ascontiguousarray(v.transpose(1, 2, 0, 3))
+
+    def write_tokens(self, pages: tuple[int, ...], begin: int, k: np.ndarray, v: np.ndarray) -> None:
+        """Store ``k`` and ``v`` (``[num_layers, num_kv_heads, n, head_dim]``) as positions
+        ``[begin:begin + n]`` of a sequence holding ``pages``."""
+        end = begin + k.shape[2]
+        page_ids, slots, used = self._window(pages, begin, end)
+        for store, src in ((self.k, k), (self.v, v)):
+            host = _host_pages(store, used)
+            host[:, page_ids, :, slots, :] = src.astype(self.dtype, copy=False).transpose(2, 0, 1, 3)
+            if isinstance(store, np.ndarray):
+                store[:, used] = host
+            else:  # a device array: one contiguous [heads, page_size, head_dim] copy per layer and page
+                for layer in range(self.num_layers):
+                    for j, page in enumerate(used):
+                        store[layer, int(page)].copy_to_device(np.ascontiguousarray(host[layer, j]))
+
+    def _window(self, pages: tuple[int, ...], begin: int, end: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """For positions ``[begin:end]``: each one's index into ``used`` (the distinct pages the
+        window touches, in order) and its slot."""
+        if not 0 <= begin <= end <= len(pages) * self.page_size:
+            raise ValueError(f"positions [{begin}:{end}] are outside {len(pages)} pages of {self.page_size}")
+        positions = np.arange(begin, end)
+        first = begin // self.page_size
+        used = np.asarray(pages[first:-(-end // self.page_size)], dtype=np.int64)
+        return positions // self.page_size - first, positions % self.page_size, used
+
+
+def _host_pages(store: "Array", pages: np.ndarray) -> np.ndarray:
+    """``store[:, pages]`` on the host, ``[num_layers, len(pages), heads, page_size, head_dim]``."""
+    if isinstance(store, np.ndarray):
+        return store[:, pages]
+    out = np.empty((store.shape[0], len(pages), *store.shape[2:]), dtype=np.dtype(store.dtype))
+    for layer in range(store.shape[0]):
+        for j, page in enumerate(pages):
+            out[layer, j] = store[layer, int(page)].copy_to_host()
+    return out

@@ -92,6 +92,9 @@ class RecentRequest:
     decode_tokens_per_s: float | None
     end_to_end_s: float
     finished_at: float        # Unix seconds
+    #: Disaggregated serving: which half of a request this engine ran ("prefill, sent KV [0:39]",
+    #: "decode, KV [0:39] received"); the other half has the same request id on its engine.
+    disagg: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -122,6 +122,13 @@ function renderRecent(recent) {
       td.textContent = value;  // ids and reasons come from clients: text, never HTML
       tr.append(td);
     }
+    if (r.disagg) {  // one half of a disaggregated request: the other has the same id on its engine
+      const tag = document.createElement("span");
+      tag.className = "disagg-tag";
+      tag.textContent = r.disagg;
+      tag.title = "Disaggregated serving: the other half ran on another engine under the same request id";
+      tr.firstChild.append(tag);
+    }
     const link = document.createElement("a");
     link.href = `${historyUrl}?q=${encodeURIComponent(r.request_id)}`;
     link.textContent = "history";

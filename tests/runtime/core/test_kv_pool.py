@@ -381,3 +381,32 @@ def test_random_workload_keeps_the_books_balanced():
         pool.free(sid)
     assert pool.num_used_pages == pool.num_pinned_pages
     assert all(r == 0 for r in pool._refcount)
+
+
+def test_reserve_holds_a_window_for_arriving_kv_and_rename_hands_it_on():
+    pool = KVCachePool(num_pages=8, page_size=4)
+    run_prefill(pool, "warm", toks(0, 10))  # pages of [0:8] cached once committed
+    pool.free("warm")
+    admission = pool.reserve("recv", toks(0, 20), 14)
+    assert admission == Admission(cached_tokens=8, new_tokens=6)
+    assert len(pool.pages("recv")) == 4 and pool.num_computed_tokens("recv") == 8
+    pool.commit("recv", toks(8, 6))  # the arrived K/V of [8:14]
+    pool.rename("recv", "gen")
+    assert "recv" not in pool and pool.num_computed_tokens("gen") == 14
+    assert pool.try_allocate("gen", 6)  # the rest of the prompt, on top
+    check_invariants(pool)
+    pool.free("gen")
+    assert pool.num_used_pages == 0
+
+
+def test_reserve_may_match_past_its_end_and_refuses_without_side_effects():
+    pool = KVCachePool(num_pages=4, page_size=4)
+    run_prefill(pool, "warm", toks(0, 13))
+    pool.free("warm")
+    assert pool.reserve("recv", toks(0, 13), 5) == Admission(cached_tokens=12, new_tokens=0)
+    pool.free("recv")
+    before = pool.usage()
+    assert pool.reserve("big", toks(100, 30), 20) is None  # 5 pages of a 4-page pool
+    assert pool.usage() == before and "big" not in pool
+    with pytest.raises(ValueError, match="end must be in 1..3"):
+        pool.reserve("bad", toks(0, 3), 4)

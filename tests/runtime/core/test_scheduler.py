@@ -26,6 +26,7 @@ class FakeSeq:
     num_prompt_tokens: int = field(init=False)
     num_computed: int = 0
     num_cached_prefix_tokens: int = 0
+    kv_send: object = None  # a prefill-only sequence of disaggregated serving (never samples)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)

@@ -5,9 +5,11 @@ import dataclasses
 import pickle
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from engines.runtime.core.engine import EngineConfig
+from engines.runtime.core.kv_transfer import KVBlock, ModelIdentity
 from engines.runtime.core.request import ChoiceDelta, FinishReason, RequestOutput
 from engines.runtime.frontend import messages as m
 from engines.runtime.frontend.engine_core import EngineCore
@@ -26,6 +28,11 @@ SAMPLES = [
     m.Call(12, m.TraceSinceCall(cursor=42)),
     m.Call(13, m.ProfileCall("start", max_steps=5, max_seconds=2.5, stack_sampling=True)),
     m.Call(14, m.ProfileCall("status")),
+    m.Call(15, m.PrepareReceiveCall("r1", (5, 6, 7, 8), end=-1, timeout_s=5.0)),
+    m.Call(16, m.ReceiveKVCall(KVBlock("r1", "ticket", 0, 3, ModelIdentity("ab" * 16, "float32", 16, 2, 1, 4),
+                                       np.arange(24, dtype=np.float32).reshape(2, 1, 3, 4),
+                                       np.ones((2, 1, 3, 4), dtype=np.float32)))),
+    m.Call(17, m.ReleaseReceiveCall("r1")),
     m.Shutdown(),
     m.Ready(INFO),
     m.StepOutputs([RequestOutput("r1", [ChoiceDelta(0, "hi", [5], None, FinishReason.STOP)], {"prompt_tokens": 3})]),

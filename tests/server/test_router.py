@@ -1,0 +1,120 @@
+"""The disaggregating router's choices, against mock upstream servers: which decode server, when
+``remote_send`` is skipped, a preempted request run once more, upstream errors passed through."""
+from __future__ import annotations
+
+import json
+
+import httpx
+import orjson
+import pytest
+
+from engines.disagg.router import DisaggRouter, RouterError
+
+PREFILL, DECODE_A, DECODE_B = "http://prefill", "http://decode-a", "http://decode-b"
+
+
+class Upstreams:
+    """Mock prefill and decode servers that log every call and answer as told."""
+
+    def __init__(self, matched: int = 0, prompt_length: int = 10, preempt_times: int = 0, stream: bool = False):
+        self.calls: list[tuple[str, str, dict]] = []
+        self.matched, self.prompt_length = matched, prompt_length
+        self.preempt_times, self.stream = preempt_times, stream
+
+    def handler(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else {}
+        host, path = f"http://{request.url.host}", request.url.path
+        self.calls.append((host, path, body))
+        if path == "/microserving/prep_recv":
+            return httpx.Response(200, json={"kv_append_metadata": "m", "prefix_matched_length": self.matched,
+                                             "prompt_length": self.prompt_length})
+        if path == "/microserving/remote_send":
+            return httpx.Response(200, json={})
+        if path == "/microserving/start_generate":
+            reason = "preempt" if self.preempt_times > 0 else "length"
+            self.preempt_times -= 1
+            text = "" if reason == "preempt" else "hello"
+            choice = {"index": 0, "text": text, "finish_reason": reason}
+            if self.stream:
+                events = [{"choices": [{"index": 0, "text": "", "finish_reason": None}]}, {"choices": [choice]}]
+                sse = b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+                return httpx.Response(200, content=sse, headers={"content-type": "text/event-stream"})
+            return httpx.Response(200, json={"choices": [choice]})
+        return httpx.Response(404, json={"object": "error", "message": "no route", "code": 404})
+
+    def router(self, decode=(DECODE_A,)) -> DisaggRouter:
+        return DisaggRouter([PREFILL], list(decode), transport=httpx.MockTransport(self.handler))
+
+    def paths(self) -> list[str]:
+        return [path.rsplit("/", 1)[1] for _, path, _ in self.calls]
+
+
+async def test_three_calls_in_order_tied_by_one_fresh_id():
+    up = Upstreams(matched=0, prompt_length=10)
+    reply = await up.router().route({"model": "demo", "prompt": "hi", "user": "alice"})
+    assert orjson.loads(reply.body)["choices"][0]["text"] == "hello"
+    assert up.paths() == ["prep_recv", "remote_send", "start_generate"]
+    users = {body["user"] for _, _, body in up.calls}
+    assert len(users) == 1 and next(iter(users)).startswith("alice-")
+    prep, send, start = (body for _, _, body in up.calls)
+    assert prep["end"] == -1 and send["begin"] == 0 and send["kv_addr_info"] == "m" and start["begin"] == 9
+    assert [host for host, _, _ in up.calls] == [DECODE_A, PREFILL, DECODE_A]
+
+
+async def test_remote_send_is_skipped_when_the_decode_cache_holds_the_window():
+    up = Upstreams(matched=9, prompt_length=10)
+    await up.router().route({"model": "demo", "prompt": "hi"})
+    assert up.paths() == ["prep_recv", "start_generate"]
+
+
+async def test_the_least_loaded_decode_server_is_picked():
+    up = Upstreams()
+    router = up.router(decode=(DECODE_A, DECODE_B))
+    router.in_flight[DECODE_A] = 2
+    await router.route({"model": "demo", "prompt": "hi"})
+    assert up.calls[0][0] == DECODE_B
+    router.in_flight[DECODE_A] = 0
+    await router.route({"model": "demo", "prompt": "hi"})
+    assert up.calls[-1][0] == DECODE_A
+    assert router.in_flight == {DECODE_A: 0, DECODE_B: 0}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_preempted_request_is_run_once_more(stream):
+    up = Upstreams(preempt_times=1, stream=stream)
+    router = up.router()
+    reply = await router.route({"model": "demo", "prompt": "hi", "stream": stream})
+    body = b"".join([e async for e in reply.stream]) if stream else reply.body
+    assert b'"hello"' in body and b"preempt" not in body
+    assert up.paths().count("prep_recv") == 2
+    ids = [b["user"] for _, p, b in up.calls if p.endswith("prep_recv")]
+    assert ids[0] != ids[1]  # each attempt is a new request on the engines
+    assert router.in_flight[DECODE_A] == 0
+
+
+async def test_a_second_preemption_reaches_the_client():
+    up = Upstreams(preempt_times=2)
+    reply = await up.router().route({"model": "demo", "prompt": "hi"})
+    assert orjson.loads(reply.body)["choices"][0]["finish_reason"] == "preempt"
+
+
+async def test_upstream_errors_come_back_as_they_were():
+    def refuse(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(400, json={"object": "error", "message": "temperature must be >= 0", "code": 400})
+    router = DisaggRouter([PREFILL], [DECODE_A], transport=httpx.MockTransport(refuse))
+    with pytest.raises(RouterError) as err:
+        await router.route({"model": "demo", "prompt": "hi", "temperature": -1})
+    assert err.value.status == 400 and err.value.body["message"] == "temperature must be >= 0"
+    assert router.in_flight[DECODE_A] == 0
+
+    def down(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused")
+    router = DisaggRouter([PREFILL], [DECODE_A], transport=httpx.MockTransport(down))
+    with pytest.raises(RouterError) as err:
+        await router.route({"model": "demo", "prompt": "hi"})
+    assert err.value.status == 502 and "could not be reached" in err.value.body["message"]
+
+
+def test_a_router_needs_both_sides():
+    with pytest.raises(ValueError, match="at least one prefill URL and one decode URL"):
+        DisaggRouter([], [DECODE_A])
