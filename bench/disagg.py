@@ -11,6 +11,7 @@
 
     .venv/bin/python bench/disagg.py
     .venv/bin/python bench/disagg.py --part transfer --tokens 512 1900
+    .venv/bin/python bench/disagg.py --part load --split-cores
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from pathlib import Path
 
 import httpx
 import numpy as np
+from cpu_threads import THREAD_VARIABLES
 from servers import REPO, free_port, launch  # bench/ is the script's folder, first on sys.path
 
 sys.path.insert(0, str(REPO))
@@ -59,7 +61,8 @@ async def stream_one(http: httpx.AsyncClient, base: str, prompt: list[int], max_
     t0 = time.perf_counter()
     ttft, tokens = None, 0
     async with http.stream("POST", f"{base}/v1/completions", json=body) as reply:
-        reply.raise_for_status()
+        if reply.status_code != 200:
+            raise SystemExit(f"{base} answered {reply.status_code}: {(await reply.aread()).decode()[:300]}")
         async for line in reply.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -97,8 +100,11 @@ def run_load(args: argparse.Namespace) -> dict:
     procs = []
     try:
         single, single_url = launch(serve, args.var_dir / "single")
-        prefill, prefill_url = launch(serve, args.var_dir / "prefill")
-        decode, decode_url = launch(serve, args.var_dir / "decode")
+        # --split-cores: the prefill and decode engines one compute thread each (the single server keeps
+        # all), so the two halves do not oversubscribe a small machine's cores.
+        split = {name: "1" for name in THREAD_VARIABLES} if args.split_cores else None
+        prefill, prefill_url = launch(serve, args.var_dir / "prefill", env=split)
+        decode, decode_url = launch(serve, args.var_dir / "decode", env=split)
         procs = [single, prefill, decode]
         router, router_url = launch(["--router", "disagg", "--prefill-url", prefill_url, "--decode-url", decode_url],
                                     args.var_dir / "router")
@@ -200,6 +206,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--max-total-tokens", type=int, default=16384)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--split-cores", action="store_true",
+                        help="one compute thread for each of the prefill and decode engines")
     parser.add_argument("--tokens", type=int, nargs="+", default=[256, 1024, 1900],
                         help="window sizes of the transfer part (16 KiB a token on the demo model)")
     parser.add_argument("--var-dir", type=Path, default=REPO / "var" / "bench-disagg")

@@ -130,13 +130,14 @@ class DisaggRouter:
     async def _run(self, decode: str, payload: dict[str, Any]) -> RoutedReply:
         """The three calls for one attempt."""
         user = payload["user"]
-        prep = await self._call(decode, "/microserving/prep_recv", {**payload, "end": -1, "stream": False})
+        # prep_recv and remote_send answer plain JSON: the client's streaming options are for start_generate.
+        quiet = {k: v for k, v in payload.items() if k not in ("stream", "stream_options")}
+        prep = await self._call(decode, "/microserving/prep_recv", {**quiet, "end": -1})
         matched, length = prep["prefix_matched_length"], prep["prompt_length"]
         if matched < length - 1:
             prefill = next(self._next_prefill)
             await self._call(prefill, "/microserving/remote_send", {
-                **payload, "begin": matched, "end": -1, "kv_addr_info": prep["kv_append_metadata"], "recv_rank": 0,
-                "stream": False})
+                **quiet, "begin": matched, "end": -1, "kv_addr_info": prep["kv_append_metadata"], "recv_rank": 0})
         logger.debug("request %s: prefix %d of %d on %s", user, matched, length, decode)
         request = self.client.build_request("POST", decode + "/microserving/start_generate",
                                             content=orjson.dumps({**payload, "begin": length - 1}),

@@ -111,7 +111,8 @@ def test_the_router_serves_the_openai_client_unchanged(servers, router):
     alone = prefill.openai.completions.create(prompt=PROMPT, **params).choices[0].text
     got = router.openai.completions.create(prompt=PROMPT, **params)
     assert got.choices[0].text == alone and got.usage.completion_tokens == 12
-    stream = router.openai.completions.create(prompt=PROMPT, stream=True, **params)
+    stream = router.openai.completions.create(prompt=PROMPT, stream=True, stream_options={"include_usage": True},
+                                              **params)
     assert "".join(c.choices[0].text for c in stream if c.choices) == alone
     messages = [{"role": "user", "content": "Tell me about lighthouses."}]
     chat_alone = prefill.openai.chat.completions.create(messages=messages, **params).choices[0].message.content

@@ -61,6 +61,16 @@ async def test_three_calls_in_order_tied_by_one_fresh_id():
     assert [host for host, _, _ in up.calls] == [DECODE_A, PREFILL, DECODE_A]
 
 
+async def test_streaming_options_go_only_to_start_generate():
+    up = Upstreams(stream=True)
+    reply = await up.router().route({"model": "demo", "prompt": "hi", "stream": True,
+                                     "stream_options": {"include_usage": True}})
+    assert b"hello" in b"".join([e async for e in reply.stream])
+    for _, path, body in up.calls:
+        streaming = path.endswith("start_generate")
+        assert ("stream" in body) == streaming and ("stream_options" in body) == streaming, path
+
+
 async def test_remote_send_is_skipped_when_the_decode_cache_holds_the_window():
     up = Upstreams(matched=9, prompt_length=10)
     await up.router().route({"model": "demo", "prompt": "hi"})
