@@ -31,7 +31,7 @@ sys.path[0] = str(REPO)
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--batches", type=int, nargs="*", default=[1, 8, 32], help="decode batches (none: prefill only)")
     parser.add_argument("--new-tokens", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--prefill", type=int, nargs="*", default=[512, 2048], help="prompt lengths timed alone")
     parser.add_argument("--prompt-len", type=int, default=16)

@@ -17,7 +17,6 @@ import queue
 import signal
 import sys
 import threading
-from multiprocessing.connection import Connection
 from typing import Any, Callable
 
 import numpy as np
@@ -25,6 +24,7 @@ import numpy as np
 from engines import __version__
 from engines.runtime.core.engine import Engine, EngineConfig
 from engines.runtime.frontend.messages import (
+    MessageConnection,
     AbortRequest,
     Aborted,
     AddRequest,
@@ -295,7 +295,7 @@ def portable_error(error: BaseException) -> BaseException:
 def main() -> None:
     """Entry point of an engine process: ``python -c "...engine_core import main; main()" FD``, where
     FD is its end of a socket pair; the first message on it is the :class:`EngineSpec`."""
-    conn = Connection(int(sys.argv[1]))
+    conn = MessageConnection(int(sys.argv[1]))
     try:
         spec = conn.recv()
     except EOFError:  # the server went away before asking for anything

@@ -24,7 +24,9 @@ The first message to an engine process is its :class:`EngineSpec`.
 """
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Literal, Union
 
@@ -34,7 +36,8 @@ from engines.runtime.core.request import GenerationRequest, RequestOutput
 
 __all__ = [
     "AbortRequest", "AddRequest", "Aborted", "Call", "CoreCommand", "CoreMessage", "CudaProfilerCall", "Dead",
-    "DumpTraceCall", "TraceSinceCall", "ProfileCall", "EngineCall", "EngineInfo", "EngineSpec", "Failed", "MetricsCall", "Ready", "Rejected",
+    "DumpTraceCall", "TraceSinceCall", "ProfileCall", "EngineCall", "EngineInfo", "EngineSpec", "Failed", "MessageConnection",
+    "MetricsCall", "Ready", "Rejected",
     "PrepareReceiveCall", "ReceiveKVCall", "RecentRequestsCall", "ReleaseReceiveCall", "Reply", "ResetCall", "ServerTraceEvent", "ServerTraceEvents", "Shutdown", "StepOutputs",
 ]
 
@@ -264,3 +267,15 @@ class Dead:
 
 
 CoreMessage = Union[Ready, Failed, StepOutputs, Aborted, Rejected, Reply, Dead]
+
+
+class MessageConnection(Connection):
+    """The socket pair's end in an engine process and in its server: messages pickled with
+    protocol 5, whose in-band buffers copy a NumPy array once (a disaggregation ``KVBlock`` of
+    tens of MB crosses in about half the time of multiprocessing's default protocol)."""
+
+    def send(self, obj: Any) -> None:
+        self.send_bytes(pickle.dumps(obj, protocol=5))
+
+    def recv(self) -> Any:
+        return pickle.loads(self.recv_bytes())

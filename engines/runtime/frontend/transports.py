@@ -13,12 +13,12 @@ import socket
 import subprocess
 import sys
 import threading
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Callable
 
 from engines.runtime.frontend.engine_core import EngineCore
 from engines.runtime.frontend.messages import (
+    MessageConnection,
     CoreCommand,
     CoreMessage,
     Dead,
@@ -107,7 +107,7 @@ class ProcessTransport:
         self.spec = spec
         self.on_message = on_message
         self.process: subprocess.Popen | None = None
-        self.conn: Connection | None = None
+        self.conn: MessageConnection | None = None
         self.reader: threading.Thread | None = None
         self.stopping = False
 
@@ -142,7 +142,7 @@ class ProcessTransport:
             raise
         finally:
             theirs.close()  # the child holds its end; ours alone lets EOF reach us when it dies
-        conn = Connection(ours.detach())
+        conn = MessageConnection(ours.detach())
         try:
             conn.send(self.spec)
             if not conn.poll(PROCESS_START_TIMEOUT_S):

@@ -19,7 +19,7 @@ import numba
 import numpy as np
 from numba import cuda
 
-from engines.runtime.model.kernels import argmax, attention, embedding, matmul, add_rmsnorm, rope_kv, silu_mul
+from engines.runtime.model.kernels import argmax, attention, embedding, matmul, add_rmsnorm, rope_kv, run_attention, silu_mul
 
 Array = Any  # numpy.ndarray on the CPU backend, a numba DeviceNDArray on the CUDA backend
 Backend = Union["CpuBackend", "CudaBackend"]
@@ -186,11 +186,35 @@ class CpuBackend:
 
     def attention(self, qkv: np.ndarray, step: StepInputs, k_cache: np.ndarray, v_cache: np.ndarray,
                   layer: int, num_q_heads: int, scale: np.float32, out: np.ndarray) -> None:
-        """Causal paged attention of every new token over its sequence's cached keys."""
-        work = (int(step.positions.sum()) + qkv.shape[0]) * num_q_heads * k_cache.shape[4] * 2
+        """Causal paged attention of every new token over its sequence's cached keys: prefill runs
+        of ``run_attention.MIN_RUN`` tokens or more with BLAS, the other rows (decodes, short
+        chunks) with the scalar kernel."""
+        runs = [r for r in run_attention.token_runs(step.positions, step.token_seq)
+                if r[1] - r[0] >= run_attention.MIN_RUN]
+        for start, end in runs:
+            run_attention.run_attention(qkv, start, end, int(step.positions[start]), int(step.token_seq[start]),
+                                        step.page_table, k_cache, v_cache, layer, num_q_heads, scale, out)
+        if not runs:
+            self._scalar_attention(qkv, step.positions, step.token_seq, step.page_table, k_cache, v_cache, layer,
+                                   num_q_heads, scale, out)
+            return
+        covered = np.zeros(qkv.shape[0], dtype=np.bool_)
+        for start, end in runs:
+            covered[start:end] = True
+        rest = np.flatnonzero(~covered)
+        if len(rest):
+            rest_out = np.empty((len(rest), out.shape[1]), dtype=out.dtype)
+            self._scalar_attention(qkv[rest], step.positions[rest], step.token_seq[rest], step.page_table, k_cache,
+                                   v_cache, layer, num_q_heads, scale, rest_out)
+            out[rest] = rest_out
+
+    def _scalar_attention(self, qkv: np.ndarray, positions: np.ndarray, token_seq: np.ndarray,
+                          page_table: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, layer: int,
+                          num_q_heads: int, scale: np.float32, out: np.ndarray) -> None:
+        work = (int(positions.sum()) + qkv.shape[0]) * num_q_heads * k_cache.shape[4] * 2
         kernel = (attention.paged_attention_cpu if work >= self.parallel_attention_min_work
                   else attention.paged_attention_serial_cpu)
-        kernel(qkv, step.positions, step.token_seq, step.page_table, k_cache, v_cache, layer, num_q_heads, scale, out)
+        kernel(qkv, positions, token_seq, page_table, k_cache, v_cache, layer, num_q_heads, scale, out)
 
     def silu_mul(self, gate_up: np.ndarray, out: np.ndarray) -> None:
         """``out = silu(gate) * up`` over ``gate_up = [gate | up]``."""

@@ -61,9 +61,14 @@ class PagedKVCache:
         """Host copies of the K and V of positions ``[begin:end]`` of a sequence holding ``pages``,
         each ``[num_layers, num_kv_heads, end - begin, head_dim]``."""
         page_ids, slots, used = self._window(pages, begin, end)
-        k = _host_pages(self.k, used)[:, page_ids, :, slots, :]  # advanced indices first: [n, L, H, D]
-        v = _host_pages(self.v, used)[:, page_ids, :, slots, :]
-        return np.ascontiguousarray(k.transpose(1, 2, 0, 3)), np.ascontiguousarray(v.transpose(1, 2, 0, 3))
+        out = []
+        for store in (self.k, self.v):
+            if isinstance(store, np.ndarray):  # one gather (advanced indices first: [n, L, H, D])
+                window = store[:, used[page_ids], :, slots, :]
+            else:
+                window = _host_pages(store, used)[:, page_ids, :, slots, :]
+            out.append(np.ascontiguousarray(window.transpose(1, 2, 0, 3)))
+        return out[0], out[1]
 
     def write_tokens(self, pages: tuple[int, ...], begin: int, k: np.ndarray, v: np.ndarray) -> None:
         """Store ``k`` and ``v`` (``[num_layers, num_kv_heads, n, head_dim]``) as positions
@@ -71,14 +76,17 @@ class PagedKVCache:
         end = begin + k.shape[2]
         page_ids, slots, used = self._window(pages, begin, end)
         for store, src in ((self.k, k), (self.v, v)):
+            tokens_first = src.astype(self.dtype, copy=False).transpose(2, 0, 1, 3)
+            if isinstance(store, np.ndarray):  # one scatter
+                store[:, used[page_ids], :, slots, :] = tokens_first
+                continue
+            # A device array: the touched pages round-trip through the host (a partly written page
+            # keeps its other slots), one contiguous [heads, page_size, head_dim] copy per layer and page.
             host = _host_pages(store, used)
-            host[:, page_ids, :, slots, :] = src.astype(self.dtype, copy=False).transpose(2, 0, 1, 3)
-            if isinstance(store, np.ndarray):
-                store[:, used] = host
-            else:  # a device array: one contiguous [heads, page_size, head_dim] copy per layer and page
-                for layer in range(self.num_layers):
-                    for j, page in enumerate(used):
-                        store[layer, int(page)].copy_to_device(np.ascontiguousarray(host[layer, j]))
+            host[:, page_ids, :, slots, :] = tokens_first
+            for layer in range(self.num_layers):
+                for j, page in enumerate(used):
+                    store[layer, int(page)].copy_to_device(np.ascontiguousarray(host[layer, j]))
 
     def _window(self, pages: tuple[int, ...], begin: int, end: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """For positions ``[begin:end]``: each one's index into ``used`` (the distinct pages the
@@ -92,9 +100,8 @@ class PagedKVCache:
 
 
 def _host_pages(store: "Array", pages: np.ndarray) -> np.ndarray:
-    """``store[:, pages]`` on the host, ``[num_layers, len(pages), heads, page_size, head_dim]``."""
-    if isinstance(store, np.ndarray):
-        return store[:, pages]
+    """``store[:, pages]`` of a device array on the host, ``[num_layers, len(pages), heads,
+    page_size, head_dim]``."""
     out = np.empty((store.shape[0], len(pages), *store.shape[2:]), dtype=np.dtype(store.dtype))
     for layer in range(store.shape[0]):
         for j, page in enumerate(pages):

@@ -221,3 +221,27 @@ def test_kv_round_trips_through_the_storage(make_engine, demo):
     k2, v2 = kv.read_tokens(pages, 3, 40)
     assert np.array_equal(k, k2) and np.array_equal(v, v2)
     assert np.array_equal(kv.k[:, 2, :, 5], k[:, :, 16 - 3 + 5])  # position 21: page 2, slot 5
+
+
+def test_device_storage_reads_and_writes_windows_as_the_host_storage_does():
+    """The CUDA twin (device arrays, here the simulator's): the same window in and out, the
+    untouched slots of a partly written page kept."""
+    from numba import cuda
+
+    from engines.runtime.model.kv_storage import PagedKVCache
+
+    rng = np.random.default_rng(1)
+    shape = (2, 6, 2, 4, 3)  # layers, pages, kv heads, page size, head dim
+    before = rng.standard_normal(shape).astype(np.float32)
+    host = PagedKVCache(before.copy(), before.copy(), 2, 6, 4, "float32", "cpu")
+    device = PagedKVCache(cuda.to_device(before), cuda.to_device(before), 2, 6, 4, "float32", "cuda")
+    pages = (4, 1, 3)
+    k = rng.standard_normal((2, 2, 7, 3)).astype(np.float32)
+    v = rng.standard_normal(k.shape).astype(np.float32)
+    for cache in (host, device):
+        cache.write_tokens(pages, 3, k, v)  # positions 3..9: the end of page 4, page 1, the start of page 3
+    assert np.array_equal(device.k.copy_to_host(), host.k) and np.array_equal(device.v.copy_to_host(), host.v)
+    assert np.array_equal(host.k[:, 4, :, :3], before[:, 4, :, :3])  # slots before the window kept
+    for a, b in zip(device.read_tokens(pages, 2, 11), host.read_tokens(pages, 2, 11)):
+        assert np.array_equal(a, b)
+    assert np.array_equal(host.read_tokens(pages, 3, 10)[0], k)

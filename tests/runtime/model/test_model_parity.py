@@ -20,6 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from engines.runtime.model.checkpoint import load_checkpoint
 from engines.runtime.model.config import CheckpointError
 from engines.runtime.model.llama import ForwardBatch, LlamaModel
+from engines.runtime.model.kernels import run_attention
 
 pytestmark = pytest.mark.usefixtures("quick_simulator_barriers")
 
@@ -177,6 +178,26 @@ def test_all_logits_and_chunked_prefill(reference: Reference) -> None:
     last = model.forward(mixed.batch([prompt[split:], [7]]), kv)
     np.testing.assert_allclose(last[0], want[-1], rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(last[1], reference.hf_logits(PROMPTS[0] + [7])[-1], rtol=1e-4, atol=1e-4)
+
+
+def test_long_prefill_runs_take_the_blas_path_and_still_match_transformers(reference: Reference) -> None:
+    """Runs of ``run_attention.MIN_RUN`` tokens or more (whole, and as a second chunk beside a
+    decode) go through the CPU backend's BLAS attention."""
+    model = reference.ours
+    prompt = [(7 * i) % 90 + 3 for i in range(120)]
+    assert len(prompt) // 2 >= run_attention.MIN_RUN
+    want = reference.hf_logits(prompt)
+    whole = PagedSequences([prompt], 40, seed=6)
+    kv = model.new_kv_cache(40, PAGE_SIZE)
+    np.testing.assert_allclose(model.forward(whole.batch([prompt], all_logits=True), kv), want, rtol=1e-4, atol=1e-4)
+
+    mixed = PagedSequences([prompt, PROMPTS[0]], 48, seed=7)
+    kv = model.new_kv_cache(48, PAGE_SIZE)
+    model.forward(mixed.batch([prompt[:60], PROMPTS[0]]), kv)
+    mixed.advance([prompt[:60], PROMPTS[0]])
+    last = model.forward(mixed.batch([prompt[60:], [7]], all_logits=True), kv)
+    np.testing.assert_allclose(last[:60], want[60:], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(last[60], reference.hf_logits(PROMPTS[0] + [7])[-1], rtol=1e-4, atol=1e-4)
 
 
 def test_shape_mismatch_names_the_tensor(reference: Reference) -> None:
