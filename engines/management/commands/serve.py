@@ -16,6 +16,7 @@ from __future__ import annotations
 from daphne.server import Server  # isort:skip
 
 import asyncio
+import fcntl
 import ipaddress
 import logging
 import math
@@ -194,12 +195,18 @@ class Command(BaseCommand):
             raise CommandError(str(exc)) from exc
 
     def _apply_migrations(self) -> None:
-        """Create or update the database on first run, quietly when there is nothing to do."""
-        executor = MigrationExecutor(connections[DEFAULT_DB_ALIAS])
-        plan = executor.migration_plan(executor.loader.graph.leaf_nodes())
-        if plan:
-            self.stdout.write(f"Applying {len(plan)} database migration(s)...")
-            call_command("migrate", interactive=False, verbosity=0)
+        """Create or update the database on first run, quietly when there is nothing to do.
+
+        Under a lock file in the var folder: servers started together on one machine (a prefill
+        and a decode server, say) share its database, and two first runs migrating at once fail.
+        """
+        with open(settings.VAR_DIR / "migrate.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            executor = MigrationExecutor(connections[DEFAULT_DB_ALIAS])
+            plan = executor.migration_plan(executor.loader.graph.leaf_nodes())
+            if plan:
+                self.stdout.write(f"Applying {len(plan)} database migration(s)...")
+                call_command("migrate", interactive=False, verbosity=0)
         # The server runs on an event loop; don't carry this thread's connection into it.
         connections.close_all()
 
