@@ -16,7 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,9 +65,10 @@ class DisaggRouter:
     api_key: str | None = None
     #: httpx's default (the network) unless given: tests put a mock here.
     transport: httpx.AsyncBaseTransport | None = None
-    in_flight: dict[str, int] = field(default_factory=dict)
-    _next_prefill: Any = field(default=None, repr=False)
-    _client: httpx.AsyncClient | None = field(default=None, repr=False)
+    #: Requests this router has in flight on each decode server (what "least loaded" means).
+    in_flight: dict[str, int] = field(init=False)
+    _next_prefill: Iterator[str] = field(init=False, repr=False)
+    _client: httpx.AsyncClient | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.prefill_urls or not self.decode_urls:

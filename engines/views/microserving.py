@@ -25,7 +25,7 @@ from engines.protocol.kv_wire import KVWireError, decode_block
 from engines.protocol.microserving import ChatPrepRecvRequest, ChatRemoteSendRequest, ChatStartGenerateRequest, \
     KVAppendMetadata, KVReceiverAddress, PrepRecvRequest, RemoteSendRequest, StartGenerateRequest
 from engines.registry import registry
-from engines.runtime import AsyncEngine, EngineRequestError, KVBlock, KVSend, KVTransferError
+from engines.runtime import AsyncEngine, EngineRequestError, GenerationRequest, KVBlock, KVSend, KVTransferError
 from engines.views.debug import debug_gated
 from engines.views.errors import json_response
 from engines.views.openai import ChatShaper, CompletionShaper, generate_reply, lookup_engine, \
@@ -99,7 +99,7 @@ async def remote_send(request: HttpRequest) -> HttpResponse:
     return json_response({})
 
 
-async def _prefill(engine: AsyncEngine, generation) -> KVBlock:
+async def _prefill(engine: AsyncEngine, generation: GenerationRequest) -> KVBlock:
     """Run a ``kv_send`` request to its end; the block its last output carries."""
     last = None
     try:

@@ -2,6 +2,8 @@
 server's reply, JSON or SSE, as it comes (``engines.disagg.router``)."""
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import orjson
 from django.http import HttpRequest, HttpResponse, StreamingHttpResponse
 
@@ -38,5 +40,16 @@ async def routed_models(router: DisaggRouter) -> HttpResponse:
 def _response(reply: RoutedReply) -> HttpResponse:
     if reply.stream is None:
         return HttpResponse(reply.body, status=reply.status, content_type=reply.content_type)
-    return StreamingHttpResponse(reply.stream, content_type=reply.content_type,
+    return StreamingHttpResponse(_counted(reply.stream), content_type=reply.content_type,
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def _counted(stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """A relayed stream, counted in flight while it is written (a draining shutdown waits for it,
+    as for the engine servers' own streams); closing it closes the upstream stream."""
+    with registry.response_in_flight():
+        try:
+            async for event in stream:
+                yield event
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]

@@ -4,17 +4,13 @@ prefill server's on a thread, so both engine modes send and receive. Both take o
 from __future__ import annotations
 
 import itertools
-import os
 import re
-import subprocess
-import sys
-import threading
 from collections.abc import Iterator
 
 import openai
 import pytest
 
-from tests.processes import REPO, Server, start_server
+from tests.processes import Server, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -139,32 +135,3 @@ def test_the_router_passes_errors_through(router):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{router.base}/v1", api_key="wrong", max_retries=0).models.list()
 
-
-def test_servers_started_together_on_a_fresh_machine_share_its_database(tmp_path):
-    """A prefill and a decode server started at once with one new var folder: the first run's
-    migrations happen once, under a lock, and both come up (they raced before)."""
-    var = tmp_path / "shared-var"
-    started: list[Server] = []
-    errors: list[BaseException] = []
-
-    def start() -> None:
-        try:
-            started.append(start_server(["--backend", "cpu", "--max-total-tokens", "512"], var))
-        except BaseException as exc:  # noqa: BLE001 - pytest.fail raises an outcome, reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=start) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    try:
-        assert not errors, errors
-        assert len(started) == 2 and all(s.http.get("/health").status_code == 200 for s in started)
-    finally:
-        for s in started:
-            s.stop()
-    check = subprocess.run([sys.executable, "manage.py", "migrate", "--check"], cwd=REPO, capture_output=True,
-                           env={**{k: v for k, v in os.environ.items() if k != "DATABASE_URL"},  # as the servers
-                                "DEBUGSITE_VAR_DIR": str(var)})
-    assert check.returncode == 0, check.stdout + check.stderr

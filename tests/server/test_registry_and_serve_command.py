@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ from django.core.management import CommandError, call_command
 
 from engines.management.commands.serve import is_loopback
 from engines.registry import EngineRegistry, ModelSpec, RegistryError, ServerOptions, configure_from_env
+from tests.processes import Server, start_server
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -125,3 +127,34 @@ def test_configure_from_env_builds_and_starts_engines() -> None:
     finally:
         reg.shutdown_all()
         reg.options = ServerOptions()
+
+
+@pytest.mark.slow
+def test_servers_started_together_on_a_fresh_machine_share_its_database(tmp_path):
+    """A prefill and a decode server started at once with one new var folder: the first run's
+    migrations happen once, under a lock, and both come up (they raced before)."""
+    var = tmp_path / "shared-var"
+    started: list[Server] = []
+    errors: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            started.append(start_server(["--backend", "cpu", "--max-total-tokens", "512"], var))
+        except BaseException as exc:  # noqa: BLE001 - pytest.fail raises an outcome, reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    try:
+        assert not errors, errors
+        assert len(started) == 2 and all(s.http.get("/health").status_code == 200 for s in started)
+    finally:
+        for s in started:
+            s.stop()
+    check = subprocess.run([sys.executable, "manage.py", "migrate", "--check"], cwd=REPO, capture_output=True,
+                           env={**{k: v for k, v in os.environ.items() if k != "DATABASE_URL"},  # as the servers
+                                "DEBUGSITE_VAR_DIR": str(var)})
+    assert check.returncode == 0, check.stdout + check.stderr

@@ -128,3 +128,24 @@ async def test_upstream_errors_come_back_as_they_were():
 def test_a_router_needs_both_sides():
     with pytest.raises(ValueError, match="at least one prefill URL and one decode URL"):
         DisaggRouter([], [DECODE_A])
+
+
+async def test_a_relayed_stream_counts_in_flight_and_closing_it_closes_upstream():
+    from engines.registry import registry
+    from engines.views.router import _counted
+
+    closed = []
+
+    async def upstream():
+        try:
+            for i in range(3):
+                yield f"data: {i}\n\n".encode()
+        finally:
+            closed.append(True)
+
+    before = registry.responses_in_flight
+    body = _counted(upstream())
+    assert await anext(body) == b"data: 0\n\n"
+    assert registry.responses_in_flight == before + 1  # a draining shutdown waits for it
+    await body.aclose()  # the client went away
+    assert closed == [True] and registry.responses_in_flight == before

@@ -526,8 +526,7 @@ class Engine:
         (grammar masks, sampler), append it (stop rules, detokenization); returns the requests with news."""
         prof = self.profiler
         self._commit(sched.chunks)
-        sent = [c.seq for c in sched.chunks
-                if c.seq.kv_send is not None and c.start + c.num_tokens == len(c.seq.token_ids)]
+        sent = [c.seq for c in sched.chunks if c.seq.kv_send is not None and c.completes]
         for seq in sent:
             self._send_kv(seq)
         if prof is not None:

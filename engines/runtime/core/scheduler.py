@@ -43,10 +43,15 @@ class ScheduledChunk:
     num_tokens: int
 
     @property
+    def completes(self) -> bool:
+        """Whether this chunk reaches the sequence's last token."""
+        return self.start + self.num_tokens == len(self.seq.token_ids)
+
+    @property
     def samples(self) -> bool:
-        """Whether this chunk reaches the sequence's last token, so a new one is sampled after it
-        (never for a sequence that only prefills to send its K/V to another engine)."""
-        return self.start + self.num_tokens == len(self.seq.token_ids) and self.seq.kv_send is None
+        """Whether a new token is sampled after this chunk: it completes the sequence, which is not
+        one that only prefills to send its K/V to another engine."""
+        return self.completes and self.seq.kv_send is None
 
     @property
     def is_prefill(self) -> bool:

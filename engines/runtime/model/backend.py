@@ -51,6 +51,9 @@ class StepInputs:
     page_table: Array  # [num_seqs, max_pages]
     rows: Array
     logit_rows: Array
+    #: CPU backend only, set once a step by ``upload_step`` (attention reads it in every layer):
+    #: the prefill runs attention computes with BLAS, and the other rows (None: every row).
+    attention_split: "run_attention.AttentionSplit | None" = None
 
 
 @dataclass
@@ -154,7 +157,9 @@ class CpuBackend:
         return np.empty(shape, dtype=dtype)
 
     def upload_step(self, host: StepInputs) -> StepInputs:
-        """The step metadata, ready for the kernels (host arrays are used as they are)."""
+        """The step metadata, ready for the kernels (host arrays are used as they are), with
+        attention's split into prefill runs and other rows worked out once for every layer."""
+        host.attention_split = run_attention.split_step(host.positions, host.token_seq)
         return host
 
     def run_step(self, buffers: tuple[Any, ...], num_tokens: int, launches: Callable[[], None]) -> None:
@@ -189,20 +194,15 @@ class CpuBackend:
         """Causal paged attention of every new token over its sequence's cached keys: prefill runs
         of ``run_attention.MIN_RUN`` tokens or more with BLAS, the other rows (decodes, short
         chunks) with the scalar kernel."""
-        runs = [r for r in run_attention.token_runs(step.positions, step.token_seq)
-                if r[1] - r[0] >= run_attention.MIN_RUN]
-        for start, end in runs:
+        split = step.attention_split
+        for start, end in split.runs:
             run_attention.run_attention(qkv, start, end, int(step.positions[start]), int(step.token_seq[start]),
                                         step.page_table, k_cache, v_cache, layer, num_q_heads, scale, out)
-        if not runs:
+        rest = split.other_rows
+        if rest is None:
             self._scalar_attention(qkv, step.positions, step.token_seq, step.page_table, k_cache, v_cache, layer,
                                    num_q_heads, scale, out)
-            return
-        covered = np.zeros(qkv.shape[0], dtype=np.bool_)
-        for start, end in runs:
-            covered[start:end] = True
-        rest = np.flatnonzero(~covered)
-        if len(rest):
+        elif len(rest):
             rest_out = np.empty((len(rest), out.shape[1]), dtype=out.dtype)
             self._scalar_attention(qkv[rest], step.positions[rest], step.token_seq[rest], step.page_table, k_cache,
                                    v_cache, layer, num_q_heads, scale, rest_out)

@@ -29,6 +29,8 @@ def test_runs_split_where_the_sequence_or_the_positions_break():
     token_seq = np.array([0, 0, 0, 1, 1, 1, 1, 0], dtype=np.int32)
     assert run_attention.token_runs(positions, token_seq) == [(0, 3), (3, 5), (5, 7), (7, 8)]
     assert run_attention.token_runs(positions[:0], token_seq[:0]) == []
+    decode = run_attention.split_step(np.arange(100, dtype=np.int32), np.arange(100, dtype=np.int32))
+    assert decode.runs == () and decode.other_rows is None  # 100 one-token rows: all scalar
 
 
 def test_blas_runs_match_the_scalar_kernel_and_a_dense_softmax():
@@ -39,11 +41,14 @@ def test_blas_runs_match_the_scalar_kernel_and_a_dense_softmax():
     v = rng.standard_normal(shape).astype(np.float32)
     qkv = rng.standard_normal((len(step.positions), (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM)).astype(np.float32)
     scale = np.float32(HEAD_DIM ** -0.5)
-    runs = [r for r in run_attention.token_runs(step.positions, step.token_seq) if r[1] - r[0] >= run_attention.MIN_RUN]
-    assert runs == [(0, 300), (301, 361)]  # the fast path takes the two long runs, the scalar kernel the rest
+    cpu = CpuBackend()
+    step = cpu.upload_step(step)
+    # The fast path takes the two long runs, the scalar kernel the rest.
+    assert step.attention_split.runs == ((0, 300), (301, 361))
+    assert step.attention_split.other_rows.tolist() == [300, *range(361, 382)]
 
     got = np.full((len(step.positions), Q_HEADS * HEAD_DIM), np.nan, np.float32)
-    CpuBackend().attention(qkv, step, k, v, 1, Q_HEADS, scale, got)
+    cpu.attention(qkv, step, k, v, 1, Q_HEADS, scale, got)
     want = np.empty_like(got)
     attention.paged_attention_cpu(qkv, step.positions, step.token_seq, step.page_table, k, v, 1, Q_HEADS, scale, want)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)

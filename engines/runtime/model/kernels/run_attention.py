@@ -12,9 +12,11 @@ The scalar kernel stays the plain reference: the tests diff the two on mixed ste
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-__all__ = ["MIN_RUN", "TILE", "run_attention", "token_runs"]
+__all__ = ["MIN_RUN", "TILE", "AttentionSplit", "run_attention", "split_step", "token_runs"]
 
 #: Query rows per matrix product (the scores of a tile are ``TILE x keys`` floats).
 TILE = 256
@@ -32,6 +34,29 @@ def token_runs(positions: np.ndarray, token_seq: np.ndarray) -> list[tuple[int, 
     breaks = np.flatnonzero((token_seq[1:] != token_seq[:-1]) | (positions[1:] != positions[:-1] + 1)) + 1
     edges = [0, *breaks.tolist(), n]
     return list(zip(edges[:-1], edges[1:]))
+
+
+@dataclass(frozen=True)
+class AttentionSplit:
+    """One step's rows for attention: ``runs`` (``[start, end)``, ``MIN_RUN`` tokens or more) go
+    through :func:`run_attention`; ``other_rows`` through the scalar kernel (None: every row, no
+    run is long enough)."""
+
+    runs: tuple[tuple[int, int], ...]
+    other_rows: np.ndarray | None
+
+
+def split_step(positions: np.ndarray, token_seq: np.ndarray) -> AttentionSplit:
+    """Which rows of a step attend through BLAS and which through the scalar kernel."""
+    if len(positions) < MIN_RUN:  # a decode step: no run can be long enough
+        return AttentionSplit((), None)
+    runs = tuple(r for r in token_runs(positions, token_seq) if r[1] - r[0] >= MIN_RUN)
+    if not runs:
+        return AttentionSplit((), None)
+    scalar = np.ones(len(positions), dtype=np.bool_)
+    for start, end in runs:
+        scalar[start:end] = False
+    return AttentionSplit(runs, np.flatnonzero(scalar))
 
 
 def run_attention(qkv: np.ndarray, start: int, end: int, first: int, seq: int, page_table: np.ndarray,
