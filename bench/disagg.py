@@ -4,8 +4,9 @@
    prompts, EOS ignored) through a router in front of a prefill and a decode server, and through
    one server. Rounds alternate; per side: TTFT p50/p99 and output tokens/s, medians over rounds.
 2. **Transfer** (``--part transfer``): a window of K/V from this process to a decode server's
-   ``/microserving/kv_transfer`` (encode, CRC, HTTP, Django, decode, CRC, the engine process,
-   the page writes: the real path of a cross-server ``remote_send``), against the same number
+   engine's K/V listener (the ``kv_url`` of prep_recv's metadata: encode, checksums, HTTP, the
+   engine process reading into the block, the page writes: the real path of a cross-server
+   ``remote_send`` once the prefill engine has the block), against the same number
    of bytes sent over a plain loopback TCP socket to a process that only reads them. Alternated,
    medians; the goal is transfer / plain >= 0.5.
 
@@ -31,9 +32,8 @@ from servers import REPO, free_port, launch  # bench/ is the script's folder, fi
 
 sys.path.insert(0, str(REPO))
 
-from engines.protocol.kv_wire import encode_block, wire_size  # noqa: E402
 from engines.protocol.microserving import KVAppendMetadata  # noqa: E402
-from engines.runtime import KVBlock, ModelIdentity  # noqa: E402
+from engines.runtime import KVBlock, ModelIdentity, post_block, wire_size  # noqa: E402
 
 SINK = r"""
 import socket, sys
@@ -159,10 +159,8 @@ def kv_transfer(http: httpx.Client, base: str, tokens: int, rng: np.random.Gener
     block = KVBlock(user, metadata.receiver.ticket, 0, tokens, ident,
                     rng.standard_normal(shape, dtype=np.float32), rng.standard_normal(shape, dtype=np.float32))
     t0 = time.perf_counter()
-    reply = http.post(f"{base}/microserving/kv_transfer", params={"model": "demo"}, content=encode_block(block),
-                      headers={"Content-Type": "application/octet-stream", "Content-Length": str(wire_size(block))})
+    post_block(metadata.receiver.kv_url, block)
     seconds = time.perf_counter() - t0
-    reply.raise_for_status()
     http.post(f"{base}/debug/reset_engine", json={"model": "demo"}).raise_for_status()  # frees the pages
     return seconds, wire_size(block)
 

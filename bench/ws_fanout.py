@@ -11,6 +11,12 @@ and rounds with none, the same streaming load in each. Reports:
 
     python bench/ws_fanout.py                        # in-memory channel layer
     python bench/ws_fanout.py --redis redis://127.0.0.1:6379/2
+    python bench/ws_fanout.py --pin                  # engine alone on CPU 0, all else on CPU 1
+
+``--pin`` is for a small machine: there the viewer clients, the load generator and Redis would
+otherwise share the engine's cores, and the ratio would measure them, not the server. The engine
+process then runs one compute thread on the first CPU and everything else (server, bench, Redis)
+shares the second, so the ratio says what the viewers cost the engine through the server.
 """
 from __future__ import annotations
 
@@ -31,6 +37,7 @@ from typing import Any
 import httpx
 import orjson
 import websockets
+from cpu_threads import THREAD_VARIABLES
 
 REPO = Path(__file__).resolve().parents[1]
 SERVER_LOG = Path(tempfile.gettempdir()) / "ws_fanout_server.log"
@@ -57,11 +64,39 @@ def copy_lines(source: Any, path: Path) -> None:
             log.flush()
 
 
-def start_server(redis: str | None) -> tuple[subprocess.Popen, str, str]:
+def pin_process(pid: int, cpus: set[int]) -> None:
+    """Pin every thread of process ``pid`` to ``cpus``."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        os.sched_setaffinity(int(task.name), cpus)
+
+
+def children(pid: int) -> list[int]:
+    """The direct child processes of ``pid``."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(child) for child in (task / "children").read_text().split()]
+    return found
+
+
+def redis_pid() -> int | None:
+    """The local redis-server's pid, if one runs."""
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if (proc / "comm").read_text().strip() == "redis-server":
+                    return int(proc.name)
+            except OSError:
+                continue
+    return None
+
+
+def start_server(redis: str | None, one_thread: bool) -> tuple[subprocess.Popen, str, str]:
     """``serve`` on a free port; returns the process, its base URL and its one-time login path."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("API_KEY", "DATABASE_URL", "REDIS_URL")}
     env |= {"DEBUGSITE_VAR_DIR": tempfile.mkdtemp(prefix="bench-ws-"), "PYTHONUNBUFFERED": "1"}
+    if one_thread:
+        env |= {name: "1" for name in THREAD_VARIABLES}
     if redis:
         env["REDIS_URL"] = redis
     process = subprocess.Popen(
@@ -117,7 +152,11 @@ async def round_with(base: str, cookie: str, viewers: int, clients: int, seconds
     logs: list[list[tuple[float, float]]] = [[] for _ in range(viewers)]
     ws_url = base.replace("http", "ws") + "/ws/engines/demo/"
     tasks = [asyncio.create_task(viewer(ws_url, cookie, base, log, stop)) for log in logs]
-    await asyncio.sleep(1.0 if viewers else 0)  # every socket open before the clock starts
+    # Every socket open (its first snapshot in) before the clock starts: on a loaded machine a
+    # hundred sockets can take seconds to open.
+    deadline = time.monotonic() + 60
+    while not all(logs) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
     cpu0, t0 = cpu_seconds(pid), time.monotonic()
     tokens = await load(base, clients, seconds)
     wall, cpu = time.monotonic() - t0, cpu_seconds(pid) - cpu0
@@ -126,25 +165,48 @@ async def round_with(base: str, cookie: str, viewers: int, clients: int, seconds
     result = {"tok_s": tokens / wall, "cpu_s_per_s": cpu / wall}
     if viewers:
         union = sorted({at for log in logs for at, _ in log})
-        in_window = [at for at in union if union[0] + 1 < at < union[-1] - 1]  # all sockets open by then
-        complete = all(set(in_window) <= {at for at, _ in log} for log in logs)
+        all_open = max(log[0][0] for log in logs if log)  # the latest socket's first snapshot
+        in_window = [at for at in union if all_open < at < union[-1] - 1]
+        missed = sum(len(set(in_window) - {at for at, _ in log}) for log in logs)
         ordered = all([at for at, _ in log] == sorted(at for at, _ in log) for log in logs)
         # The snapshot a socket gets on opening is the sampler's latest, taken before: not a delivery.
         window = set(in_window)
         latencies = sorted(received - at for log in logs for at, received in log if at in window)
-        result |= {"snapshots": len(in_window), "complete": complete, "ordered": ordered,
+        result |= {"snapshots": len(in_window), "missed": missed, "ordered": ordered,
                    "p50_ms": 1000 * latencies[len(latencies) // 2],
                    "p99_ms": 1000 * latencies[int(len(latencies) * 0.99)]}
     return result
 
 
+def pin(server: subprocess.Popen, redis: str | None) -> None:
+    """The engine process alone on CPU 0; the server, this bench and Redis on CPU 1."""
+    engines = children(server.pid)
+    if len(engines) != 1:
+        raise SystemExit(f"--pin expects one engine process under the server, found {engines}")
+    pin_process(engines[0], {0})
+    for pid in (server.pid, os.getpid(), *([redis_pid()] if redis and redis_pid() else [])):
+        pin_process(pid, {1})
+
+
 async def main_async(args: argparse.Namespace) -> None:
-    server, base, login = start_server(args.redis)
+    server, base, login = start_server(args.redis, one_thread=args.pin)
     try:
         async with httpx.AsyncClient(base_url=base) as http:
+            # The links are printed before Daphne listens: wait until it answers.
+            for _ in range(600):
+                try:
+                    if (await http.get("/health")).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                await asyncio.sleep(0.1)
             response = await http.get(login)
             assert response.status_code == 302, response.text
             cookie = f"sessionid={response.cookies['sessionid']}"
+            # The engine is up once it answers a request; only then has it every thread to pin.
+            await http.post("/v1/completions", json={"model": "demo", "prompt": "warm up", "max_tokens": 4})
+        if args.pin:
+            pin(server, args.redis)
         rounds: dict[int, list[dict]] = {0: [], args.viewers: []}
         for _ in range(args.rounds):
             for viewers in (0, args.viewers):
@@ -153,8 +215,10 @@ async def main_async(args: argparse.Namespace) -> None:
         watched, alone = rounds[args.viewers], rounds[0]
         layer = "Redis" if args.redis else "in-memory"
         print(f"{args.viewers} viewers, {args.clients} streaming clients, {args.rounds} x {args.seconds:g} s rounds "
-              f"alternated, {layer} channel layer")
-        print(f"  delivery: every snapshot to every viewer {all(r['complete'] for r in watched)}, in order "
+              f"alternated, {layer} channel layer{', engine pinned alone on CPU 0' if args.pin else ''}")
+        missed = sum(r["missed"] for r in watched)
+        print(f"  delivery: every snapshot to every viewer {missed == 0} ({missed} of "
+              f"{sum(r['snapshots'] for r in watched) * args.viewers} deliveries missed), in order "
               f"{all(r['ordered'] for r in watched)} ({sum(r['snapshots'] for r in watched)} snapshots)")
         print(f"  latency snapshot -> viewer: p50 {statistics.median(r['p50_ms'] for r in watched):.1f} ms, "
               f"p99 {max(r['p99_ms'] for r in watched):.1f} ms (worst round)")
@@ -168,6 +232,8 @@ async def main_async(args: argparse.Namespace) -> None:
     finally:
         server.terminate()
         server.wait(60)
+        if args.pin and args.redis and redis_pid():
+            pin_process(redis_pid(), set(range(os.cpu_count() or 1)))  # the shared Redis back on every CPU
 
 
 def main() -> None:
@@ -177,6 +243,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0, help="length of a round (default 10)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of each kind, alternated (default 3)")
     parser.add_argument("--redis", help="REDIS_URL for the server's channel layer (default: in-memory)")
+    parser.add_argument("--pin", action="store_true",
+                        help="engine process (one compute thread) alone on CPU 0, everything else on CPU 1")
     asyncio.run(main_async(parser.parse_args()))
 
 

@@ -39,7 +39,6 @@ urlpatterns = [
     path("microserving/prep_recv", microserving.prep_recv, name="microserving-prep-recv"),
     path("microserving/remote_send", microserving.remote_send, name="microserving-remote-send"),
     path("microserving/start_generate", microserving.start_generate, name="microserving-start-generate"),
-    path("microserving/kv_transfer", microserving.kv_transfer, name="microserving-kv-transfer"),
     path("microserving/kv_release", microserving.kv_release, name="microserving-kv-release"),
     path("metrics", metrics.prometheus_metrics, name="metrics"),
     path("health", metrics.health, name="health"),

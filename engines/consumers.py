@@ -59,8 +59,8 @@ class DashboardConsumer(AsyncWebsocketConsumer):
             sampler = hub.get(engine_name)
             if sampler is not None:
                 sampler.watch()
-                if sampler.latest is not None:  # the page shows something at once
-                    await self._send({"type": "snapshot", **sampler.latest.model_dump(mode="json")})
+                if sampler.latest_text is not None:  # the page shows something at once
+                    await self.send(text_data=sampler.latest_text)
 
     async def _refuse(self, code: int) -> None:
         # Accepted, then closed: a browser sees the close code (a refused handshake shows none).
@@ -80,7 +80,8 @@ class DashboardConsumer(AsyncWebsocketConsumer):
     # ---------------------------------------------------------------- from the layer
 
     async def engine_snapshot(self, event: dict[str, Any]) -> None:
-        await self._send(event["snapshot"])
+        # An EngineSnapshot's JSON, serialised once by the sampler that took it (any server's).
+        await self.send(text_data=event["text"])
 
     # ---------------------------------------------------------------- from the browser
 

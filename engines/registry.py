@@ -20,12 +20,12 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Sequence
 
 if TYPE_CHECKING:  # the runtime (numba and all) loads only when engines are built
-    from engines.runtime import AsyncEngine, EngineConfig
+    from engines.runtime import AsyncEngine, EngineConfig, KVListenSpec
 
 logger = logging.getLogger(__name__)
 
@@ -220,10 +220,12 @@ def build_engines(
     enable_tracing: bool = False,
     process: bool = False,
     restart: bool = True,
+    kv_listen: "KVListenSpec | None" = None,
 ) -> list["AsyncEngine"]:
     """Load each checkpoint and make an (unstarted) engine for it; ``process=True`` runs each
     engine loop in its own process (the checkpoint's weights are then loaded there, not here);
-    ``restart=False`` leaves an engine that dies dead instead of restarting it.
+    ``restart=False`` leaves an engine that dies dead instead of restarting it; ``kv_listen``
+    gives each engine a K/V listener (a fixed port: the next engine takes the next port).
 
     Raises :class:`RegistryError` for two specs with one served name, and lets
     ``CheckpointError`` (whose message names the file at fault) through.
@@ -245,6 +247,7 @@ def build_engines(
             AsyncEngine(
                 checkpoint, name, config=config, backend=backend, dtype=dtype, enable_tracing=enable_tracing,
                 process=process, restart=RestartPolicy(enabled=restart),
+                kv_listen=kv_listen and replace(kv_listen, port=kv_listen.port and kv_listen.port + len(engines)),
             )
         )
     return engines
@@ -274,9 +277,10 @@ def configure_from_env(env: dict[str, str] | None = None) -> EngineRegistry:
     ``ENGINES_ENABLE_TRACING``, ``ENGINES_RESTART`` (default on), ``ENGINES_BACKEND``, ``ENGINES_DTYPE``,
     ``ENGINES_MAX_NUM_SEQS``, ``ENGINES_NUM_PAGES``, ``ENGINES_MAX_TOTAL_TOKENS``,
     ``ENGINES_PREFILL_CHUNK_SIZE``, ``ENGINES_ENGINE_MODE`` (``process``, the default, or
-    ``thread``) and ``API_KEY`` mean what the serve flags mean.
+    ``thread``), ``ENGINES_KV_HOST`` and ``ENGINES_KV_PORT`` (the K/V listeners, with debug on;
+    default 127.0.0.1, any free port) and ``API_KEY`` mean what the serve flags mean.
     """
-    from engines.runtime import EngineConfig
+    from engines.runtime import EngineConfig, KVListenSpec
 
     env = dict(os.environ if env is None else env)
     api_key = env.get("API_KEY") or None
@@ -298,5 +302,7 @@ def configure_from_env(env: dict[str, str] | None = None) -> EngineRegistry:
         enable_tracing=_env_flag(env, "ENGINES_ENABLE_TRACING"),
         process=engine_mode(env.get("ENGINES_ENGINE_MODE", "process")),
         restart=_env_flag(env, "ENGINES_RESTART", default=True),
+        kv_listen=KVListenSpec(env.get("ENGINES_KV_HOST", "127.0.0.1"), int(env.get("ENGINES_KV_PORT") or 0), api_key)
+        if _env_flag(env, "ENGINES_ENABLE_DEBUG") else None,
     )
     return configure(engines, enable_debug=_env_flag(env, "ENGINES_ENABLE_DEBUG"), api_key=api_key)

@@ -43,6 +43,7 @@ class EngineSampler:
         self.group = engine_group(engine.name)
         self.viewers = 0
         self.latest: EngineSnapshot | None = None
+        self.latest_text: str | None = None  # ``latest`` as JSON, what the sockets are sent
         self._wake = asyncio.Event()
 
     def watch(self) -> None:
@@ -78,7 +79,10 @@ class EngineSampler:
         """Take a snapshot and send it to the engine's group."""
         snap = await self.snapshot()
         self.latest = snap
-        await self.layer.group_send(self.group, {"type": "engine.snapshot", "snapshot": snap.model_dump(mode="json")})
+        # Serialised once here, not once per viewer: the layer copies (in memory) or packs (Redis)
+        # a string for each socket far more cheaply than a nested dict, and the consumer forwards it.
+        self.latest_text = snap.model_dump_json()
+        await self.layer.group_send(self.group, {"type": "engine.snapshot", "text": self.latest_text})
         return snap
 
     async def run(self) -> None:

@@ -1,32 +1,40 @@
 """Delivering a prefilled window's K/V to the engine that reserved it.
 
 An engine of this server process (the metadata's ``server`` is ours) gets the block directly,
-as a Python object: no bytes are copied on a thread engine, one pickle on a process engine.
-Any other server gets it over HTTP, streamed in the ``kv_wire`` format to its
-``/microserving/kv_transfer``, with this server's API key (a cluster shares one).
+as a Python object: no bytes are copied on a thread engine, one pickle on a process engine;
+between two CUDA engines on threads of this process the block stays on the GPU (``on_device``).
+An engine of any other server gets it over HTTP at its own K/V listener (the metadata's
+``kv_url``), in the ``kv_wire`` format, with this server's API key (a cluster shares one).
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import httpx
-import orjson
 
 from engines.protocol import ProtocolError
-from engines.protocol.kv_wire import encode_block, wire_size
 from engines.protocol.microserving import KVReceiverAddress
 from engines.registry import registry
-from engines.runtime import KVBlock, KVTransferError
+from engines.runtime import AsyncEngine, KVBlock, KVPostError, KVTransferError, post_block
 
 logger = logging.getLogger("engines.disagg")
 
-__all__ = ["RELEASE_PATH", "TRANSFER_PATH", "deliver", "release"]
+__all__ = ["RELEASE_PATH", "deliver", "on_device", "release"]
 
-TRANSFER_PATH = "/microserving/kv_transfer"
 RELEASE_PATH = "/microserving/kv_release"
 #: Connect, and each read or write, may take this long; a whole transfer has no overall bound
 #: (a large window on a slow link is legitimate), a stalled one ends here.
 TRANSFER_TIMEOUT = httpx.Timeout(30.0)
+
+
+def on_device(sender: AsyncEngine, receiver: KVReceiverAddress) -> bool:
+    """Whether ``sender`` can hand the K/V to the receiver as device arrays: the receiver is an
+    engine of this process, and both run on threads of it (a process engine's device memory
+    does not leave its process) on the CUDA backend (one GPU per server process)."""
+    target = registry.get(receiver.engine) if receiver.server == registry.server_id else None
+    return (target is not None and not sender.process and not target.process
+            and sender.backend_name == target.backend_name == "cuda")
 
 
 async def deliver(block: KVBlock, receiver: KVReceiverAddress) -> None:
@@ -65,23 +73,13 @@ def _auth() -> dict[str, str]:
 
 
 async def _post(block: KVBlock, receiver: KVReceiverAddress) -> None:
-    url = receiver.url.rstrip("/") + TRANSFER_PATH
-    headers = {"Content-Type": "application/octet-stream", "Content-Length": str(wire_size(block)), **_auth()}
-
-    async def body():  # one layer's K or V at a time, never the whole window as one string
-        for chunk in encode_block(block):
-            yield chunk
-
+    if receiver.kv_url is None:
+        raise ProtocolError(400, f"the receiving engine {receiver.engine!r} at {receiver.url} has no K/V listener "
+                                 "(its server runs without --enable-debug?): it takes K/V from its own server only")
     try:
-        async with httpx.AsyncClient(timeout=TRANSFER_TIMEOUT) as client:
-            reply = await client.post(url, params={"model": receiver.engine}, content=body(), headers=headers)
-    except httpx.HTTPError as exc:
-        raise ProtocolError(502, f"the KV could not be sent to {url}: {exc!r}") from None
-    if reply.status_code == 200:
-        return
-    try:
-        message = orjson.loads(reply.content)["message"]
-    except (orjson.JSONDecodeError, KeyError, TypeError):
-        message = reply.text[:300]
-    status = reply.status_code if 400 <= reply.status_code < 500 else 502
-    raise ProtocolError(status, f"the receiver at {receiver.url} refused the KV: {message}")
+        await asyncio.to_thread(post_block, receiver.kv_url, block, registry.options.api_key)
+    except KVPostError as exc:
+        if exc.status is None:
+            raise ProtocolError(502, f"the KV could not be sent to {receiver.kv_url}: {exc}") from None
+        status = exc.status if 400 <= exc.status < 500 else 502
+        raise ProtocolError(status, f"the receiver at {receiver.url} refused the KV: {exc}") from None

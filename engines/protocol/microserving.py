@@ -89,6 +89,8 @@ class KVReceiverAddress(BaseModel):
     engine: str
     request_id: str
     ticket: str
+    #: The receiving engine's K/V listener (``http://host:port``), where another server sends.
+    kv_url: str | None = None
 
 
 class KVAppendMetadata(BaseModel):

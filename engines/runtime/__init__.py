@@ -11,7 +11,8 @@ imports run (``frontend -> core -> model -> kernels``; ``telemetry`` used by all
   (``kv_pool``), sampling, grammars, stop rules, and ``Engine``, whose ``step()`` is
   schedule -> execute -> update.
 * ``frontend/``: the process boundary. The typed messages, the engine-core loop (and an
-  engine process's ``main``), the thread and process transports, and ``AsyncEngine``.
+  engine process's ``main``), the thread and process transports, ``AsyncEngine``, and the
+  K/V transfer between servers (``kv_wire`` format, ``kv_http`` listener and sender).
 * ``telemetry/``: the event trace recorder, its Chrome-trace exporters, engine metrics.
 
 Names resolve lazily (PEP 562): ``from engines.runtime import SamplingParams`` loads the
@@ -29,6 +30,14 @@ _EXPORTS: dict[str, str] = {
     "EngineDeadError": "frontend.async_engine",
     "EngineSpec": "frontend.messages",
     "EngineInfo": "frontend.messages",
+    "KVListenSpec": "frontend.messages",
+    "KVPostError": "frontend.kv_http",
+    "post_block": "frontend.kv_http",
+    "KV_WIRE_VERSION": "frontend.kv_wire",
+    "KVWireError": "frontend.kv_wire",
+    "decode_block": "frontend.kv_wire",
+    "encode_block": "frontend.kv_wire",
+    "wire_size": "frontend.kv_wire",
     "EngineState": "frontend.supervision",
     "EngineStatus": "frontend.supervision",
     "RestartPolicy": "frontend.supervision",
@@ -105,7 +114,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names resolve l
     )
     from engines.runtime.core.sampler import InvalidSamplingParams, SamplingParams, TokenLogprob
     from engines.runtime.frontend.async_engine import AsyncEngine, EngineDeadError
-    from engines.runtime.frontend.messages import EngineInfo, EngineSpec
+    from engines.runtime.frontend.kv_http import KVPostError, post_block
+    from engines.runtime.frontend.kv_wire import KV_WIRE_VERSION, KVWireError, decode_block, encode_block, wire_size
+    from engines.runtime.frontend.messages import EngineInfo, EngineSpec, KVListenSpec
     from engines.runtime.frontend.supervision import EngineState, EngineStatus, RestartPolicy
     from engines.runtime.model.backend import StepInputs, select_backend
     from engines.runtime.model.checkpoint import Checkpoint, load_checkpoint

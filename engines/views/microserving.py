@@ -7,25 +7,25 @@ another decodes, the K/V travels between them. The three calls of a request shar
 * ``remote_send``: prefill ``prompt[:end]`` here, send the K/V of ``[begin:end]`` to the
   metadata's receiver; ``{}`` once it has landed there.
 * ``start_generate``: generate on the received K/V; a normal completion reply.
-* ``kv_transfer`` (ours): where another server's ``remote_send`` delivers (``kv_wire``);
-  ``kv_release`` (ours): where it says the K/V will not come.
+* ``kv_release`` (ours): where another server's ``remote_send`` says the K/V will not come.
+  The K/V itself goes to the receiving engine's own listener (``kv_url`` in the metadata;
+  ``engines.runtime`` ``kv_http``), not through this web stack.
 """
 from __future__ import annotations
 
-import asyncio
 from typing import TypeVar
+from urllib.parse import urlsplit
 
 import orjson
 from django.http import HttpRequest, HttpResponse
 from pydantic import ValidationError
 
-from engines.disagg.delivery import deliver, release
+from engines.disagg.delivery import deliver, on_device, release
 from engines.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError
-from engines.protocol.kv_wire import KVWireError, decode_block
 from engines.protocol.microserving import ChatPrepRecvRequest, ChatRemoteSendRequest, ChatStartGenerateRequest, \
     KVAppendMetadata, KVReceiverAddress, PrepRecvRequest, RemoteSendRequest, StartGenerateRequest
 from engines.registry import registry
-from engines.runtime import AsyncEngine, EngineRequestError, GenerationRequest, KVBlock, KVSend, KVTransferError
+from engines.runtime import AsyncEngine, EngineRequestError, GenerationRequest, KVBlock, KVSend
 from engines.views.debug import debug_gated
 from engines.views.errors import json_response
 from engines.views.openai import ChatShaper, CompletionShaper, generate_reply, lookup_engine, \
@@ -66,12 +66,21 @@ async def prep_recv(request: HttpRequest) -> HttpResponse:
     except EngineRequestError as exc:
         raise ProtocolError(400, str(exc)) from None
     receiver = KVReceiverAddress(url=request.build_absolute_uri("/"), server=registry.server_id,
-                                 engine=engine.name, request_id=body.user, ticket=receipt.ticket)
+                                 engine=engine.name, request_id=body.user, ticket=receipt.ticket,
+                                 kv_url=_listener_url(request, engine))
     metadata = KVAppendMetadata.for_window(receipt.segments, receiver, receipt.identity.as_dict())
     # prompt_length (ours, as in MLC's usage extra) lets a router resolve a negative end.
     return json_response({"kv_append_metadata": metadata.encode(),
                           "prefix_matched_length": receipt.prefix_matched_length,
                           "prompt_length": len(prompt)})
+
+
+def _listener_url(request: HttpRequest, engine: AsyncEngine) -> str | None:
+    """The engine's K/V listener, on the host name the caller reached this server by."""
+    if engine.kv_port is None:
+        return None
+    host = urlsplit(request.build_absolute_uri("/")).hostname or "127.0.0.1"
+    return f"http://{f'[{host}]' if ':' in host else host}:{engine.kv_port}"
 
 
 @microserving_view
@@ -86,7 +95,7 @@ async def remote_send(request: HttpRequest) -> HttpResponse:
     try:
         engine = lookup_engine(body.model)
         generation = make_generation_request(body.user, _prompt(engine, body), body)
-        generation.kv_send = KVSend(body.begin, body.end, receiver.ticket)
+        generation.kv_send = KVSend(body.begin, body.end, receiver.ticket, on_device(engine, receiver))
         block = await _prefill(engine, generation)
     except ProtocolError:
         await release(receiver)  # its K/V will not come: the receiver's pages are freed now
@@ -123,26 +132,6 @@ async def start_generate(request: HttpRequest) -> HttpResponse:
     generation.kv_window_begin = body.begin
     shaper = (ChatShaper if isinstance(body, ChatCompletionRequest) else CompletionShaper)(body.user, engine, body)
     return await generate_reply(engine, body, generation, shaper)
-
-
-@microserving_view
-async def kv_transfer(request: HttpRequest) -> HttpResponse:
-    """Take a block another server's ``remote_send`` streamed here (``kv_wire`` format)."""
-    if request.content_type != "application/octet-stream":
-        raise ProtocolError(415, "a KV transfer body is application/octet-stream in the kv_wire format")
-    engine = lookup_engine(request.GET.get("model"))
-    try:
-        # Parsing and checksums are CPU work: off the event loop.
-        block = await asyncio.to_thread(decode_block, request.read, engine.max_kv_transfer_bytes)
-    except KVWireError as exc:
-        if exc.request_id is not None:
-            await engine.release_receive(exc.request_id, exc.ticket)
-        raise ProtocolError(400, f"the KV transfer body is not valid: {exc}") from None
-    try:
-        await engine.receive_kv(block)
-    except KVTransferError as exc:
-        raise ProtocolError(400, str(exc)) from None
-    return json_response({})
 
 
 @microserving_view

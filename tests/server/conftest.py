@@ -18,6 +18,7 @@ import pytest
 from engines.registry import ModelSpec, ServerOptions, build_engines, configure, registry
 from engines.runtime.frontend.async_engine import AsyncEngine
 from engines.runtime.core.engine import EngineConfig
+from engines.runtime.frontend.messages import KVListenSpec
 
 TRACED = "demo"  # served with tracing on
 UNTRACED = "demo-untraced"  # the same checkpoint, tracing off
@@ -30,7 +31,9 @@ SMALL_ENGINE = dict(max_num_seqs=8, max_total_tokens=2048, prefill_chunk_size=12
 def engines() -> Iterator[dict[str, AsyncEngine]]:
     """Two started demo engines by name: ``demo`` (tracing on) and ``demo-untraced``."""
     built = build_engines([ModelSpec("demo")], EngineConfig(**SMALL_ENGINE), backend="cpu", enable_tracing=True)
-    built += build_engines([ModelSpec("demo", UNTRACED)], EngineConfig(**SMALL_ENGINE), backend="cpu")
+    # The untraced engine is the microserving tests' decode side: it listens for K/V.
+    built += build_engines([ModelSpec("demo", UNTRACED)], EngineConfig(**SMALL_ENGINE), backend="cpu",
+                           kv_listen=KVListenSpec("127.0.0.1"))
     for engine in built:
         engine.start()
     yield {engine.name: engine for engine in built}

@@ -237,7 +237,8 @@ async def test_snapshots_from_another_server_process_arrive_over_redis(dashboard
             f"layer = r.RedisChannelLayer(hosts=[{url!r}], prefix='test-dashboard')\n"
             f"snap = dict(type='snapshot', server='other-host:1', engine={TRACED!r}, at=1.0, state='running',\n"
             "            restarts=0, backend='cuda', dtype='float16', mode='process', tracing=False, metrics=None)\n"
-            f"asyncio.run(layer.group_send({engine_group(TRACED)!r}, dict(type='engine.snapshot', snapshot=snap)))\n"
+            "import json\n"
+            f"asyncio.run(layer.group_send({engine_group(TRACED)!r}, dict(type='engine.snapshot', text=json.dumps(snap))))\n"
         )
         await asyncio.to_thread(subprocess.run, [sys.executable, "-c", script], cwd=REPO, check=True, timeout=60)
         other = await next_message(socket, of_type("snapshot", server="other-host:1"))

@@ -10,10 +10,10 @@ import httpx
 import numpy as np
 import pytest
 
-from engines.protocol.kv_wire import encode_block
 from engines.protocol.microserving import KVAppendMetadata
 from engines.registry import registry
-from engines.runtime import KVBlock, ModelIdentity
+from engines.runtime import KVBlock, ModelIdentity, encode_block
+from engines.runtime.frontend.kv_http import KV_TRANSFER_PATH
 from tests.server.conftest import TRACED, UNTRACED, assert_error, sse_payloads
 
 PREFILL, DECODE = TRACED, UNTRACED
@@ -146,7 +146,24 @@ async def test_bad_calls_are_4xx_and_free_the_reserved_pages(client, case):
     assert await kv_pages_used() == before
 
 
-async def test_kv_transfer_refuses_a_damaged_or_foreign_body_and_frees_the_pages(client):
+async def test_kv_from_another_server_goes_through_the_engines_listener(client):
+    """The metadata names the decode engine's K/V listener; a prefill server that is not this
+    one (here: the metadata claims another server id) sends there over HTTP, same output."""
+    await registry.get(DECODE).reset()
+    alone = await single_engine(client)
+    user = new_user()
+    prep = await client.post("/microserving/prep_recv", json=body(user, end=30))
+    metadata = KVAppendMetadata.decode(prep.json()["kv_append_metadata"])
+    assert metadata.receiver.kv_url == f"http://127.0.0.1:{registry.get(DECODE).kv_port}"
+    elsewhere = metadata.model_copy(update={"receiver": metadata.receiver.model_copy(update={"server": "elsewhere"})})
+    send = await client.post("/microserving/remote_send", json=body(
+        user, PREFILL, begin=0, end=30, kv_addr_info=elsewhere.encode(), recv_rank=0))
+    assert send.status_code == 200 and send.json() == {}, send.text
+    reply = await client.post("/microserving/start_generate", json=body(user, begin=30))
+    assert reply.json()["choices"][0]["text"] == alone
+
+
+async def test_a_damaged_or_foreign_transfer_is_refused_and_frees_the_pages(client):
     await registry.get(DECODE).reset()
     before = await kv_pages_used()
     for damage in ("checksum", "identity"):
@@ -159,14 +176,41 @@ async def test_kv_transfer_refuses_a_damaged_or_foreign_body_and_frees_the_pages
         shape = (identity.num_layers, identity.num_kv_heads, 20, identity.head_dim)
         block = KVBlock(user, metadata.receiver.ticket, 0, 20, identity, np.zeros(shape, np.float32),
                         np.zeros(shape, np.float32))
-        raw = bytearray(b"".join(encode_block(block)))
+        raw = bytearray(b"".join(bytes(chunk) for chunk in encode_block(block)))
         if damage == "checksum":
             raw[-20] ^= 0xFF
-        reply = await client.post("/microserving/kv_transfer", params={"model": DECODE}, content=bytes(raw),
-                                  headers={"Content-Type": "application/octet-stream"})
+        async with httpx.AsyncClient() as http:
+            reply = await http.post(metadata.receiver.kv_url + KV_TRANSFER_PATH, content=bytes(raw),
+                                    headers={"Content-Type": "application/octet-stream"})
         message = assert_error(reply, 400)["message"]
         assert ("checksum mismatch" if damage == "checksum" else "another model") in message
         assert await kv_pages_used() == before
-    reply = await client.post("/microserving/kv_transfer", params={"model": DECODE}, content=b"{}",
-                              headers={"Content-Type": "application/json"})
+    async with httpx.AsyncClient() as http:
+        reply = await http.post(metadata.receiver.kv_url + KV_TRANSFER_PATH, content=b"{}",
+                                headers={"Content-Type": "application/json"})
     assert_error(reply, 415)
+
+
+def test_the_kv_stays_on_the_gpu_only_between_cuda_engines_on_threads_of_this_process(monkeypatch):
+    """``on_device``: both engines CUDA, both on threads of this server process; anything else
+    (a process engine, a CPU engine, another server) goes through the host."""
+    from types import SimpleNamespace
+
+    from engines.disagg.delivery import on_device
+    from engines.protocol.microserving import KVReceiverAddress
+
+    def eng(backend: str = "cuda", process: bool = False) -> SimpleNamespace:
+        return SimpleNamespace(backend_name=backend, process=process)
+
+    here = KVReceiverAddress(url="http://x/", server=registry.server_id, engine="decode", request_id="r", ticket="t")
+    elsewhere = here.model_copy(update={"server": "another"})
+    for receiver_engine, sender, address, expected in [
+        (eng(), eng(), here, True),
+        (eng(), eng(), elsewhere, False),
+        (eng(process=True), eng(), here, False),
+        (eng(), eng(process=True), here, False),
+        (eng("cpu"), eng(), here, False),
+        (eng(), eng("cpu"), here, False),
+    ]:
+        monkeypatch.setattr(registry, "get", lambda name, target=receiver_engine: target if name == "decode" else None)
+        assert on_device(sender, address) is expected

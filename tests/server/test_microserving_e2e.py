@@ -1,5 +1,5 @@
 """MicroServing across two ``manage.py serve`` processes on loopback: the prefill server streams
-the K/V over HTTP to the decode server. The decode server's engine runs in its own process, the
+the K/V over HTTP to the decode engine's own K/V listener. The decode server's engine runs in its own process, the
 prefill server's on a thread, so both engine modes send and receive. Both take one API key."""
 from __future__ import annotations
 
@@ -7,9 +7,12 @@ import itertools
 import re
 from collections.abc import Iterator
 
+import httpx
 import openai
 import pytest
 
+from engines.protocol.microserving import KVAppendMetadata
+from engines.runtime.frontend.kv_http import KV_TRANSFER_PATH
 from tests.processes import Server, start_server
 
 pytestmark = pytest.mark.slow
@@ -82,10 +85,11 @@ def test_a_refused_transfer_frees_the_receivers_pages(servers):
         user, begin=40, end=40, kv_addr_info=prep.json()["kv_append_metadata"]))
     assert send.status_code == 400 and "begin >= end" in send.json()["message"]
     assert kv_pages_used(decode) == 0
-    # Sent from the wrong key: the receiver refuses the transfer itself.
-    wrong = decode.http.post("/microserving/kv_transfer?model=demo", content=b"KVXFER",
-                             headers={"Authorization": "Bearer nope", "Content-Type": "application/octet-stream"})
-    assert wrong.status_code == 401
+    # Sent with the wrong key: the receiving engine's listener refuses the transfer itself.
+    kv_url = KVAppendMetadata.decode(prep.json()["kv_append_metadata"]).receiver.kv_url
+    wrong = httpx.post(kv_url + KV_TRANSFER_PATH, content=b"KVXFER",
+                       headers={"Authorization": "Bearer nope", "Content-Type": "application/octet-stream"})
+    assert wrong.status_code == 401 and "API key" in wrong.json()["message"]
 
 
 def test_the_traces_show_the_hand_off(servers):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -116,14 +117,21 @@ def test_serve_reports_a_bad_checkpoint_and_exits(tmp_path) -> None:
 
 def test_configure_from_env_builds_and_starts_engines() -> None:
     """The path a bare ``daphne debugsite.asgi:application`` deployment takes."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        kv_port = sock.getsockname()[1]
     env = {"ENGINES_MODELS": "demo:env-demo", "ENGINES_ENABLE_DEBUG": "1", "ENGINES_ENABLE_TRACING": "yes",
-           "ENGINES_BACKEND": "cpu", "ENGINES_MAX_NUM_SEQS": "2", "ENGINES_MAX_TOTAL_TOKENS": "512", "API_KEY": "k"}
+           "ENGINES_BACKEND": "cpu", "ENGINES_MAX_NUM_SEQS": "2", "ENGINES_MAX_TOTAL_TOKENS": "512", "API_KEY": "k",
+           "ENGINES_KV_PORT": str(kv_port)}
     reg = configure_from_env(env)
     try:
         engine = reg.get("env-demo")
         assert reg.model_names() == ["env-demo"] and engine.is_alive
         assert engine.tracing_enabled and engine.config.max_num_seqs == 2
         assert reg.options == ServerOptions(enable_debug=True, api_key="k")
+        assert engine.kv_port == kv_port  # debug on: the engine's K/V listener, on the port asked for
+        with socket.create_connection(("127.0.0.1", kv_port), timeout=10):
+            pass
     finally:
         reg.shutdown_all()
         reg.options = ServerOptions()
@@ -158,3 +166,16 @@ def test_servers_started_together_on_a_fresh_machine_share_its_database(tmp_path
                            env={**{k: v for k, v in os.environ.items() if k != "DATABASE_URL"},  # as the servers
                                 "DEBUGSITE_VAR_DIR": str(var)})
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_build_engines_gives_each_engine_its_own_kv_port() -> None:
+    from engines.registry import build_engines
+    from engines.runtime import EngineConfig, KVListenSpec
+
+    built = build_engines([ModelSpec("demo", "a"), ModelSpec("demo", "b")], EngineConfig(), backend="cpu",
+                          kv_listen=KVListenSpec("127.0.0.1", 9100, "k"))
+    assert [e._spec.kv_listen for e in built] == [KVListenSpec("127.0.0.1", 9100, "k"),
+                                                  KVListenSpec("127.0.0.1", 9101, "k")]
+    any_port = build_engines([ModelSpec("demo", "a"), ModelSpec("demo", "b")], EngineConfig(), backend="cpu",
+                             kv_listen=KVListenSpec("127.0.0.1"))
+    assert [e._spec.kv_listen.port for e in any_port] == [0, 0]

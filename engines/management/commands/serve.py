@@ -112,6 +112,10 @@ class Command(BaseCommand):
                             help="leave an engine that dies dead (default: restart it after 0.5 s, 1 s, 2 s, ...; "
                                  "an engine that dies 5 times in 10 minutes stays dead; /debug/reset_engine "
                                  "restarts a dead one)")
+        parser.add_argument("--kv-port", type=int, default=0, metavar="PORT",
+                            help="with --enable-debug: the port of the first engine's K/V listener, where other "
+                                 "servers send disaggregated K/V (the next engine takes the next port; default: "
+                                 "any free port, named in prep_recv's kv_append_metadata)")
         router = parser.add_argument_group("disaggregated serving (a router in front of engine servers)")
         router.add_argument("--router", choices=("disagg",),
                             help="serve no engines: route /v1/completions and /v1/chat/completions over "
@@ -211,7 +215,7 @@ class Command(BaseCommand):
         connections.close_all()
 
     def _load_engines(self, specs: list[ModelSpec], options: dict[str, Any]) -> None:
-        from engines.runtime import CheckpointError, EngineConfig
+        from engines.runtime import CheckpointError, EngineConfig, KVListenSpec
 
         sizing = {
             key: options[key]
@@ -229,6 +233,8 @@ class Command(BaseCommand):
                 enable_tracing=options["enable_tracing"],
                 process=engine_mode(options["engine_mode"]),
                 restart=not options["no_engine_restart"],
+                kv_listen=KVListenSpec(options["host"], options["kv_port"], options["api_key"])
+                if options["enable_debug"] else None,
             )
             configure(engines, enable_debug=options["enable_debug"], api_key=options["api_key"])
         except (CheckpointError, RegistryError, ValueError, RuntimeError) as exc:

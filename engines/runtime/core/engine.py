@@ -292,12 +292,14 @@ class Engine:
     def _send_kv(self, seq: Sequence) -> None:
         """A ``remote_send`` sequence computed its window: copy the K/V out and end it."""
         send = seq.kv_send
-        k, v = self.kv.read_tokens(self.kv_pool.pages(seq.seq_id), send.begin, send.end)
+        k, v = self.kv.read_tokens(self.kv_pool.pages(seq.seq_id), send.begin, send.end,
+                                   on_device=send.on_device and self.model.backend_name == "cuda")
         block = KVBlock(seq.request.request_id, send.ticket, send.begin, send.end, self.model_identity, k, v)
         seq.request.kv_block = block
         if self.tracer is not None:
             self.tracer.add_event(seq.request.request_id, "kv send", {
-                "begin": send.begin, "end": send.end, "bytes": block.nbytes})
+                "begin": send.begin, "end": send.end, "bytes": block.nbytes,
+                "device": not isinstance(k, np.ndarray)})
         self._finish_sequence(seq, FinishReason.STOP, flush=False)
 
     def reset(self, clear_trace: bool = False) -> list[RequestOutput]:

@@ -153,13 +153,16 @@ class KVSend:
     begin: int
     end: int
     ticket: str
+    #: Keep the block on the GPU (device arrays): the receiver is an engine of this process on
+    #: the same device, so the K/V goes device to device and never through the host.
+    on_device: bool = False
 
 
 @dataclass
 class KVBlock:
     """The K/V of positions ``[begin:end]`` of one request, per token (page layouts need not
     match): ``k`` and ``v`` are ``[num_layers, num_kv_heads, end - begin, head_dim]`` in the
-    sender's storage dtype."""
+    sender's storage dtype; host arrays, or device arrays for a receiver on the same GPU."""
 
     request_id: str
     ticket: str

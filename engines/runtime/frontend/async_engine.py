@@ -41,6 +41,7 @@ from engines.runtime.frontend.messages import (
     EngineCall,
     EngineInfo,
     EngineSpec,
+    KVListenSpec,
     MetricsCall,
     PrepareReceiveCall,
     ReceiveKVCall,
@@ -89,11 +90,13 @@ class AsyncEngine:
         restart: when the engine dies, restart it per this policy (``RestartPolicy()``: after
             0.5 s, 1 s, 2 s, ... at most 30 s; left dead after 5 deaths in 10 minutes);
             ``RestartPolicy(enabled=False)`` leaves a dead engine dead.
+        kv_listen: run a K/V listener for this engine (disaggregated serving across servers).
     """
 
     def __init__(self, checkpoint: Checkpoint, name: str, config: EngineConfig | None = None,
                  backend: str = "auto", dtype: str = "float32", enable_tracing: bool = False,
-                 *, process: bool = False, restart: RestartPolicy | None = None) -> None:
+                 *, process: bool = False, restart: RestartPolicy | None = None,
+                 kv_listen: KVListenSpec | None = None) -> None:
         self.name = name
         self.checkpoint = checkpoint
         self.tokenizer = checkpoint.tokenizer
@@ -110,7 +113,7 @@ class AsyncEngine:
         self._server_events: list[ServerTraceEvent] = []
         self._tracing_requested = enable_tracing
         self._spec = EngineSpec(checkpoint.path, name, self.config, backend, dtype, enable_tracing,
-                                trace_clock.epoch_anchor_ns())
+                                trace_clock.epoch_anchor_ns(), kv_listen)
         self._deaths = DeathLog(restart or RestartPolicy())
         self._state = EngineState.STARTING
         self._state_reason: str | None = None
@@ -141,7 +144,7 @@ class AsyncEngine:
         self.engine = create_engine(self.checkpoint, spec.name, spec.config, spec.backend, spec.dtype,
                                     spec.enable_tracing)
         self._info = engine_info(self.engine)
-        return ThreadTransport(EngineCore(self.engine, self.name), on_message)
+        return ThreadTransport(EngineCore(self.engine, self.name), on_message, spec.kv_listen)
 
     def start(self) -> None:
         """Warm the kernels up and start the engine loop (idempotent). A process engine has
@@ -380,6 +383,11 @@ class AsyncEngine:
     def max_kv_transfer_bytes(self) -> int:
         """The most K/V bytes a block for this engine can hold (its whole context); 0 before start."""
         return self._info.kv_bytes_per_token * self._info.max_seq_len if self._info else 0
+
+    @property
+    def kv_port(self) -> int | None:
+        """The port of this engine's K/V listener (None: it has none, or has not started)."""
+        return self._info.kv_port if self._info else None
 
     async def prepare_receive(self, request_id: str, prompt: list[int], end: int,
                               timeout_s: float = 60.0) -> KVReceipt:

@@ -10,6 +10,8 @@ dispatches on their type.
 """
 from __future__ import annotations
 
+import concurrent.futures
+import dataclasses
 import logging
 import os
 import pickle
@@ -39,6 +41,8 @@ from engines.runtime.frontend.messages import (
     EngineInfo,
     EngineSpec,
     Failed,
+    KVListenSpec,
+    LocalCall,
     MetricsCall,
     PrepareReceiveCall,
     ReceiveKVCall,
@@ -53,6 +57,7 @@ from engines.runtime.frontend.messages import (
     Shutdown,
     StepOutputs,
 )
+from engines.runtime.frontend.kv_http import KVListener
 from engines.runtime.model.checkpoint import Checkpoint, load_checkpoint
 from engines.runtime.model.llama import LlamaModel
 from engines.runtime.telemetry import trace_recorder as trace_clock
@@ -60,9 +65,13 @@ from engines.runtime.telemetry.trace_recorder import TraceRecorder
 
 logger = logging.getLogger("engines.runtime")
 
-__all__ = ["EngineCore", "create_engine", "engine_info", "main", "portable_error", "run_engine_process"]
+__all__ = ["EngineCore", "create_engine", "engine_info", "main", "portable_error", "run_engine_process",
+           "start_kv_listener"]
 
 Send = Callable[[CoreMessage], None]
+
+#: How long the K/V listener waits for the engine loop to store a block (it runs between steps).
+LOCAL_CALL_TIMEOUT_S = 60.0
 
 # How long an idle core waits for a command before looking again. A wait never ends early for
 # no reason, so this only bounds how late a stop flag set without a message is noticed.
@@ -159,6 +168,11 @@ class EngineCore:
                     send(Reply(call_id, False, portable_error(e)))
                 else:
                     send(Reply(call_id, True, value))
+            case LocalCall(call, future):
+                try:
+                    future.set_result(self.call(call, send))
+                except Exception as e:  # noqa: BLE001 - handed to the caller
+                    future.set_exception(e)
             case Shutdown():
                 send(StepOutputs(engine.reset()))
                 return False
@@ -217,6 +231,19 @@ class EngineCore:
                 raise TypeError(f"not an engine call: {call!r}")
 
 
+def start_kv_listener(spec: KVListenSpec, engine: Engine, put: Callable[[CoreCommand], None]) -> KVListener:
+    """The engine's K/V listener, storing what it receives through ``put`` (the loop's inbox)."""
+
+    def call(engine_call: EngineCall) -> Any:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        put(LocalCall(engine_call, future))
+        return future.result(LOCAL_CALL_TIMEOUT_S)
+
+    info = engine_info(engine)
+    return KVListener(spec, info.kv_bytes_per_token * info.max_seq_len, lambda block: call(ReceiveKVCall(block)),
+                      lambda request_id, ticket: call(ReleaseReceiveCall(request_id, ticket)))
+
+
 # ----------------------------------------------------------------------- child process
 
 
@@ -241,17 +268,25 @@ def run_engine_process(conn: Any, spec: EngineSpec) -> None:
         logger.exception("engine %s could not start", spec.name)
         conn.send(Failed(portable_error(e)))
         return
-    conn.send(Ready(engine_info(engine)))
+    # A receiving thread answers metrics calls at once and queues the rest for the loop; it
+    # holds the GIL only between the model's kernels, which release it.
+    inbox: queue.SimpleQueue[CoreCommand | None] = queue.SimpleQueue()
+    info = engine_info(engine)
+    if spec.kv_listen is not None:
+        try:
+            listener = start_kv_listener(spec.kv_listen, engine, inbox.put)
+        except OSError as e:  # the port is taken, the address is not ours
+            conn.send(Failed(RuntimeError(f"engine {spec.name}: its K/V listener cannot listen on "
+                                          f"{spec.kv_listen.host}:{spec.kv_listen.port}: {e}")))
+            return
+        info = dataclasses.replace(info, kv_port=listener.port)
+    conn.send(Ready(info))
     core = EngineCore(engine, spec.name)
     send_lock = threading.Lock()
 
     def send(message: CoreMessage) -> None:
         with send_lock:
             conn.send(message)
-
-    # A receiving thread answers metrics calls at once and queues the rest for the loop; it
-    # holds the GIL only between the model's kernels, which release it.
-    inbox: queue.SimpleQueue[CoreCommand | None] = queue.SimpleQueue()
 
     def receive_all() -> None:
         while True:

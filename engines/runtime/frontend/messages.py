@@ -11,6 +11,8 @@ Front end to core (:data:`CoreCommand`):
 * :class:`ServerTraceEvents`: server-side trace events (``receive request``, tokenization),
   timestamped in the server; sent along before the next command.
 * :class:`Call`: one of the :data:`EngineCall` operations, answered by a :class:`Reply`.
+* :class:`LocalCall`: the same from a thread of the engine's own process (its K/V listener),
+  answered through a future; never pickled.
 * :class:`Shutdown`: abort everything and stop.
 
 Core to front end (:data:`CoreMessage`):
@@ -24,6 +26,7 @@ The first message to an engine process is its :class:`EngineSpec`.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import pickle
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -36,7 +39,8 @@ from engines.runtime.core.request import GenerationRequest, RequestOutput
 
 __all__ = [
     "AbortRequest", "AddRequest", "Aborted", "Call", "CoreCommand", "CoreMessage", "CudaProfilerCall", "Dead",
-    "DumpTraceCall", "TraceSinceCall", "ProfileCall", "EngineCall", "EngineInfo", "EngineSpec", "Failed", "MessageConnection",
+    "DumpTraceCall", "TraceSinceCall", "ProfileCall", "EngineCall", "EngineInfo", "EngineSpec", "Failed", "KVListenSpec",
+    "LocalCall", "MessageConnection",
     "MetricsCall", "Ready", "Rejected",
     "PrepareReceiveCall", "ReceiveKVCall", "RecentRequestsCall", "ReleaseReceiveCall", "Reply", "ResetCall", "ServerTraceEvent", "ServerTraceEvents", "Shutdown", "StepOutputs",
 ]
@@ -53,6 +57,17 @@ class EngineInfo:
     tracing: bool
     #: K and V bytes one token takes in every layer (bounds what a KV transfer may announce).
     kv_bytes_per_token: int = 0
+    #: The port of the engine's K/V listener (``kv_http``); None when it has none.
+    kv_port: int | None = None
+
+
+@dataclass(frozen=True)
+class KVListenSpec:
+    """Where an engine's K/V listener binds (port 0: any free one) and the API key it requires."""
+
+    host: str
+    port: int = 0
+    api_key: str | None = None
 
 
 @dataclass(frozen=True)
@@ -66,6 +81,8 @@ class EngineSpec:
     dtype: str = "float32"
     enable_tracing: bool = False
     epoch_anchor_ns: int = 0
+    #: Listen for K/V other servers send (disaggregated serving); None: no listener.
+    kv_listen: KVListenSpec | None = None
 
 
 # ----------------------------------------------------------------- calls (answered by Reply)
@@ -204,11 +221,20 @@ class Call:
 
 
 @dataclass(frozen=True)
+class LocalCall:
+    """One :data:`EngineCall` from a thread of the engine's own process, answered by setting
+    ``future`` (its result or its exception); it never crosses the process boundary."""
+
+    call: EngineCall
+    future: concurrent.futures.Future
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """Abort every request (their last outputs are sent) and stop the loop."""
 
 
-CoreCommand = Union[AddRequest, AbortRequest, ServerTraceEvents, Call, Shutdown]
+CoreCommand = Union[AddRequest, AbortRequest, ServerTraceEvents, Call, LocalCall, Shutdown]
 
 
 # ---------------------------------------------------------------- core -> front end

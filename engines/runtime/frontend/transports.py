@@ -6,6 +6,7 @@ thread, or on a reader thread), so ``AsyncEngine`` works the same over either.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -16,7 +17,8 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from engines.runtime.frontend.engine_core import EngineCore
+from engines.runtime.frontend.engine_core import EngineCore, start_kv_listener
+from engines.runtime.frontend.kv_http import KVListener
 from engines.runtime.frontend.messages import (
     MessageConnection,
     CoreCommand,
@@ -25,6 +27,7 @@ from engines.runtime.frontend.messages import (
     EngineInfo,
     EngineSpec,
     Failed,
+    KVListenSpec,
     Ready,
     Shutdown,
 )
@@ -46,11 +49,14 @@ PROCESS_START_TIMEOUT_S = 900.0
 class ThreadTransport:
     """The core on a thread of this process; commands through a queue, messages by direct call."""
 
-    def __init__(self, core: EngineCore, on_message: Callable[[CoreMessage], None]) -> None:
+    def __init__(self, core: EngineCore, on_message: Callable[[CoreMessage], None],
+                 kv_listen: KVListenSpec | None = None) -> None:
         self.core = core
         self.on_message = on_message
+        self.kv_listen = kv_listen
         self.inbox: queue.SimpleQueue[CoreCommand] = queue.SimpleQueue()
         self.thread: threading.Thread | None = None
+        self.listener: KVListener | None = None
 
     @property
     def started(self) -> bool:
@@ -65,6 +71,10 @@ class ThreadTransport:
     def start(self, info: EngineInfo | None) -> EngineInfo | None:
         """Warm the kernels up and start the loop; ``info`` is known already on a thread."""
         self.core.engine.warm_up()
+        if self.kv_listen is not None:
+            self.listener = start_kv_listener(self.kv_listen, self.core.engine, self.inbox.put)
+            if info is not None:
+                info = dataclasses.replace(info, kv_port=self.listener.port)
         self.thread = threading.Thread(target=self._run, name=f"engine-{self.core.name}", daemon=True)
         self.thread.start()
         return info
@@ -88,6 +98,9 @@ class ThreadTransport:
     def stop(self, timeout: float) -> None:
         """Send :class:`Shutdown` and wait up to ``timeout`` s for the thread to end."""
         assert self.thread is not None
+        if self.listener is not None:
+            self.listener.close()
+            self.listener = None
         self.inbox.put(Shutdown())
         self.thread.join(timeout)
         self.thread = None

@@ -7,6 +7,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from engines.runtime.model.config import ModelConfig
+from engines.runtime.model.kernels.kv_window import (
+    kv_window_gather_cpu,
+    kv_window_gather_cuda,
+    kv_window_scatter_cpu,
+    kv_window_scatter_cuda,
+    launch_shape,
+)
 
 if TYPE_CHECKING:
     from engines.runtime.model.backend import Array, Backend
@@ -57,53 +64,54 @@ class PagedKVCache:
 
     # ------------------------------------------------------------- token windows (disaggregation)
 
-    def read_tokens(self, pages: tuple[int, ...], begin: int, end: int) -> tuple[np.ndarray, np.ndarray]:
-        """Host copies of the K and V of positions ``[begin:end]`` of a sequence holding ``pages``,
-        each ``[num_layers, num_kv_heads, end - begin, head_dim]``."""
-        page_ids, slots, used = self._window(pages, begin, end)
-        out = []
-        for store in (self.k, self.v):
-            if isinstance(store, np.ndarray):  # one gather (advanced indices first: [n, L, H, D])
-                window = store[:, used[page_ids], :, slots, :]
-            else:
-                window = _host_pages(store, used)[:, page_ids, :, slots, :]
-            out.append(np.ascontiguousarray(window.transpose(1, 2, 0, 3)))
-        return out[0], out[1]
+    def read_tokens(self, pages: tuple[int, ...], begin: int, end: int,
+                    on_device: bool = False) -> tuple["Array", "Array"]:
+        """The K and V of positions ``[begin:end]`` of a sequence holding ``pages``, each
+        ``[num_layers, num_kv_heads, end - begin, head_dim]`` in the storage dtype: host arrays,
+        or with ``on_device`` (a CUDA cache) device arrays, for an engine on the same GPU."""
+        token_pages, token_slots = self._token_index(pages, begin, end)
+        shape = (self.num_layers, self.k.shape[2], end - begin, self.k.shape[4])
+        if isinstance(self.k, np.ndarray):
+            out = [np.empty(shape, self.k.dtype), np.empty(shape, self.v.dtype)]
+            for store, window in zip((self.k, self.v), out):
+                kv_window_gather_cpu(store, token_pages, token_slots, window)
+            return out[0], out[1]
+        from numba import cuda
 
-    def write_tokens(self, pages: tuple[int, ...], begin: int, k: np.ndarray, v: np.ndarray) -> None:
-        """Store ``k`` and ``v`` (``[num_layers, num_kv_heads, n, head_dim]``) as positions
-        ``[begin:begin + n]`` of a sequence holding ``pages``."""
-        end = begin + k.shape[2]
-        page_ids, slots, used = self._window(pages, begin, end)
+        out = [cuda.device_array(shape, dtype=np.dtype(self.dtype)) for _ in range(2)]
+        if end > begin:
+            index = cuda.to_device(token_pages), cuda.to_device(token_slots)
+            grid, block = launch_shape(*shape)
+            for store, window in zip((self.k, self.v), out):
+                kv_window_gather_cuda[grid, block](store, *index, window)
+        if on_device:
+            return out[0], out[1]
+        return out[0].copy_to_host(), out[1].copy_to_host()
+
+    def write_tokens(self, pages: tuple[int, ...], begin: int, k: "Array", v: "Array") -> None:
+        """Store ``k`` and ``v`` (``[num_layers, num_kv_heads, n, head_dim]``: host arrays, or on a
+        CUDA cache device arrays too) as positions ``[begin:begin + n]`` of a sequence holding
+        ``pages``; the other slots of a partly written page are kept."""
+        token_pages, token_slots = self._token_index(pages, begin, begin + k.shape[2])
+        if isinstance(self.k, np.ndarray):
+            for store, src in ((self.k, k), (self.v, v)):
+                kv_window_scatter_cpu(src.astype(store.dtype, copy=False), token_pages, token_slots, store)
+            return
+        if k.shape[2] == 0:
+            return
+        from numba import cuda
+
+        index = cuda.to_device(token_pages), cuda.to_device(token_slots)
+        grid, block = launch_shape(*k.shape)
         for store, src in ((self.k, k), (self.v, v)):
-            tokens_first = src.astype(self.dtype, copy=False).transpose(2, 0, 1, 3)
-            if isinstance(store, np.ndarray):  # one scatter
-                store[:, used[page_ids], :, slots, :] = tokens_first
-                continue
-            # A device array: the touched pages round-trip through the host (a partly written page
-            # keeps its other slots), one contiguous [heads, page_size, head_dim] copy per layer and page.
-            host = _host_pages(store, used)
-            host[:, page_ids, :, slots, :] = tokens_first
-            for layer in range(self.num_layers):
-                for j, page in enumerate(used):
-                    store[layer, int(page)].copy_to_device(np.ascontiguousarray(host[layer, j]))
+            if isinstance(src, np.ndarray):  # from the host (another server): one contiguous copy
+                src = cuda.to_device(np.ascontiguousarray(src, dtype=np.dtype(self.dtype)))
+            kv_window_scatter_cuda[grid, block](src, *index, store)
 
-    def _window(self, pages: tuple[int, ...], begin: int, end: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """For positions ``[begin:end]``: each one's index into ``used`` (the distinct pages the
-        window touches, in order) and its slot."""
+    def _token_index(self, pages: tuple[int, ...], begin: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """Each position of ``[begin:end]``'s page and slot, for a sequence holding ``pages``."""
         if not 0 <= begin <= end <= len(pages) * self.page_size:
             raise ValueError(f"positions [{begin}:{end}] are outside {len(pages)} pages of {self.page_size}")
         positions = np.arange(begin, end)
-        first = begin // self.page_size
-        used = np.asarray(pages[first:-(-end // self.page_size)], dtype=np.int64)
-        return positions // self.page_size - first, positions % self.page_size, used
-
-
-def _host_pages(store: "Array", pages: np.ndarray) -> np.ndarray:
-    """``store[:, pages]`` of a device array on the host, ``[num_layers, len(pages), heads,
-    page_size, head_dim]``."""
-    out = np.empty((store.shape[0], len(pages), *store.shape[2:]), dtype=np.dtype(store.dtype))
-    for layer in range(store.shape[0]):
-        for j, page in enumerate(pages):
-            out[layer, j] = store[layer, int(page)].copy_to_host()
-    return out
+        return (np.asarray(pages, dtype=np.int32)[positions // self.page_size],
+                (positions % self.page_size).astype(np.int32))

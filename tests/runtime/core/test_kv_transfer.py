@@ -245,3 +245,53 @@ def test_device_storage_reads_and_writes_windows_as_the_host_storage_does():
     for a, b in zip(device.read_tokens(pages, 2, 11), host.read_tokens(pages, 2, 11)):
         assert np.array_equal(a, b)
     assert np.array_equal(host.read_tokens(pages, 3, 10)[0], k)
+
+
+@pytest.fixture(scope="module")
+def tiny_cuda_model(tmp_path_factory):
+    """The smallest Llama on the CUDA backend (the simulator here, a GPU with ENGINES_TEST_GPU=1)."""
+    from engines.runtime.model.checkpoint import load_checkpoint
+    from engines.runtime.model.llama import LlamaModel
+    from tests.runtime.model.test_model_parity import save_tiny_checkpoint
+
+    ckpt = load_checkpoint(save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-d2d"), "llama", vocab=32, hidden=16,
+                                                layers=2, tied=True, seed=4))
+    return ckpt, LlamaModel.from_checkpoint(ckpt, backend="cuda")
+
+
+def test_two_cuda_engines_of_one_process_hand_the_kv_over_on_the_device(tiny_cuda_model, quick_simulator_barriers):
+    """KVSend(on_device=True): the block stays device arrays from the prefill engine's pages to
+    the decode engine's (no host copy), and greedy output is one engine's alone."""
+    from engines.runtime.core.engine import Engine, EngineConfig
+
+    ckpt, model = tiny_cuda_model
+
+    def engine() -> Engine:
+        return Engine(model, ckpt, EngineConfig(max_num_seqs=2, num_pages=12, page_size=4, prefill_chunk_size=16))
+
+    prompt = [1, 5, 9, 3, 7, 2, 11, 4, 6, 8]
+    alone = run_all(engine(), [request("a", prompt, max_tokens=4, ignore_eos=True)])["a"]
+    decode = engine()
+    receipt = decode.prepare_receive("r", prompt, 7)
+
+    def send(on_device: bool) -> KVBlock:
+        prefill = engine()
+        req = request("r", prompt)
+        req.kv_send = KVSend(receipt.prefix_matched_length, 7, receipt.ticket, on_device=on_device)
+        prefill.add_request(req)
+        found = None
+        while prefill.has_work:
+            found = next((o.kv_block for o in prefill.step() if o.kv_block is not None), found)
+        return found
+
+    block, through_host = send(True), send(False)
+    assert not isinstance(block.k, np.ndarray) and not isinstance(block.v, np.ndarray)  # device arrays
+    assert isinstance(through_host.k, np.ndarray)
+    assert np.array_equal(block.k.copy_to_host(), through_host.k)
+    assert np.array_equal(block.v.copy_to_host(), through_host.v)
+    decode.receive_kv(block)
+    gen = request("r", prompt, max_tokens=4, ignore_eos=True)
+    gen.kv_window_begin = 7
+    got = run_all(decode, [gen])["r"]
+    assert got.tokens == alone.tokens
+    assert got.usage["extra"]["prefill_tokens"] == 3

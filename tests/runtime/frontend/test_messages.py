@@ -15,7 +15,7 @@ from engines.runtime.frontend import messages as m
 from engines.runtime.frontend.engine_core import EngineCore
 from tests.runtime.demo_engine import request
 
-INFO = m.EngineInfo("cpu", "float32", 4096, 2048, True)
+INFO = m.EngineInfo("cpu", "float32", 4096, 2048, True, kv_bytes_per_token=1024, kv_port=9100)
 SAMPLES = [
     m.AddRequest(request("r1", [5, 6, 7], max_tokens=3, response_format={"type": "json_object"})),
     m.AbortRequest("r1"),
@@ -40,6 +40,8 @@ SAMPLES = [
     m.Reply(7, True, {"ttft_s": 0.1}),
     m.Dead("RuntimeError('boom')"),
     m.EngineSpec(Path("/tmp/model"), "demo", EngineConfig(max_num_seqs=4)),
+    m.EngineSpec(Path("/tmp/model"), "demo", EngineConfig(max_num_seqs=4),
+                 kv_listen=m.KVListenSpec("127.0.0.1", 0, "key")),
 ]
 
 
@@ -56,8 +58,10 @@ def test_every_message_class_is_covered_by_the_samples() -> None:
     classes = {getattr(m, name) for name in m.__all__ if dataclasses.is_dataclass(getattr(m, name))}
     covered = {type(s) for s in SAMPLES} | {type(s.call) for s in SAMPLES if isinstance(s, m.Call)}
     # Failed and Rejected carry an exception, which compares by identity: checked below;
-    # ServerTraceEvent and EngineInfo travel inside ServerTraceEvents and Ready.
-    assert classes - covered == {m.Failed, m.Rejected, m.ServerTraceEvent, m.EngineInfo}
+    # ServerTraceEvent, EngineInfo and KVListenSpec travel inside ServerTraceEvents, Ready and
+    # EngineSpec; LocalCall never leaves its process (tests/runtime/frontend/test_kv_http.py).
+    assert classes - covered == {m.Failed, m.Rejected, m.ServerTraceEvent, m.EngineInfo, m.KVListenSpec,
+                                 m.LocalCall}
 
 
 def test_error_messages_keep_their_exception() -> None:

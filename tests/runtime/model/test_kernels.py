@@ -26,7 +26,7 @@ from engines.runtime.model.backend import (
     StepInputs,
     select_backend,
 )
-from engines.runtime.model.kernels import argmax, attention, embedding, matmul, add_rmsnorm, rope_kv, silu_mul
+from engines.runtime.model.kernels import argmax, attention, embedding, kv_window, matmul, add_rmsnorm, rope_kv, silu_mul
 from engines.runtime.model.kernels.rope_kv import rope_tables
 
 pytestmark = pytest.mark.usefixtures("quick_simulator_barriers")
@@ -272,3 +272,41 @@ def test_select_backend() -> None:
         select_backend("cpu", "float16")
     with pytest.raises(ValueError, match="unknown backend"):
         select_backend("tpu")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kv_window_gather_and_scatter(rng: np.random.Generator, dtype: str) -> None:
+    """A window of positions across three shuffled pages (partly filled first and last pages),
+    against the plain per-token indexing; a scatter keeps the slots outside the window, and
+    takes a source sliced along tokens (the part of a block a cache lacks)."""
+    layers, pages, slots = 2, 6, PAGE_SIZE
+    store = rng.standard_normal((layers, pages, KV_HEADS, slots, HEAD_DIM)).astype(dtype)
+    page_table = np.array([4, 1, 3], np.int64)
+    begin, end = 2, 2 * slots + 1
+    positions = np.arange(begin, end)
+    token_pages = page_table[positions // slots].astype(np.int32)
+    token_slots = (positions % slots).astype(np.int32)
+    want = store[:, token_pages, :, token_slots, :].transpose(1, 2, 0, 3)  # advanced indices first
+
+    # The CPU backend stores float32 only: its twin runs on the same values widened.
+    out_cpu = np.full(want.shape, np.nan, np.float32)
+    kv_window.kv_window_gather_cpu(store.astype(np.float32), token_pages, token_slots, out_cpu)
+    np.testing.assert_array_equal(out_cpu, want.astype(np.float32))
+    out_dev = cuda.to_device(np.full(want.shape, np.nan, dtype))
+    grid, block = kv_window.launch_shape(layers, KV_HEADS, len(positions), HEAD_DIM)
+    kv_window.kv_window_gather_cuda[grid, block](cuda.to_device(store), cuda.to_device(token_pages),
+                                                 cuda.to_device(token_slots), out_dev)
+    np.testing.assert_array_equal(out_dev.copy_to_host(), want)
+
+    block_src = rng.standard_normal((layers, KV_HEADS, len(positions) + 3, HEAD_DIM)).astype(dtype)
+    src = block_src[:, :, 3:]  # not contiguous: a slice along tokens
+    expected = store.copy()
+    expected[:, token_pages, :, token_slots, :] = src.transpose(2, 0, 1, 3)
+    on_host = store.astype(np.float32)
+    kv_window.kv_window_scatter_cpu(src.astype(np.float32), token_pages, token_slots, on_host)
+    np.testing.assert_array_equal(on_host, expected.astype(np.float32))
+    on_dev = cuda.to_device(store)
+    kv_window.kv_window_scatter_cuda[grid, block](cuda.to_device(block_src)[:, :, 3:], cuda.to_device(token_pages),
+                                                  cuda.to_device(token_slots), on_dev)
+    np.testing.assert_array_equal(on_dev.copy_to_host(), expected)
+    assert np.array_equal(expected[:, 4, :, :begin], store[:, 4, :, :begin])  # slots before the window kept

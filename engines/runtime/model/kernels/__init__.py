@@ -13,13 +13,14 @@ from engines.runtime.model.kernels import (
     argmax,
     attention,
     embedding,
+    kv_window,
     matmul,
     add_rmsnorm,
     rope_kv,
     silu_mul,
 )
 
-KERNEL_MODULES = (embedding, add_rmsnorm, matmul, rope_kv, attention, silu_mul, argmax)
+KERNEL_MODULES = (embedding, add_rmsnorm, matmul, rope_kv, attention, silu_mul, argmax, kv_window)
 STORAGE_DTYPES = ("float32", "float16")
 
 __all__ = ["KERNEL_MODULES", "STORAGE_DTYPES"]
