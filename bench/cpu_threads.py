@@ -15,3 +15,4 @@ def use_threads(count: int) -> None:
     for name in THREAD_VARIABLES:
         os.environ[name] = str(count)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import engines  # noqa: F401 - its BLAS thread setting, before numpy loads

@@ -140,9 +140,9 @@ class CpuBackend:
     name = "cpu"
     dtypes = ("float32",)
 
-    # Multiply-adds below which attention runs single-threaded: for a small decode step,
-    # waking numba's thread pool costs more than the work (a few hundred microseconds).
-    parallel_attention_min_work = 1 << 21
+    # Multiply-adds below which attention runs single-threaded: for the smallest decode steps
+    # waking numba's thread pool costs as much as the work (batch 1, 80 keys: even).
+    parallel_attention_min_work = 1 << 16
 
     def to_storage(self, array: np.ndarray, dtype: str) -> np.ndarray:
         """A C-contiguous copy of ``array`` in storage dtype ``dtype``."""
@@ -199,30 +199,43 @@ class CpuBackend:
             run_attention.run_attention(qkv, start, end, int(step.positions[start]), int(step.token_seq[start]),
                                         step.page_table, k_cache, v_cache, layer, num_q_heads, scale, out)
         rest = split.other_rows
+        threaded = _numba_threads_step(qkv.shape[0])
         if rest is None:
             self._scalar_attention(qkv, step.positions, step.token_seq, step.page_table, k_cache, v_cache, layer,
-                                   num_q_heads, scale, out)
+                                   num_q_heads, scale, out, threaded)
         elif len(rest):
             rest_out = np.empty((len(rest), out.shape[1]), dtype=out.dtype)
             self._scalar_attention(qkv[rest], step.positions[rest], step.token_seq[rest], step.page_table, k_cache,
-                                   v_cache, layer, num_q_heads, scale, rest_out)
+                                   v_cache, layer, num_q_heads, scale, rest_out, threaded)
             out[rest] = rest_out
 
     def _scalar_attention(self, qkv: np.ndarray, positions: np.ndarray, token_seq: np.ndarray,
                           page_table: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, layer: int,
-                          num_q_heads: int, scale: np.float32, out: np.ndarray) -> None:
+                          num_q_heads: int, scale: np.float32, out: np.ndarray, threaded: bool) -> None:
         work = (int(positions.sum()) + qkv.shape[0]) * num_q_heads * k_cache.shape[4] * 2
-        kernel = (attention.paged_attention_cpu if work >= self.parallel_attention_min_work
+        kernel = (attention.paged_attention_cpu if threaded and work >= self.parallel_attention_min_work
                   else attention.paged_attention_serial_cpu)
         kernel(qkv, positions, token_seq, page_table, k_cache, v_cache, layer, num_q_heads, scale, out)
 
     def silu_mul(self, gate_up: np.ndarray, out: np.ndarray) -> None:
-        """``out = silu(gate) * up`` over ``gate_up = [gate | up]``."""
-        silu_mul.silu_mul_cpu(gate_up, out)
+        """``out = silu(gate) * up`` over ``gate_up = [gate | up]``: on numba's threads when the
+        step's matmuls do too (few rows), else on this thread (BLAS's threads come next)."""
+        if _numba_threads_step(gate_up.shape[0]):
+            silu_mul.silu_mul_cpu(gate_up, out)
+        else:
+            silu_mul.silu_mul_serial_cpu(gate_up, out)
 
     def argmax(self, logits: np.ndarray, out: np.ndarray) -> None:
         """``out[r] = argmax(logits[r])``."""
         argmax.argmax_cpu(logits, out)
+
+
+def _numba_threads_step(rows: int) -> bool:
+    """Whether a step of ``rows`` tokens may run numba's threaded kernels: only when its matmuls
+    are numba's too. Beside BLAS's own threads, numba's pool spinning after its loop leaves three
+    threads to two cores, and a BLAS call whose thread loses its core waits a scheduler slice
+    (a 512-token prefill took 20% longer with a threaded ``silu_mul``)."""
+    return rows <= matmul.CPU_ROWS_KERNEL_MAX_ROWS
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 import zlib
 
 import numpy as np
@@ -247,6 +248,9 @@ def test_silu_mul(rng: np.random.Generator) -> None:
     g, u = gate_up[:, :width].astype(np.float64), gate_up[:, width:]
     np.testing.assert_allclose(want, g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-6)
     assert_close(out.copy_to_host(), want)
+    serial = np.empty((5, width), np.float32)
+    silu_mul.silu_mul_serial_cpu(gate_up, serial)
+    np.testing.assert_array_equal(serial, want)
 
 
 def test_argmax(rng: np.random.Generator) -> None:
@@ -310,3 +314,37 @@ def test_kv_window_gather_and_scatter(rng: np.random.Generator, dtype: str) -> N
                                                   cuda.to_device(token_slots), on_dev)
     np.testing.assert_array_equal(on_dev.copy_to_host(), expected)
     assert np.array_equal(expected[:, 4, :, :begin], store[:, 4, :, :begin])  # slots before the window kept
+
+
+def test_threaded_and_single_threaded_twins_keep_caches_of_their_own(tmp_path) -> None:
+    """numba keys its disk cache by the Python function and the signature, not by ``parallel``:
+    twins of one body must be distinct functions, or the second compiled loads the first's
+    code (the single-threaded attention used to run threaded). A fresh process compiles the
+    single-threaded twins into an empty cache; the next must find no entry for the threaded ones."""
+    import subprocess
+    import sys
+
+    call = (
+        "import numpy as np\n"
+        "from engines.runtime.model.kernels import attention, silu_mul\n"
+        "qkv = np.ones((2, 24), np.float32); out = np.empty((2, 8), np.float32)\n"
+        "cache = np.ones((1, 2, 2, 4, 4), np.float32); pos = np.array([0, 1], np.int32)\n"
+        "seq = np.zeros(2, np.int32); table = np.zeros((1, 2), np.int32)\n"
+        "for name in NAMES:\n"
+        "    kernel = getattr(attention, 'paged_attention_' + name)\n"
+        "    kernel(qkv, pos, seq, table, cache, cache, 0, 2, np.float32(0.5), out)\n"
+        "    twin = getattr(silu_mul, 'silu_mul_' + name)\n"
+        "    twin(np.ones((2, 8), np.float32), np.empty((2, 4), np.float32))\n"
+        "    print(name, sum(kernel.stats.cache_hits.values()), sum(twin.stats.cache_hits.values()))\n"
+    )
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+
+    def run(names: list[str]) -> str:
+        proc = subprocess.run([sys.executable, "-c", f"NAMES = {names!r}\n" + call], env=env, capture_output=True,
+                              text=True, timeout=300, cwd=Path(__file__).resolve().parents[3])
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout
+
+    assert run(["serial_cpu"]) == "serial_cpu 0 0\n"
+    assert run(["cpu", "serial_cpu"]) == "cpu 0 0\nserial_cpu 1 1\n"  # its own entry: a miss; the serial's: a hit

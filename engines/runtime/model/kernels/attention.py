@@ -14,6 +14,8 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, njit, prange
 
+from engines.runtime.model.kernels.variants import renamed
+
 ATTN_MAX_THREADS = 128   # largest blockDim.x: keys scored per chunk
 ATTN_MAX_GROUP = 16      # largest number of q heads sharing one kv head
 ATTN_MAX_HEAD_DIM = 256
@@ -126,7 +128,11 @@ def paged_attention_cuda(qkv, positions, token_seq, page_table, k_cache, v_cache
 
 
 def _paged_attention(qkv, positions, token_seq, page_table, k_cache, v_cache, layer, num_q_heads, scale, out):
-    """Exact two-pass softmax per (token, kv head); see :func:`paged_attention_cuda`."""
+    """Exact two-pass softmax per (token, kv head); see :func:`paged_attention_cuda`.
+
+    Keys and values are walked page by page (a page's slots of one head are contiguous), so no
+    key pays for a page-table division, and the 1/sum is folded into the last pass.
+    """
     num_kv_heads = k_cache.shape[2]
     page_size = k_cache.shape[3]
     head_dim = k_cache.shape[4]
@@ -136,20 +142,24 @@ def _paged_attention(qkv, positions, token_seq, page_table, k_cache, v_cache, la
         kv_head = item % num_kv_heads
         seq = token_seq[t]
         num_keys = positions[t] + 1
+        num_pages = (num_keys + page_size - 1) // page_size
         q_base = kv_head * group * head_dim
         q = np.empty((group, head_dim), np.float32)
         for g in range(group):
             for d in range(head_dim):
                 q[g, d] = qkv[t, q_base + g * head_dim + d] * scale
         scores = np.empty((group, num_keys), np.float32)
-        for j in range(num_keys):
-            key = k_cache[layer, page_table[seq, j // page_size], kv_head, j % page_size]
-            for g in range(group):
-                s = float32(0.0)
-                for d in range(head_dim):
-                    s += q[g, d] * key[d]
-                scores[g, j] = s
-        totals = np.empty(group, np.float32)
+        for p in range(num_pages):
+            keys = k_cache[layer, page_table[seq, p], kv_head]
+            first = p * page_size
+            for s in range(min(page_size, num_keys - first)):
+                key = keys[s]
+                for g in range(group):
+                    dot = float32(0.0)
+                    for d in range(head_dim):
+                        dot += q[g, d] * key[d]
+                    scores[g, first + s] = dot
+        inverse = np.empty(group, np.float32)
         for g in range(group):
             m = scores[g, 0]
             for j in range(1, num_keys):
@@ -159,26 +169,31 @@ def _paged_attention(qkv, positions, token_seq, page_table, k_cache, v_cache, la
                 e = math.exp(scores[g, j] - m)
                 scores[g, j] = e
                 total += e
-            totals[g] = total
+            inverse[g] = float32(1.0) / total
         acc = np.zeros((group, head_dim), np.float32)
-        for j in range(num_keys):
-            value = v_cache[layer, page_table[seq, j // page_size], kv_head, j % page_size]
-            for g in range(group):
-                p = scores[g, j]
-                for d in range(head_dim):
-                    acc[g, d] += p * value[d]
+        for p in range(num_pages):
+            values = v_cache[layer, page_table[seq, p], kv_head]
+            first = p * page_size
+            for s in range(min(page_size, num_keys - first)):
+                value = values[s]
+                for g in range(group):
+                    w = scores[g, first + s]
+                    for d in range(head_dim):
+                        acc[g, d] += w * value[d]
         for g in range(group):
             for d in range(head_dim):
-                out[t, q_base + g * head_dim + d] = acc[g, d] / totals[g]
+                out[t, q_base + g * head_dim + d] = acc[g, d] * inverse[g]
 
 
 # Reassociation lets LLVM vectorise the q.k dot products (the hot loop); no flags that
 # assume finite values or approximate exp, so NaN/inf still propagate as they should.
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
-paged_attention_cpu = njit(nogil=True, cache=True, parallel=True, fastmath=_FASTMATH)(_paged_attention)
+paged_attention_cpu = njit(nogil=True, cache=True, parallel=True, fastmath=_FASTMATH)(
+    renamed(_paged_attention, "paged_attention_cpu"))
 paged_attention_cpu.__doc__ = """CPU twin of :func:`paged_attention_cuda`: (token, kv head) pairs spread over
 numba's threads. For large batches and prefill chunks."""
-paged_attention_serial_cpu = njit(nogil=True, cache=True, fastmath=_FASTMATH)(_paged_attention)
+paged_attention_serial_cpu = njit(nogil=True, cache=True, fastmath=_FASTMATH)(
+    renamed(_paged_attention, "paged_attention_serial_cpu"))
 paged_attention_serial_cpu.__doc__ = """Single-threaded :func:`paged_attention_cpu`, for small steps (batch-1
 decode), where waking a thread pool costs more than the work."""
 

