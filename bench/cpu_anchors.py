@@ -10,6 +10,7 @@ machine's memory bandwidth is measured in the same run, and batch 1's bytes per 
 
     .venv/bin/python bench/cpu_anchors.py                          # the full table (long)
     .venv/bin/python bench/cpu_anchors.py --threads 2 --batches 1 8 32 --new-tokens 128 --rounds 3
+    .venv/bin/python bench/cpu_anchors.py --threads 2 --batches 1 8 32 --new-tokens 128 --prefill --engine
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parents[1]
 # The repository root, not bench/, first on the path: bench/kernels.py would shadow the
@@ -42,6 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--cache", type=Path, default=REPO / "var" / "bench-cpu-anchors")
+    parser.add_argument("--engine", action="store_true",
+                        help="also time our whole engine (scheduler, sampler, detokenizer) on the same cells")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)  # run one thread count, print JSON rows
     return parser.parse_args(argv)
 
@@ -112,6 +116,8 @@ def child(args: argparse.Namespace) -> None:
                                  include_prompt_in_result=False, max_batch_size=prompts.shape[0])
 
     engines = {"ours": ours, "ctranslate2": theirs_ct2, "transformers": theirs_torch}
+    if args.engine:
+        engines["engine"] = whole_engine(args, ours_model, load_checkpoint(hf))
 
     def cell(kind: str, batch: int, prompt_len: int, new: int) -> dict:
         prompts = rng.integers(3, args.vocab, (batch, prompt_len))
@@ -120,7 +126,7 @@ def child(args: argparse.Namespace) -> None:
             run(prompts[:, :8], 2)  # warm: first calls compile, allocate, fill caches
         for round_ in range(args.rounds):
             names = list(engines)
-            for name in names[round_ % 3:] + names[:round_ % 3]:
+            for name in names[round_ % len(names):] + names[:round_ % len(names)]:
                 began = time.perf_counter()
                 engines[name](prompts, new)
                 times[name].append(time.perf_counter() - began)
@@ -136,6 +142,29 @@ def child(args: argparse.Namespace) -> None:
             print(json.dumps(cell("decode", batch, args.prompt_len, new)), flush=True)
     for prompt_len in args.prefill:
         print(json.dumps(cell("prefill", 1, prompt_len, 1)), flush=True)
+
+
+def whole_engine(args: argparse.Namespace, model: Any, checkpoint: Any) -> Callable[[Any, int], None]:
+    """Our engine on the bare model's weights: requests in, every step until they finish (the
+    scheduler, the greedy sampler, stop checks and detokenizing included). No prefix cache: each
+    round must prefill as the others do."""
+    from engines.runtime import Engine, EngineConfig, GenerationRequest, SamplingParams
+
+    pages = max(args.batches or [1]) * -(-(args.prompt_len + max(args.new_tokens) + 1) // 16)
+    pages = max(pages, -(-(max(args.prefill or [0]) + 2) // 16)) + 8
+    engine = Engine(model, checkpoint, EngineConfig(max_num_seqs=max(args.batches or [1]), num_pages=pages,
+                                                    prefill_chunk_size=max([2048, *args.prefill]), enable_prefix_cache=False))
+    runs = iter(range(1 << 62))
+
+    def generate(prompts: Any, new: int) -> None:
+        run = next(runs)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(GenerationRequest(f"{run}-{i}", [int(t) for t in prompt],
+                                                 SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True)))
+        while engine.has_work:
+            engine.step()
+
+    return generate
 
 
 def weight_bytes(args: argparse.Namespace) -> int:
@@ -160,7 +189,7 @@ def main() -> None:
                    "--hidden", str(args.hidden), "--layers", str(args.layers), "--heads", str(args.heads),
                    "--kv-heads", str(args.kv_heads), "--vocab", str(args.vocab),
                    "--batches", *map(str, args.batches), "--new-tokens", *map(str, args.new_tokens),
-                   "--prefill", *map(str, args.prefill)]
+                   "--prefill", *map(str, args.prefill), *(["--engine"] if args.engine else [])]
         child_process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=REPO,
                                          env={**os.environ, "PYTHONPATH": str(REPO)})
         assert child_process.stdout is not None
@@ -179,7 +208,9 @@ def main() -> None:
                   f"{row['ours'] / row['transformers']:>9.2f}  {unit}"
                   + (f"  (batch 1: {row['ours'] * weight_bytes(args) / 1e9:.1f} GB/s of weights, "
                      f"{100 * row['ours'] * weight_bytes(args) / 1e9 / bandwidth:.0f}% of the host's)"
-                     if row["kind"] == "decode" and row["batch"] == 1 else ""), flush=True)
+                     if row["kind"] == "decode" and row["batch"] == 1 else "")
+                  + (f"  engine {row['engine']:.0f} = {row['engine'] / row['ours']:.2f} of ours" if "engine" in row
+                     else ""), flush=True)
         if child_process.wait() != 0:
             raise SystemExit(f"the {threads}-thread run failed")
 
