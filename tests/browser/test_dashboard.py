@@ -269,6 +269,8 @@ async def test_playground_streams_a_request_and_stops_one(page, dashboard_server
     await page.goto(f"{dashboard_server.base}/dashboard/playground/")
     await page.fill("#pg-prompt", 'Say <b>hi</b> "><img src=x onerror=alert(1)>')
     await page.fill("#pg-max-tokens", "24")
+    # Sampled at the page's default temperature: without ignore_eos the demo model may stop early.
+    await page.fill("#pg-debug-config", '{"ignore_eos": true}')
     await page.click("#pg-send")
     try:
         await page.wait_for_selector("#pg-choices .finish >> text=finish_reason", timeout=30000)
@@ -282,7 +284,6 @@ async def test_playground_streams_a_request_and_stops_one(page, dashboard_server
     await page.screenshot(path=str(SHOTS / "playground.png"), full_page=True)
 
     await page.fill("#pg-max-tokens", "1500")
-    await page.fill("#pg-debug-config", '{"ignore_eos": true}')
     await page.click("#pg-send")
     await page.wait_for_function("() => document.querySelector('.choice-text')?.textContent.length > 20",
                                  timeout=30000)
