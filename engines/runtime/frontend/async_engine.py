@@ -380,11 +380,6 @@ class AsyncEngine:
         await self._acall(CudaProfilerCall(start))
 
     @property
-    def max_kv_transfer_bytes(self) -> int:
-        """The most K/V bytes a block for this engine can hold (its whole context); 0 before start."""
-        return self._info.kv_bytes_per_token * self._info.max_seq_len if self._info else 0
-
-    @property
     def kv_port(self) -> int | None:
         """The port of this engine's K/V listener (None: it has none, or has not started)."""
         return self._info.kv_port if self._info else None

@@ -239,8 +239,7 @@ def start_kv_listener(spec: KVListenSpec, engine: Engine, put: Callable[[CoreCom
         put(LocalCall(engine_call, future))
         return future.result(LOCAL_CALL_TIMEOUT_S)
 
-    info = engine_info(engine)
-    return KVListener(spec, info.kv_bytes_per_token * info.max_seq_len, lambda block: call(ReceiveKVCall(block)),
+    return KVListener(spec, engine_info(engine).max_kv_transfer_bytes, lambda block: call(ReceiveKVCall(block)),
                       lambda request_id, ticket: call(ReleaseReceiveCall(request_id, ticket)))
 
 

@@ -144,13 +144,3 @@ def _read_exactly(readinto: ReadInto, n: int, what: str) -> bytes:
     _fill(readinto, memoryview(buf), what)
     return bytes(buf)
 
-
-def reader_of(read: Callable[[int], bytes]) -> ReadInto:
-    """A ``readinto`` over a ``read(n)`` (a file's, or a byte string's): copies once."""
-
-    def readinto(view: memoryview) -> int:
-        data = read(len(view))
-        view[:len(data)] = data
-        return len(data)
-
-    return readinto

@@ -60,6 +60,11 @@ class EngineInfo:
     #: The port of the engine's K/V listener (``kv_http``); None when it has none.
     kv_port: int | None = None
 
+    @property
+    def max_kv_transfer_bytes(self) -> int:
+        """The most K/V bytes a block for this engine can hold (its whole context)."""
+        return self.kv_bytes_per_token * self.max_seq_len
+
 
 @dataclass(frozen=True)
 class KVListenSpec:

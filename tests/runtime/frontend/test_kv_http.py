@@ -4,6 +4,7 @@ clear status and leaves the engine's KV pool where it was; and so in both engine
 from __future__ import annotations
 
 import asyncio
+import io
 import socket
 
 import numpy as np
@@ -13,7 +14,7 @@ from engines.runtime.core.engine import EngineConfig
 from engines.runtime.core.kv_transfer import KVBlock, KVSend, ModelIdentity
 from engines.runtime.frontend.async_engine import AsyncEngine
 from engines.runtime.frontend.kv_http import KV_TRANSFER_PATH, KVPostError, post_block
-from engines.runtime.frontend.kv_wire import KVWireError, decode_block, encode_block, reader_of, wire_size
+from engines.runtime.frontend.kv_wire import KVWireError, decode_block, encode_block, wire_size
 from engines.runtime.frontend.messages import KVListenSpec
 from tests.runtime.demo_engine import consume, prompts, request
 
@@ -42,20 +43,8 @@ def test_a_block_survives_the_format(demo, dtype):
     block = random_block(ident, 21, dtype=dtype)
     raw = as_bytes(block)
     assert len(raw) == wire_size(block)
-    got = decode_block(reader_of(memoryview_reader(raw)), max_bytes=1 << 30)
+    got = decode_block(io.BytesIO(raw).readinto, max_bytes=1 << 30)
     assert got == block and got.k.dtype == np.dtype(dtype)
-
-
-def memoryview_reader(raw: bytes):
-    view, at = memoryview(raw), 0
-
-    def read(n: int) -> bytes:
-        nonlocal at
-        part = bytes(view[at:at + n])
-        at += len(part)
-        return part
-
-    return read
 
 
 @pytest.mark.parametrize("damage, message", [
@@ -78,7 +67,7 @@ def test_the_format_says_what_is_wrong(damage, message):
     else:
         max_bytes = block.nbytes - 1
     with pytest.raises(KVWireError, match=message) as caught:
-        decode_block(reader_of(memoryview_reader(bytes(raw))), max_bytes)
+        decode_block(io.BytesIO(bytes(raw)).readinto, max_bytes)
     if damage in ("checksum", "short", "huge"):  # the header was read: the reservation is named
         assert (caught.value.request_id, caught.value.ticket) == ("r", "t")
 
