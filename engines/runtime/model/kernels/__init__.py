@@ -8,6 +8,10 @@ launches each kernel with, where ``{dt}`` stands for the weight/KV storage dtype
 Conventions shared by all kernels: activations are float32 and C-contiguous; weights and
 KV pages are in the storage dtype and are widened to float32 before any arithmetic, so
 accumulation is always float32; scalar arguments are int64 or float32.
+The CPU twins compile with ``error_model="numpy"``: under numba's default (Python's) error
+model a float division checks its divisor for zero and may raise, and that branch keeps LLVM
+from vectorising the loop (a serial ``silu_mul`` ran 8x slower); their ``exp`` is
+``fast_exp.exp_f32``, which vectorises where ``math.exp`` (a libm call) does not.
 """
 from engines.runtime.model.kernels import (
     argmax,

@@ -56,7 +56,7 @@ def add_rmsnorm_cuda(x, residual, rows, weight, eps, out):
         out[i, h] = x[row, h] * inv_rms * weight[h]
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, error_model="numpy", fastmath={"reassoc", "contract", "nsz", "arcp"})
 def add_rmsnorm_cpu(x, residual, rows, weight, eps, out):
     """CPU twin of :func:`add_rmsnorm_cuda`."""
     width = x.shape[1]

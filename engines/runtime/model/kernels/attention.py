@@ -14,6 +14,7 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, njit, prange
 
+from engines.runtime.model.kernels.fast_exp import exp_f32
 from engines.runtime.model.kernels.variants import renamed
 
 ATTN_MAX_THREADS = 128   # largest blockDim.x: keys scored per chunk
@@ -166,7 +167,7 @@ def _paged_attention(qkv, positions, token_seq, page_table, k_cache, v_cache, la
                 m = max(m, scores[g, j])
             total = float32(0.0)
             for j in range(num_keys):
-                e = math.exp(scores[g, j] - m)
+                e = exp_f32(scores[g, j] - m)
                 scores[g, j] = e
                 total += e
             inverse[g] = float32(1.0) / total
@@ -188,11 +189,11 @@ def _paged_attention(qkv, positions, token_seq, page_table, k_cache, v_cache, la
 # Reassociation lets LLVM vectorise the q.k dot products (the hot loop); no flags that
 # assume finite values or approximate exp, so NaN/inf still propagate as they should.
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
-paged_attention_cpu = njit(nogil=True, cache=True, parallel=True, fastmath=_FASTMATH)(
+paged_attention_cpu = njit(nogil=True, cache=True, parallel=True, fastmath=_FASTMATH, error_model="numpy")(
     renamed(_paged_attention, "paged_attention_cpu"))
 paged_attention_cpu.__doc__ = """CPU twin of :func:`paged_attention_cuda`: (token, kv head) pairs spread over
 numba's threads. For large batches and prefill chunks."""
-paged_attention_serial_cpu = njit(nogil=True, cache=True, fastmath=_FASTMATH)(
+paged_attention_serial_cpu = njit(nogil=True, cache=True, fastmath=_FASTMATH, error_model="numpy")(
     renamed(_paged_attention, "paged_attention_serial_cpu"))
 paged_attention_serial_cpu.__doc__ = """Single-threaded :func:`paged_attention_cpu`, for small steps (batch-1
 decode), where waking a thread pool costs more than the work."""

@@ -1,0 +1,103 @@
+"""``exp_f32`` (the CPU kernels' vectorisable exp) against its plain reference, the exact exp, and
+the kernels built on it against NumPy: ``causal_exp_rows`` (BLAS attention's softmax) and the
+CPU ``silu_mul`` at widths that run their vector loops."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from numba import njit
+
+from engines.runtime.model.kernels import silu_mul
+from engines.runtime.model.kernels.fast_exp import exp_f32
+from engines.runtime.model.kernels.run_attention import causal_exp_rows
+
+FLOAT32 = np.finfo(np.float32)
+
+
+@njit(cache=False)
+def exp_loop(x: np.ndarray, out: np.ndarray) -> None:
+    """exp_f32 in a loop (what LLVM vectorises)."""
+    for i in range(x.shape[0]):
+        out[i] = exp_f32(x[i])
+
+
+@njit(cache=False)
+def exp_scalar(x: float) -> float:
+    return exp_f32(x)
+
+
+def ulps(got: np.ndarray, exact: np.ndarray) -> np.ndarray:
+    return np.abs(got.astype(np.float64) - exact) / np.spacing(exact.astype(np.float32)).astype(np.float64)
+
+
+def test_within_one_ulp_of_the_exact_exp_over_the_normal_range() -> None:
+    x = np.concatenate([np.linspace(-87.33, 88.72, 1 << 20, dtype=np.float32),
+                        np.random.default_rng(0).uniform(-20, 20, 1 << 18).astype(np.float32),
+                        np.float32([0.0, -0.0, 1e-30, -1e-30, 0.5, -0.5, 88.7228, -87.3365])])
+    got = np.empty_like(x)
+    exp_loop(x, got)
+    exact = np.exp(x.astype(np.float64))
+    normal = exact >= FLOAT32.tiny
+    assert ulps(got[normal], exact[normal]).max() <= 1.0
+    assert np.isfinite(got).all()
+    # the scalar call (no vector loop) agrees with the loop
+    for value in x[::4099]:
+        assert ulps(np.float32([exp_scalar(value)]), np.exp(np.float64([value])))[0] <= 1.0
+
+
+def test_edges_zero_infinity_and_nan() -> None:
+    x = np.float32([-np.inf, -1000.0, -103.0, -87.34, np.inf, 1000.0, 88.73, np.nan, 0.0])
+    got = np.empty_like(x)
+    exp_loop(x, got)
+    np.testing.assert_array_equal(got[:4], 0.0)       # subnormal results are flushed to zero
+    assert np.isposinf(got[4:7]).all()
+    assert np.isnan(got[7]) and got[8] == 1.0
+    assert math.isnan(exp_scalar(np.float32(np.nan)))
+
+
+def reference_exp_rows(scores: np.ndarray, first_row_keys: int) -> tuple[np.ndarray, np.ndarray]:
+    out = np.zeros_like(scores, dtype=np.float64)
+    sums = np.zeros(scores.shape[0])
+    for i, row in enumerate(scores.astype(np.float64)):
+        seen = min(first_row_keys + i, scores.shape[1])
+        out[i, :seen] = np.exp(row[:seen] - row[:seen].max())
+        sums[i] = out[i, :seen].sum()
+    return out, sums
+
+
+@pytest.mark.parametrize("keys, first_row_keys", [(45, 30), (200, 1), (37, 100)])
+def test_causal_exp_rows_matches_a_float64_masked_softmax(keys: int, first_row_keys: int) -> None:
+    rng = np.random.default_rng(keys)
+    scores = (rng.standard_normal((19, keys)) * 6).astype(np.float32)
+    scores[3, min(first_row_keys + 3, keys) - 1] = 40.0  # the max in the row's last visible key
+    scores[4, 0] = 40.0                                  # and in its first
+    want, want_sums = reference_exp_rows(scores, first_row_keys)
+    sums = np.empty(19, np.float32)
+    causal_exp_rows(scores, first_row_keys, sums)
+    # float32 rounding of (score - max) alone is 40 * 2**-24 relative: a tolerance of 1e-5
+    np.testing.assert_allclose(scores, want, rtol=1e-5, atol=1e-30)
+    np.testing.assert_allclose(sums, want_sums, rtol=1e-5)
+    for i in range(19):  # masked keys are exact zeros, not tiny numbers
+        assert not scores[i, min(first_row_keys + i, keys):].any()
+
+
+def test_causal_exp_rows_keeps_nan() -> None:
+    scores = np.zeros((2, 40), np.float32)
+    scores[0, 20] = np.nan
+    sums = np.empty(2, np.float32)
+    causal_exp_rows(scores, 39, sums)
+    assert np.isnan(sums[0]) and sums[1] == 40.0
+
+
+def test_cpu_silu_mul_over_vector_widths() -> None:
+    rng = np.random.default_rng(3)
+    gate_up = (rng.standard_normal((7, 2 * 1411)) * 8).astype(np.float32)
+    gate_up[0, :4] = [-100.0, 100.0, 0.0, -90.0]
+    g, u = gate_up[:, :1411].astype(np.float64), gate_up[:, 1411:]
+    want = g / (1 + np.exp(-g)) * u
+    for kernel in (silu_mul.silu_mul_cpu, silu_mul.silu_mul_serial_cpu):
+        out = np.empty((7, 1411), np.float32)
+        kernel(gate_up, out)
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
