@@ -19,6 +19,7 @@ import numba
 import numpy as np
 from numba import cuda
 
+from engines.runtime.model.head_pool import HeadPool
 from engines.runtime.model.kernels import argmax, attention, embedding, matmul, add_rmsnorm, rope_kv, run_attention, silu_mul
 
 Array = Any  # numpy.ndarray on the CPU backend, a numba DeviceNDArray on the CUDA backend
@@ -144,6 +145,10 @@ class CpuBackend:
     # waking numba's thread pool costs as much as the work (batch 1, 80 keys: even).
     parallel_attention_min_work = 1 << 16
 
+    def __init__(self) -> None:
+        # Prefill attention's heads run side by side on as many threads as BLAS has.
+        self.head_pool = HeadPool()
+
     def to_storage(self, array: np.ndarray, dtype: str) -> np.ndarray:
         """A C-contiguous copy of ``array`` in storage dtype ``dtype``."""
         return np.ascontiguousarray(array, dtype=_check_dtype(dtype, self.dtypes, self.name))
@@ -197,7 +202,8 @@ class CpuBackend:
         split = step.attention_split
         for start, end in split.runs:
             run_attention.run_attention(qkv, start, end, int(step.positions[start]), int(step.token_seq[start]),
-                                        step.page_table, k_cache, v_cache, layer, num_q_heads, scale, out)
+                                        step.page_table, k_cache, v_cache, layer, num_q_heads, scale, out,
+                                        self.head_pool)
         rest = split.other_rows
         threaded = _numba_threads_step(qkv.shape[0])
         if rest is None:
@@ -213,9 +219,13 @@ class CpuBackend:
                           page_table: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, layer: int,
                           num_q_heads: int, scale: np.float32, out: np.ndarray, threaded: bool) -> None:
         work = (int(positions.sum()) + qkv.shape[0]) * num_q_heads * k_cache.shape[4] * 2
-        kernel = (attention.paged_attention_cpu if threaded and work >= self.parallel_attention_min_work
-                  else attention.paged_attention_serial_cpu)
-        kernel(qkv, positions, token_seq, page_table, k_cache, v_cache, layer, num_q_heads, scale, out)
+        if threaded and work >= self.parallel_attention_min_work:
+            splits = attention.head_splits(qkv.shape[0], k_cache.shape[2], numba.get_num_threads())
+            attention.paged_attention_cpu(qkv, positions, token_seq, page_table, k_cache, v_cache, layer,
+                                          num_q_heads, scale, out, splits)
+        else:
+            attention.paged_attention_serial_cpu(qkv, positions, token_seq, page_table, k_cache, v_cache, layer,
+                                                 num_q_heads, scale, out, 1)
 
     def silu_mul(self, gate_up: np.ndarray, out: np.ndarray) -> None:
         """``out = silu(gate) * up`` over ``gate_up = [gate | up]``: on numba's threads when the

@@ -229,13 +229,25 @@ def test_paged_attention(rng: np.random.Generator, dtype: str) -> None:
     backend(dtype).attention(cuda.to_device(qkv), device_step(step), k_dev, v_dev, 1, Q_HEADS, scale, out)
 
     want = np.empty((tokens, Q_HEADS * HEAD_DIM), np.float32)
-    attention.paged_attention_cpu(qkv, step.positions, step.token_seq, step.page_table, k, v, 1, Q_HEADS, scale, want)
-    serial = np.empty_like(want)
-    attention.paged_attention_serial_cpu(qkv, step.positions, step.token_seq, step.page_table, k, v, 1, Q_HEADS,
-                                         scale, serial)
+    attention.paged_attention_cpu(qkv, step.positions, step.token_seq, step.page_table, k, v, 1, Q_HEADS, scale, want,
+                                  1)
     np.testing.assert_allclose(want, dense_attention(qkv, step, k, v, 1), rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(serial, want, rtol=1e-5, atol=1e-6)
     assert_close(out.copy_to_host(), want, rtol=1e-4, atol=1e-5)
+    # The CPU twin's other shapes of work: single-threaded, and each token's kv heads in slices.
+    for splits in [s for s in range(1, KV_HEADS + 1) if KV_HEADS % s == 0]:
+        for kernel in (attention.paged_attention_serial_cpu, attention.paged_attention_cpu):
+            other = np.full((tokens, Q_HEADS * HEAD_DIM), np.nan, np.float32)
+            kernel(qkv, step.positions, step.token_seq, step.page_table, k, v, 1, Q_HEADS, scale, other, splits)
+            np.testing.assert_allclose(other, want, rtol=1e-5, atol=1e-6)
+
+
+def test_head_splits_give_every_thread_an_item_in_equal_slices() -> None:
+    assert attention.head_splits(8, 8, 2) == 1   # enough tokens: whole tokens
+    assert attention.head_splits(1, 8, 2) == 2   # batch 1 on two threads: halves
+    assert attention.head_splits(1, 8, 3) == 4   # three threads: the next divisor of 8
+    assert attention.head_splits(1, 6, 4) == 6
+    assert attention.head_splits(2, 8, 16) == 8  # never more slices than heads
+    assert attention.head_splits(0, 8, 2) == 2
 
 
 def test_silu_mul(rng: np.random.Generator) -> None:
@@ -332,7 +344,7 @@ def test_threaded_and_single_threaded_twins_keep_caches_of_their_own(tmp_path) -
         "seq = np.zeros(2, np.int32); table = np.zeros((1, 2), np.int32)\n"
         "for name in NAMES:\n"
         "    kernel = getattr(attention, 'paged_attention_' + name)\n"
-        "    kernel(qkv, pos, seq, table, cache, cache, 0, 2, np.float32(0.5), out)\n"
+        "    kernel(qkv, pos, seq, table, cache, cache, 0, 2, np.float32(0.5), out, 1)\n"
         "    twin = getattr(silu_mul, 'silu_mul_' + name)\n"
         "    twin(np.ones((2, 8), np.float32), np.empty((2, 4), np.float32))\n"
         "    print(name, sum(kernel.stats.cache_hits.values()), sum(twin.stats.cache_hits.values()))\n"
