@@ -378,7 +378,7 @@ class Engine:
         self._stopped_profile = profiler
 
     def _measure_peak(self) -> tuple[float | None, str]:
-        """The memory bandwidth kernels are compared with: the GPU's spec, or this host's copy rate."""
+        """The memory bandwidth kernels are compared with: the GPU's spec, or this host's read rate."""
         if self.model.backend_name != "cuda":
             return measure_host_bandwidth(), "measured"
         from numba import cuda
