@@ -130,11 +130,11 @@ def test_matmul(rng: np.random.Generator, kernel: str, dtype: str, with_bias: bo
         assert_close(out.copy_to_host(), want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("rows", [1, 3, matmul.CPU_GEMV_MAX_ROWS, matmul.CPU_GEMV_MAX_ROWS + 1, 9, matmul.CPU_ROWS_KERNEL_MAX_ROWS, 45])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 9, matmul.CPU_ROWS_KERNEL_MAX_ROWS, 45])
 def test_cpu_matmul_paths(rng: np.random.Generator, rows: int) -> None:
-    """The three CPU paths (the gemv kernel up to CPU_GEMV_MAX_ROWS rows, the register-blocked
-    one up to CPU_ROWS_KERNEL_MAX_ROWS, BLAS beyond) against float64, with row and column counts that leave remainder blocks (150 columns:
-    several of the gemv kernel's blocks and a short last one)."""
+    """Both CPU paths (the register-blocked kernel up to CPU_ROWS_KERNEL_MAX_ROWS rows, with its
+    remainder rows in pairs and alone; BLAS beyond) against float64, with row and column counts
+    that leave remainder blocks (150 columns: quarters of 37 rows and two columns left over)."""
     inner = 37
     x = rng.standard_normal((rows, inner)).astype(np.float32)
     for cols, bias_on in [(23, False), (23, True), (150, False), (150, True)]:

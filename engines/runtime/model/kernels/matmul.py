@@ -16,10 +16,9 @@ Both accumulate in float32 whatever the weight dtype. ``bias`` is a zero-length 
 the layer has none.
 
 Their CPU twin, :func:`matmul_cpu`, computes the same product from ``w[out, in]``: with up to
-seven rows :func:`matmul_gemv_cpu`, which reads the weights in memory order, one row at a time
-(the host's read bandwidth at batch 1); with up to 32 (a decode step) :func:`matmul_rows_cpu`,
-register-blocked, which streams each weight row once (measured 1.3-2.5x faster than OpenBLAS
-sgemm at 4-16 rows, on par at 32); with many rows (prefill), BLAS sgemm.
+32 rows (a decode step) :func:`matmul_rows_cpu`, register-blocked, which streams each weight row
+once, in four long sequential streams (measured 1.3-2.5x faster than OpenBLAS sgemm at 4-16 rows
+before those streams, on par at 32); with many rows (prefill), BLAS sgemm.
 """
 import numpy as np
 from numba import cuda, float32, njit, prange
@@ -201,18 +200,26 @@ def matmul_rows_cpu(x, w, bias, out):
 
     Register blocking: each step of the ``in`` loop loads four weight rows and four input
     rows and feeds sixteen accumulators, so a weight row is read from memory once per four
-    input rows and the input rows (small) stay in L1. Blocks of four output features are
-    spread over numba's threads.
+    input rows and the input rows (small) stay in L1. The four weight rows of a block are
+    ``n``, ``n + q``, ``n + 2q`` and ``n + 3q`` (``q = out // 4``), not four neighbours: block
+    after block, each of the four then reads on where it left off, four long sequential
+    streams that the hardware prefetcher runs ahead of, where neighbours made every block four
+    fresh 2 KB streams (8 rows: 13.8 -> 9.7 ms on one thread, 7.1 -> 5.2 on two, for a step's
+    weights read from memory). Blocks are spread over numba's threads.
     """
     rows, inner = x.shape
     cols = w.shape[0]
     rows4 = rows - rows % 4
-    for block in prange(cols // 4):
-        n = 4 * block
-        w0 = w[n]
-        w1 = w[n + 1]
-        w2 = w[n + 2]
-        w3 = w[n + 3]
+    q = cols // 4
+    for block in prange(q):
+        n0 = block
+        n1 = block + q
+        n2 = block + 2 * q
+        n3 = block + 3 * q
+        w0 = w[n0]
+        w1 = w[n1]
+        w2 = w[n2]
+        w3 = w[n3]
         for m in range(0, rows4, 4):
             x0 = x[m]
             x1 = x[m + 1]
@@ -245,23 +252,52 @@ def matmul_rows_cpu(x, w, bias, out):
                 s31 += a3 * b1
                 s32 += a3 * b2
                 s33 += a3 * b3
-            out[m, n] = s00
-            out[m, n + 1] = s01
-            out[m, n + 2] = s02
-            out[m, n + 3] = s03
-            out[m + 1, n] = s10
-            out[m + 1, n + 1] = s11
-            out[m + 1, n + 2] = s12
-            out[m + 1, n + 3] = s13
-            out[m + 2, n] = s20
-            out[m + 2, n + 1] = s21
-            out[m + 2, n + 2] = s22
-            out[m + 2, n + 3] = s23
-            out[m + 3, n] = s30
-            out[m + 3, n + 1] = s31
-            out[m + 3, n + 2] = s32
-            out[m + 3, n + 3] = s33
-        for m in range(rows4, rows):
+            out[m, n0] = s00
+            out[m, n1] = s01
+            out[m, n2] = s02
+            out[m, n3] = s03
+            out[m + 1, n0] = s10
+            out[m + 1, n1] = s11
+            out[m + 1, n2] = s12
+            out[m + 1, n3] = s13
+            out[m + 2, n0] = s20
+            out[m + 2, n1] = s21
+            out[m + 2, n2] = s22
+            out[m + 2, n3] = s23
+            out[m + 3, n0] = s30
+            out[m + 3, n1] = s31
+            out[m + 3, n2] = s32
+            out[m + 3, n3] = s33
+        # The last rows in pairs (eight accumulators), then the odd one.
+        for m in range(rows4, rows - 1, 2):
+            x0 = x[m]
+            x1 = x[m + 1]
+            s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = float32(0.0)
+            for k in range(inner):
+                a0 = x0[k]
+                a1 = x1[k]
+                b0 = w0[k]
+                b1 = w1[k]
+                b2 = w2[k]
+                b3 = w3[k]
+                s00 += a0 * b0
+                s01 += a0 * b1
+                s02 += a0 * b2
+                s03 += a0 * b3
+                s10 += a1 * b0
+                s11 += a1 * b1
+                s12 += a1 * b2
+                s13 += a1 * b3
+            out[m, n0] = s00
+            out[m, n1] = s01
+            out[m, n2] = s02
+            out[m, n3] = s03
+            out[m + 1, n0] = s10
+            out[m + 1, n1] = s11
+            out[m + 1, n2] = s12
+            out[m + 1, n3] = s13
+        if (rows - rows4) % 2:
+            m = rows - 1
             xm = x[m]
             s0 = s1 = s2 = s3 = float32(0.0)
             for k in range(inner):
@@ -270,48 +306,16 @@ def matmul_rows_cpu(x, w, bias, out):
                 s1 += a * w1[k]
                 s2 += a * w2[k]
                 s3 += a * w3[k]
-            out[m, n] = s0
-            out[m, n + 1] = s1
-            out[m, n + 2] = s2
-            out[m, n + 3] = s3
-    _last_columns_and_bias(x, w, bias, out, cols - cols % 4)
-
-
-# Output features per work item of matmul_gemv_cpu: 64 rows of w are 128 KB at in = 512.
-# Row counts up to which matmul_gemv_cpu beats matmul_rows_cpu, streaming a step's weights from
-# memory (measured at 1 to 8 rows, 1 and 2 threads: 7 rows 13.3 vs 14.8 ms, 8 rows 19.3 vs 14.7).
-CPU_GEMV_MAX_ROWS = 7
-GEMV_CPU_BLOCK = 64
-
-
-@njit(nogil=True, cache=True, parallel=True, fastmath=_FASTMATH)
-def matmul_gemv_cpu(x, w, bias, out):
-    """``out = x @ w.T + bias`` for a few rows (batch-1 decode and small batches), bound by memory:
-    each thread reads its block of weight rows once, in memory order, one row at a time against
-    every input row (those stay in L1). One sequential stream is what the hardware prefetcher
-    keeps up with: 22 GB/s on one core where eight rows read side by side (eight streams 2 KB
-    apart) reached 12-15, and 34-37 GB/s on two cores, the host's read bandwidth, against 28."""
-    rows, inner = x.shape
-    cols = w.shape[0]
-    for block in prange((cols + GEMV_CPU_BLOCK - 1) // GEMV_CPU_BLOCK):
-        for n in range(block * GEMV_CPU_BLOCK, min(block * GEMV_CPU_BLOCK + GEMV_CPU_BLOCK, cols)):
-            wn = w[n]
-            for m in range(rows):
-                xm = x[m]
-                s = float32(0.0)
-                for k in range(inner):
-                    s += xm[k] * wn[k]
-                out[m, n] = s
-    _last_columns_and_bias(x, w, bias, out, cols)
+            out[m, n0] = s0
+            out[m, n1] = s1
+            out[m, n2] = s2
+            out[m, n3] = s3
+    _last_columns_and_bias(x, w, bias, out, 4 * q)
 
 
 def matmul_cpu(x: np.ndarray, w: np.ndarray, bias: np.ndarray, out: np.ndarray) -> None:
-    """CPU twin of both CUDA kernels, from ``w[out, in]``: :func:`matmul_gemv_cpu` up to
-    ``CPU_GEMV_MAX_ROWS`` rows, :func:`matmul_rows_cpu` up to ``CPU_ROWS_KERNEL_MAX_ROWS``, BLAS
-    sgemm (which releases the GIL) beyond."""
-    if x.shape[0] <= CPU_GEMV_MAX_ROWS:
-        matmul_gemv_cpu(x, w, bias, out)
-        return
+    """CPU twin of both CUDA kernels, from ``w[out, in]``: :func:`matmul_rows_cpu` up to
+    ``CPU_ROWS_KERNEL_MAX_ROWS`` rows, BLAS sgemm (which releases the GIL) beyond."""
     if x.shape[0] <= CPU_ROWS_KERNEL_MAX_ROWS:
         matmul_rows_cpu(x, w, bias, out)
         return
