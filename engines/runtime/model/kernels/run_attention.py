@@ -11,7 +11,7 @@ never computed; what the tile's diagonal block holds beyond a row's position is 
 The softmax between the two products is one numba pass per row (:func:`causal_exp_rows`: the
 row's max, ``exp`` vectorised by ``fast_exp``, the sum, the masked tail zeroed), where NumPy took
 five passes over the tile (2.3x faster on a 2048-token prefill). Each query head is one job
-for a :class:`~engines.runtime.model.head_pool.HeadPool`: heads run side by side, one a core,
+for a :class:`~engines.runtime.model.cpu_pool.CpuPool`: heads run side by side, one a core,
 each with single-threaded BLAS and its own scores buffer.
 
 The scalar kernel stays the plain reference: the tests diff the two on mixed steps.
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import float32, njit
 
-from engines.runtime.model.head_pool import HeadPool, scratch
+from engines.runtime.model.cpu_pool import CpuPool, scratch
 from engines.runtime.model.kernels.fast_exp import exp_f32
 
 __all__ = ["MIN_RUN", "TILE", "AttentionSplit", "causal_exp_rows", "run_attention", "split_step", "token_runs"]
@@ -101,7 +101,7 @@ def split_step(positions: np.ndarray, token_seq: np.ndarray) -> AttentionSplit:
 
 def run_attention(qkv: np.ndarray, start: int, end: int, first: int, seq: int, page_table: np.ndarray,
                   k_cache: np.ndarray, v_cache: np.ndarray, layer: int, num_q_heads: int, scale: np.float32,
-                  out: np.ndarray, pool: HeadPool | None = None) -> None:
+                  out: np.ndarray, pool: CpuPool | None = None) -> None:
     """``out[start:end]`` for rows ``start..end-1`` of ``qkv``: sequence ``seq``'s tokens at
     positions ``first ..``, whose keys and values are in the cache already (as for the scalar
     kernel: ``rope_kv_append`` ran first). The query heads run side by side on ``pool``'s

@@ -1,5 +1,6 @@
-"""HeadPool: every head once, side by side on its threads, BLAS held to one thread meanwhile and
-given back after (errors included); prefill attention through it equals attention without it."""
+"""CpuPool: every job once, side by side on its threads, BLAS held to one thread meanwhile and
+given back after (errors included); row slices that cover a range exactly; prefill attention,
+``silu_mul`` and ``rope_kv_append`` of a large step through it equal the kernels called alone."""
 from __future__ import annotations
 
 import threading
@@ -9,8 +10,10 @@ import numpy as np
 import pytest
 from threadpoolctl import ThreadpoolController
 
-from engines.runtime.model.head_pool import HeadPool, scratch
-from engines.runtime.model.kernels import run_attention
+from engines.runtime.model.backend import CpuBackend, StepInputs
+from engines.runtime.model.cpu_pool import CpuPool, scratch
+from engines.runtime.model.kernels import rope_kv, run_attention, silu_mul
+from engines.runtime.model.kernels.rope_kv import rope_tables
 from tests.runtime.model.test_kernels import HEAD_DIM, KV_HEADS, PAGE_SIZE, Q_HEADS
 
 
@@ -27,7 +30,7 @@ def two_blas_threads():
 
 
 def test_every_head_runs_once_on_two_threads_with_blas_single_threaded(two_blas_threads):
-    pool = HeadPool(threads=2)
+    pool = CpuPool(threads=2)
     assert pool.threads == 2
     seen: list[tuple[int, str, int]] = []
     lock = threading.Lock()
@@ -45,7 +48,7 @@ def test_every_head_runs_once_on_two_threads_with_blas_single_threaded(two_blas_
 
 
 def test_an_error_in_a_job_reaches_the_caller_and_blas_gets_its_threads_back(two_blas_threads):
-    pool = HeadPool(threads=2)
+    pool = CpuPool(threads=2)
     done: list[int] = []
 
     def job(head: int) -> None:
@@ -62,7 +65,7 @@ def test_an_error_in_a_job_reaches_the_caller_and_blas_gets_its_threads_back(two
 
 
 def test_one_thread_runs_the_heads_in_order_on_the_calling_thread():
-    pool = HeadPool(threads=1)
+    pool = CpuPool(threads=1)
     names: list[tuple[int, str]] = []
     pool.run(lambda head: names.append((head, threading.current_thread().name)), range(4))
     assert names == [(h, threading.current_thread().name) for h in range(4)]
@@ -90,7 +93,7 @@ def test_prefill_attention_through_the_pool_equals_attention_without_it(two_blas
     v = rng.standard_normal(shape).astype(np.float32)
     qkv = rng.standard_normal((700, (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM)).astype(np.float32)
     scale = np.float32(HEAD_DIM ** -0.5)
-    pool = HeadPool(threads=2)
+    pool = CpuPool(threads=2)
     for start, end, first, seq in [(0, 300, 400, 0), (300, 700, 0, 1)]:
         alone = np.full((700, Q_HEADS * HEAD_DIM), np.nan, np.float32)
         side_by_side = alone.copy()
@@ -99,3 +102,47 @@ def test_prefill_attention_through_the_pool_equals_attention_without_it(two_blas
                                     pool)
         assert not np.isnan(side_by_side[start:end]).any()
         np.testing.assert_allclose(side_by_side, alone, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("count", [0, 1, 2, 7, 100])
+def test_row_slices_cover_the_range_once_in_order(two_blas_threads, count):
+    pool = CpuPool(threads=2)
+    slices: list[tuple[int, int]] = []
+    pool.run_slices(lambda a, b: slices.append((a, b)), count)
+    covered = [i for a, b in sorted(slices) for i in range(a, b)]
+    assert covered == list(range(count))
+    assert len(slices) == max(1, min(2, count))
+
+
+def test_a_large_steps_elementwise_kernels_on_the_pool_equal_the_kernels_alone(two_blas_threads):
+    """100 rows (past the decode sizes that use numba's threads): silu_mul and rope_kv_append
+    through the backend, its pool at two threads, against one call of each kernel."""
+    rng = np.random.default_rng(5)
+    rows, width = 100, 24
+    cpu = CpuBackend()
+    cpu.cpu_pool = CpuPool(threads=2)
+
+    gate_up = rng.standard_normal((rows, 2 * width)).astype(np.float32)
+    got, want = np.full((rows, width), np.nan, np.float32), np.empty((rows, width), np.float32)
+    cpu.silu_mul(gate_up, got)
+    silu_mul.silu_mul_serial_cpu(gate_up, want)
+    np.testing.assert_array_equal(got, want)
+
+    # Two sequences (60 and 40 new tokens after some cached), the slice boundary inside the first.
+    positions = np.concatenate([np.arange(5, 65), np.arange(0, 40)]).astype(np.int32)
+    token_seq = np.repeat(np.array([0, 1], np.int32), [60, 40])
+    page_table = rng.permutation(2 * 17).astype(np.int32).reshape(2, 17)
+    picked = np.arange(rows, dtype=np.int32)
+    step = StepInputs(token_ids=picked, positions=positions, token_seq=token_seq, page_table=page_table,
+                      rows=picked, logit_rows=picked)
+    cos, sin = rope_tables(HEAD_DIM, 10000.0, 128)
+    qkv = rng.standard_normal((rows, (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM)).astype(np.float32)
+    cache_shape = (2, 34, KV_HEADS, PAGE_SIZE, HEAD_DIM)
+    k, v = np.zeros(cache_shape, np.float32), np.zeros(cache_shape, np.float32)
+    qkv_alone, k_alone, v_alone = qkv.copy(), k.copy(), v.copy()
+    cpu.rope_kv_append(qkv, step, cos, sin, k, v, 1, Q_HEADS)
+    rope_kv.rope_kv_append_cpu(qkv_alone, positions, token_seq, page_table, cos, sin, k_alone, v_alone, 1, Q_HEADS)
+    np.testing.assert_array_equal(qkv, qkv_alone)
+    np.testing.assert_array_equal(k, k_alone)
+    np.testing.assert_array_equal(v, v_alone)
+    assert np.count_nonzero(k[1]) > 0
