@@ -14,7 +14,7 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, njit, prange
 
-from engines.runtime.model.kernels.fast_exp import exp_f32
+from engines.runtime.model.kernels.fast_exp import softmax_numerators
 from engines.runtime.model.kernels.variants import renamed
 
 ATTN_MAX_THREADS = 128   # largest blockDim.x: keys scored per chunk
@@ -181,17 +181,9 @@ def _paged_attention(qkv, positions, token_seq, page_table, k_cache, v_cache, la
                             dot += qi[d] * key[d]
                         scores[h * group + g, first + s] = dot
         inverse = np.empty(q_heads, np.float32)
+        lanes = np.empty(16, np.float32)
         for i in range(q_heads):
-            row = scores[i]
-            m = row[0]
-            for j in range(1, num_keys):
-                m = max(m, row[j])
-            total = float32(0.0)
-            for j in range(num_keys):
-                e = exp_f32(row[j] - m)
-                row[j] = e
-                total += e
-            inverse[i] = float32(1.0) / total
+            inverse[i] = float32(1.0) / softmax_numerators(scores[i], num_keys, lanes)
         acc = np.zeros((q_heads, head_dim), np.float32)
         for p in range(num_pages):
             page = v_cache[layer, page_table[seq, p]]
@@ -217,7 +209,7 @@ paged_attention_cpu = njit(nogil=True, cache=True, parallel=True, fastmath=_FAST
     renamed(_paged_attention, "paged_attention_cpu"))
 paged_attention_cpu.__doc__ = """CPU twin of :func:`paged_attention_cuda`: (token, kv-head slice) items spread
 over numba's threads (the last argument, ``splits``, from :func:`head_splits`). For decode steps
-of more than one token, and the short chunks of mixed steps."""
+and the short chunks of mixed steps."""
 paged_attention_serial_cpu = njit(nogil=True, cache=True, fastmath=_FASTMATH, error_model="numpy")(
     renamed(_paged_attention, "paged_attention_serial_cpu"))
 paged_attention_serial_cpu.__doc__ = """Single-threaded :func:`paged_attention_cpu`, for small steps (batch-1

@@ -24,7 +24,7 @@ import numpy as np
 from numba import float32, njit
 
 from engines.runtime.model.cpu_pool import CpuPool, scratch
-from engines.runtime.model.kernels.fast_exp import exp_f32
+from engines.runtime.model.kernels.fast_exp import softmax_numerators
 
 __all__ = ["MIN_RUN", "TILE", "AttentionSplit", "causal_exp_rows", "run_attention", "split_step", "token_runs"]
 
@@ -40,30 +40,13 @@ def causal_exp_rows(scores: np.ndarray, first_row_keys: int, sums: np.ndarray) -
     ``first_row_keys + i`` keys (capped at the tile's width), which become ``exp(s - row max)``;
     the keys past them become 0. ``sums[i]`` gets the row's sum, the softmax's denominator."""
     rows, keys = scores.shape
-    # The max in 16 lanes: LLVM vectorises a max reduction only when told there is no NaN,
-    # and a NaN score must stay NaN; lane-wise maxima are plain element-wise work.
     lanes = np.empty(16, np.float32)
     for i in range(rows):
         row = scores[i]
         seen = min(first_row_keys + i, keys)
-        lanes[:] = row[0]
-        whole = seen - seen % 16
-        for j in range(0, whole, 16):
-            for lane in range(16):
-                lanes[lane] = max(lanes[lane], row[j + lane])
-        top = row[0]
-        for lane in range(16):
-            top = max(top, lanes[lane])
-        for j in range(whole, seen):
-            top = max(top, row[j])
-        total = float32(0.0)
-        for j in range(seen):
-            e = exp_f32(row[j] - top)
-            row[j] = e
-            total += e
+        sums[i] = softmax_numerators(row, seen, lanes)
         for j in range(seen, keys):
             row[j] = float32(0.0)
-        sums[i] = total
 
 
 def token_runs(positions: np.ndarray, token_seq: np.ndarray) -> list[tuple[int, int]]:
