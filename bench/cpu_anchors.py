@@ -2,15 +2,17 @@
 
 One random Llama checkpoint (by default issue 15's: hidden 512, 8 layers, 8 heads and 8 KV heads,
 vocab 8192, fp32, untied head: 34M parameters), made here and converted for CTranslate2 at fp32.
-For each thread count (a child process each: thread counts are fixed before numpy loads), each
-batch size and each generation length, the three take turns generating greedily from the same
-random prompts (EOS ignored; whole generations timed, prefill included), and the table gives the
-medians of ``--rounds`` rounds. Prefill alone (batch 1, long prompts) is timed the same way. This
-machine's memory bandwidth is measured in the same run, and batch 1's bytes per token against it.
+For each thread count, each engine runs in a process of its own (as a user runs it; thread
+counts are fixed before numpy loads), and for each batch size and generation length the three
+take turns generating greedily from the same random prompts (EOS ignored; whole generations
+timed, prefill included), and the table gives the medians of ``--rounds`` rounds. Prefill alone
+(batch 1, long prompts) is timed the same way. This machine's memory bandwidth is measured in
+the same run, and batch 1's bytes per token against it.
 
     .venv/bin/python bench/cpu_anchors.py                          # the full table (long)
     .venv/bin/python bench/cpu_anchors.py --threads 2 --batches 1 8 32 --new-tokens 128 --rounds 3
     .venv/bin/python bench/cpu_anchors.py --threads 2 --batches 1 8 32 --new-tokens 128 --prefill --engine
+    .venv/bin/python bench/cpu_anchors.py --threads 1 2 --batches 1 8 --new-tokens 128 --prefill --per-kernel
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 REPO = Path(__file__).resolve().parents[1]
 # The repository root, not bench/, first on the path: bench/kernels.py would shadow the
@@ -46,7 +48,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cache", type=Path, default=REPO / "var" / "bench-cpu-anchors")
     parser.add_argument("--engine", action="store_true",
                         help="also time our whole engine (scheduler, sampler, detokenizer) on the same cells")
-    parser.add_argument("--child", type=int, help=argparse.SUPPRESS)  # run one thread count, print JSON rows
+    parser.add_argument("--per-kernel", action="store_true",
+                        help="also time our model launching kernel by kernel (no compiled CPU step)")
+    parser.add_argument("--worker", choices=["ours", "ctranslate2", "transformers"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker-threads", type=int, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 
@@ -79,69 +84,154 @@ def make_checkpoint(args: argparse.Namespace) -> tuple[Path, Path]:
     return hf, ct2
 
 
-def child(args: argparse.Namespace) -> None:
-    """One thread count: every cell, the three engines alternated; JSON rows on stdout."""
-    threads = args.child
+class Worker:
+    """One engine in a process of its own (``--worker NAME``), as a user would run it: numba's,
+    torch's and CTranslate2's thread pools never share a process (in one, the compiled CPU step
+    ran 0.74x of its own speed on two threads, measured). Only one worker computes at a time;
+    the others wait on their pipes."""
+
+    def __init__(self, args: argparse.Namespace, name: str, threads: int) -> None:
+        command = [sys.executable, __file__, "--worker", name, "--worker-threads", str(threads), *forwarded(args)]
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO,
+                                        env={**os.environ, "PYTHONPATH": str(REPO)})
+        self.variants: list[str] = self._read()["variants"]
+
+    def _read(self) -> dict:
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline()
+        if not line:
+            raise SystemExit(f"a worker ({self.process.args[3]}) stopped: exit {self.process.wait()}")
+        return json.loads(line)
+
+    def ask(self, **command: Any) -> dict:
+        """Send one command (a JSON line) and wait for its answer."""
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps(command) + "\n")
+        self.process.stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.close()
+        self.process.wait()
+
+
+def worker(args: argparse.Namespace) -> None:
+    """``--worker NAME``: load one engine at ``--worker-threads`` threads, then answer commands
+    from stdin: ``{"variant", "prompts", "new"}`` -> ``{"seconds"}`` (one generation, timed),
+    ``{"bandwidth": true}`` -> ``{"gbs"}``."""
+    threads = args.worker_threads
     from bench.cpu_threads import use_threads
 
     use_threads(threads)
-    import ctranslate2
     import numpy as np
-    import torch
-    from transformers import AutoModelForCausalLM
 
-    from bench.decode import OurDecoder
-    from engines.runtime import LlamaModel, load_checkpoint, measure_host_bandwidth
-
-    torch.set_num_threads(threads)
     hf, ct2_path = make_checkpoint(args)
-    ours_model = LlamaModel.from_checkpoint(load_checkpoint(hf), backend="cpu")
-    torch_model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
-    generator = ctranslate2.Generator(str(ct2_path), device="cpu", inter_threads=1, intra_threads=threads)
-    rng = np.random.default_rng(0)
+    runs: dict[str, Callable[[Any, int], None]] = {}
+    if args.worker == "ours":
+        from bench.decode import OurDecoder
+        from engines.runtime import LlamaModel, load_checkpoint
 
-    def ours(prompts: np.ndarray, new: int) -> None:
-        decoder = OurDecoder(ours_model, prompts, prompts.shape[1] + new + 1)
-        for _ in range(new - 1):
-            decoder.step()
+        model = LlamaModel.from_checkpoint(load_checkpoint(hf), backend="cpu")
+        compiled_step = model.cpu_step
 
-    def theirs_torch(prompts: np.ndarray, new: int) -> None:
-        with torch.inference_mode():
-            torch_model.generate(torch.from_numpy(prompts.astype(np.int64)), max_new_tokens=new, min_new_tokens=new,
-                                 do_sample=False, pad_token_id=0)
+        def ours(prompts: np.ndarray, new: int) -> None:
+            decoder = OurDecoder(model, prompts, prompts.shape[1] + new + 1)
+            for _ in range(new - 1):
+                decoder.step()
 
-    def theirs_ct2(prompts: np.ndarray, new: int) -> None:
-        tokens = [[f"w{t}" for t in row] for row in prompts]
-        generator.generate_batch(tokens, max_length=new, min_length=new, sampling_topk=1,
-                                 include_prompt_in_result=False, max_batch_size=prompts.shape[0])
+        def ours_per_kernel(prompts: np.ndarray, new: int) -> None:
+            model.cpu_step = None
+            try:
+                ours(prompts, new)
+            finally:
+                model.cpu_step = compiled_step
 
-    engines = {"ours": ours, "ctranslate2": theirs_ct2, "transformers": theirs_torch}
-    if args.engine:
-        engines["engine"] = whole_engine(args, ours_model, load_checkpoint(hf))
+        runs["ours"] = ours
+        if args.engine:
+            runs["engine"] = whole_engine(args, model, load_checkpoint(hf))
+        if args.per_kernel:
+            runs["per-kernel"] = ours_per_kernel
+    elif args.worker == "ctranslate2":
+        import ctranslate2
 
-    def cell(kind: str, batch: int, prompt_len: int, new: int) -> dict:
-        prompts = rng.integers(3, args.vocab, (batch, prompt_len))
-        times: dict[str, list[float]] = {name: [] for name in engines}
-        for name, run in engines.items():
-            run(prompts[:, :8], 2)  # warm: first calls compile, allocate, fill caches
-        for round_ in range(args.rounds):
-            names = list(engines)
-            for name in names[round_ % len(names):] + names[:round_ % len(names)]:
-                began = time.perf_counter()
-                engines[name](prompts, new)
-                times[name].append(time.perf_counter() - began)
-        row = {"kind": kind, "threads": threads, "batch": batch, "prompt": prompt_len, "new": new}
-        for name, values in times.items():
-            seconds = statistics.median(values)
-            row[name] = batch * (new if kind == "decode" else prompt_len) / seconds
-        return row
+        generator = ctranslate2.Generator(str(ct2_path), device="cpu", inter_threads=1, intra_threads=threads)
 
-    print(json.dumps({"kind": "bandwidth", "threads": threads, "gbs": measure_host_bandwidth()}), flush=True)
-    for new in args.new_tokens:
-        for batch in args.batches:
-            print(json.dumps(cell("decode", batch, args.prompt_len, new)), flush=True)
-    for prompt_len in args.prefill:
-        print(json.dumps(cell("prefill", 1, prompt_len, 1)), flush=True)
+        def theirs_ct2(prompts: np.ndarray, new: int) -> None:
+            tokens = [[f"w{t}" for t in row] for row in prompts]
+            generator.generate_batch(tokens, max_length=new, min_length=new, sampling_topk=1,
+                                     include_prompt_in_result=False, max_batch_size=prompts.shape[0])
+        runs["ctranslate2"] = theirs_ct2
+    else:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(threads)
+        torch_model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+
+        def theirs_torch(prompts: np.ndarray, new: int) -> None:
+            with torch.inference_mode():
+                torch_model.generate(torch.from_numpy(prompts.astype(np.int64)), max_new_tokens=new,
+                                     min_new_tokens=new, do_sample=False, pad_token_id=0)
+        runs["transformers"] = theirs_torch
+
+    print(json.dumps({"variants": list(runs)}), flush=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command.get("bandwidth"):
+            from engines.runtime import measure_host_bandwidth
+
+            print(json.dumps({"gbs": measure_host_bandwidth()}), flush=True)
+            continue
+        prompts = np.asarray(command["prompts"], dtype=np.int64)
+        began = time.perf_counter()
+        runs[command["variant"]](prompts, command["new"])
+        print(json.dumps({"seconds": time.perf_counter() - began}), flush=True)
+
+
+def measure(args: argparse.Namespace, threads: int) -> Iterator[dict]:
+    """One thread count: every cell, the engines alternated, each in its own worker process;
+    rows as dicts (the first: the host's bandwidth)."""
+    import numpy as np
+
+    workers = [Worker(args, name, threads) for name in ("ours", "ctranslate2", "transformers")]
+    try:
+        engines = {variant: w for w in workers for variant in w.variants}
+        rng = np.random.default_rng(0)
+        yield {"kind": "bandwidth", "threads": threads, "gbs": workers[0].ask(bandwidth=True)["gbs"]}
+
+        def cell(kind: str, batch: int, prompt_len: int, new: int) -> dict:
+            prompts = rng.integers(3, args.vocab, (batch, prompt_len))
+            times: dict[str, list[float]] = {name: [] for name in engines}
+            warm = prompts if kind == "prefill" else prompts[:, :8]  # a long prompt takes paths a short one does not
+            for name, w in engines.items():  # warm: first calls compile, allocate, fill caches
+                w.ask(variant=name, prompts=warm.tolist(), new=2)
+            for round_ in range(args.rounds):
+                names = list(engines)
+                for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+                    times[name].append(engines[name].ask(variant=name, prompts=prompts.tolist(), new=new)["seconds"])
+            row = {"kind": kind, "threads": threads, "batch": batch, "prompt": prompt_len, "new": new}
+            for name, values in times.items():
+                row[name] = batch * (new if kind == "decode" else prompt_len) / statistics.median(values)
+            return row
+
+        for new in args.new_tokens:
+            for batch in args.batches:
+                yield cell("decode", batch, args.prompt_len, new)
+        for prompt_len in args.prefill:
+            yield cell("prefill", 1, prompt_len, 1)
+    finally:
+        for w in workers:
+            w.close()
+
+
+def forwarded(args: argparse.Namespace) -> list[str]:
+    """The options a worker needs (its checkpoint, its variants)."""
+    return ["--cache", str(args.cache), "--hidden", str(args.hidden), "--layers", str(args.layers),
+            "--heads", str(args.heads), "--kv-heads", str(args.kv_heads), "--vocab", str(args.vocab),
+            "--prompt-len", str(args.prompt_len), "--batches", *map(str, args.batches),
+            "--new-tokens", *map(str, args.new_tokens), "--prefill", *map(str, args.prefill),
+            *(["--engine"] if args.engine else []), *(["--per-kernel"] if args.per_kernel else [])]
 
 
 def whole_engine(args: argparse.Namespace, model: Any, checkpoint: Any) -> Callable[[Any, int], None]:
@@ -176,26 +266,14 @@ def weight_bytes(args: argparse.Namespace) -> int:
 
 def main() -> None:
     args = parse_args()
-    if args.child is not None:
-        child(args)
+    if args.worker is not None:
+        worker(args)
         return
     make_checkpoint(args)
     print(f"checkpoint: hidden {args.hidden}, {args.layers} layers, {args.heads} heads / {args.kv_heads} KV heads, "
           f"vocab {args.vocab}, fp32; prompt {args.prompt_len}; medians of {args.rounds} alternated rounds")
-    rows = []
     for threads in args.threads:
-        command = [sys.executable, __file__, "--child", str(threads), "--rounds", str(args.rounds),
-                   "--prompt-len", str(args.prompt_len), "--cache", str(args.cache),
-                   "--hidden", str(args.hidden), "--layers", str(args.layers), "--heads", str(args.heads),
-                   "--kv-heads", str(args.kv_heads), "--vocab", str(args.vocab),
-                   "--batches", *map(str, args.batches), "--new-tokens", *map(str, args.new_tokens),
-                   "--prefill", *map(str, args.prefill), *(["--engine"] if args.engine else [])]
-        child_process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=REPO,
-                                         env={**os.environ, "PYTHONPATH": str(REPO)})
-        assert child_process.stdout is not None
-        for line in child_process.stdout:
-            row = json.loads(line)
-            rows.append(row)
+        for row in measure(args, threads):
             if row["kind"] == "bandwidth":
                 print(f"\n{threads} thread(s): host memory bandwidth {row['gbs']:.1f} GB/s")
                 print(f"{'':9}{'batch':>6}{'prompt':>7}{'new':>5}{'ours':>10}{'CT2':>10}{'HF':>10}"
@@ -210,9 +288,9 @@ def main() -> None:
                      f"{100 * row['ours'] * weight_bytes(args) / 1e9 / bandwidth:.0f}% of the host's)"
                      if row["kind"] == "decode" and row["batch"] == 1 else "")
                   + (f"  engine {row['engine']:.0f} = {row['engine'] / row['ours']:.2f} of ours" if "engine" in row
-                     else ""), flush=True)
-        if child_process.wait() != 0:
-            raise SystemExit(f"the {threads}-thread run failed")
+                     else "")
+                  + (f"  kernel by kernel {row['per-kernel']:.0f}: ours {row['ours'] / row['per-kernel']:.2f}x"
+                     if "per-kernel" in row else ""), flush=True)
 
 
 if __name__ == "__main__":

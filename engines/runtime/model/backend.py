@@ -2,7 +2,7 @@
 :class:`CudaBackend` (numba.cuda kernels, weights and KV cache resident on the GPU).
 
 Both have the same methods, and the model calls nothing else: array allocation
-(``to_storage``, ``store_linear``, ``empty``), the per-step upload of the batch metadata
+(``to_storage``, ``store_linear``, ``store_layers``, ``empty``), the per-step upload of the batch metadata
 (``upload_step``), the ops (``embedding``, ``add_rmsnorm``, ``matmul``, ``rope_kv_append``,
 ``attention``, ``silu_mul``, ``argmax``), running a step's ops (``run_step``: replayed from
 a CUDA graph on a GPU) and the copy of results back to the host (``to_host``).
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Union
+from typing import Any, Callable, Sequence, Union
 
 import numba
 import numpy as np
@@ -158,6 +158,18 @@ class CpuBackend:
         """A linear layer's ``[out, in]`` weight, kept in that layout (what ``matmul`` reads)."""
         return self.to_storage(weight, dtype)
 
+    def store_layers(self, make: Callable[[int], np.ndarray], count: int, dtype: str, linear: bool) -> np.ndarray:
+        """One weight of every layer (``make(i)`` for layer ``i``) in a single ``[count, ...]``
+        array, whose ``[i]`` is layer ``i``'s (a C-contiguous view): what a whole compiled step
+        (``cpu_step``) indexes by layer. Filled layer by layer, so loading never holds the
+        weight twice. ``linear`` weights keep their ``[out, in]`` layout, as in :meth:`store_linear`."""
+        first = self.to_storage(make(0), dtype)
+        stacked = np.empty((count, *first.shape), dtype=first.dtype)
+        stacked[0] = first
+        for i in range(1, count):
+            stacked[i] = make(i)
+        return stacked
+
     def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
         """An uninitialised C-contiguous array."""
         return np.empty(shape, dtype=dtype)
@@ -225,12 +237,20 @@ class CpuBackend:
                                    v_cache, layer, num_q_heads, scale, rest_out, threaded)
             out[rest] = rest_out
 
+    def attention_splits(self, positions: np.ndarray, num_q_heads: int, k_cache: np.ndarray, threaded: bool) -> int:
+        """How the scalar attention kernel splits each token's kv heads over numba's threads
+        (``attention.head_splits``), or 0: run it single-threaded (a step too small to wake the
+        threads for, or one whose matmuls are BLAS's)."""
+        work = (int(positions.sum()) + positions.shape[0]) * num_q_heads * k_cache.shape[4] * 2
+        if not threaded or work < self.parallel_attention_min_work:
+            return 0
+        return attention.head_splits(positions.shape[0], k_cache.shape[2], numba.get_num_threads())
+
     def _scalar_attention(self, qkv: np.ndarray, positions: np.ndarray, token_seq: np.ndarray,
                           page_table: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, layer: int,
                           num_q_heads: int, scale: np.float32, out: np.ndarray, threaded: bool) -> None:
-        work = (int(positions.sum()) + qkv.shape[0]) * num_q_heads * k_cache.shape[4] * 2
-        if threaded and work >= self.parallel_attention_min_work:
-            splits = attention.head_splits(qkv.shape[0], k_cache.shape[2], numba.get_num_threads())
+        splits = self.attention_splits(positions, num_q_heads, k_cache, threaded)
+        if splits:
             attention.paged_attention_cpu(qkv, positions, token_seq, page_table, k_cache, v_cache, layer,
                                           num_q_heads, scale, out, splits)
         else:
@@ -401,6 +421,13 @@ class CudaBackend:
         """A linear layer's ``[out, in]`` weight, transposed to ``[in, out]`` for coalesced
         loads, on the device."""
         return self.to_storage(weight.T, dtype)
+
+    def store_layers(self, make: Callable[[int], np.ndarray], count: int, dtype: str, linear: bool) -> Sequence[Array]:
+        """One weight of every layer (``make(i)`` for layer ``i``), a device array each (linear
+        ones transposed as by :meth:`store_linear`): graphs replay per-layer launches, and one
+        array per layer keeps the host's staging copy to a layer."""
+        store = self.store_linear if linear else self.to_storage
+        return [store(make(i), dtype) for i in range(count)]
 
     def empty(self, shape: tuple[int, ...], dtype: Any) -> Array:
         """An uninitialised C-contiguous device array."""

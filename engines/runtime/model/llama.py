@@ -18,11 +18,12 @@ once per sublayer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import numpy as np
 
-from engines.runtime.model.backend import Activations, Array, Backend, StepInputs, Workspace, select_backend
+from engines.runtime.model.backend import Activations, Array, Backend, CpuBackend, StepInputs, Workspace, select_backend
+from engines.runtime.model.cpu_step import CpuDecodeStep
 from engines.runtime.model.checkpoint import expected_tensor_shapes
 from engines.runtime.model.config import CheckpointError, ModelConfig
 from engines.runtime.model.kernels.rope_kv import rope_tables
@@ -43,6 +44,21 @@ class ForwardBatch:
     cached_lens: np.ndarray   # int32 [num_seqs]: tokens already in the KV cache (= position of its first new token)
     page_table: np.ndarray    # int32 [num_seqs, max_pages]: the sequence's page ids in order, -1 padded
     all_logits: bool = False  # return logits of every new token, not only each sequence's last
+
+
+@dataclass(frozen=True)
+class LayerWeights:
+    """Every decoder layer's weights, a sequence per kind indexed by layer (``backend.store_layers``):
+    one ``[layers, ...]`` array each on the CPU, which the compiled CPU step (``cpu_step``) reads
+    whole; a device array per layer on CUDA. q/k/v and gate/up are concatenated along ``out``."""
+
+    input_norm: Sequence[Array]
+    qkv_w: Sequence[Array]
+    qkv_bias: Sequence[Array]  # empty rows when the checkpoint has no attention bias
+    o_w: Sequence[Array]
+    post_attention_norm: Sequence[Array]
+    gate_up_w: Sequence[Array]
+    down_w: Sequence[Array]
 
 
 class Attention:
@@ -125,46 +141,49 @@ class LlamaModel:
         def store(array: np.ndarray) -> Array:
             return be.to_storage(array, dtype)
 
-        def linear(*parts: np.ndarray) -> Array:
-            # HF's [out, in] matrices, concatenated along out: q/k/v and gate/up become one
-            # matmul each.
-            return be.store_linear(np.concatenate(parts, axis=0), dtype)
-
         def norm(name: str) -> Array:
-            return be.to_storage(weights[name], "float32")  # tiny: kept float32 whatever the dtype
+            return be.to_storage(weights[name], "float32")  # tiny: kept float32 whatever the dtype (layers' too)
 
         no_bias = store(np.zeros(0, np.float32))
         cos, sin = rope_tables(c.head_dim, c.rope_theta, c.max_position_embeddings)
         rope = (be.to_storage(cos, "float32"), be.to_storage(sin, "float32"))
         self.eps = np.float32(c.rms_norm_eps)
         self.embed_tokens = store(weights["model.embed_tokens.weight"])
+
+        def layers(make: Callable[[int], np.ndarray], linear: bool = False, kind: str = dtype) -> Sequence[Array]:
+            return be.store_layers(make, c.num_hidden_layers, kind, linear)
+
+        def tensor(i: int, name: str) -> np.ndarray:
+            return weights[f"model.layers.{i}.{name}"]
+
+        def fused(i: int, names: list[str]) -> np.ndarray:
+            # HF's [out, in] matrices (or biases), concatenated along out: one matmul for q/k/v, one for gate/up.
+            return np.concatenate([tensor(i, name) for name in names], axis=0)
+
+        qkv = [f"self_attn.{n}_proj" for n in "qkv"]
+        self.layer_weights = LayerWeights(
+            input_norm=layers(lambda i: tensor(i, "input_layernorm.weight"), kind="float32"),
+            qkv_w=layers(lambda i: fused(i, [f"{n}.weight" for n in qkv]), linear=True),
+            qkv_bias=layers((lambda i: fused(i, [f"{n}.bias" for n in qkv])) if c.attention_bias
+                            else (lambda i: np.zeros(0, np.float32))),
+            o_w=layers(lambda i: tensor(i, "self_attn.o_proj.weight"), linear=True),
+            post_attention_norm=layers(lambda i: tensor(i, "post_attention_layernorm.weight"), kind="float32"),
+            gate_up_w=layers(lambda i: fused(i, ["mlp.gate_proj.weight", "mlp.up_proj.weight"]), linear=True),
+            down_w=layers(lambda i: tensor(i, "mlp.down_proj.weight"), linear=True),
+        )
+        w = self.layer_weights
         self.layers: list[DecoderLayer] = []
         for i in range(c.num_hidden_layers):
-            p = f"model.layers.{i}."
-            attn = p + "self_attn."
-            qkv_bias = (store(np.concatenate([weights[attn + f"{n}_proj.bias"] for n in "qkv"]))
-                        if c.attention_bias else no_bias)
-            attention = Attention(
-                be, c, i,
-                qkv_w=linear(*(weights[attn + f"{n}_proj.weight"] for n in "qkv")),
-                qkv_bias=qkv_bias,
-                o_w=linear(weights[attn + "o_proj.weight"]),
-                no_bias=no_bias,
-                rope=rope,
-            )
-            mlp = MLP(
-                be,
-                gate_up_w=linear(weights[p + "mlp.gate_proj.weight"], weights[p + "mlp.up_proj.weight"]),
-                down_w=linear(weights[p + "mlp.down_proj.weight"]),
-                no_bias=no_bias,
-            )
-            self.layers.append(DecoderLayer(be, self.eps, norm(p + "input_layernorm.weight"), attention,
-                                             norm(p + "post_attention_layernorm.weight"), mlp))
+            attention = Attention(be, c, i, qkv_w=w.qkv_w[i], qkv_bias=w.qkv_bias[i], o_w=w.o_w[i],
+                                  no_bias=no_bias, rope=rope)
+            mlp_block = MLP(be, gate_up_w=w.gate_up_w[i], down_w=w.down_w[i], no_bias=no_bias)
+            self.layers.append(DecoderLayer(be, self.eps, w.input_norm[i], attention, w.post_attention_norm[i],
+                                            mlp_block))
         self.norm = norm("model.norm.weight")
         head = weights.get("lm_head.weight")
         if head is None or c.tie_word_embeddings:
             head = weights["model.embed_tokens.weight"]
-        self.lm_head_w = linear(head)
+        self.lm_head_w = be.store_linear(head, dtype)
         self.no_bias = no_bias
         q_dim = c.num_attention_heads * c.head_dim
         self.workspace = Workspace(be, {
@@ -174,6 +193,9 @@ class LlamaModel:
             "final": c.hidden_size, "logits": c.vocab_size,
         })
         self._identity_rows = np.arange(0, dtype=np.int32)
+        # Small steps on the CPU run as one compiled function (the model's own backend only: a
+        # profiler's timed one launches kernel by kernel).
+        self.cpu_step = CpuDecodeStep(self, be) if isinstance(be, CpuBackend) else None
         # Distinct objects that tell a greedy step's graph from a logits step's.
         self._greedy_marker, self._logits_marker = object(), object()
 
@@ -211,7 +233,10 @@ class LlamaModel:
         act = self.workspace.activations(step.token_ids.shape[0], step.logit_rows.shape[0])
         # The same buffers (hence the same CUDA graph) serve every step of the same shape.
         buffers = (step, act, kv, self._greedy_marker if greedy else self._logits_marker)
-        be.run_step(buffers, step.token_ids.shape[0], lambda: self._launch(step, act, kv, greedy))
+        if self.cpu_step is not None and be is self.cpu_step.backend and self.cpu_step.covers(step):
+            self.cpu_step.run(step, act, kv, greedy)
+        else:
+            be.run_step(buffers, step.token_ids.shape[0], lambda: self._launch(step, act, kv, greedy))
         return act
 
     def _launch(self, step: StepInputs, act: Activations, kv: PagedKVCache, greedy: bool) -> None:

@@ -1,0 +1,126 @@
+"""A CPU decode step as one compiled function: what the CUDA graph is to the GPU backend.
+
+The per-kernel path (``LlamaModel._launch``) calls nine kernels a layer from Python, each through
+numba's dispatcher, which unboxes and type-checks every array argument: 0.7 us a call with warm
+caches, about 9 us once the step's weights have streamed through them, ~75 calls a step, plus
+the backend's Python around each. :func:`decode_step_cpu` makes the same calls from compiled
+code, where a call is a native call, and Python pays one dispatch a step (batch 1: 7.5 -> 7.0 ms
+a step on one thread, 5.8 -> 5.0 on two; bench/cpu_anchors.py).
+
+It runs the backend's own kernels, in the same order, on the same buffers, with the same
+attention split; LLVM optimises them again inside the step and may sum a reassociated reduction
+in another order, so results match the per-kernel path's to float32 rounding, not bit for bit
+(tests/runtime/model/test_cpu_step.py diffs the two). It covers the steps whose every op is one
+of those numba kernels: at most ``matmul.CPU_ROWS_KERNEL_MAX_ROWS`` new tokens (so no BLAS
+matmul and no BLAS attention run). The profiler's timed backend replaces the model's own, and the
+model then launches kernel by kernel, as the CUDA backend launches without its graph while
+profiling.
+
+numba's on-disk cache keys a compiled function by its own bytecode, not by its callees': a
+kernel edited since the step was cached would still run in its old form. The step is therefore
+made by a closure over a digest of the kernel modules' sources, whose contents numba's key
+includes: an edit to any of them compiles the step anew.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+import numba
+from numba import njit
+
+from engines.runtime.model.backend import Activations, CpuBackend, StepInputs
+from engines.runtime.model.kernels import add_rmsnorm, argmax, attention, embedding, fast_exp, matmul, rope_kv, silu_mul
+from engines.runtime.model.kv_storage import PagedKVCache
+
+if TYPE_CHECKING:
+    from engines.runtime.model.llama import LlamaModel
+
+__all__ = ["CpuDecodeStep", "decode_step_cpu", "kernel_sources_digest"]
+
+#: The modules whose compiled code :func:`decode_step_cpu` holds (callees and theirs).
+STEP_KERNEL_MODULES = (embedding, add_rmsnorm, matmul, rope_kv, attention, fast_exp, silu_mul, argmax)
+
+
+def kernel_sources_digest(modules: tuple = STEP_KERNEL_MODULES) -> str:
+    """A SHA-256 of the source files of ``modules``: part of :func:`decode_step_cpu`'s cache key."""
+    digest = hashlib.sha256()
+    for module in modules:
+        digest.update(Path(module.__file__).read_bytes())
+    return digest.hexdigest()
+
+
+def _make_decode_step(kernels_digest: str) -> Callable[..., None]:
+    """The compiled step, its cache entry keyed by ``kernels_digest`` (see the module's docstring)."""
+
+    @njit(nogil=True, cache=True)
+    def decode_step_cpu(token_ids, positions, token_seq, page_table, rows, logit_rows,  # step
+                        embed, input_norm, qkv_w, qkv_bias, o_w, post_norm, gate_up_w, down_w,  # weights
+                        final_norm, lm_head_w, no_bias, cos, sin, eps, num_q_heads, scale,
+                        k_cache, v_cache, attention_splits, greedy,  # KV cache, attention's split
+                        hidden, no_residual, normed, qkv, attn, delta, gate_up, act, final, logits, next_ids):
+        """``LlamaModel._launch`` for one step, kernel for kernel; ``attention_splits`` 0 runs
+        attention single-threaded (``CpuBackend.attention_splits``)."""
+        kernels_digest  # noqa: B018 - referenced so that it is in the closure, hence in the cache key
+        embedding.embedding_gather_cpu(token_ids, embed, hidden)
+        for layer in range(qkv_w.shape[0]):
+            residual = no_residual if layer == 0 else delta
+            add_rmsnorm.add_rmsnorm_cpu(hidden, residual, rows, input_norm[layer], eps, normed)
+            matmul.matmul_rows_cpu(normed, qkv_w[layer], qkv_bias[layer], qkv)
+            rope_kv.rope_kv_append_cpu(qkv, positions, token_seq, page_table, cos, sin, k_cache, v_cache, layer,
+                                       num_q_heads)
+            if attention_splits > 0:
+                attention.paged_attention_cpu(qkv, positions, token_seq, page_table, k_cache, v_cache, layer,
+                                              num_q_heads, scale, attn, attention_splits)
+            else:
+                attention.paged_attention_serial_cpu(qkv, positions, token_seq, page_table, k_cache, v_cache, layer,
+                                                     num_q_heads, scale, attn, 1)
+            matmul.matmul_rows_cpu(attn, o_w[layer], no_bias, delta)
+            add_rmsnorm.add_rmsnorm_cpu(hidden, delta, rows, post_norm[layer], eps, normed)
+            matmul.matmul_rows_cpu(normed, gate_up_w[layer], no_bias, gate_up)
+            silu_mul.silu_mul_cpu(gate_up, act)
+            matmul.matmul_rows_cpu(act, down_w[layer], no_bias, delta)
+        add_rmsnorm.add_rmsnorm_cpu(hidden, delta, logit_rows, final_norm, eps, final)
+        matmul.matmul_rows_cpu(final, lm_head_w, no_bias, logits)
+        if greedy:
+            argmax.argmax_cpu(logits, next_ids)
+
+    return decode_step_cpu
+
+
+decode_step_cpu = _make_decode_step(kernel_sources_digest())
+
+
+class CpuDecodeStep:
+    """A model's small steps on the CPU backend as one call of :func:`decode_step_cpu`."""
+
+    def __init__(self, model: "LlamaModel", backend: CpuBackend) -> None:
+        self.backend = backend
+        self.model = model
+        first = model.layers[0].attention
+        self.num_q_heads, self.scale = first.num_q_heads, first.scale
+        self.cos, self.sin = first.cos, first.sin
+        # Starts numba's thread pool, which registers the symbol its parallel kernels call to
+        # launch; a step loaded from the cache before any parallel kernel ran from Python would
+        # call an unresolved address (a segfault, seen).
+        numba.get_num_threads()
+
+    def covers(self, step: StepInputs) -> bool:
+        """Whether every op of ``step`` is a numba kernel (no BLAS matmul, no BLAS attention run)."""
+        split = step.attention_split
+        return (step.token_ids.shape[0] <= matmul.CPU_ROWS_KERNEL_MAX_ROWS
+                and split is not None and not split.runs and split.other_rows is None)
+
+    def run(self, step: StepInputs, act: Activations, kv: PagedKVCache, greedy: bool) -> None:
+        """Run ``step`` (one that :meth:`covers`): its results land in ``act`` as the per-kernel
+        path's would."""
+        m, w = self.model, self.model.layer_weights
+        splits = self.backend.attention_splits(step.positions, self.num_q_heads, kv.k, threaded=True)
+        decode_step_cpu(step.token_ids, step.positions, step.token_seq, step.page_table, step.rows, step.logit_rows,
+                        m.embed_tokens, w.input_norm, w.qkv_w, w.qkv_bias, w.o_w, w.post_attention_norm,
+                        w.gate_up_w, w.down_w, m.norm, m.lm_head_w, m.no_bias, self.cos, self.sin, m.eps,
+                        self.num_q_heads, self.scale, kv.k, kv.v, splits, greedy,
+                        act.hidden, act.no_residual, act.normed, act.qkv, act.attn, act.delta, act.gate_up, act.act,
+                        act.final, act.logits, act.next_ids)
+

@@ -1,0 +1,168 @@
+"""The compiled CPU step (``cpu_step``) against the per-kernel path it replaces: the same logits,
+greedy ids and KV cache (to float32 rounding) on every model shape of the parity tests, which
+steps it takes, its cache key, and a fresh process that loads it from numba's cache."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from engines.runtime.model import cpu_step
+from engines.runtime.model.llama import LlamaModel
+from tests.runtime.model.test_model_parity import PagedSequences, Reference, reference  # noqa: F401 - fixture
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+class CountedStep:
+    """``cpu_step.decode_step_cpu`` that counts its calls."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls = 0
+        compiled = cpu_step.decode_step_cpu
+
+        def counted(*args: Any) -> None:
+            self.calls += 1
+            compiled(*args)
+        monkeypatch.setattr(cpu_step, "decode_step_cpu", counted)
+
+
+def run_both(model: LlamaModel, steps: list[tuple[list[list[int]], str]], num_pages: int = 40) -> None:
+    """Feed ``steps`` (each sequence's new tokens, and "logits", "greedy" or "all") to two KV
+    caches, one through the compiled step and one kernel by kernel: the same greedy ids, logits
+    and, at the end, caches. Not bit for bit: LLVM optimises the kernels again inside the step and
+    sums some reassociated reductions in another order (differences ~1e-6 of a logit after one
+    step, ~1e-5 after ten)."""
+    prompts = [chunk for chunk in steps[0][0]]
+    compiled_seqs, plain_seqs = PagedSequences(prompts, num_pages), PagedSequences(prompts, num_pages)
+    compiled_kv, plain_kv = model.new_kv_cache(num_pages, 4), model.new_kv_cache(num_pages, 4)
+    for kv in (compiled_kv, plain_kv):  # allocated uninitialised: slots no step writes must agree too
+        kv.k[...] = 0
+        kv.v[...] = 0
+    step_runner = model.cpu_step
+    for new, kind in steps:
+        results = []
+        for seqs, kv, runner in ((compiled_seqs, compiled_kv, step_runner), (plain_seqs, plain_kv, None)):
+            model.cpu_step = runner
+            try:
+                batch = seqs.batch(new, all_logits=kind == "all")
+                results.append(model.forward_greedy(batch, kv) if kind == "greedy" else model.forward(batch, kv))
+            finally:
+                model.cpu_step = step_runner
+            seqs.advance(new)
+        assert results[0].dtype == results[1].dtype and results[0].shape == results[1].shape
+        if kind == "greedy":
+            np.testing.assert_array_equal(results[0], results[1], err_msg=f"greedy step {new}")
+        else:
+            np.testing.assert_allclose(results[0], results[1], rtol=1e-4, atol=1e-4, err_msg=f"{kind} step {new}")
+    np.testing.assert_allclose(compiled_kv.k, plain_kv.k, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(compiled_kv.v, plain_kv.v, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("threaded_attention", [False, True], ids=["serial-attention", "split-attention"])
+def test_compiled_step_equals_the_per_kernel_path(reference: Reference, monkeypatch: pytest.MonkeyPatch,  # noqa: F811
+                                                  threaded_attention: bool) -> None:
+    model = reference.ours
+    if threaded_attention:  # every step's attention on numba's threads, heads split
+        monkeypatch.setattr(model.cpu_step.backend, "parallel_attention_min_work", 0)
+    counted = CountedStep(monkeypatch)
+    rng = np.random.default_rng(7)
+    vocab = model.config.vocab_size
+
+    def tokens(*lens: int) -> list[list[int]]:
+        return [rng.integers(0, vocab, n).tolist() for n in lens]
+
+    steps = [(tokens(5, 22, 3), "logits")]  # a 30-token prefill: the compiled step too
+    steps += [(tokens(1, 1, 1), "greedy" if i % 2 else "logits") for i in range(6)]
+    steps += [(tokens(3, 1, 4), "all"), (tokens(2, 2, 2), "greedy"), (tokens(1, 1, 1), "all")]
+    run_both(model, steps)
+    assert counted.calls == len(steps)
+
+
+def test_steps_past_the_rows_kernel_run_kernel_by_kernel(reference: Reference,  # noqa: F811
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    model = reference.ours
+    counted = CountedStep(monkeypatch)
+    rng = np.random.default_rng(3)
+    long_prompt = rng.integers(0, model.config.vocab_size, 40).tolist()  # past CPU_ROWS_KERNEL_MAX_ROWS
+    seqs = PagedSequences([long_prompt], 20)
+    kv = model.new_kv_cache(20, 4)
+    model.forward(seqs.batch([long_prompt]), kv)
+    assert counted.calls == 0
+    seqs.advance([long_prompt])
+    model.forward(seqs.batch([[1]]), kv)
+    assert counted.calls == 1
+
+
+def test_profiling_backend_launches_kernel_by_kernel(reference: Reference,  # noqa: F811
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The profiler swaps in a timed backend (``use_backend``): the compiled step would hide its kernels."""
+    model = reference.ours
+    counted = CountedStep(monkeypatch)
+    launched: list[str] = []
+    own = model.backend
+    timed = types.SimpleNamespace(**{name: getattr(own, name) for name in ("upload_step", "run_step", "to_host")})
+    for name in ("embedding", "add_rmsnorm", "matmul", "rope_kv_append", "attention", "silu_mul", "argmax"):
+        def launch(*args: Any, _name: str = name) -> None:
+            launched.append(_name)
+            getattr(own, _name)(*args)
+        setattr(timed, name, launch)
+    seqs = PagedSequences([[3, 4, 5]], 8)
+    kv = model.new_kv_cache(8, 4)
+    model.use_backend(timed)
+    try:
+        model.forward_greedy(seqs.batch([[3, 4, 5]]), kv)
+    finally:
+        model.use_backend(own)
+    assert counted.calls == 0
+    assert launched.count("matmul") == 4 * model.config.num_hidden_layers + 1 and launched[-1] == "argmax"
+    model.forward_greedy(seqs.batch([[3, 4, 5]]), kv)  # the model's own backend again: compiled
+    assert counted.calls == 1
+
+
+def test_cache_key_follows_every_kernel_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """numba keys a cached function by its own bytecode and closure; the step's closure holds a
+    digest of its kernels' sources, so editing a kernel gives the step a new cache key."""
+    first, second = tmp_path / "first_kernel.py", tmp_path / "second_kernel.py"
+    first.write_text("A = 1\n")
+    second.write_text("B = 2\n")
+    modules = (types.SimpleNamespace(__file__=str(first)), types.SimpleNamespace(__file__=str(second)))
+    before = cpu_step.kernel_sources_digest(modules)
+    second.write_text("B = 3\n")
+    assert cpu_step.kernel_sources_digest(modules) != before
+
+    assert {m.__name__.rsplit(".", 1)[-1] for m in cpu_step.STEP_KERNEL_MODULES} >= {
+        "embedding", "add_rmsnorm", "matmul", "rope_kv", "attention", "fast_exp", "silu_mul", "argmax"}
+    (cell,) = cpu_step.decode_step_cpu.py_func.__closure__
+    assert cell.cell_contents == cpu_step.kernel_sources_digest()
+    one, other = cpu_step._make_decode_step("one"), cpu_step._make_decode_step("other")
+    codegen = cpu_step.decode_step_cpu.targetctx.codegen()
+    assert one._cache._index_key((), codegen) != other._cache._index_key((), codegen)
+
+
+def test_a_process_whose_first_call_is_the_cached_step(reference: Reference) -> None:  # noqa: F811
+    """Loaded from numba's cache before any parallel kernel ran, the step once segfaulted: numba's
+    thread pool (which registers the parallel launch symbol) had not started."""
+    script = textwrap.dedent(f"""
+        import numpy as np
+        from engines.runtime.model.checkpoint import load_checkpoint
+        from engines.runtime.model.llama import ForwardBatch, LlamaModel
+        model = LlamaModel.from_checkpoint(load_checkpoint({str(reference.path)!r}), backend="cpu")
+        kv = model.new_kv_cache(4, 4)
+        batch = ForwardBatch(np.array([1, 2], np.int32), np.array([0, 2], np.int32), np.array([0], np.int32),
+                             np.array([[0]], np.int32))
+        print(int(model.forward_greedy(batch, kv)[0]))
+    """)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    outputs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+               for _ in range(2)]  # the first may compile; the second loads the step from the cache
+    for done in outputs:
+        assert done.returncode == 0, done.stderr[-2000:]
+    assert outputs[0].stdout == outputs[1].stdout
