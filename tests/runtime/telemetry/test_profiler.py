@@ -13,7 +13,8 @@ from engines.runtime.core.request import GenerationRequest
 from engines.runtime.core.sampler import SamplingParams
 from engines.runtime.model.checkpoint import load_checkpoint
 from engines.runtime.model.llama import LlamaModel
-from engines.runtime.telemetry.profiler import PHASES, ProfilerStateError, StepProfiler, kernel_cost
+from engines.runtime.telemetry.profiler import (PHASES, ProfilerStateError, StepProfiler, kernel_cost,
+                                               measure_host_bandwidth, streams_sum)
 from engines.runtime.telemetry.stack_sampler import StackSampler
 
 STEPS = 12
@@ -148,6 +149,13 @@ def test_the_stack_sampler_alone() -> None:
     worker.join()
     out = sampler.stop()
     assert out["samples"] > 5 and out["folded"][0][0].endswith("test_profiler:busy_wait_here")
+
+
+def test_the_bandwidth_yardstick_reads_every_value() -> None:
+    streams = np.random.default_rng(0).integers(0, 4, 8 * 1001).astype(np.float32).reshape(8, -1)
+    assert streams_sum(streams) == streams.sum(dtype=np.float64)  # small integers: exact in float32
+    gbs = measure_host_bandwidth(nbytes=8 << 20, repeats=2)
+    assert np.isfinite(gbs) and gbs > 0
 
 
 def test_kernel_costs_follow_the_arithmetic() -> None:
