@@ -7,7 +7,8 @@ counts are fixed before numpy loads), and for each batch size and generation len
 take turns generating greedily from the same random prompts (EOS ignored; whole generations
 timed, prefill included), and the table gives the medians of ``--rounds`` rounds. Prefill alone
 (batch 1, long prompts) is timed the same way. This machine's memory bandwidth is measured in
-the same run, and batch 1's bytes per token against it.
+the same run (and in every round of a batch-1 cell), and batch 1's bytes per token against it:
+its weights, and its weights with the keys and values it reads.
 
     .venv/bin/python bench/cpu_anchors.py                          # the full table (long)
     .venv/bin/python bench/cpu_anchors.py --threads 2 --batches 1 8 32 --new-tokens 128 --rounds 3
@@ -203,6 +204,7 @@ def measure(args: argparse.Namespace, threads: int) -> Iterator[dict]:
         def cell(kind: str, batch: int, prompt_len: int, new: int) -> dict:
             prompts = rng.integers(3, args.vocab, (batch, prompt_len))
             times: dict[str, list[float]] = {name: [] for name in engines}
+            bandwidths: list[float] = []  # batch 1: the yardstick read in every round, beside the cell
             warm = prompts if kind == "prefill" else prompts[:, :8]  # a long prompt takes paths a short one does not
             for name, w in engines.items():  # warm: first calls compile, allocate, fill caches
                 w.ask(variant=name, prompts=warm.tolist(), new=2)
@@ -210,7 +212,11 @@ def measure(args: argparse.Namespace, threads: int) -> Iterator[dict]:
                 names = list(engines)
                 for name in names[round_ % len(names):] + names[:round_ % len(names)]:
                     times[name].append(engines[name].ask(variant=name, prompts=prompts.tolist(), new=new)["seconds"])
+                if kind == "decode" and batch == 1:
+                    bandwidths.append(workers[0].ask(bandwidth=True)["gbs"])
             row = {"kind": kind, "threads": threads, "batch": batch, "prompt": prompt_len, "new": new}
+            if bandwidths:
+                row["gbs"] = statistics.median(bandwidths)
             for name, values in times.items():
                 row[name] = batch * (new if kind == "decode" else prompt_len) / statistics.median(values)
             return row
@@ -258,10 +264,27 @@ def whole_engine(args: argparse.Namespace, model: Any, checkpoint: Any) -> Calla
 
 
 def weight_bytes(args: argparse.Namespace) -> int:
+    """The bytes of weights a decode step reads (every layer's projections and the LM head)."""
     head_dim = args.hidden // args.heads
     q, kv, inter = args.heads * head_dim, args.kv_heads * head_dim, args.hidden * 11 // 4
     per_layer = args.hidden * (q + 2 * kv) + q * args.hidden + 3 * args.hidden * inter
     return 4 * (args.layers * per_layer + args.vocab * args.hidden)
+
+
+def kv_bytes(args: argparse.Namespace, new: int) -> float:
+    """The bytes of keys and values a batch-1 decode step reads, on average over a generation
+    of ``new`` tokens after the prompt."""
+    head_dim = args.hidden // args.heads
+    return 4 * 2 * args.layers * args.kv_heads * head_dim * (args.prompt_len + new / 2)
+
+
+def bandwidth_note(args: argparse.Namespace, row: dict) -> str:
+    """Batch 1's read rate against the host's, measured in the cell's rounds: weights alone,
+    and weights with the KV cache the step reads too."""
+    weights = row["ours"] * weight_bytes(args) / 1e9
+    both = row["ours"] * (weight_bytes(args) + kv_bytes(args, row["new"])) / 1e9
+    return (f"  (batch 1: weights {weights:.1f} GB/s, {100 * weights / row['gbs']:.0f}% of the host's "
+            f"{row['gbs']:.1f}; with the KV cache {both:.1f} GB/s, {100 * both / row['gbs']:.0f}%)")
 
 
 def main() -> None:
@@ -278,15 +301,12 @@ def main() -> None:
                 print(f"\n{threads} thread(s): host memory bandwidth {row['gbs']:.1f} GB/s")
                 print(f"{'':9}{'batch':>6}{'prompt':>7}{'new':>5}{'ours':>10}{'CT2':>10}{'HF':>10}"
                       f"{'ours/CT2':>10}{'ours/HF':>9}")
-                bandwidth = row["gbs"]
                 continue
             unit = "tok/s"
             print(f"{row['kind']:<9}{row['batch']:>6}{row['prompt']:>7}{row['new']:>5}{row['ours']:>10.0f}"
                   f"{row['ctranslate2']:>10.0f}{row['transformers']:>10.0f}{row['ours'] / row['ctranslate2']:>10.2f}"
                   f"{row['ours'] / row['transformers']:>9.2f}  {unit}"
-                  + (f"  (batch 1: {row['ours'] * weight_bytes(args) / 1e9:.1f} GB/s of weights, "
-                     f"{100 * row['ours'] * weight_bytes(args) / 1e9 / bandwidth:.0f}% of the host's)"
-                     if row["kind"] == "decode" and row["batch"] == 1 else "")
+                  + (bandwidth_note(args, row) if "gbs" in row else "")
                   + (f"  engine {row['engine']:.0f} = {row['engine'] / row['ours']:.2f} of ours" if "engine" in row
                      else "")
                   + (f"  kernel by kernel {row['per-kernel']:.0f}: ours {row['ours'] / row['per-kernel']:.2f}x"

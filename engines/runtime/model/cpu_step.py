@@ -4,8 +4,9 @@ The per-kernel path (``LlamaModel._launch``) calls nine kernels a layer from Pyt
 numba's dispatcher, which unboxes and type-checks every array argument: 0.7 us a call with warm
 caches, about 9 us once the step's weights have streamed through them, ~75 calls a step, plus
 the backend's Python around each. :func:`decode_step_cpu` makes the same calls from compiled
-code, where a call is a native call, and Python pays one dispatch a step (batch 1: 7.5 -> 7.0 ms
-a step on one thread, 5.8 -> 5.0 on two; bench/cpu_anchors.py).
+code, where a call is a native call, and Python pays one dispatch a step. On this 2-core machine
+that is a few per cent of a 4-5 ms step (bench/cpu_anchors.py --per-kernel: 1.05x at batch 1 on
+one thread, 0.98-1.04 elsewhere, within the noise); it pays most where steps are shortest.
 
 It runs the backend's own kernels, in the same order, on the same buffers, with the same
 attention split; LLVM optimises them again inside the step and may sum a reassociated reduction
