@@ -179,3 +179,22 @@ def test_build_engines_gives_each_engine_its_own_kv_port() -> None:
     any_port = build_engines([ModelSpec("demo", "a"), ModelSpec("demo", "b")], EngineConfig(), backend="cpu",
                              kv_listen=KVListenSpec("127.0.0.1"))
     assert [e._spec.kv_listen.port for e in any_port] == [0, 0]
+
+
+def test_serve_on_a_port_in_use_says_so_and_prints_no_links(tmp_path) -> None:
+    """The links are printed once Daphne listens: on a busy port the user sees the error alone,
+    not a dashboard link that leads to whatever else holds the port."""
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "API_KEY")}
+    env["DEBUGSITE_VAR_DIR"] = str(tmp_path)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "manage.py", "serve", "--port", str(port)],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=180,
+        )
+    assert result.returncode == 1
+    assert f"could not listen on 127.0.0.1:{port}" in result.stderr
+    assert "Dashboard" not in result.stdout and "Quit with CONTROL-C" not in result.stdout
+    assert "Engines stopped" in result.stdout  # the demo engine it had started is stopped again

@@ -17,13 +17,14 @@ from daphne.server import Server  # isort:skip
 
 import asyncio
 import fcntl
+import functools
 import ipaddress
 import logging
 import math
 import os
 import signal
 from argparse import ArgumentParser, ArgumentTypeError
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 from daphne.endpoints import build_endpoint_description_strings
@@ -181,8 +182,8 @@ class Command(BaseCommand):
                 logger.info("Enable debug endpoint and debug_config in requests...")
             autosave = HistoryAutosave(registry, trace_interval_s=options["trace_autosave"],
                                        metrics_interval_s=options["metrics_snapshot_interval"])
-            self._print_urls(host, port, options["enable_debug"], api_key, autosave)
-            self._run_daphne(host, port, options["verbosity"], autosave, options["drain_timeout"])
+            links = functools.partial(self._print_urls, host, port, options["enable_debug"], api_key, autosave)
+            self._run_daphne(host, port, options["verbosity"], autosave, options["drain_timeout"], links)
         except (KeyboardInterrupt, _Interrupted):
             pass
         finally:
@@ -278,11 +279,15 @@ class Command(BaseCommand):
         self.stdout.flush()
 
     def _run_daphne(self, host: str, port: int, verbosity: int, autosave: HistoryAutosave,
-                    drain_timeout_s: float) -> None:
+                    drain_timeout_s: float, listening: Callable[[], None]) -> None:
+        """Serve until a signal; ``listening()`` runs once the port is bound (the links printed
+        then answer; on a port in use Daphne never calls it and this raises)."""
         from debugsite.asgi import application
 
         def ready() -> None:
-            # Called with Daphne's loop set but not yet running: the tasks begin when it serves.
+            # Called with Daphne's loop set but not yet running, and only once every endpoint
+            # listens (a failed listen aborts the start): the tasks begin when it serves.
+            listening()
             loop = asyncio.get_event_loop()
             autosave.start(loop)
             loop.call_soon(lambda: hub_for(registry).start())  # the dashboard's samplers, once it runs
