@@ -243,6 +243,27 @@ def test_paged_attention(rng: np.random.Generator, dtype: str) -> None:
             np.testing.assert_allclose(other, want, rtol=1e-5, atol=1e-6)
 
 
+def test_paged_attention_reads_four_pages_side_by_side_when_heads_are_split(rng: np.random.Generator) -> None:
+    """With a token's kv heads split over threads the CPU twin reads its whole pages four at a
+    time (pages j, j + n/4, j + n/2, j + 3n/4), the rest one by one: contexts of exactly four
+    whole pages, of more with a partial last one, and a chunk whose tokens split differently."""
+    cached = [4 * PAGE_SIZE - 1, 9 * PAGE_SIZE + 2, 2, 37]
+    new = [1, 3, 1, 1]
+    step, tokens = ragged_step(rng, cached, new, num_pages=64)
+    cache_shape = (2, 64, KV_HEADS, PAGE_SIZE, HEAD_DIM)
+    k = rng.standard_normal(cache_shape).astype(np.float32)
+    v = rng.standard_normal(cache_shape).astype(np.float32)
+    qkv = rng.standard_normal((tokens, (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM)).astype(np.float32)
+    scale = np.float32(HEAD_DIM ** -0.5)
+    want = dense_attention(qkv, step, k, v, 1)
+    assert (step.positions + 1 >= 4 * PAGE_SIZE).sum() >= 4  # most tokens take the four-page path
+    for splits in [s for s in range(2, KV_HEADS + 1) if KV_HEADS % s == 0]:
+        for kernel in (attention.paged_attention_serial_cpu, attention.paged_attention_cpu):
+            got = np.full((tokens, Q_HEADS * HEAD_DIM), np.nan, np.float32)
+            kernel(qkv, step.positions, step.token_seq, step.page_table, k, v, 1, Q_HEADS, scale, got, splits)
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_head_splits_give_every_thread_an_item_in_equal_slices() -> None:
     assert attention.head_splits(8, 8, 2) == 1   # enough tokens: whole tokens
     assert attention.head_splits(1, 8, 2) == 2   # batch 1 on two threads: halves
