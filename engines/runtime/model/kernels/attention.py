@@ -155,9 +155,10 @@ def _score_page(q, page, first_head, count, first, group, per_item, scores):
 
 
 @njit(inline="always")
-def _score_four_pages(q, p0, p1, p2, p3, first_head, firsts, group, per_item, scores):
-    """:func:`_score_page` for four whole pages at once (``firsts``: their first key positions):
-    each slot's four keys are read side by side, four memory streams instead of one."""
+def _score_four_pages(q, p0, p1, p2, p3, first_head, first, stride, group, per_item, scores):
+    """:func:`_score_page` for four whole pages at once, whose first keys are at positions
+    ``first + f * stride``: each slot's four keys are read side by side, four memory streams
+    instead of one."""
     head_dim = q.shape[1]
     for h in range(per_item):
         k0 = p0[first_head + h]
@@ -177,10 +178,10 @@ def _score_four_pages(q, p0, p1, p2, p3, first_head, firsts, group, per_item, sc
                     d1 += qi[d] * k1[s, d]
                     d2 += qi[d] * k2[s, d]
                     d3 += qi[d] * k3[s, d]
-                scores[i, firsts[0] + s] = d0
-                scores[i, firsts[1] + s] = d1
-                scores[i, firsts[2] + s] = d2
-                scores[i, firsts[3] + s] = d3
+                scores[i, first + s] = d0
+                scores[i, first + stride + s] = d1
+                scores[i, first + 2 * stride + s] = d2
+                scores[i, first + 3 * stride + s] = d3
 
 
 @njit(inline="always")
@@ -199,7 +200,7 @@ def _weigh_page(page, first_head, count, first, group, per_item, scores, acc):
 
 
 @njit(inline="always")
-def _weigh_four_pages(p0, p1, p2, p3, first_head, firsts, group, per_item, scores, acc):
+def _weigh_four_pages(p0, p1, p2, p3, first_head, first, stride, group, per_item, scores, acc):
     """:func:`_weigh_page` for four whole pages at once, their values read side by side."""
     head_dim = acc.shape[1]
     for h in range(per_item):
@@ -210,10 +211,10 @@ def _weigh_four_pages(p0, p1, p2, p3, first_head, firsts, group, per_item, score
         for s in range(v0.shape[0]):
             for g in range(group):
                 i = h * group + g
-                w0 = scores[i, firsts[0] + s]
-                w1 = scores[i, firsts[1] + s]
-                w2 = scores[i, firsts[2] + s]
-                w3 = scores[i, firsts[3] + s]
+                w0 = scores[i, first + s]
+                w1 = scores[i, first + stride + s]
+                w2 = scores[i, first + 2 * stride + s]
+                w3 = scores[i, first + 3 * stride + s]
                 a = acc[i]
                 for d in range(head_dim):
                     a[d] += w0 * v0[s, d] + w1 * v1[s, d] + w2 * v2[s, d] + w3 * v3[s, d]
@@ -256,15 +257,13 @@ def _paged_attention(qkv, positions, token_seq, page_table, k_cache, v_cache, la
         for i in range(q_heads):
             for d in range(head_dim):
                 q[i, d] = qkv[t, q_base + i * head_dim + d] * scale
+        stride = quarter * page_size  # keys between the four pages read side by side
         scores = np.empty((q_heads, num_keys), np.float32)
-        firsts = np.empty(4, np.int64)
         for j in range(quarter):
-            for f in range(4):
-                firsts[f] = (j + f * quarter) * page_size
             _score_four_pages(q, k_cache[layer, page_table[seq, j]], k_cache[layer, page_table[seq, j + quarter]],
                               k_cache[layer, page_table[seq, j + 2 * quarter]],
-                              k_cache[layer, page_table[seq, j + 3 * quarter]], first_head, firsts, group, per_item,
-                              scores)
+                              k_cache[layer, page_table[seq, j + 3 * quarter]], first_head, j * page_size, stride,
+                              group, per_item, scores)
         for p in range(4 * quarter, num_pages):
             first = p * page_size
             _score_page(q, k_cache[layer, page_table[seq, p]], first_head, min(page_size, num_keys - first), first,
@@ -275,12 +274,10 @@ def _paged_attention(qkv, positions, token_seq, page_table, k_cache, v_cache, la
             inverse[i] = float32(1.0) / softmax_numerators(scores[i], num_keys, lanes)
         acc = np.zeros((q_heads, head_dim), np.float32)
         for j in range(quarter):
-            for f in range(4):
-                firsts[f] = (j + f * quarter) * page_size
             _weigh_four_pages(v_cache[layer, page_table[seq, j]], v_cache[layer, page_table[seq, j + quarter]],
                               v_cache[layer, page_table[seq, j + 2 * quarter]],
-                              v_cache[layer, page_table[seq, j + 3 * quarter]], first_head, firsts, group, per_item,
-                              scores, acc)
+                              v_cache[layer, page_table[seq, j + 3 * quarter]], first_head, j * page_size, stride,
+                              group, per_item, scores, acc)
         for p in range(4 * quarter, num_pages):
             first = p * page_size
             _weigh_page(v_cache[layer, page_table[seq, p]], first_head, min(page_size, num_keys - first), first, group,
