@@ -2,7 +2,7 @@
 
 For each client count (default 16 and 64) the same requests run twice in one run:
 
-1. **engine alone**: an in-process ``AsyncEngine`` (the demo model, same sizing),
+1. **engine alone**: an in-process ``AsyncEngine`` (the demo model, or ``--model``; same sizing),
    one coroutine per client calling ``generate`` directly;
 2. **through HTTP**: ``manage.py serve`` in a subprocess, one streaming
    ``/v1/chat/completions`` client per connection (httpx), while a side task
@@ -170,7 +170,7 @@ def start_engine(args: argparse.Namespace):
     from engines.registry import ModelSpec, build_engines
     from engines.runtime import EngineConfig
 
-    (engine,) = build_engines([ModelSpec("demo")], EngineConfig(**sizing(args)), backend=args.backend)
+    (engine,) = build_engines([ModelSpec.parse(args.model)], EngineConfig(**sizing(args)), backend=args.backend)
     engine.start()
     return engine
 
@@ -178,14 +178,14 @@ def start_engine(args: argparse.Namespace):
 # ------------------------------------------------------------------------------- HTTP
 
 
-async def run_http(base: str, clients: int, requests_per_client: int, max_tokens: int,
+async def run_http(base: str, model: str, clients: int, requests_per_client: int, max_tokens: int,
                    poll_interval: float | None, client_kind: str) -> PhaseResult:
     """N streaming chat clients on their own connections, plus a metrics poller every ``poll_interval`` s."""
     ttfts: list[float] = []
     metrics_latency: list[float] = []
     tokens = 0
     limits = httpx.Limits(max_connections=clients + 2, max_keepalive_connections=clients + 2)
-    body = {"model": "demo", "messages": PROMPT, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+    body = {"model": model, "messages": PROMPT, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}, "debug_config": {"ignore_eos": True}}
 
     async with httpx.AsyncClient(base_url=base, timeout=600, limits=limits) as http:
@@ -319,7 +319,7 @@ def _dechunk(body: bytes) -> bytes:
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     """``manage.py serve`` with the same sizing, debug on (for the metrics endpoint), tracing off."""
-    command = ["--enable-debug", "--backend", args.backend, "--engine-mode", args.engine_mode]
+    command = ["--model", args.model, "--enable-debug", "--backend", args.backend, "--engine-mode", args.engine_mode]
     for key, value in sizing(args).items():
         command += [f"--{key.replace('_', '-')}", str(value)]
     return launch(command, args.var_dir)
@@ -351,13 +351,14 @@ def measure(args: argparse.Namespace, engine, server: subprocess.Popen, base: st
             clients: int) -> dict[str, object]:
     """Warm both sides up, then alternate engine-alone and HTTP runs so drifting machine load hits both."""
     asyncio.run(run_engine_alone(engine, clients, 1, 4))  # JIT and first-touch costs are not what we measure
-    asyncio.run(run_http(base, clients, 1, 4, poll_interval=None, client_kind=args.client))
+    asyncio.run(run_http(base, engine.name, clients, 1, 4, poll_interval=None, client_kind=args.client))
     alone_runs, http_runs = [], []
     for _ in range(args.repeats):
         alone_runs.append(timed(os.getpid(), run_engine_alone(engine, clients, args.requests_per_client,
                                                               args.max_tokens, poll_interval=args.poll_interval)))
-        http_runs.append(timed(server.pid, run_http(base, clients, args.requests_per_client, args.max_tokens,
-                                                    poll_interval=args.poll_interval, client_kind=args.client),
+        http_runs.append(timed(server.pid, run_http(base, engine.name, clients, args.requests_per_client,
+                                                    args.max_tokens, poll_interval=args.poll_interval,
+                                                    client_kind=args.client),
                                with_client=True))
     alone, http = merge(alone_runs), merge(http_runs)
     return {
@@ -389,6 +390,8 @@ def main() -> None:
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2, help="alternating engine/HTTP runs per client count")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--model", default="demo",
+                        help="what both sides serve: demo, or a checkpoint folder (optionally PATH:NAME)")
     parser.add_argument("--poll-interval", type=float, default=0.1,
                         help="seconds between /debug/dump_engine_metrics calls during the HTTP runs")
     parser.add_argument("--backend", choices=("auto", "cpu", "cuda"), default="auto")

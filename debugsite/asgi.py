@@ -5,7 +5,8 @@ middleware. HTTP first passes the API-key gate (:mod:`engines.auth`), then goes 
 two Django handlers over the same URLconf:
 
 - the machine-facing routes (``/v1``, ``/debug``, ``/microserving``, ``/metrics``,
-  ``/stats``, ``/health``) to :class:`APIHandler`, which runs no middleware;
+  ``/stats``, ``/health``) to :class:`APIHandler`, which runs no middleware and starts
+  no thread per request;
 - everything else (admin, dashboard) to Django's usual handler with
   ``settings.MIDDLEWARE``.
 
@@ -55,6 +56,16 @@ class APIHandler(ASGIHandler):
     in ``ALLOWED_HOSTS`` (CommonMiddleware checked it), which is what stops a DNS-rebinding
     page in a browser from reaching a loopback server that has no API key.
     """
+
+    async def __call__(self, scope, receive, send) -> None:
+        # Django's handler opens a ThreadSensitiveContext per request: an executor whose thread is
+        # started for the request's first sync call and joined at its end. The API views are
+        # async and run their database work on threads of their own (thread_sensitive=False), so
+        # the only sync calls left are the request signals' receivers and ``response.close``:
+        # they share asgiref's one thread-sensitive thread instead of a new thread each request.
+        if scope["type"] != "http":
+            raise ValueError(f"the API handler serves HTTP only, not {scope['type']}")
+        await self.handle(scope, receive, send)
 
     def load_middleware(self, is_async: bool = False) -> None:
         # BaseHandler.load_middleware with MIDDLEWARE = [] plus the host check; other

@@ -283,6 +283,9 @@ class Command(BaseCommand):
         """Serve until a signal; ``listening()`` runs once the port is bound (the links printed
         then answer; on a port in use Daphne never calls it and this raises)."""
         from debugsite.asgi import application
+        from engines import daphne_requests
+
+        daphne_requests.install()
 
         def ready() -> None:
             # Called with Daphne's loop set but not yet running, and only once every endpoint
