@@ -25,7 +25,7 @@ from typing import Any
 from engines.runtime.core.engine import EngineConfig, validate_request
 from engines.runtime.core.kv_transfer import KVBlock, KVReceipt
 from engines.runtime.core.request import ChoiceDelta, EngineRequestError, GenerationRequest, RequestOutput
-from engines.runtime.frontend.engine_core import EngineCore, create_engine, engine_info
+from engines.runtime.frontend.engine_core import EngineCore, create_engine, engine_info, shorten_gil_switch
 from engines.runtime.frontend.messages import (
     AbortRequest,
     Aborted,
@@ -148,9 +148,14 @@ class AsyncEngine:
 
     def start(self) -> None:
         """Warm the kernels up and start the engine loop (idempotent). A process engine has
-        loaded its model when this returns; a model that fails to load raises here."""
+        loaded its model when this returns; a model that fails to load raises here.
+
+        Shortens this process's GIL switch interval (``shorten_gil_switch``): the thread that
+        carries the engine's outputs to the event loop, or the engine thread itself, shares it
+        with a busy loop."""
         if self._transport.started:
             return
+        shorten_gil_switch()
         self._stopping.clear()
         self._info = self._transport.start(self._info)
         self._set_state(EngineState.RUNNING)
