@@ -6,7 +6,7 @@ two Django handlers over the same URLconf:
 
 - the machine-facing routes (``/v1``, ``/debug``, ``/microserving``, ``/metrics``,
   ``/stats``, ``/health``) to :class:`APIHandler`, which runs no middleware and starts
-  no thread per request;
+  no thread per request (its few sync calls share one thread of its own);
 - everything else (admin, dashboard) to Django's usual handler with
   ``settings.MIDDLEWARE``.
 
@@ -23,6 +23,7 @@ Daphne. Under another ASGI server (``daphne debugsite.asgi:application``), set
 ``ENGINES_*`` variables (see :func:`engines.registry.configure_from_env`).
 """
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 from django.core.asgi import get_asgi_application
 
@@ -30,6 +31,7 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "debugsite.settings")
 # Django must be set up before anything imports models, consumers or routing.
 django_asgi_app = get_asgi_application()
 
+from asgiref.sync import ThreadSensitiveContext  # noqa: E402
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
@@ -47,6 +49,8 @@ from engines.routing import websocket_urlpatterns  # noqa: E402
 from engines.views.errors import error_response  # noqa: E402
 
 API_PREFIXES = ("/v1", "/debug", "/microserving", "/metrics", "/stats", "/health")
+# The API requests' sync calls (Django's request signals, ``response.close``): one thread for all.
+API_SYNC_EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="api-sync")
 
 
 class APIHandler(ASGIHandler):
@@ -58,14 +62,17 @@ class APIHandler(ASGIHandler):
     """
 
     async def __call__(self, scope, receive, send) -> None:
-        # Django's handler opens a ThreadSensitiveContext per request: an executor whose thread is
-        # started for the request's first sync call and joined at its end. The API views are
+        # Django's handler opens a ThreadSensitiveContext per request whose executor starts a
+        # thread for the request's first sync call and joins it at its end. The API views are
         # async and run their database work on threads of their own (thread_sensitive=False), so
         # the only sync calls left are the request signals' receivers and ``response.close``:
-        # they share asgiref's one thread-sensitive thread instead of a new thread each request.
+        # they run on one thread kept for the API. Not asgiref's global one, which Channels
+        # shares with the websockets' session and user loads: a locked database there must not
+        # hold up /v1 or /health.
         if scope["type"] != "http":
             raise ValueError(f"the API handler serves HTTP only, not {scope['type']}")
-        await self.handle(scope, receive, send)
+        async with ThreadSensitiveContext(executor=API_SYNC_EXECUTOR):
+            await self.handle(scope, receive, send)
 
     def load_middleware(self, is_async: bool = False) -> None:
         # BaseHandler.load_middleware with MIDDLEWARE = [] plus the host check; other

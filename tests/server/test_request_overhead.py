@@ -33,23 +33,23 @@ def thread_starts(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 async def test_api_requests_start_no_thread_and_still_send_the_request_signals(serve, thread_starts) -> None:
-    """Django's handler opened a thread-sensitive context per request, whose executor started (and
-    joined) a thread for the request signals' receivers; the API handler runs them on asgiref's one
-    shared thread. The signals themselves still fire, once each per request (they close stale
-    database connections)."""
-    fired: list[str] = []
+    """Django's handler opened a thread-sensitive context per request, whose executor started a
+    thread for the request signals' receivers (and another to join it); the API handler runs them
+    on one thread of its own, not asgiref's global one that Channels' websockets use. The signals
+    themselves still fire, once each per request (they close stale database connections)."""
+    fired: list[tuple[str, str]] = []
 
     def on_started(**kwargs: object) -> None:
-        fired.append("started")
+        fired.append(("started", threading.current_thread().name))
 
     def on_finished(**kwargs: object) -> None:
-        fired.append("finished")
+        fired.append(("finished", threading.current_thread().name))
 
     signals.request_started.connect(on_started)
     signals.request_finished.connect(on_finished)
     try:
         async with serve(enable_debug=True) as http:
-            assert (await http.get("/v1/models")).status_code == 200  # the shared thread starts once
+            assert (await http.get("/v1/models")).status_code == 200  # the API's thread starts once
             thread_starts.clear()
             fired.clear()
             for _ in range(4):
@@ -61,8 +61,10 @@ async def test_api_requests_start_no_thread_and_still_send_the_request_signals(s
     finally:
         signals.request_started.disconnect(on_started)
         signals.request_finished.disconnect(on_finished)
-    assert thread_starts == []
-    assert fired == ["started", "finished"] * 8
+    # Per-request executors are unnamed ("ThreadPoolExecutor-N_0"), joined by "Thread-N (join)".
+    assert [name for name in thread_starts if name.startswith("ThreadPoolExecutor") or "(join)" in name] == []
+    assert [signal for signal, _ in fired] == ["started", "finished"] * 8
+    assert {thread.split("_")[0] for _, thread in fired} == {"api-sync"}
 
 
 def posted(request_class: type, content_type: bytes, body: bytes):
