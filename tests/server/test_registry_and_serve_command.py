@@ -198,3 +198,32 @@ def test_serve_on_a_port_in_use_says_so_and_prints_no_links(tmp_path) -> None:
     assert f"could not listen on 127.0.0.1:{port}" in result.stderr
     assert "Dashboard" not in result.stdout and "Quit with CONTROL-C" not in result.stdout
     assert "Engines stopped" in result.stdout  # the demo engine it had started is stopped again
+
+
+def test_serve_gives_daphne_the_body_only_request_class(monkeypatch) -> None:
+    """Daphne builds each connection's requests from ``BodyOnlyRequest`` under ``serve``
+    (engines/daphne_requests.py: Twisted's form parsing off)."""
+    from daphne import http_protocol
+
+    from engines import daphne_requests
+    from engines.management.commands import serve
+
+    monkeypatch.setattr(http_protocol, "WebRequest", http_protocol.WebRequest)  # restored after the test
+    for step in ("_apply_migrations", "_load_engines"):
+        monkeypatch.setattr(serve.Command, step, lambda *args, **kwargs: None)
+    seen: list[type] = []
+
+    class Daphne:
+        """Stands in for Daphne's server: notes the request class its factory would use, and stops."""
+
+        listening_addresses = [("127.0.0.1", 1)]
+
+        def __init__(self, **kwargs: object) -> None:
+            pass
+
+        def run(self) -> None:
+            seen.append(http_protocol.WebRequest)
+
+    monkeypatch.setattr(serve, "Server", Daphne)
+    call_command("serve", "--port", "1")
+    assert seen == [daphne_requests.BodyOnlyRequest]
