@@ -1,6 +1,7 @@
 """The registry (MLC's ServerContext) and the serve command's checks that run before any engine loads."""
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
@@ -225,5 +226,11 @@ def test_serve_gives_daphne_the_body_only_request_class(monkeypatch) -> None:
             seen.append(http_protocol.WebRequest)
 
     monkeypatch.setattr(serve, "Server", Daphne)
-    call_command("serve", "--port", "1")
+    loop = asyncio.new_event_loop()  # Daphne's run() would have set one up; serve tidies it after
+    asyncio.set_event_loop(loop)
+    try:
+        call_command("serve", "--port", "1")
+    finally:
+        asyncio.set_event_loop(None)
+        loop.close()
     assert seen == [daphne_requests.BodyOnlyRequest]
