@@ -264,6 +264,23 @@ def test_paged_attention_reads_four_pages_side_by_side_when_heads_are_split(rng:
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("cached", [4 * PAGE_SIZE - 1, 9 * PAGE_SIZE + 2, 2])
+def test_paged_attention_of_one_token_reads_four_pages_side_by_side(rng: np.random.Generator, cached: int) -> None:
+    """Batch 1 on one thread (one token, its heads unsplit) takes the four-page path too: contexts
+    of exactly four whole pages, of more with a partial last one, and of fewer than four."""
+    step, tokens = ragged_step(rng, [cached], [1], num_pages=16)
+    cache_shape = (2, 16, KV_HEADS, PAGE_SIZE, HEAD_DIM)
+    k = rng.standard_normal(cache_shape).astype(np.float32)
+    v = rng.standard_normal(cache_shape).astype(np.float32)
+    qkv = rng.standard_normal((tokens, (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM)).astype(np.float32)
+    want = dense_attention(qkv, step, k, v, 1)
+    for kernel in (attention.paged_attention_serial_cpu, attention.paged_attention_cpu):
+        got = np.full((tokens, Q_HEADS * HEAD_DIM), np.nan, np.float32)
+        kernel(qkv, step.positions, step.token_seq, step.page_table, k, v, 1, Q_HEADS,
+               np.float32(HEAD_DIM ** -0.5), got, 1)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
 def test_head_splits_give_every_thread_an_item_in_equal_slices() -> None:
     assert attention.head_splits(8, 8, 2) == 1   # enough tokens: whole tokens
     assert attention.head_splits(1, 8, 2) == 2   # batch 1 on two threads: halves

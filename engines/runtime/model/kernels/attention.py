@@ -232,12 +232,13 @@ def _paged_attention(qkv, positions, token_seq, page_table, k_cache, v_cache, la
     attention 1.4-2.3x faster once the KV cache no longer fits in the caches). No key pays for a
     page-table division, and the 1/sum is folded into the output.
 
-    When a token's heads are split over threads (``splits > 1``: batch 1 on two threads) each
-    item reads four pages side by side, ``j, j + n/4, j + n/2, j + 3n/4`` of its ``n`` whole ones:
-    one stream of half pages per thread brought the keys and values in at 10-15 GB/s; four make
-    batch 1's attention 1.18-1.36x faster (80 to 500 keys read from memory) and its whole step
-    3-8%. Where every thread has whole tokens four streams gained nothing (up to 10% slower at
-    batch 4 to 32, measured), so those items keep one.
+    When a token's heads are split over threads (``splits > 1``: batch 1 on two threads), or the
+    step is one token (batch 1 on one thread), each item reads four pages side by side, ``j, j +
+    n/4, j + n/2, j + 3n/4`` of its ``n`` whole ones: one stream of half pages per thread brought
+    the keys and values in at 10-15 GB/s; four make batch 1's attention 1.18-1.36x faster on two
+    threads (80 to 500 keys read from memory), its whole step 3-8%, and 1.17-1.29x on one thread
+    (144 to 528 keys). Where every thread has whole tokens of a batch four streams gained nothing
+    (up to 10% slower at batch 4 to 32, measured), so those items keep one.
     """
     num_kv_heads = k_cache.shape[2]
     page_size = k_cache.shape[3]
@@ -252,7 +253,8 @@ def _paged_attention(qkv, positions, token_seq, page_table, k_cache, v_cache, la
         seq = token_seq[t]
         num_keys = positions[t] + 1
         num_pages = (num_keys + page_size - 1) // page_size
-        quarter = (num_keys // page_size) // 4 if splits > 1 else 0  # four streams over 4 * quarter whole pages
+        # Four streams over 4 * quarter whole pages, for batch 1 (see the docstring).
+        quarter = (num_keys // page_size) // 4 if splits > 1 or qkv.shape[0] == 1 else 0
         q = np.empty((q_heads, head_dim), np.float32)
         for i in range(q_heads):
             for d in range(head_dim):
