@@ -7,8 +7,8 @@ counts are fixed before numpy loads), and for each batch size and generation len
 take turns generating greedily from the same random prompts (EOS ignored; whole generations
 timed, prefill included), and the table gives the medians of ``--rounds`` rounds. Prefill alone
 (batch 1, long prompts) is timed the same way. This machine's memory bandwidth is measured in
-the same run (and in every round of a batch-1 cell), and batch 1's bytes per token against it:
-its weights, and its weights with the keys and values it reads.
+the same run (and around each of our batch-1 generations), and batch 1's bytes per token
+against it: its weights, and its weights with the keys and values it reads.
 
     .venv/bin/python bench/cpu_anchors.py                          # the full table (long)
     .venv/bin/python bench/cpu_anchors.py --threads 2 --batches 1 8 32 --new-tokens 128 --rounds 3
@@ -204,19 +204,25 @@ def measure(args: argparse.Namespace, threads: int) -> Iterator[dict]:
         def cell(kind: str, batch: int, prompt_len: int, new: int) -> dict:
             prompts = rng.integers(3, args.vocab, (batch, prompt_len))
             times: dict[str, list[float]] = {name: [] for name in engines}
-            bandwidths: list[float] = []  # batch 1: the yardstick read in every round, beside the cell
+            # Batch 1: the host's read rate just before and just after each of our generations (the
+            # machine's speed drifts by tens of per cent between minutes; a bracketing pair follows it).
+            bandwidths: list[float] = []
             warm = prompts if kind == "prefill" else prompts[:, :8]  # a long prompt takes paths a short one does not
             for name, w in engines.items():  # warm: first calls compile, allocate, fill caches
                 w.ask(variant=name, prompts=warm.tolist(), new=2)
             for round_ in range(args.rounds):
                 names = list(engines)
                 for name in names[round_ % len(names):] + names[:round_ % len(names)]:
+                    bracket = kind == "decode" and batch == 1 and name == "ours"
+                    before = workers[0].ask(bandwidth=True)["gbs"] if bracket else 0.0
                     times[name].append(engines[name].ask(variant=name, prompts=prompts.tolist(), new=new)["seconds"])
-                if kind == "decode" and batch == 1:
-                    bandwidths.append(workers[0].ask(bandwidth=True)["gbs"])
+                    if bracket:
+                        bandwidths.append((before + workers[0].ask(bandwidth=True)["gbs"]) / 2)
             row = {"kind": kind, "threads": threads, "batch": batch, "prompt": prompt_len, "new": new}
             if bandwidths:
                 row["gbs"] = statistics.median(bandwidths)
+                # Each generation's rate against the yardstick read around it, the median of those shares.
+                row["share"] = statistics.median(new / seconds / gbs for seconds, gbs in zip(times["ours"], bandwidths))
             for name, values in times.items():
                 row[name] = batch * (new if kind == "decode" else prompt_len) / statistics.median(values)
             return row
@@ -279,12 +285,13 @@ def kv_bytes(args: argparse.Namespace, new: int) -> float:
 
 
 def bandwidth_note(args: argparse.Namespace, row: dict) -> str:
-    """Batch 1's read rate against the host's, measured in the cell's rounds: weights alone,
-    and weights with the KV cache the step reads too."""
-    weights = row["ours"] * weight_bytes(args) / 1e9
-    both = row["ours"] * (weight_bytes(args) + kv_bytes(args, row["new"])) / 1e9
-    return (f"  (batch 1: weights {weights:.1f} GB/s, {100 * weights / row['gbs']:.0f}% of the host's "
-            f"{row['gbs']:.1f}; with the KV cache {both:.1f} GB/s, {100 * both / row['gbs']:.0f}%)")
+    """Batch 1's read rate against the host's: weights alone, and weights with the KV cache the
+    step reads too; each generation against the host's rate read around it (the median of those
+    shares), and the medians' rates against the median host rate."""
+    weights, both = weight_bytes(args), weight_bytes(args) + kv_bytes(args, row["new"])
+    return (f"  (batch 1: weights {row['ours'] * weights / 1e9:.1f} GB/s, host {row['gbs']:.1f}; per generation "
+            f"{100 * row['share'] * weights / 1e9:.0f}% of the host's, {100 * row['share'] * both / 1e9:.0f}% with "
+            f"the KV cache; medians' {100 * row['ours'] * weights / 1e9 / row['gbs']:.0f}%)")
 
 
 def main() -> None:

@@ -149,6 +149,11 @@ class CpuBackend:
         # A prefill step's attention heads and element-wise kernels run side by side on as many
         # threads as BLAS has (decode steps use numba's threads: see _numba_threads_step).
         self.cpu_pool = CpuPool()
+        # numba's threads, which attention's split is made for (read once: cold, right after a
+        # step, the call takes ~35 us). Reading it starts numba's thread pool, which registers
+        # the symbol its parallel kernels call to launch: a kernel loaded from the cache before
+        # any parallel one ran from Python would call an unresolved address (a segfault, seen).
+        self.numba_threads = numba.get_num_threads()
 
     def to_storage(self, array: np.ndarray, dtype: str) -> np.ndarray:
         """A C-contiguous copy of ``array`` in storage dtype ``dtype``."""
@@ -241,10 +246,10 @@ class CpuBackend:
         """How the scalar attention kernel splits each token's kv heads over numba's threads
         (``attention.head_splits``), or 0: run it single-threaded (a step too small to wake the
         threads for, or one whose matmuls are BLAS's)."""
-        work = (int(positions.sum()) + positions.shape[0]) * num_q_heads * k_cache.shape[4] * 2
-        if not threaded or work < self.parallel_attention_min_work:
+        if not threaded:
             return 0
-        return attention.head_splits(positions.shape[0], k_cache.shape[2], numba.get_num_threads())
+        return attention.cpu_attention_splits(positions, num_q_heads, k_cache.shape[2], k_cache.shape[4],
+                                              self.parallel_attention_min_work, self.numba_threads)
 
     def _scalar_attention(self, qkv: np.ndarray, positions: np.ndarray, token_seq: np.ndarray,
                           page_table: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, layer: int,

@@ -28,7 +28,6 @@ import hashlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-import numba
 from numba import njit
 
 from engines.runtime.model.backend import Activations, CpuBackend, StepInputs
@@ -59,11 +58,13 @@ def _make_decode_step(kernels_digest: str) -> Callable[..., None]:
     def decode_step_cpu(token_ids, positions, token_seq, page_table, rows, logit_rows,  # step
                         embed, input_norm, qkv_w, qkv_bias, o_w, post_norm, gate_up_w, down_w,  # weights
                         final_norm, lm_head_w, no_bias, cos, sin, eps, num_q_heads, scale,
-                        k_cache, v_cache, attention_splits, greedy,  # KV cache, attention's split
+                        k_cache, v_cache, parallel_attention_min_work, threads, greedy,  # KV, attention's split
                         hidden, no_residual, normed, qkv, attn, delta, gate_up, act, final, logits, next_ids):
-        """``LlamaModel._launch`` for one step, kernel for kernel; ``attention_splits`` 0 runs
-        attention single-threaded (``CpuBackend.attention_splits``)."""
+        """``LlamaModel._launch`` for one step, kernel for kernel, attention split over numba's
+        threads as ``CpuBackend.attention_splits`` splits it (0 splits: single-threaded)."""
         kernels_digest  # noqa: B018 - referenced so that it is in the closure, hence in the cache key
+        attention_splits = attention.cpu_attention_splits(positions, num_q_heads, k_cache.shape[2],
+                                                          k_cache.shape[4], parallel_attention_min_work, threads)
         embedding.embedding_gather_cpu(token_ids, embed, hidden)
         for layer in range(qkv_w.shape[0]):
             residual = no_residual if layer == 0 else delta
@@ -102,10 +103,6 @@ class CpuDecodeStep:
         first = model.layers[0].attention
         self.num_q_heads, self.scale = first.num_q_heads, first.scale
         self.cos, self.sin = first.cos, first.sin
-        # Starts numba's thread pool, which registers the symbol its parallel kernels call to
-        # launch; a step loaded from the cache before any parallel kernel ran from Python would
-        # call an unresolved address (a segfault, seen).
-        numba.get_num_threads()
 
     def covers(self, step: StepInputs) -> bool:
         """Whether every op of ``step`` is a numba kernel (no BLAS matmul, no BLAS attention run)."""
@@ -116,12 +113,11 @@ class CpuDecodeStep:
     def run(self, step: StepInputs, act: Activations, kv: PagedKVCache, greedy: bool) -> None:
         """Run ``step`` (one that :meth:`covers`): its results land in ``act`` as the per-kernel
         path's would."""
-        m, w = self.model, self.model.layer_weights
-        splits = self.backend.attention_splits(step.positions, self.num_q_heads, kv.k, threaded=True)
+        m, w, be = self.model, self.model.layer_weights, self.backend
         decode_step_cpu(step.token_ids, step.positions, step.token_seq, step.page_table, step.rows, step.logit_rows,
                         m.embed_tokens, w.input_norm, w.qkv_w, w.qkv_bias, w.o_w, w.post_attention_norm,
                         w.gate_up_w, w.down_w, m.norm, m.lm_head_w, m.no_bias, self.cos, self.sin, m.eps,
-                        self.num_q_heads, self.scale, kv.k, kv.v, splits, greedy,
+                        self.num_q_heads, self.scale, kv.k, kv.v, be.parallel_attention_min_work, be.numba_threads, greedy,
                         act.hidden, act.no_residual, act.normed, act.qkv, act.attn, act.delta, act.gate_up, act.act,
                         act.final, act.logits, act.next_ids)
 

@@ -28,6 +28,7 @@ from engines.runtime.model.checkpoint import expected_tensor_shapes
 from engines.runtime.model.config import CheckpointError, ModelConfig
 from engines.runtime.model.kernels.rope_kv import rope_tables
 from engines.runtime.model.kv_storage import PagedKVCache
+from engines.runtime.model.step_inputs import IdentityRows, step_inputs
 
 if TYPE_CHECKING:
     from engines.runtime.model.checkpoint import Checkpoint
@@ -192,7 +193,7 @@ class LlamaModel:
             "gate_up": 2 * c.intermediate_size, "act": c.intermediate_size,
             "final": c.hidden_size, "logits": c.vocab_size,
         })
-        self._identity_rows = np.arange(0, dtype=np.int32)
+        self._identity_rows = IdentityRows()
         # Small steps on the CPU run as one compiled function (the model's own backend only: a
         # profiler's timed one launches kernel by kernel).
         self.cpu_step = CpuDecodeStep(self, be) if isinstance(be, CpuBackend) else None
@@ -253,55 +254,12 @@ class LlamaModel:
             be.argmax(act.logits, act.next_ids)
 
     def _step_inputs(self, batch: ForwardBatch, kv: PagedKVCache) -> StepInputs:
-        """Check the batch and derive the per-token metadata the kernels read (host arrays).
-
-        Every check guards memory the kernels would otherwise read or write out of bounds.
-        """
+        """Check the batch against this model and ``kv``, and derive the per-token metadata the
+        kernels read (``step_inputs``: every check guards memory the kernels would otherwise
+        read or write out of bounds)."""
         if kv.backend_name != self.backend_name or kv.dtype != self.dtype or kv.num_layers != len(self.layers):
             raise ValueError("this KV cache was not made by this model's new_kv_cache()")
-        token_ids = np.ascontiguousarray(batch.token_ids, dtype=np.int32)
-        starts = np.asarray(batch.query_starts, dtype=np.int64)
-        cached = np.asarray(batch.cached_lens, dtype=np.int64)
-        table = np.ascontiguousarray(batch.page_table, dtype=np.int32)
-        num_tokens, num_seqs = token_ids.shape[0], starts.shape[0] - 1
-        lens = np.diff(starts)
-        if num_seqs < 1 or starts[0] != 0 or starts[-1] != num_tokens or (lens < 1).any():
-            raise ValueError("query_starts must rise from 0 to len(token_ids), every sequence with >= 1 new token")
-        if cached.shape != (num_seqs,) or (cached < 0).any():
-            raise ValueError(f"cached_lens must hold {num_seqs} non-negative counts")
-        if table.ndim != 2 or table.shape[0] != num_seqs:
-            raise ValueError(f"page_table must be [num_seqs={num_seqs}, max_pages]")
-        if token_ids.min() < 0 or token_ids.max() >= self.config.vocab_size:
-            raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")
-        last_pos = cached + lens - 1
-        if last_pos.max() >= self.config.max_position_embeddings:
-            raise ValueError(f"position {last_pos.max()} is past max_position_embeddings "
-                             f"({self.config.max_position_embeddings})")
-        pages_used = last_pos // kv.page_size + 1
-        if pages_used.max() > table.shape[1]:
-            raise ValueError("page_table has fewer pages than the sequences' tokens need")
-        used = table[np.arange(table.shape[1])[None, :] < pages_used[:, None]]
-        if used.min() < 0 or used.max() >= kv.num_pages:
-            raise ValueError(f"page_table holds page ids outside [0, {kv.num_pages}) where tokens live")
-
-        # Page tables are passed at a power-of-two width: a growing sequence then changes
-        # the step's layout (and CUDA graph) only log2(pages) times. Entries past a
-        # sequence's last page are never read.
-        width = 1 << int(pages_used.max() - 1).bit_length()
-        if width != table.shape[1]:
-            padded = np.full((num_seqs, width), -1, np.int32)
-            keep = min(width, table.shape[1])
-            padded[:, :keep] = table[:, :keep]
-            table = padded
-
-        token_seq = np.repeat(np.arange(num_seqs, dtype=np.int32), lens)
-        positions = (cached[token_seq] + np.arange(num_tokens) - starts[token_seq]).astype(np.int32)
-        if self._identity_rows.shape[0] < num_tokens:
-            self._identity_rows = np.arange(max(num_tokens, 2 * self._identity_rows.shape[0]), dtype=np.int32)
-        rows = self._identity_rows[:num_tokens]
-        logit_rows = rows if batch.all_logits else (starts[1:] - 1).astype(np.int32)
-        return StepInputs(token_ids=token_ids, positions=positions, token_seq=token_seq, page_table=table,
-                          rows=rows, logit_rows=logit_rows)
+        return step_inputs(batch, kv, self.config, self._identity_rows)
 
 
 def _check_weights(config: ModelConfig, weights: Mapping[str, np.ndarray]) -> None:
