@@ -5,7 +5,9 @@ Both have the same methods, and the model calls nothing else: array allocation
 (``to_storage``, ``store_linear``, ``store_layers``, ``empty``), the per-step upload of the batch metadata
 (``upload_step``), the ops (``embedding``, ``add_rmsnorm``, ``matmul``, ``rope_kv_append``,
 ``attention``, ``silu_mul``, ``argmax``), running a step's ops (``run_step``: replayed from
-a CUDA graph on a GPU) and the copy of results back to the host (``to_host``).
+a CUDA graph on a GPU) and the copy of results back to the host (``to_host``). One more on the
+CPU: ``gather_rows``, for the last layer of a step whose other rows return no logits
+(``compacts_last_layer``).
 Activation buffers live in a :class:`Workspace` that grows to the largest step seen and is
 reused after that, so a steady decode loop allocates nothing, on either backend.
 """
@@ -144,6 +146,8 @@ class CpuBackend:
     # Multiply-adds below which attention runs single-threaded: for the smallest decode steps
     # waking numba's thread pool costs as much as the work (batch 1, 80 keys: even).
     parallel_attention_min_work = 1 << 16
+    #: The model may run its last layer past the K/V for the logit rows alone (``gather_rows``).
+    compacts_last_layer = True
 
     def __init__(self) -> None:
         # A prefill step's attention heads and element-wise kernels run side by side on as many
@@ -196,6 +200,10 @@ class CpuBackend:
     def embedding(self, token_ids: np.ndarray, table: np.ndarray, out: np.ndarray) -> None:
         """``out[t] = table[token_ids[t]]``."""
         embedding.embedding_gather_cpu(token_ids, table, out)
+
+    def gather_rows(self, source: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
+        """``out[i] = source[rows[i]]`` (float32 activations)."""
+        np.take(source, rows, axis=0, out=out)
 
     def add_rmsnorm(self, x: np.ndarray, residual: np.ndarray, rows: np.ndarray, weight: np.ndarray,
                 eps: np.float32, out: np.ndarray) -> None:
@@ -346,6 +354,9 @@ class CudaBackend:
 
     name = "cuda"
     dtypes = ("float32", "float16")
+    #: Not yet: the logit rows' own step would need its positions and sequences in the packed
+    #: upload (``upload_step``) and a float32 row gather; every row runs every layer here.
+    compacts_last_layer = False
     # Steps of at most this many tokens (decode, short chunks) are replayed from graphs;
     # longer prefill chunks vary in size too much to be worth recording.
     graph_max_tokens = 64

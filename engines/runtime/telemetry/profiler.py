@@ -28,7 +28,8 @@ __all__ = ["KERNELS", "PHASES", "ProfileResult", "ProfileStatus", "ProfiledBacke
            "StepProfiler", "measure_host_bandwidth"]
 
 #: The backend methods that launch kernels (``engines.runtime.model.backend``).
-KERNELS = ("embedding", "add_rmsnorm", "matmul", "rope_kv_append", "attention", "silu_mul", "argmax")
+KERNELS = ("embedding", "add_rmsnorm", "matmul", "rope_kv_append", "attention", "silu_mul", "argmax",
+           "gather_rows")
 #: The seams of an engine step, in order (``Engine.step``); ``kernels`` and ``transfers`` are
 #: the forward pass's launches and copies, ``forward other`` the rest of it (host-side
 #: preparation inside the model, launch overhead).
@@ -149,6 +150,9 @@ def kernel_cost(name: str, args: tuple[Any, ...], kv_positions: int = 0, attende
     if name == "embedding":
         token_ids, _table, out = args
         return name, 2 * _nbytes(out) + _nbytes(token_ids), 0
+    if name == "gather_rows":
+        _source, rows, out = args
+        return name, 2 * _nbytes(out) + _nbytes(rows), 0
     if name == "add_rmsnorm":
         x, residual, rows, weight, _eps, out = args
         return name, 2 * _nbytes(x) + _nbytes(residual) + _nbytes(weight) + _nbytes(out), 5 * int(np.prod(x.shape))
@@ -195,7 +199,8 @@ class ProfiledBackend:
                 self._sync = cuda.synchronize
         self._attention_work = (0, 0)
         for name in KERNELS:
-            setattr(self, name, self._timed(name, getattr(backend, name)))
+            if hasattr(backend, name):  # gather_rows: the CPU backend's alone
+                setattr(self, name, self._timed(name, getattr(backend, name)))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._backend, name)

@@ -108,8 +108,10 @@ def test_profiling_backend_launches_kernel_by_kernel(reference: Reference,  # no
     counted = CountedStep(monkeypatch)
     launched: list[str] = []
     own = model.backend
-    timed = types.SimpleNamespace(**{name: getattr(own, name) for name in ("upload_step", "run_step", "to_host")})
-    for name in ("embedding", "add_rmsnorm", "matmul", "rope_kv_append", "attention", "silu_mul", "argmax"):
+    timed = types.SimpleNamespace(**{name: getattr(own, name)
+                                     for name in ("upload_step", "run_step", "to_host", "compacts_last_layer")})
+    for name in ("embedding", "add_rmsnorm", "matmul", "rope_kv_append", "attention", "silu_mul", "argmax",
+                 "gather_rows"):
         def launch(*args: Any, _name: str = name) -> None:
             launched.append(_name)
             getattr(own, _name)(*args)
