@@ -52,8 +52,7 @@ def main() -> None:
     weight_bytes = sum(a.nbytes for a in (w.input_norm, w.qkv_w, w.qkv_bias, w.o_w, w.post_attention_norm,
                                           w.gate_up_w, w.down_w, model.norm, model.lm_head_w))
     config = model.config
-    kv_per_token = 2 * 4 * config.num_hidden_layers * config.num_key_value_heads * (
-        config.hidden_size // config.num_attention_heads)
+    kv_per_token = 2 * 4 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
     print(f"{args.threads} thread(s); weights read a step {weight_bytes / 1e6:.1f} MB; medians of {args.rounds} rounds "
           f"of {args.steps} alternated steps each")
     for context in args.contexts:
@@ -62,7 +61,8 @@ def main() -> None:
             decoder.step()
         batch = ForwardBatch(decoder.next_ids.astype(np.int32), decoder.decode_starts, decoder.cached.copy(),
                              decoder.page_table)
-        # The step's metadata and buffers, made once: what forward_greedy makes before its one call.
+        # The step's metadata and buffers, made once: what forward_greedy makes before its one call
+        # (the model's private helpers on purpose: this bench measures what lies around that call).
         step = model.backend.upload_step(model._step_inputs(batch, decoder.kv))
         act = model.workspace.activations(1, 1)
         forms = {"through forward_greedy": lambda: model.forward_greedy(batch, decoder.kv),

@@ -281,6 +281,17 @@ def test_paged_attention_of_one_token_reads_four_pages_side_by_side(rng: np.rand
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
+def test_attention_splits_run_small_steps_single_threaded() -> None:
+    """``cpu_attention_splits``: 0 (single-threaded) below the work threshold, else the heads'
+    slices for the thread count."""
+    positions = np.array([79], np.int32)  # 80 keys, 8 q heads of 64: 81,920 multiply-adds
+    work = 80 * 8 * 64 * 2
+    assert attention.cpu_attention_splits(positions, 8, 8, 64, work + 1, 2) == 0
+    assert attention.cpu_attention_splits(positions, 8, 8, 64, work, 2) == 2
+    assert attention.cpu_attention_splits(np.array([79, 5, 9], np.int32), 8, 8, 64, 0, 2) == 1
+    assert attention.cpu_attention_splits(positions, 8, 8, 64, 0, 4) == 4
+
+
 def test_head_splits_give_every_thread_an_item_in_equal_slices() -> None:
     assert attention.head_splits(8, 8, 2) == 1   # enough tokens: whole tokens
     assert attention.head_splits(1, 8, 2) == 2   # batch 1 on two threads: halves
