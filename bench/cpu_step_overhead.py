@@ -84,8 +84,8 @@ def main() -> None:
         for name, seconds in medians.items():
             rate = step_bytes / seconds / 1e9
             print(f"  {name:24s} {seconds * 1e3:6.3f} ms  {rate:5.1f} GB/s  {100 * rate / gbs:4.0f}% of the host's")
-        print(f"  Python around the step: {1e3 * (medians['through forward_greedy'] - medians['compiled step alone']):.3f}"
-              " ms")
+        around = medians["through forward_greedy"] - medians["compiled step alone"]
+        print(f"  Python around the step: {1e3 * around:.3f} ms")
 
 
 if __name__ == "__main__":

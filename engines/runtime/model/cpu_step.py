@@ -117,7 +117,8 @@ class CpuDecodeStep:
         decode_step_cpu(step.token_ids, step.positions, step.token_seq, step.page_table, step.rows, step.logit_rows,
                         m.embed_tokens, w.input_norm, w.qkv_w, w.qkv_bias, w.o_w, w.post_attention_norm,
                         w.gate_up_w, w.down_w, m.norm, m.lm_head_w, m.no_bias, self.cos, self.sin, m.eps,
-                        self.num_q_heads, self.scale, kv.k, kv.v, be.parallel_attention_min_work, be.numba_threads, greedy,
+                        self.num_q_heads, self.scale, kv.k, kv.v,
+                        be.parallel_attention_min_work, be.numba_threads, greedy,
                         act.hidden, act.no_residual, act.normed, act.qkv, act.attn, act.delta, act.gate_up, act.act,
                         act.final, act.logits, act.next_ids)
 

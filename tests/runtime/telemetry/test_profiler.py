@@ -220,7 +220,8 @@ def test_attention_work_follows_the_batch(make_engine) -> None:
     qkv_width = (c.num_attention_heads + 2 * c.num_key_value_heads) * c.head_dim
 
     def layer_bytes(rows: int) -> int:  # the keys and values read, q in, the output out
-        return 2 * p * c.num_key_value_heads * c.head_dim * 4 + rows * qkv_width * 4 + rows * c.num_attention_heads * c.head_dim * 4
+        kv_read = 2 * p * c.num_key_value_heads * c.head_dim * 4
+        return kv_read + rows * qkv_width * 4 + rows * c.num_attention_heads * c.head_dim * 4
     assert attention["bytes"] == (c.num_hidden_layers - 1) * layer_bytes(p) + layer_bytes(1)
 
 
