@@ -9,9 +9,11 @@ that is a few per cent of a 4-5 ms step (bench/cpu_anchors.py --per-kernel: 1.05
 one thread, 0.98-1.04 elsewhere, within the noise); it pays most where steps are shortest.
 
 It runs the backend's own kernels, in the same order, on the same buffers, with the same
-attention split; LLVM optimises them again inside the step and may sum a reassociated reduction
-in another order, so results match the per-kernel path's to float32 rounding, not bit for bit
-(tests/runtime/model/test_cpu_step.py diffs the two). It covers the steps whose every op is one
+attention split, but for one fusion: in a step of one token the MLP's gate/up projection and its
+SwiGLU are one kernel (``matmul.matmul_swiglu_cpu``), whose ``[gate | up]`` product is never
+stored (a batch-1 step ~2% faster). LLVM optimises the kernels again inside the step and may sum a
+reassociated reduction in another order, so results match the per-kernel path's to float32
+rounding, not bit for bit (tests/runtime/model/test_cpu_step.py diffs the two). It covers the steps whose every op is one
 of those numba kernels: at most ``matmul.CPU_ROWS_KERNEL_MAX_ROWS`` new tokens (so no BLAS
 matmul and no BLAS attention run). The profiler's timed backend replaces the model's own, and the
 model then launches kernel by kernel, as the CUDA backend launches without its graph while
@@ -60,11 +62,14 @@ def _make_decode_step(kernels_digest: str) -> Callable[..., None]:
                         final_norm, lm_head_w, no_bias, cos, sin, eps, num_q_heads, scale,
                         k_cache, v_cache, parallel_attention_min_work, threads, greedy,  # KV, attention's split
                         hidden, no_residual, normed, qkv, attn, delta, gate_up, act, final, logits, next_ids):
-        """``LlamaModel._launch`` for one step, kernel for kernel, attention split over numba's
-        threads as ``CpuBackend.attention_splits`` splits it (0 splits: single-threaded)."""
+        """``LlamaModel._launch`` for one step, kernel for kernel but, for one token, the MLP's
+        gate/up projection and SwiGLU as one kernel (``matmul_swiglu_cpu``); attention split over
+        numba's threads as ``CpuBackend.attention_splits`` splits it (0 splits: single-threaded)."""
         kernels_digest  # noqa: B018 - referenced so that it is in the closure, hence in the cache key
         attention_splits = attention.cpu_attention_splits(positions, num_q_heads, k_cache.shape[2],
                                                           k_cache.shape[4], parallel_attention_min_work, threads)
+        # One token, and whole (gate, up) pairs in each block of the fused kernel: see matmul_swiglu_cpu.
+        swiglu_fused = token_ids.shape[0] == 1 and gate_up_w.shape[1] % 4 == 0
         embedding.embedding_gather_cpu(token_ids, embed, hidden)
         for layer in range(qkv_w.shape[0]):
             residual = no_residual if layer == 0 else delta
@@ -80,8 +85,11 @@ def _make_decode_step(kernels_digest: str) -> Callable[..., None]:
                                                      num_q_heads, scale, attn, 1)
             matmul.matmul_rows_cpu(attn, o_w[layer], no_bias, delta)
             add_rmsnorm.add_rmsnorm_cpu(hidden, delta, rows, post_norm[layer], eps, normed)
-            matmul.matmul_rows_cpu(normed, gate_up_w[layer], no_bias, gate_up)
-            silu_mul.silu_mul_cpu(gate_up, act)
+            if swiglu_fused:
+                matmul.matmul_swiglu_cpu(normed, gate_up_w[layer], act)
+            else:
+                matmul.matmul_rows_cpu(normed, gate_up_w[layer], no_bias, gate_up)
+                silu_mul.silu_mul_cpu(gate_up, act)
             matmul.matmul_rows_cpu(act, down_w[layer], no_bias, delta)
         add_rmsnorm.add_rmsnorm_cpu(hidden, delta, logit_rows, final_norm, eps, final)
         matmul.matmul_rows_cpu(final, lm_head_w, no_bias, logits)

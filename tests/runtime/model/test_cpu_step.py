@@ -86,6 +86,22 @@ def test_compiled_step_equals_the_per_kernel_path(reference: Reference, monkeypa
     assert counted.calls == len(steps)
 
 
+def test_compiled_steps_of_one_token_equal_the_per_kernel_path(reference: Reference,  # noqa: F811
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batch-1 decode: the steps where the compiled step fuses the MLP's gate/up projection and
+    SwiGLU (``matmul_swiglu_cpu``; the parity models' intermediate size, 96, is even), against
+    the per-kernel path's matmul then ``silu_mul``."""
+    model = reference.ours
+    assert model.layer_weights.gate_up_w.shape[1] % 4 == 0  # whole (gate, up) pairs: the fused kernel runs
+    counted = CountedStep(monkeypatch)
+    rng = np.random.default_rng(11)
+    steps = [([rng.integers(0, model.config.vocab_size, 9).tolist()], "logits")]
+    steps += [([rng.integers(0, model.config.vocab_size, 1).tolist()], "greedy" if i % 2 else "logits")
+              for i in range(8)]
+    run_both(model, steps)
+    assert counted.calls == len(steps)
+
+
 def test_steps_past_the_rows_kernel_run_kernel_by_kernel(reference: Reference,  # noqa: F811
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     model = reference.ours

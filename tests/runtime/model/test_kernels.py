@@ -146,6 +146,28 @@ def test_cpu_matmul_paths(rng: np.random.Generator, rows: int) -> None:
         np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 3])
+def test_cpu_matmul_with_swiglu_epilogue_equals_matmul_then_silu_mul(rng: np.random.Generator, rows: int) -> None:
+    """The fused gate/up projection and SwiGLU of the compiled CPU step against its reference,
+    the two kernels it replaces, and against float64: one row (where the step uses it) and more,
+    intermediate sizes whose halves are odd and even, the benchmark's 1408. An odd intermediate
+    size (no whole pairs in a block) is refused."""
+    for inner, intermediate in [(37, 6), (37, 10), (64, 96), (512, 1408)]:
+        x = rng.standard_normal((rows, inner)).astype(np.float32)
+        weight = (rng.standard_normal((2 * intermediate, inner)) / math.sqrt(inner) * 3).astype(np.float32)
+        fused = np.full((rows, intermediate), np.nan, np.float32)
+        matmul.matmul_swiglu_cpu(x, weight, fused)
+        gate_up, want = np.empty((rows, 2 * intermediate), np.float32), np.empty((rows, intermediate), np.float32)
+        matmul.matmul_rows_cpu(x, weight, np.zeros(0, np.float32), gate_up)
+        silu_mul.silu_mul_cpu(gate_up, want)
+        np.testing.assert_allclose(fused, want, rtol=1e-4, atol=1e-5)  # sums in another order
+        product = x.astype(np.float64) @ weight.T.astype(np.float64)
+        gate, up = product[:, :intermediate], product[:, intermediate:]
+        np.testing.assert_allclose(fused, gate / (1 + np.exp(-gate)) * up, rtol=1e-4, atol=1e-5)
+    with pytest.raises(ValueError, match="4k rows"):
+        matmul.matmul_swiglu_cpu(x, np.ones((2 * 7, inner), np.float32), np.empty((rows, 7), np.float32))
+
+
 def ragged_step(rng: np.random.Generator, cached: list[int], new: list[int], num_pages: int) -> tuple[StepInputs, int]:
     """Host metadata for sequences with ``cached[i]`` tokens already stored and ``new[i]``
     new ones, on shuffled, non-contiguous pages."""
