@@ -265,10 +265,11 @@ def test_paged_attention(rng: np.random.Generator, dtype: str) -> None:
             np.testing.assert_allclose(other, want, rtol=1e-5, atol=1e-6)
 
 
-def test_paged_attention_reads_four_pages_side_by_side_when_heads_are_split(rng: np.random.Generator) -> None:
-    """With a token's kv heads split over threads the CPU twin reads its whole pages four at a
-    time (pages j, j + n/4, j + n/2, j + 3n/4), the rest one by one: contexts of exactly four
-    whole pages, of more with a partial last one, and a chunk whose tokens split differently."""
+def test_paged_attention_reads_four_pages_side_by_side(rng: np.random.Generator) -> None:
+    """Every work item of the CPU twin, a token's heads whole or split over threads, reads its
+    whole pages four at a time (pages j, j + n/4, j + n/2, j + 3n/4), the rest one by one:
+    contexts of exactly four whole pages, of more with a partial last one, of fewer, and a chunk
+    whose tokens split differently, on shuffled pages."""
     cached = [4 * PAGE_SIZE - 1, 9 * PAGE_SIZE + 2, 2, 37]
     new = [1, 3, 1, 1]
     step, tokens = ragged_step(rng, cached, new, num_pages=64)
@@ -279,7 +280,7 @@ def test_paged_attention_reads_four_pages_side_by_side_when_heads_are_split(rng:
     scale = np.float32(HEAD_DIM ** -0.5)
     want = dense_attention(qkv, step, k, v, 1)
     assert (step.positions + 1 >= 4 * PAGE_SIZE).sum() >= 4  # most tokens take the four-page path
-    for splits in [s for s in range(2, KV_HEADS + 1) if KV_HEADS % s == 0]:
+    for splits in [s for s in range(1, KV_HEADS + 1) if KV_HEADS % s == 0]:
         for kernel in (attention.paged_attention_serial_cpu, attention.paged_attention_cpu):
             got = np.full((tokens, Q_HEADS * HEAD_DIM), np.nan, np.float32)
             kernel(qkv, step.positions, step.token_seq, step.page_table, k, v, 1, Q_HEADS, scale, got, splits)

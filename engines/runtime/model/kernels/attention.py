@@ -246,13 +246,14 @@ def _paged_attention(qkv, positions, token_seq, page_table, k_cache, v_cache, la
     attention 1.4-2.3x faster once the KV cache no longer fits in the caches). No key pays for a
     page-table division, and the 1/sum is folded into the output.
 
-    When a token's heads are split over threads (``splits > 1``: batch 1 on two threads), or the
-    step is one token (batch 1 on one thread), each item reads four pages side by side, ``j, j +
-    n/4, j + n/2, j + 3n/4`` of its ``n`` whole ones: one stream of half pages per thread brought
-    the keys and values in at 10-15 GB/s; four make batch 1's attention 1.18-1.36x faster on two
-    threads (80 to 500 keys read from memory), its whole step 3-8%, and 1.17-1.29x on one thread
-    (144 to 528 keys). Where every thread has whole tokens of a batch four streams gained nothing
-    (up to 10% slower at batch 4 to 32, measured), so those items keep one.
+    Each item reads four of its pages side by side, ``j, j + n/4, j + n/2, j + 3n/4`` of its ``n``
+    whole ones (the rest one by one): four memory streams, as the projections read their weights.
+    At batch 1 one stream of half pages per thread brought the KV in at 10-15 GB/s; four make its
+    attention 1.18-1.36x faster on two threads (80 to 500 keys read from memory) and 1.17-1.29x on
+    one (144 to 528 keys). A batch's items of whole tokens gain where an engine's pages lie:
+    interleaved between the sequences of a batch that grew in step, or shuffled. There a batch of
+    4 to 32 at 272 keys is 1.12-1.44x faster on two threads (8: 1.29-1.30x on one), at 80 keys
+    1.05-1.18x; over pages contiguous per sequence, 3% slower to 9% faster (measured cold).
     """
     num_kv_heads = k_cache.shape[2]
     page_size = k_cache.shape[3]
@@ -267,8 +268,8 @@ def _paged_attention(qkv, positions, token_seq, page_table, k_cache, v_cache, la
         seq = token_seq[t]
         num_keys = positions[t] + 1
         num_pages = (num_keys + page_size - 1) // page_size
-        # Four streams over 4 * quarter whole pages, for batch 1 (see the docstring).
-        quarter = (num_keys // page_size) // 4 if splits > 1 or qkv.shape[0] == 1 else 0
+        # Four streams over 4 * quarter whole pages (see the docstring).
+        quarter = (num_keys // page_size) // 4
         q = np.empty((q_heads, head_dim), np.float32)
         for i in range(q_heads):
             for d in range(head_dim):
