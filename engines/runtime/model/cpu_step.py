@@ -13,9 +13,9 @@ attention split, but for one fusion: in a step of one token the MLP's gate/up pr
 SwiGLU are one kernel (``matmul.matmul_swiglu_cpu``), whose ``[gate | up]`` product is never
 stored (a batch-1 step ~2% faster). LLVM optimises the kernels again inside the step and may sum a
 reassociated reduction in another order, so results match the per-kernel path's to float32
-rounding, not bit for bit (tests/runtime/model/test_cpu_step.py diffs the two). It covers the steps whose every op is one
-of those numba kernels: at most ``matmul.CPU_ROWS_KERNEL_MAX_ROWS`` new tokens (so no BLAS
-matmul and no BLAS attention run). The profiler's timed backend replaces the model's own, and the
+rounding, not bit for bit (tests/runtime/model/test_cpu_step.py diffs the two). It covers the
+steps whose every op is one of those numba kernels: at most ``matmul.CPU_ROWS_KERNEL_MAX_ROWS``
+new tokens (so no BLAS matmul and no BLAS attention run). The profiler's timed backend replaces the model's own, and the
 model then launches kernel by kernel, as the CUDA backend launches without its graph while
 profiling.
 

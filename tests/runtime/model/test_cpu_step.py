@@ -15,8 +15,10 @@ import numpy as np
 import pytest
 
 from engines.runtime.model import cpu_step
+from engines.runtime.model.checkpoint import load_checkpoint
 from engines.runtime.model.llama import LlamaModel
-from tests.runtime.model.test_model_parity import PagedSequences, Reference, reference  # noqa: F401 - fixture
+from tests.runtime.model.test_model_parity import (  # noqa: F401 - fixture
+    PagedSequences, Reference, reference, save_tiny_checkpoint)
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -98,6 +100,22 @@ def test_compiled_steps_of_one_token_equal_the_per_kernel_path(reference: Refere
     steps = [([rng.integers(0, model.config.vocab_size, 9).tolist()], "logits")]
     steps += [([rng.integers(0, model.config.vocab_size, 1).tolist()], "greedy" if i % 2 else "logits")
               for i in range(8)]
+    run_both(model, steps)
+    assert counted.calls == len(steps)
+
+
+def test_one_token_steps_of_an_odd_intermediate_size_run_matmul_then_silu_mul(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An odd intermediate size leaves no whole (gate, up) pairs in the fused kernel's blocks: the
+    compiled step keeps the matmul then ``silu_mul`` there (the fused kernel would refuse)."""
+    folder = save_tiny_checkpoint(tmp_path, arch="llama", vocab=96, hidden=64, layers=2, tied=False, seed=5,
+                                  intermediate=97)
+    model = LlamaModel.from_checkpoint(load_checkpoint(folder), backend="cpu")
+    assert model.layer_weights.gate_up_w.shape[1] % 4 == 2
+    counted = CountedStep(monkeypatch)
+    rng = np.random.default_rng(13)
+    steps = [([rng.integers(0, 96, 5).tolist()], "logits")]
+    steps += [([rng.integers(0, 96, 1).tolist()], "greedy" if i % 2 else "logits") for i in range(4)]
     run_both(model, steps)
     assert counted.calls == len(steps)
 

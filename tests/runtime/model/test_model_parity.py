@@ -29,10 +29,11 @@ DECODE_STEPS = 8
 
 
 def save_tiny_checkpoint(folder: Path, arch: str, vocab: int, hidden: int, layers: int, tied: bool,
-                         seed: int) -> Path:
-    """A random ``arch`` checkpoint (GQA: 4 q heads, 2 kv heads, head_dim hidden/4) plus a
-    word-level tokenizer."""
-    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3 // 2, num_hidden_layers=layers,
+                         seed: int, intermediate: int | None = None) -> Path:
+    """A random ``arch`` checkpoint (GQA: 4 q heads, 2 kv heads, head_dim hidden/4; MLP width
+    ``intermediate``, by default 1.5x ``hidden``) plus a word-level tokenizer."""
+    intermediate = hidden * 3 // 2 if intermediate is None else intermediate
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-5,
                   tie_word_embeddings=tied)
     if arch == "llama":

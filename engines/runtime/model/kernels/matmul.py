@@ -18,7 +18,9 @@ the layer has none.
 Their CPU twin, :func:`matmul_cpu`, computes the same product from ``w[out, in]``: with up to
 32 rows (a decode step) :func:`matmul_rows_cpu`, register-blocked, which streams each weight row
 once, in four long sequential streams (measured 1.3-2.5x faster than OpenBLAS sgemm at 4-16 rows
-before those streams, on par at 32); with many rows (prefill), BLAS sgemm.
+before those streams, on par at 32); with many rows (prefill), BLAS sgemm. The compiled CPU step
+of one token runs the MLP's gate/up projection as :func:`matmul_swiglu_cpu`, the SwiGLU in its
+epilogue (CPU only: its reference is this product then ``silu_mul``).
 """
 import numpy as np
 from numba import cuda, float32, njit, prange
