@@ -39,6 +39,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from engines.runtime.core.free_pages import FreePages
+
 __all__ = [
     "Admission",
     "KVCachePool",
@@ -140,9 +142,9 @@ class KVCachePool:
 
     def reset(self) -> None:
         """Forget every sequence, every cached and pinned page, and the hit statistics."""
-        # Stack of never-used or released pages; popped from the end, so a fresh pool
-        # hands out 0, 1, 2, ... and a released page is reused first (still warm).
-        self._free: list[int] = list(range(self.num_pages - 1, -1, -1))
+        # Never-used or released pages, handed out in runs per sequence (a fresh pool gives its
+        # first sequence 0, 1, 2, ...).
+        self._free = FreePages(self.num_pages)
         self._refcount = [0] * self.num_pages
         self._key: list[bytes | None] = [None] * self.num_pages  # prefix key of a cached page
         self._pinned = [False] * self.num_pages
@@ -203,7 +205,7 @@ class KVCachePool:
         needed = self.pages_needed(seq_id, num_tokens)
         if needed > self.num_available_pages:
             return False
-        seq.pages.extend(self._take_fresh_page() for _ in range(needed))
+        self._extend(seq, needed)
         seq.num_slots += num_tokens
         return True
 
@@ -370,7 +372,7 @@ class KVCachePool:
         seq.page_keys = keys
         seq.token_ids = list(token_ids[:cached_tokens])
         seq.num_slots = cached_tokens + new_tokens
-        seq.pages.extend(self._take_fresh_page() for _ in range(needed))
+        self._extend(seq, needed)
         self._seqs[seq_id] = seq
         self._query_tokens += len(token_ids)
         self._hit_tokens += cached_tokens
@@ -405,14 +407,20 @@ class KVCachePool:
         if self._refcount[page] > 0:
             return
         if self._key[page] is None:
-            self._free.append(page)
+            self._free.give(page)
         elif not self._pinned[page]:
             self._evictable[page] = None  # most recently released: evicted last
 
-    def _take_fresh_page(self) -> int:
-        """A page with refcount 1 for new contents; evicts the LRU cached page only if none is free."""
+    def _extend(self, seq: _Sequence, count: int) -> None:
+        """Give ``seq`` ``count`` fresh pages, each after its last where that page is free."""
+        for _ in range(count):
+            seq.pages.append(self._take_fresh_page(seq.pages[-1] if seq.pages else None))
+
+    def _take_fresh_page(self, after: int | None) -> int:
+        """A page with refcount 1 for new contents (a free one, ``after + 1`` preferred: see
+        ``FreePages``); evicts the LRU cached page only if none is free."""
         if self._free:
-            page = self._free.pop()
+            page = self._free.take(after)
         else:
             page, _ = self._evictable.popitem(last=False)
             del self._cached[self._key[page]]

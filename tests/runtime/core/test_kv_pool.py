@@ -28,7 +28,7 @@ def check_invariants(pool: KVCachePool) -> None:
         assert pool._refcount[page] == held.count(page)
         if held.count(page) > 1:
             assert pool._key[page] is not None
-    assert not set(held) & set(pool._free)
+    assert not any(page in pool._free for page in held)
     assert not set(held) & set(pool._evictable)
 
 
