@@ -8,7 +8,8 @@ take turns generating greedily from the same random prompts (EOS ignored; whole 
 timed, prefill included), and the table gives the medians of ``--rounds`` rounds. Prefill alone
 (batch 1, long prompts) is timed the same way. This machine's memory bandwidth is measured in
 the same run (and around each of our batch-1 generations), and batch 1's bytes per token
-against it: its weights, and its weights with the keys and values it reads.
+against it: its weights, and its weights with the keys and values it reads, over the whole
+generation and over its decode steps alone (the prefill, bound by arithmetic, left out).
 
     .venv/bin/python bench/cpu_anchors.py                          # the full table (long)
     .venv/bin/python bench/cpu_anchors.py --threads 2 --batches 1 8 32 --new-tokens 128 --rounds 3
@@ -120,7 +121,8 @@ class Worker:
 def worker(args: argparse.Namespace) -> None:
     """``--worker NAME``: load one engine at ``--worker-threads`` threads, then answer commands
     from stdin: ``{"variant", "prompts", "new"}`` -> ``{"seconds"}`` (one generation, timed),
-    ``{"bandwidth": true}`` -> ``{"gbs"}``."""
+    ``{"bandwidth": true}`` -> ``{"gbs"}``. Ours also answers the seconds to its first token
+    (``"prefill_seconds"``), so that its decode steps can be set against the host's read rate alone."""
     threads = args.worker_threads
     from bench.cpu_threads import use_threads
 
@@ -128,7 +130,8 @@ def worker(args: argparse.Namespace) -> None:
     import numpy as np
 
     hf, ct2_path = make_checkpoint(args)
-    runs: dict[str, Callable[[Any, int], None]] = {}
+    # A run returns the seconds its prefill (and first token) took where it can tell, else None.
+    runs: dict[str, Callable[[Any, int], float | None]] = {}
     if args.worker == "ours":
         from bench.decode import OurDecoder
         from engines.runtime import LlamaModel, load_checkpoint
@@ -136,15 +139,18 @@ def worker(args: argparse.Namespace) -> None:
         model = LlamaModel.from_checkpoint(load_checkpoint(hf), backend="cpu")
         compiled_step = model.cpu_step
 
-        def ours(prompts: np.ndarray, new: int) -> None:
-            decoder = OurDecoder(model, prompts, prompts.shape[1] + new + 1)
+        def ours(prompts: np.ndarray, new: int) -> float:
+            began = time.perf_counter()
+            decoder = OurDecoder(model, prompts, prompts.shape[1] + new + 1)  # the prefill and first token
+            prefill = time.perf_counter() - began
             for _ in range(new - 1):
                 decoder.step()
+            return prefill
 
-        def ours_per_kernel(prompts: np.ndarray, new: int) -> None:
+        def ours_per_kernel(prompts: np.ndarray, new: int) -> float:
             model.cpu_step = None
             try:
-                ours(prompts, new)
+                return ours(prompts, new)
             finally:
                 model.cpu_step = compiled_step
 
@@ -186,8 +192,8 @@ def worker(args: argparse.Namespace) -> None:
             continue
         prompts = np.asarray(command["prompts"], dtype=np.int64)
         began = time.perf_counter()
-        runs[command["variant"]](prompts, command["new"])
-        print(json.dumps({"seconds": time.perf_counter() - began}), flush=True)
+        prefill = runs[command["variant"]](prompts, command["new"])
+        print(json.dumps({"seconds": time.perf_counter() - began, "prefill_seconds": prefill}), flush=True)
 
 
 def measure(args: argparse.Namespace, threads: int) -> Iterator[dict]:
@@ -204,6 +210,7 @@ def measure(args: argparse.Namespace, threads: int) -> Iterator[dict]:
         def cell(kind: str, batch: int, prompt_len: int, new: int) -> dict:
             prompts = rng.integers(3, args.vocab, (batch, prompt_len))
             times: dict[str, list[float]] = {name: [] for name in engines}
+            prefills: list[float] = []  # ours, each generation's prefill and first token
             # Batch 1: the host's read rate just before and just after each of our generations (the
             # machine's speed drifts by tens of per cent between minutes; a bracketing pair follows it).
             bandwidths: list[float] = []
@@ -215,14 +222,20 @@ def measure(args: argparse.Namespace, threads: int) -> Iterator[dict]:
                 for name in names[round_ % len(names):] + names[:round_ % len(names)]:
                     bracket = kind == "decode" and batch == 1 and name == "ours"
                     before = workers[0].ask(bandwidth=True)["gbs"] if bracket else 0.0
-                    times[name].append(engines[name].ask(variant=name, prompts=prompts.tolist(), new=new)["seconds"])
+                    answer = engines[name].ask(variant=name, prompts=prompts.tolist(), new=new)
+                    times[name].append(answer["seconds"])
                     if bracket:
                         bandwidths.append((before + workers[0].ask(bandwidth=True)["gbs"]) / 2)
+                        prefills.append(answer["prefill_seconds"])
             row = {"kind": kind, "threads": threads, "batch": batch, "prompt": prompt_len, "new": new}
             if bandwidths:
                 row["gbs"] = statistics.median(bandwidths)
                 # Each generation's rate against the yardstick read around it, the median of those shares.
                 row["share"] = statistics.median(new / seconds / gbs for seconds, gbs in zip(times["ours"], bandwidths))
+                # Its decode steps alone (after the first token): the prefill is bound by arithmetic, not
+                # by memory, and has cells of its own.
+                row["decode_share"] = statistics.median((new - 1) / (seconds - prefill) / gbs for seconds, prefill, gbs
+                                                        in zip(times["ours"], prefills, bandwidths))
             for name, values in times.items():
                 row[name] = batch * (new if kind == "decode" else prompt_len) / statistics.median(values)
             return row
@@ -287,11 +300,14 @@ def kv_bytes(args: argparse.Namespace, new: int) -> float:
 def bandwidth_note(args: argparse.Namespace, row: dict) -> str:
     """Batch 1's read rate against the host's: weights alone, and weights with the KV cache the
     step reads too; each generation against the host's rate read around it (the median of those
-    shares), and the medians' rates against the median host rate."""
+    shares), whole and its decode steps alone (its tokens after the first over the time after
+    it), and the medians' rates against the median host rate."""
     weights, both = weight_bytes(args), weight_bytes(args) + kv_bytes(args, row["new"])
     return (f"  (batch 1: weights {row['ours'] * weights / 1e9:.1f} GB/s, host {row['gbs']:.1f}; per generation "
             f"{100 * row['share'] * weights / 1e9:.0f}% of the host's, {100 * row['share'] * both / 1e9:.0f}% with "
-            f"the KV cache; medians' {100 * row['ours'] * weights / 1e9 / row['gbs']:.0f}%)")
+            f"the KV cache; its decode steps {100 * row['decode_share'] * weights / 1e9:.0f}%, "
+            f"{100 * row['decode_share'] * both / 1e9:.0f}% with the KV cache; "
+            f"medians' {100 * row['ours'] * weights / 1e9 / row['gbs']:.0f}%)")
 
 
 def main() -> None:
