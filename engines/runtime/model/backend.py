@@ -250,25 +250,27 @@ class CpuBackend:
                                    v_cache, layer, num_q_heads, scale, rest_out, threaded)
             out[rest] = rest_out
 
-    def attention_splits(self, positions: np.ndarray, num_q_heads: int, k_cache: np.ndarray, threaded: bool) -> int:
-        """How the scalar attention kernel splits each token's kv heads over numba's threads
-        (``attention.head_splits``), or 0: run it single-threaded (a step too small to wake the
-        threads for, or one whose matmuls are BLAS's)."""
+    def attention_splits(self, positions: np.ndarray, num_q_heads: int, k_cache: np.ndarray,
+                         threaded: bool) -> tuple[int, int]:
+        """Into how many slices of its heads and of its keys the scalar attention kernel cuts
+        each token for numba's threads (``attention.cpu_attention_splits``), or ``(0, 0)``: run
+        it single-threaded (a step too small to wake the threads for, or one whose matmuls are
+        BLAS's)."""
         if not threaded:
-            return 0
-        return attention.cpu_attention_splits(positions, num_q_heads, k_cache.shape[2], k_cache.shape[4],
-                                              self.parallel_attention_min_work, self.numba_threads)
+            return 0, 0
+        return attention.cpu_attention_splits(positions, num_q_heads, k_cache.shape[2], k_cache.shape[3],
+                                              k_cache.shape[4], self.parallel_attention_min_work, self.numba_threads)
 
     def _scalar_attention(self, qkv: np.ndarray, positions: np.ndarray, token_seq: np.ndarray,
                           page_table: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, layer: int,
                           num_q_heads: int, scale: np.float32, out: np.ndarray, threaded: bool) -> None:
-        splits = self.attention_splits(positions, num_q_heads, k_cache, threaded)
-        if splits:
+        head_splits, key_splits = self.attention_splits(positions, num_q_heads, k_cache, threaded)
+        if head_splits:
             attention.paged_attention_cpu(qkv, positions, token_seq, page_table, k_cache, v_cache, layer,
-                                          num_q_heads, scale, out, splits)
+                                          num_q_heads, scale, out, head_splits, key_splits)
         else:
             attention.paged_attention_serial_cpu(qkv, positions, token_seq, page_table, k_cache, v_cache, layer,
-                                                 num_q_heads, scale, out, 1)
+                                                 num_q_heads, scale, out, 1, 1)
 
     def silu_mul(self, gate_up: np.ndarray, out: np.ndarray) -> None:
         """``out = silu(gate) * up`` over ``gate_up = [gate | up]``: on numba's threads when the

@@ -66,8 +66,9 @@ def _make_decode_step(kernels_digest: str) -> Callable[..., None]:
         gate/up projection and SwiGLU as one kernel (``matmul_swiglu_cpu``); attention split over
         numba's threads as ``CpuBackend.attention_splits`` splits it (0 splits: single-threaded)."""
         kernels_digest  # noqa: B018 - referenced so that it is in the closure, hence in the cache key
-        attention_splits = attention.cpu_attention_splits(positions, num_q_heads, k_cache.shape[2],
-                                                          k_cache.shape[4], parallel_attention_min_work, threads)
+        head_splits, key_splits = attention.cpu_attention_splits(positions, num_q_heads, k_cache.shape[2],
+                                                                 k_cache.shape[3], k_cache.shape[4],
+                                                                 parallel_attention_min_work, threads)
         # One token, and whole (gate, up) pairs in each block of the fused kernel: see matmul_swiglu_cpu.
         swiglu_fused = token_ids.shape[0] == 1 and gate_up_w.shape[1] % 4 == 0
         embedding.embedding_gather_cpu(token_ids, embed, hidden)
@@ -77,12 +78,12 @@ def _make_decode_step(kernels_digest: str) -> Callable[..., None]:
             matmul.matmul_rows_cpu(normed, qkv_w[layer], qkv_bias[layer], qkv)
             rope_kv.rope_kv_append_cpu(qkv, positions, token_seq, page_table, cos, sin, k_cache, v_cache, layer,
                                        num_q_heads)
-            if attention_splits > 0:
+            if head_splits > 0:
                 attention.paged_attention_cpu(qkv, positions, token_seq, page_table, k_cache, v_cache, layer,
-                                              num_q_heads, scale, attn, attention_splits)
+                                              num_q_heads, scale, attn, head_splits, key_splits)
             else:
                 attention.paged_attention_serial_cpu(qkv, positions, token_seq, page_table, k_cache, v_cache, layer,
-                                                     num_q_heads, scale, attn, 1)
+                                                     num_q_heads, scale, attn, 1, 1)
             matmul.matmul_rows_cpu(attn, o_w[layer], no_bias, delta)
             add_rmsnorm.add_rmsnorm_cpu(hidden, delta, rows, post_norm[layer], eps, normed)
             if swiglu_fused:

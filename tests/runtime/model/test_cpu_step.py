@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from engines.runtime.model import cpu_step
+from engines.runtime.model.kernels import attention
 from engines.runtime.model.checkpoint import load_checkpoint
 from engines.runtime.model.llama import LlamaModel
 from tests.runtime.model.test_model_parity import (  # noqa: F401 - fixture
@@ -100,6 +101,28 @@ def test_compiled_steps_of_one_token_equal_the_per_kernel_path(reference: Refere
     steps = [([rng.integers(0, model.config.vocab_size, 9).tolist()], "logits")]
     steps += [([rng.integers(0, model.config.vocab_size, 1).tolist()], "greedy" if i % 2 else "logits")
               for i in range(8)]
+    run_both(model, steps)
+    assert counted.calls == len(steps)
+
+
+def test_compiled_steps_of_one_token_over_long_contexts_split_its_keys(reference: Reference,  # noqa: F811
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Batch 1 on two threads with contexts of eight whole pages and more: attention cuts the
+    token's keys in halves and merges them by their maxima and sums (``cpu_attention_splits``
+    says (1, 2) for every step here), compiled step against the per-kernel path."""
+    model = reference.ours
+    backend = model.cpu_step.backend
+    monkeypatch.setattr(backend, "parallel_attention_min_work", 0)
+    monkeypatch.setattr(backend, "numba_threads", 2)
+    counted = CountedStep(monkeypatch)
+    rng = np.random.default_rng(17)
+    steps = [([rng.integers(0, model.config.vocab_size, 32).tolist()], "logits")]  # the most the step takes
+    steps += [([rng.integers(0, model.config.vocab_size, 1).tolist()], "greedy" if i % 2 else "logits")
+              for i in range(6)]
+    config = model.config
+    for position in range(32, 38):  # the decode steps' positions, pages of 4
+        assert attention.cpu_attention_splits(np.array([position], np.int32), config.num_attention_heads,
+                                              config.num_key_value_heads, 4, config.head_dim, 0, 2) == (1, 2)
     run_both(model, steps)
     assert counted.calls == len(steps)
 

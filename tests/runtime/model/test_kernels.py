@@ -191,6 +191,10 @@ def device_step(step: StepInputs) -> StepInputs:
 
 
 SEQS = ([40, 0, 257], [1, 64, 3]) if REAL_GPU else ([13, 0, 2], [1, 6, 3])  # (cached, new) per sequence; several key chunks
+#: (head_splits, key_splits) of the CPU attention twin's work items, as cpu_attention_splits may
+#: choose them and beyond: every kv-head divisor, key slices (more than a short context has
+#: pages: empty ones), and both at once.
+SPLITS = [(h, 1) for h in range(1, KV_HEADS + 1) if KV_HEADS % h == 0] + [(1, 2), (1, 3), (1, 7), (2, 3)]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -254,22 +258,24 @@ def test_paged_attention(rng: np.random.Generator, dtype: str) -> None:
 
     want = np.empty((tokens, Q_HEADS * HEAD_DIM), np.float32)
     attention.paged_attention_cpu(qkv, step.positions, step.token_seq, step.page_table, k, v, 1, Q_HEADS, scale, want,
-                                  1)
+                                  1, 1)
     np.testing.assert_allclose(want, dense_attention(qkv, step, k, v, 1), rtol=1e-4, atol=1e-5)
     assert_close(out.copy_to_host(), want, rtol=1e-4, atol=1e-5)
-    # The CPU twin's other shapes of work: single-threaded, and each token's kv heads in slices.
-    for splits in [s for s in range(1, KV_HEADS + 1) if KV_HEADS % s == 0]:
+    # The CPU twin's other shapes of work: single-threaded, each token's kv heads in slices, its
+    # keys in slices (more than a short context has pages among them: empty ones), and both.
+    for head_splits, key_splits in SPLITS:
         for kernel in (attention.paged_attention_serial_cpu, attention.paged_attention_cpu):
             other = np.full((tokens, Q_HEADS * HEAD_DIM), np.nan, np.float32)
-            kernel(qkv, step.positions, step.token_seq, step.page_table, k, v, 1, Q_HEADS, scale, other, splits)
+            kernel(qkv, step.positions, step.token_seq, step.page_table, k, v, 1, Q_HEADS, scale, other, head_splits,
+                   key_splits)
             np.testing.assert_allclose(other, want, rtol=1e-5, atol=1e-6)
 
 
 def test_paged_attention_reads_four_pages_side_by_side(rng: np.random.Generator) -> None:
-    """Every work item of the CPU twin, a token's heads whole or split over threads, reads its
-    whole pages four at a time (pages j, j + n/4, j + n/2, j + 3n/4), the rest one by one:
-    contexts of exactly four whole pages, of more with a partial last one, of fewer, and a chunk
-    whose tokens split differently, on shuffled pages."""
+    """Every work item of the CPU twin, a token's keys whole or a slice of them, reads its whole
+    pages four at a time (pages j, j + n/4, j + n/2, j + 3n/4), the rest one by one: contexts of
+    exactly four whole pages, of more with a partial last one, of fewer, and a chunk whose tokens
+    split differently, on shuffled pages; slices of eight and more pages take the four streams."""
     cached = [4 * PAGE_SIZE - 1, 9 * PAGE_SIZE + 2, 2, 37]
     new = [1, 3, 1, 1]
     step, tokens = ragged_step(rng, cached, new, num_pages=64)
@@ -280,10 +286,11 @@ def test_paged_attention_reads_four_pages_side_by_side(rng: np.random.Generator)
     scale = np.float32(HEAD_DIM ** -0.5)
     want = dense_attention(qkv, step, k, v, 1)
     assert (step.positions + 1 >= 4 * PAGE_SIZE).sum() >= 4  # most tokens take the four-page path
-    for splits in [s for s in range(1, KV_HEADS + 1) if KV_HEADS % s == 0]:
+    for head_splits, key_splits in SPLITS:
         for kernel in (attention.paged_attention_serial_cpu, attention.paged_attention_cpu):
             got = np.full((tokens, Q_HEADS * HEAD_DIM), np.nan, np.float32)
-            kernel(qkv, step.positions, step.token_seq, step.page_table, k, v, 1, Q_HEADS, scale, got, splits)
+            kernel(qkv, step.positions, step.token_seq, step.page_table, k, v, 1, Q_HEADS, scale, got, head_splits,
+                   key_splits)
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
@@ -300,19 +307,23 @@ def test_paged_attention_of_one_token_reads_four_pages_side_by_side(rng: np.rand
     for kernel in (attention.paged_attention_serial_cpu, attention.paged_attention_cpu):
         got = np.full((tokens, Q_HEADS * HEAD_DIM), np.nan, np.float32)
         kernel(qkv, step.positions, step.token_seq, step.page_table, k, v, 1, Q_HEADS,
-               np.float32(HEAD_DIM ** -0.5), got, 1)
+               np.float32(HEAD_DIM ** -0.5), got, 1, 1)
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
 def test_attention_splits_run_small_steps_single_threaded() -> None:
-    """``cpu_attention_splits``: 0 (single-threaded) below the work threshold, else the heads'
-    slices for the thread count."""
-    positions = np.array([79], np.int32)  # 80 keys, 8 q heads of 64: 81,920 multiply-adds
+    """``cpu_attention_splits``: (0, 0) (single-threaded) below the work threshold, else the
+    head and key slices for the thread count: keys where each slice holds four whole pages."""
+    positions = np.array([79], np.int32)  # 80 keys (5 pages of 16), 8 q heads of 64: 81,920 multiply-adds
     work = 80 * 8 * 64 * 2
-    assert attention.cpu_attention_splits(positions, 8, 8, 64, work + 1, 2) == 0
-    assert attention.cpu_attention_splits(positions, 8, 8, 64, work, 2) == 2
-    assert attention.cpu_attention_splits(np.array([79, 5, 9], np.int32), 8, 8, 64, 0, 2) == 1
-    assert attention.cpu_attention_splits(positions, 8, 8, 64, 0, 4) == 4
+    assert attention.cpu_attention_splits(positions, 8, 8, 16, 64, work + 1, 2) == (0, 0)
+    assert attention.cpu_attention_splits(positions, 8, 8, 16, 64, work, 2) == (2, 1)  # short: heads
+    assert attention.cpu_attention_splits(np.array([79, 5, 9], np.int32), 8, 8, 16, 64, 0, 2) == (1, 1)
+    assert attention.cpu_attention_splits(positions, 8, 8, 16, 64, 0, 4) == (4, 1)
+    assert attention.cpu_attention_splits(np.array([127], np.int32), 8, 8, 16, 64, 0, 2) == (1, 2)  # 8 pages
+    assert attention.cpu_attention_splits(np.array([126], np.int32), 8, 8, 16, 64, 0, 2) == (2, 1)  # 7 whole
+    assert attention.cpu_attention_splits(np.array([1000, 300], np.int32), 8, 8, 16, 64, 0, 4) == (1, 2)
+    assert attention.cpu_attention_splits(np.array([1000, 100], np.int32), 8, 8, 16, 64, 0, 4) == (2, 1)
 
 
 def test_head_splits_give_every_thread_an_item_in_equal_slices() -> None:
@@ -322,6 +333,31 @@ def test_head_splits_give_every_thread_an_item_in_equal_slices() -> None:
     assert attention.head_splits(1, 6, 4) == 6
     assert attention.head_splits(2, 8, 16) == 8  # never more slices than heads
     assert attention.head_splits(0, 8, 2) == 2
+
+
+def test_slices_of_a_token_s_keys_merge_to_its_attention_whatever_the_scores(rng: np.random.Generator) -> None:
+    """Key slices whose maxima differ by far more than exp's range (each slice's sum would
+    underflow against the largest), and a NaN score in one slice only: the merged result is the
+    whole context's softmax, and the NaN reaches the output as it does unsliced."""
+    step, tokens = ragged_step(rng, [9 * PAGE_SIZE + 3], [1], num_pages=16)
+    cache_shape = (2, 16, KV_HEADS, PAGE_SIZE, HEAD_DIM)
+    k = rng.standard_normal(cache_shape).astype(np.float32)
+    v = rng.standard_normal(cache_shape).astype(np.float32)
+    k[1, step.page_table[0, 7]] *= 200.0  # a page of the second slice: scores ~200x the first slice's
+    qkv = rng.standard_normal((tokens, (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM)).astype(np.float32)
+    scale = np.float32(HEAD_DIM ** -0.5)
+    want = dense_attention(qkv, step, k, v, 1)
+    for kernel in (attention.paged_attention_serial_cpu, attention.paged_attention_cpu):
+        got = np.full((tokens, Q_HEADS * HEAD_DIM), np.nan, np.float32)
+        kernel(qkv, step.positions, step.token_seq, step.page_table, k, v, 1, Q_HEADS, scale, got, 1, 2)
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    k[1, step.page_table[0, 1], 0, 3, 0] = np.nan  # kv head 0, in the first slice only
+    for splits in (1, 2):
+        got = np.zeros((tokens, Q_HEADS * HEAD_DIM), np.float32)
+        attention.paged_attention_cpu(qkv, step.positions, step.token_seq, step.page_table, k, v, 1, Q_HEADS, scale,
+                                      got, 1, splits)
+        group_width = Q_HEADS // KV_HEADS * HEAD_DIM
+        assert np.isnan(got[0, :group_width]).all() and not np.isnan(got[0, group_width:]).any()
 
 
 def test_silu_mul(rng: np.random.Generator) -> None:
@@ -418,7 +454,7 @@ def test_threaded_and_single_threaded_twins_keep_caches_of_their_own(tmp_path) -
         "seq = np.zeros(2, np.int32); table = np.zeros((1, 2), np.int32)\n"
         "for name in NAMES:\n"
         "    kernel = getattr(attention, 'paged_attention_' + name)\n"
-        "    kernel(qkv, pos, seq, table, cache, cache, 0, 2, np.float32(0.5), out, 1)\n"
+        "    kernel(qkv, pos, seq, table, cache, cache, 0, 2, np.float32(0.5), out, 1, 1)\n"
         "    twin = getattr(silu_mul, 'silu_mul_' + name)\n"
         "    twin(np.ones((2, 8), np.float32), np.empty((2, 4), np.float32))\n"
         "    print(name, sum(kernel.stats.cache_hits.values()), sum(twin.stats.cache_hits.values()))\n"

@@ -51,6 +51,6 @@ def test_blas_runs_match_the_scalar_kernel_and_a_dense_softmax():
     cpu.attention(qkv, step, k, v, 1, Q_HEADS, scale, got)
     want = np.empty_like(got)
     attention.paged_attention_cpu(qkv, step.positions, step.token_seq, step.page_table, k, v, 1, Q_HEADS, scale, want,
-                                  1)
+                                  1, 1)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=2e-6)
     np.testing.assert_allclose(got, dense_attention(qkv, step, k, v, 1), rtol=1e-4, atol=1e-5)

@@ -14,7 +14,7 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, njit, prange
 
-from engines.runtime.model.kernels.fast_exp import softmax_numerators
+from engines.runtime.model.kernels.fast_exp import exp_f32, softmax_numerators_and_max
 from engines.runtime.model.kernels.variants import renamed
 
 ATTN_MAX_THREADS = 128   # largest blockDim.x: keys scored per chunk
@@ -138,17 +138,37 @@ def head_splits(num_tokens: int, num_kv_heads: int, threads: int) -> int:
     return splits
 
 
+#: A token's keys are cut into slices only when each holds at least this many whole pages, so
+#: that every slice still reads four pages side by side (below it, heads are cut instead).
+MIN_PAGES_PER_KEY_SLICE = 4
+
+
 @njit(nogil=True, cache=True)
-def cpu_attention_splits(positions, num_q_heads, num_kv_heads, head_dim, min_work, threads):
-    """The ``splits`` argument of :func:`paged_attention_cpu` for a step on ``threads`` threads
-    (:func:`head_splits`), or 0: a step of fewer than ``min_work`` multiply-adds, which runs
-    single-threaded (:func:`paged_attention_serial_cpu`). Compiled, so that the CPU decode step
-    decides inside its one call: in Python, right after a step has streamed the weights through
-    the caches, the same few lines took ~95 us (measured), 2-3% of a batch-1 step."""
+def cpu_attention_splits(positions, num_q_heads, num_kv_heads, page_size, head_dim, min_work, threads):
+    """``(head_splits, key_splits)`` for :func:`paged_attention_cpu` in a step on ``threads``
+    threads, or ``(0, 0)``: a step of fewer than ``min_work`` multiply-adds, which runs
+    single-threaded (:func:`paged_attention_serial_cpu`). With fewer tokens than threads each
+    token is cut: into slices of its keys where every token's context holds
+    ``MIN_PAGES_PER_KEY_SLICE`` whole pages a slice, else into slices of its heads
+    (:func:`head_splits`). Compiled, so that the CPU decode step decides inside its one call: in
+    Python, right after a step has streamed the weights through the caches, the same few lines
+    took ~95 us (measured), 2-3% of a batch-1 step."""
     work = (positions.sum() + positions.shape[0]) * num_q_heads * head_dim * 2
     if work < min_work:
-        return 0
-    return head_splits(positions.shape[0], num_kv_heads, threads)
+        return 0, 0
+    num_tokens = positions.shape[0]
+    slices = -(-threads // max(num_tokens, 1))
+    if slices > 1 and (positions.min() + 1) // page_size >= MIN_PAGES_PER_KEY_SLICE * slices:
+        return 1, slices
+    return head_splits(num_tokens, num_kv_heads, threads), 1
+
+
+@njit(inline="always")
+def _key_slice(num_keys, page_size, splits, part):
+    """Pages ``[first, end)`` of slice ``part`` of ``splits`` of a context of ``num_keys`` keys
+    (empty when there are fewer pages than slices)."""
+    num_pages = (num_keys + page_size - 1) // page_size
+    return part * num_pages // splits, (part + 1) * num_pages // splits
 
 
 @njit(inline="always")
@@ -235,73 +255,129 @@ def _weigh_four_pages(p0, p1, p2, p3, first_head, first, stride, group, per_item
 
 
 def _paged_attention(qkv, positions, token_seq, page_table, k_cache, v_cache, layer, num_q_heads, scale, out,
-                     splits):
+                     head_splits, key_splits):
     """Exact two-pass softmax per (token, q head); see :func:`paged_attention_cuda`.
 
-    A work item is one token and one of ``splits`` equal slices of its kv heads (see
-    :func:`head_splits`: all of them in one, unless there are fewer tokens than threads). The item
-    walks the sequence's pages once for keys and once for values, reading each page's slots of
-    its heads in memory order: with every head of a 16-token page that is 32 KB in one run, which
-    the hardware prefetcher streams, where one head at a time read 4 KB runs 32 KB apart (decode
-    attention 1.4-2.3x faster once the KV cache no longer fits in the caches). No key pays for a
-    page-table division, and the 1/sum is folded into the output.
+    A work item is one token, one of ``head_splits`` equal slices of its kv heads and one of
+    ``key_splits`` slices of its keys (whole pages): all of a token's heads and keys in one item
+    unless there are fewer tokens than threads (:func:`cpu_attention_splits`). The item walks its
+    pages once for keys and once for values, reading each page's slots of its heads in memory
+    order: with every head of a 16-token page that is 32 KB in one run, which the hardware
+    prefetcher streams, where one head at a time read 4 KB runs 32 KB apart (decode attention
+    1.4-2.3x faster once the KV cache no longer fits in the caches). No key pays for a page-table
+    division, and the 1/sum is folded into the output.
+
+    A token whose keys are cut gets each slice's max, sum and unnormalised output, merged after
+    them (flash-decoding's split of a long context). At batch 1 on two threads, halves of the
+    keys read whole pages where halves of the heads read half of each: a layer's attention in
+    the compiled step 1.15x faster at 144 keys, 1.25x at 272, 1.31-1.32x at 528 and 1040 (a
+    cycle counter around each kernel, alternated), but slower below four whole pages a slice,
+    whose items lose the four streams (80 keys: 14.4 against 12.6 us); there heads are cut.
 
     Each item reads four of its pages side by side, ``j, j + n/4, j + n/2, j + 3n/4`` of its ``n``
     whole ones (the rest one by one): four memory streams, as the projections read their weights.
     At batch 1 one stream of half pages per thread brought the KV in at 10-15 GB/s; four make its
     attention 1.18-1.36x faster on two threads (80 to 500 keys read from memory) and 1.17-1.29x on
-    one (144 to 528 keys). A batch's items of whole tokens gain where an engine's pages lie:
-    interleaved between the sequences of a batch that grew in step, or shuffled. There a batch of
-    4 to 32 at 272 keys is 1.12-1.44x faster on two threads (8: 1.29-1.30x on one), at 80 keys
-    1.05-1.18x; over pages contiguous per sequence, 3% slower to 9% faster (measured cold).
+    one (144 to 528 keys). A batch's items of whole tokens gain where pages are interleaved
+    between the sequences of a batch or shuffled: there a batch of 4 to 32 at 272 keys is
+    1.12-1.44x faster on two threads (8: 1.29-1.30x on one), at 80 keys 1.05-1.18x; over pages
+    contiguous per sequence, 3% slower to 9% faster (measured cold).
     """
     num_kv_heads = k_cache.shape[2]
     page_size = k_cache.shape[3]
     head_dim = k_cache.shape[4]
     group = num_q_heads // num_kv_heads
-    per_item = num_kv_heads // splits
+    per_item = num_kv_heads // head_splits
     q_heads = per_item * group
-    for item in prange(qkv.shape[0] * splits):
+    num_tokens = qkv.shape[0]
+    splits = head_splits * key_splits
+    # Partial results where keys are cut: each slice's max score, sum of numerators and
+    # unnormalised output, per q head.
+    parts = num_tokens * key_splits if key_splits > 1 else 0
+    part_max = np.empty((parts, num_q_heads), np.float32)
+    part_sum = np.empty((parts, num_q_heads), np.float32)
+    part_out = np.empty((parts, num_q_heads, head_dim), np.float32)
+    for item in prange(num_tokens * splits):
         t = item // splits
-        first_head = (item % splits) * per_item
-        q_base = first_head * group * head_dim
+        first_head = (item % splits) // key_splits * per_item
+        key_slice = item % key_splits
+        part = t * key_splits + key_slice
+        q_base = first_head * group  # the item's first q head
         seq = token_seq[t]
         num_keys = positions[t] + 1
-        num_pages = (num_keys + page_size - 1) // page_size
-        # Four streams over 4 * quarter whole pages (see the docstring).
-        quarter = (num_keys // page_size) // 4
-        q = np.empty((q_heads, head_dim), np.float32)
-        for i in range(q_heads):
+        first_page, end_page = _key_slice(num_keys, page_size, key_splits, key_slice)
+        count = min(end_page * page_size, num_keys) - first_page * page_size  # the item's keys
+        if count <= 0:  # more slices than pages: this one holds none
+            for i in range(q_heads):
+                part_max[part, q_base + i] = -np.inf
+                part_sum[part, q_base + i] = 0.0
+                for d in range(head_dim):
+                    part_out[part, q_base + i, d] = 0.0
+        else:
+            q = np.empty((q_heads, head_dim), np.float32)
+            for i in range(q_heads):
+                for d in range(head_dim):
+                    q[i, d] = qkv[t, (q_base + i) * head_dim + d] * scale
+            # Four streams over 4 * quarter whole pages (see the docstring).
+            quarter = (count // page_size) // 4
+            stride = quarter * page_size  # keys between the four pages read side by side
+            pages = page_table[seq]
+            scores = np.empty((q_heads, count), np.float32)
+            for j in range(quarter):
+                p = first_page + j
+                _score_four_pages(q, k_cache[layer, pages[p]], k_cache[layer, pages[p + quarter]],
+                                  k_cache[layer, pages[p + 2 * quarter]], k_cache[layer, pages[p + 3 * quarter]],
+                                  first_head, j * page_size, stride, group, per_item, scores)
+            for p in range(first_page + 4 * quarter, end_page):
+                first = (p - first_page) * page_size
+                _score_page(q, k_cache[layer, pages[p]], first_head, min(page_size, count - first), first, group,
+                            per_item, scores)
+            tops = np.empty(q_heads, np.float32)
+            sums = np.empty(q_heads, np.float32)
+            lanes = np.empty(16, np.float32)
+            for i in range(q_heads):
+                tops[i], sums[i] = softmax_numerators_and_max(scores[i], count, lanes)
+            acc = np.zeros((q_heads, head_dim), np.float32)
+            for j in range(quarter):
+                p = first_page + j
+                _weigh_four_pages(v_cache[layer, pages[p]], v_cache[layer, pages[p + quarter]],
+                                  v_cache[layer, pages[p + 2 * quarter]], v_cache[layer, pages[p + 3 * quarter]],
+                                  first_head, j * page_size, stride, group, per_item, scores, acc)
+            for p in range(first_page + 4 * quarter, end_page):
+                first = (p - first_page) * page_size
+                _weigh_page(v_cache[layer, pages[p]], first_head, min(page_size, count - first), first, group,
+                            per_item, scores, acc)
+            if key_splits == 1:
+                for i in range(q_heads):
+                    inverse = float32(1.0) / sums[i]
+                    for d in range(head_dim):
+                        out[t, (q_base + i) * head_dim + d] = acc[i, d] * inverse
+            else:
+                for i in range(q_heads):
+                    part_max[part, q_base + i] = tops[i]
+                    part_sum[part, q_base + i] = sums[i]
+                    for d in range(head_dim):
+                        part_out[part, q_base + i, d] = acc[i, d]
+    weights = np.empty(key_splits, np.float32)
+    for t in range(num_tokens if key_splits > 1 else 0):  # merge the slices (a few thousand multiply-adds)
+        first_part = t * key_splits
+        for i in range(num_q_heads):
+            top = part_max[first_part, i]
+            for s in range(1, key_splits):
+                top = max(top, part_max[first_part + s, i])
+            total = float32(0.0)
+            for s in range(key_splits):
+                weights[s] = exp_f32(part_max[first_part + s, i] - top)
+                total += part_sum[first_part + s, i] * weights[s]
+            row = out[t, i * head_dim:(i + 1) * head_dim]
             for d in range(head_dim):
-                q[i, d] = qkv[t, q_base + i * head_dim + d] * scale
-        stride = quarter * page_size  # keys between the four pages read side by side
-        scores = np.empty((q_heads, num_keys), np.float32)
-        for j in range(quarter):
-            _score_four_pages(q, k_cache[layer, page_table[seq, j]], k_cache[layer, page_table[seq, j + quarter]],
-                              k_cache[layer, page_table[seq, j + 2 * quarter]],
-                              k_cache[layer, page_table[seq, j + 3 * quarter]], first_head, j * page_size, stride,
-                              group, per_item, scores)
-        for p in range(4 * quarter, num_pages):
-            first = p * page_size
-            _score_page(q, k_cache[layer, page_table[seq, p]], first_head, min(page_size, num_keys - first), first,
-                        group, per_item, scores)
-        inverse = np.empty(q_heads, np.float32)
-        lanes = np.empty(16, np.float32)
-        for i in range(q_heads):
-            inverse[i] = float32(1.0) / softmax_numerators(scores[i], num_keys, lanes)
-        acc = np.zeros((q_heads, head_dim), np.float32)
-        for j in range(quarter):
-            _weigh_four_pages(v_cache[layer, page_table[seq, j]], v_cache[layer, page_table[seq, j + quarter]],
-                              v_cache[layer, page_table[seq, j + 2 * quarter]],
-                              v_cache[layer, page_table[seq, j + 3 * quarter]], first_head, j * page_size, stride,
-                              group, per_item, scores, acc)
-        for p in range(4 * quarter, num_pages):
-            first = p * page_size
-            _weigh_page(v_cache[layer, page_table[seq, p]], first_head, min(page_size, num_keys - first), first, group,
-                        per_item, scores, acc)
-        for i in range(q_heads):
+                row[d] = part_out[first_part, i, d] * weights[0]
+            for s in range(1, key_splits):
+                for d in range(head_dim):
+                    row[d] += part_out[first_part + s, i, d] * weights[s]
+            inverse = float32(1.0) / total
             for d in range(head_dim):
-                out[t, q_base + i * head_dim + d] = acc[i, d] * inverse[i]
+                row[d] *= inverse
 
 
 # Reassociation lets LLVM vectorise the q.k dot products (the hot loop); no flags that
@@ -309,13 +385,13 @@ def _paged_attention(qkv, positions, token_seq, page_table, k_cache, v_cache, la
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 paged_attention_cpu = njit(nogil=True, cache=True, parallel=True, fastmath=_FASTMATH, error_model="numpy")(
     renamed(_paged_attention, "paged_attention_cpu"))
-paged_attention_cpu.__doc__ = """CPU twin of :func:`paged_attention_cuda`: (token, kv-head slice) items spread
-over numba's threads (the last argument, ``splits``, from :func:`head_splits`). For decode steps
-and the short chunks of mixed steps."""
+paged_attention_cpu.__doc__ = """CPU twin of :func:`paged_attention_cuda`: (token, head slice, key slice)
+items spread over numba's threads (the last two arguments, from :func:`cpu_attention_splits`). For
+decode steps and the short chunks of mixed steps."""
 paged_attention_serial_cpu = njit(nogil=True, cache=True, fastmath=_FASTMATH, error_model="numpy")(
     renamed(_paged_attention, "paged_attention_serial_cpu"))
 paged_attention_serial_cpu.__doc__ = """Single-threaded :func:`paged_attention_cpu`, for small steps (batch-1
-decode), where waking a thread pool costs more than the work (``splits``: 1)."""
+decode), where waking a thread pool costs more than the work (``head_splits`` and ``key_splits``: 1)."""
 
 CUDA_SIGNATURES = {
     paged_attention_cuda: (

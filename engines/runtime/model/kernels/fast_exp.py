@@ -18,7 +18,7 @@ from llvmlite import ir
 from numba import float32, int32, njit, types
 from numba.extending import intrinsic
 
-__all__ = ["exp_f32", "softmax_numerators"]
+__all__ = ["exp_f32", "softmax_numerators", "softmax_numerators_and_max"]
 
 _LOG2E = float32(1.44269504088896341)
 _LN2_HI = float32(0.693359375)      # ln 2 split so that n * _LN2_HI is exact
@@ -73,6 +73,13 @@ def softmax_numerators(row: np.ndarray, count: int, lanes: np.ndarray) -> float:
     16 lanes because LLVM vectorises a max reduction only when told there is no NaN, and a NaN
     score must stay NaN; lane-wise maxima are plain element-wise work. Inlined, so the loops
     take the caller's fastmath flags (reassociation vectorises the sum)."""
+    return softmax_numerators_and_max(row, count, lanes)[1]
+
+
+@njit(inline="always", cache=True, error_model="numpy")
+def softmax_numerators_and_max(row: np.ndarray, count: int, lanes: np.ndarray) -> tuple[float, float]:
+    """:func:`softmax_numerators`, returning ``(max, sum)``: the max too, for a caller that
+    merges the softmaxes of several slices of one row."""
     lanes[:] = row[0]
     whole = count - count % 16
     for j in range(0, whole, 16):
@@ -88,4 +95,4 @@ def softmax_numerators(row: np.ndarray, count: int, lanes: np.ndarray) -> float:
         e = exp_f32(row[j] - top)
         row[j] = e
         total += e
-    return total
+    return top, total
