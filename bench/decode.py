@@ -49,16 +49,26 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from engines.runtime import demo_checkpoint_path, ForwardBatch, LlamaModel, load_checkpoint  # noqa: E402
+from engines.runtime.model.kv_storage import PagedKVCache  # noqa: E402
 
 
 class OurDecoder:
-    """Greedy decoding of a fixed batch on our engine, with contiguous page tables."""
+    """Greedy decoding of a fixed batch on our engine, with contiguous page tables.
 
-    def __init__(self, model: LlamaModel, prompts: np.ndarray, max_len: int, page_size: int = 16) -> None:
+    ``kv``: the cache to write, as an engine keeps one for its life (at least the pages the batch
+    needs, of ``page_size`` tokens); none: a new one. A new cache's pages are mapped as the prefill
+    first writes them, which on this machine took 18 ms of a 512-token prefill's 105 ms."""
+
+    def __init__(self, model: LlamaModel, prompts: np.ndarray, max_len: int, page_size: int = 16,
+                 kv: PagedKVCache | None = None) -> None:
         self.model = model
         batch, prompt_len = prompts.shape
         pages_per_seq = -(-max_len // page_size)
-        self.kv = model.new_kv_cache(batch * pages_per_seq, page_size)
+        if kv is None:
+            kv = model.new_kv_cache(batch * pages_per_seq, page_size)
+        elif kv.page_size != page_size or kv.num_pages < batch * pages_per_seq:
+            raise ValueError(f"the KV cache needs {batch * pages_per_seq} pages of {page_size} tokens")
+        self.kv = kv
         self.page_table = np.arange(batch * pages_per_seq, dtype=np.int32).reshape(batch, pages_per_seq)
         self.batch = batch
         self.cached = np.zeros(batch, np.int32)
