@@ -48,8 +48,7 @@ import numpy as np  # noqa: E402  (after the thread settings above)
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from engines.runtime import demo_checkpoint_path, ForwardBatch, LlamaModel, load_checkpoint  # noqa: E402
-from engines.runtime.model.kv_storage import PagedKVCache  # noqa: E402
+from engines.runtime import demo_checkpoint_path, ForwardBatch, LlamaModel, load_checkpoint, PagedKVCache  # noqa: E402
 
 
 class OurDecoder:

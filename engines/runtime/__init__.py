@@ -65,6 +65,7 @@ _EXPORTS: dict[str, str] = {
     "ForwardBatch": "model.llama",
     "ModelConfig": "model.config",
     "StepInputs": "model.backend",
+    "PagedKVCache": "model.kv_storage",
     "select_backend": "model.backend",
     "rope_tables": "model.kernels.rope_kv",
     "CheckpointError": "model.config",
