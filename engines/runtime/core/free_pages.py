@@ -37,8 +37,10 @@ class FreePages:
         self._stack: list[int] = list(range(num_pages - 1, -1, -1))
         num_extents = -(-num_pages // run)
         self._extent_free = [self._extent_size(e) for e in range(num_extents)]
-        # Extents that were wholly free when pushed (checked again when popped), first extent on top.
+        # Extents that were wholly free when pushed (checked again when popped), first extent on
+        # top; each at most once (``_listed``), though one taken from by ``after + 1`` stays listed.
         self._whole: list[int] = list(range(num_extents - 1, -1, -1))
+        self._listed = [True] * num_extents
 
     def __len__(self) -> int:
         return self._count
@@ -57,6 +59,7 @@ class FreePages:
             page = after + 1
         while page < 0 and self._whole:
             extent = self._whole.pop()
+            self._listed[extent] = False
             if self._extent_free[extent] == self._extent_size(extent):
                 page = extent * self.run
         while page < 0:
@@ -76,8 +79,9 @@ class FreePages:
         self._count += 1
         extent = page // self.run
         self._extent_free[extent] += 1
-        if self._extent_free[extent] == self._extent_size(extent):
+        if self._extent_free[extent] == self._extent_size(extent) and not self._listed[extent]:
             self._whole.append(extent)
+            self._listed[extent] = True
         if len(self._stack) >= 2 * self.num_pages:
             self._compact_stack()
         self._stack.append(page)

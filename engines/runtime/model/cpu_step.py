@@ -64,7 +64,7 @@ def _make_decode_step(kernels_digest: str) -> Callable[..., None]:
                         hidden, no_residual, normed, qkv, attn, delta, gate_up, act, final, logits, next_ids):
         """``LlamaModel._launch`` for one step, kernel for kernel but, for one token, the MLP's
         gate/up projection and SwiGLU as one kernel (``matmul_swiglu_cpu``); attention split over
-        numba's threads as ``CpuBackend.attention_splits`` splits it (0 splits: single-threaded)."""
+        numba's threads as ``CpuBackend.attention_splits`` splits it ((0, 0): single-threaded)."""
         kernels_digest  # noqa: B018 - referenced so that it is in the closure, hence in the cache key
         head_splits, key_splits = attention.cpu_attention_splits(positions, num_q_heads, k_cache.shape[2],
                                                                  k_cache.shape[3], k_cache.shape[4],

@@ -93,6 +93,7 @@ def test_churn_never_hands_out_a_taken_page_and_the_bookkeeping_stays_bounded(ru
         assert len(free) == 40 - len(held)
         assert all((p in free) == (p not in held) for p in range(40))
         assert len(free._stack) <= 2 * 40  # stale entries are dropped, not hoarded
+        assert len(free._whole) <= -(-40 // run)  # an extent is listed once
 
 
 def test_the_kv_pool_gives_each_sequence_of_a_growing_batch_runs_of_pages():
