@@ -8,6 +8,13 @@ code, where a call is a native call, and Python pays one dispatch a step. On thi
 that is a few per cent of a 4-5 ms step (bench/cpu_anchors.py --per-kernel: 1.05x at batch 1 on
 one thread, 0.98-1.04 elsewhere, within the noise); it pays most where steps are shortest.
 
+The step takes the batch as the caller made it (:class:`~engines.runtime.model.llama.ForwardBatch`'s
+int32 arrays) and checks and derives its metadata itself (``step_inputs.derive_int32``), so that
+Python pays one call a step: apart, the checks, the metadata's dataclass and attention's split
+each cost another call into cold caches (``forward_greedy`` around the step 57-81 -> 37-44 us at
+batch 1, ``bench/cpu_step_overhead.py``). A batch it finds invalid runs nothing and goes to the
+per-kernel path, which raises the reference's ``ValueError``.
+
 It runs the backend's own kernels, in the same order, on the same buffers, with the same
 attention split, but for one fusion: in a step of one token the MLP's gate/up projection and its
 SwiGLU are one kernel (``matmul.matmul_swiglu_cpu``), whose ``[gate | up]`` product is never
@@ -32,17 +39,20 @@ from typing import TYPE_CHECKING, Callable
 
 from numba import njit
 
-from engines.runtime.model.backend import Activations, CpuBackend, StepInputs
+import numpy as np
+
+from engines.runtime.model import step_inputs
+from engines.runtime.model.backend import Activations, CpuBackend
 from engines.runtime.model.kernels import add_rmsnorm, argmax, attention, embedding, fast_exp, matmul, rope_kv, silu_mul
 from engines.runtime.model.kv_storage import PagedKVCache
 
 if TYPE_CHECKING:
-    from engines.runtime.model.llama import LlamaModel
+    from engines.runtime.model.llama import ForwardBatch, LlamaModel
 
 __all__ = ["CpuDecodeStep", "decode_step_cpu", "kernel_sources_digest"]
 
 #: The modules whose compiled code :func:`decode_step_cpu` holds (callees and theirs).
-STEP_KERNEL_MODULES = (embedding, add_rmsnorm, matmul, rope_kv, attention, fast_exp, silu_mul, argmax)
+STEP_KERNEL_MODULES = (step_inputs, embedding, add_rmsnorm, matmul, rope_kv, attention, fast_exp, silu_mul, argmax)
 
 
 def kernel_sources_digest(modules: tuple = STEP_KERNEL_MODULES) -> str:
@@ -57,15 +67,25 @@ def _make_decode_step(kernels_digest: str) -> Callable[..., None]:
     """The compiled step, its cache entry keyed by ``kernels_digest`` (see the module's docstring)."""
 
     @njit(nogil=True, cache=True)
-    def decode_step_cpu(token_ids, positions, token_seq, page_table, rows, logit_rows,  # step
+    def decode_step_cpu(token_ids, query_starts, cached_lens, page_table, all_logits,  # the batch
+                        vocab_size, max_positions,
                         embed, input_norm, qkv_w, qkv_bias, o_w, post_norm, gate_up_w, down_w,  # weights
                         final_norm, lm_head_w, no_bias, cos, sin, eps, num_q_heads, scale,
                         k_cache, v_cache, parallel_attention_min_work, threads, greedy,  # KV, attention's split
                         hidden, no_residual, normed, qkv, attn, delta, gate_up, act, final, logits, next_ids):
-        """``LlamaModel._launch`` for one step, kernel for kernel but, for one token, the MLP's
-        gate/up projection and SwiGLU as one kernel (``matmul_swiglu_cpu``); attention split over
-        numba's threads as ``CpuBackend.attention_splits`` splits it ((0, 0): single-threaded)."""
+        """``LlamaModel._launch`` for one step of a checked batch (False, and nothing run, for an
+        invalid one), kernel for kernel but, for one token, the MLP's gate/up projection and
+        SwiGLU as one kernel (``matmul_swiglu_cpu``); attention split over numba's threads as
+        ``CpuBackend.attention_splits`` splits it ((0, 0): single-threaded)."""
         kernels_digest  # noqa: B018 - referenced so that it is in the closure, hence in the cache key
+        ok, positions, token_seq, page_table, logit_rows = step_inputs.derive_int32(
+            token_ids, query_starts, cached_lens, page_table, vocab_size, max_positions, k_cache.shape[3],
+            k_cache.shape[1])
+        if not ok:
+            return False
+        rows = np.arange(token_ids.shape[0]).astype(np.int32)
+        if all_logits:
+            logit_rows = rows
         head_splits, key_splits = attention.cpu_attention_splits(positions, num_q_heads, k_cache.shape[2],
                                                                  k_cache.shape[3], k_cache.shape[4],
                                                                  parallel_attention_min_work, threads)
@@ -96,6 +116,7 @@ def _make_decode_step(kernels_digest: str) -> Callable[..., None]:
         matmul.matmul_rows_cpu(final, lm_head_w, no_bias, logits)
         if greedy:
             argmax.argmax_cpu(logits, next_ids)
+        return True
 
     return decode_step_cpu
 
@@ -113,21 +134,28 @@ class CpuDecodeStep:
         self.num_q_heads, self.scale = first.num_q_heads, first.scale
         self.cos, self.sin = first.cos, first.sin
 
-    def covers(self, step: StepInputs) -> bool:
-        """Whether every op of ``step`` is a numba kernel (no BLAS matmul, no BLAS attention run)."""
-        split = step.attention_split
-        return (step.token_ids.shape[0] <= matmul.CPU_ROWS_KERNEL_MAX_ROWS
-                and split is not None and not split.runs and split.other_rows is None)
+    def forward(self, batch: "ForwardBatch", kv: PagedKVCache, greedy: bool) -> Activations | None:
+        """Run ``batch`` if it is a step this covers (int32 arrays, at most
+        ``matmul.CPU_ROWS_KERNEL_MAX_ROWS`` new tokens: no BLAS matmul, no BLAS attention run) and
+        valid; its results are in the activations returned, as the per-kernel path's would be.
+        None, and nothing run, otherwise (the per-kernel path then runs it, or raises)."""
+        num_tokens = batch.token_ids.shape[0]
+        num_rows = num_tokens if batch.all_logits else batch.query_starts.shape[0] - 1
+        # A valid batch has 1 <= rows <= tokens: checked before its buffers are sized by it.
+        if not (0 < num_rows <= num_tokens <= matmul.CPU_ROWS_KERNEL_MAX_ROWS and step_inputs.int32_batch(batch)):
+            return None
+        act = self.model.workspace.activations(num_tokens, num_rows)
+        return act if self.run(batch, act, kv, greedy) else None
 
-    def run(self, step: StepInputs, act: Activations, kv: PagedKVCache, greedy: bool) -> None:
-        """Run ``step`` (one that :meth:`covers`): its results land in ``act`` as the per-kernel
-        path's would."""
-        m, w, be = self.model, self.model.layer_weights, self.backend
-        decode_step_cpu(step.token_ids, step.positions, step.token_seq, step.page_table, step.rows, step.logit_rows,
-                        m.embed_tokens, w.input_norm, w.qkv_w, w.qkv_bias, w.o_w, w.post_attention_norm,
-                        w.gate_up_w, w.down_w, m.norm, m.lm_head_w, m.no_bias, self.cos, self.sin, m.eps,
-                        self.num_q_heads, self.scale, kv.k, kv.v,
-                        be.parallel_attention_min_work, be.numba_threads, greedy,
-                        act.hidden, act.no_residual, act.normed, act.qkv, act.attn, act.delta, act.gate_up, act.act,
-                        act.final, act.logits, act.next_ids)
-
+    def run(self, batch: "ForwardBatch", act: Activations, kv: PagedKVCache, greedy: bool) -> bool:
+        """One call of :func:`decode_step_cpu` on buffers sized for ``batch`` (see :meth:`forward`);
+        False for an invalid batch."""
+        m, w, be, c = self.model, self.model.layer_weights, self.backend, self.model.config
+        return decode_step_cpu(batch.token_ids, batch.query_starts, batch.cached_lens, batch.page_table,
+                               batch.all_logits, c.vocab_size, c.max_position_embeddings,
+                               m.embed_tokens, w.input_norm, w.qkv_w, w.qkv_bias, w.o_w, w.post_attention_norm,
+                               w.gate_up_w, w.down_w, m.norm, m.lm_head_w, m.no_bias, self.cos, self.sin, m.eps,
+                               self.num_q_heads, self.scale, kv.k, kv.v,
+                               be.parallel_attention_min_work, be.numba_threads, greedy,
+                               act.hidden, act.no_residual, act.normed, act.qkv, act.attn, act.delta, act.gate_up,
+                               act.act, act.final, act.logits, act.next_ids)

@@ -256,14 +256,16 @@ class LlamaModel:
 
     def _run(self, batch: ForwardBatch, kv: PagedKVCache, greedy: bool) -> Activations:
         be = self.backend
-        step = be.upload_step(self._step_inputs(batch, kv))
+        self._check_kv(kv)
+        if self.cpu_step is not None and be is self.cpu_step.backend:
+            act = self.cpu_step.forward(batch, kv, greedy)  # checks and runs a small step in one call
+            if act is not None:
+                return act
+        step = be.upload_step(step_inputs(batch, kv, self.config, self._identity_rows))
         act = self.workspace.activations(step.token_ids.shape[0], step.logit_rows.shape[0])
         # The same buffers (hence the same CUDA graph) serve every step of the same shape.
         buffers = (step, act, kv, self._greedy_marker if greedy else self._logits_marker)
-        if self.cpu_step is not None and be is self.cpu_step.backend and self.cpu_step.covers(step):
-            self.cpu_step.run(step, act, kv, greedy)
-        else:
-            be.run_step(buffers, step.token_ids.shape[0], lambda: self._launch(step, act, kv, greedy))
+        be.run_step(buffers, step.token_ids.shape[0], lambda: self._launch(step, act, kv, greedy))
         return act
 
     def _launch(self, step: StepInputs, act: Activations, kv: PagedKVCache, greedy: bool) -> None:
@@ -306,13 +308,12 @@ class LlamaModel:
                                                         rows=rows, logit_rows=rows))
         return LogitRows(rows_step, self.logit_rows_workspace.activations(r.shape[0], 0))
 
-    def _step_inputs(self, batch: ForwardBatch, kv: PagedKVCache) -> StepInputs:
-        """Check the batch against this model and ``kv``, and derive the per-token metadata the
-        kernels read (``step_inputs``: every check guards memory the kernels would otherwise
-        read or write out of bounds)."""
+    def _check_kv(self, kv: PagedKVCache) -> None:
+        """Refuse a KV cache this model did not make. This and the batch's checks (``step_inputs``,
+        or inside the compiled CPU step) guard memory the kernels would otherwise read or write
+        out of bounds."""
         if kv.backend_name != self.backend_name or kv.dtype != self.dtype or kv.num_layers != len(self.layers):
             raise ValueError("this KV cache was not made by this model's new_kv_cache()")
-        return step_inputs(batch, kv, self.config, self._identity_rows)
 
 
 def _check_weights(config: ModelConfig, weights: Mapping[str, np.ndarray]) -> None:

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from engines.runtime.model.kv_storage import PagedKVCache
     from engines.runtime.model.llama import ForwardBatch
 
-__all__ = ["IdentityRows", "step_inputs", "step_inputs_reference"]
+__all__ = ["IdentityRows", "derive_int32", "int32_batch", "step_inputs", "step_inputs_reference"]
 
 
 class IdentityRows:
@@ -95,10 +95,10 @@ def step_inputs_reference(batch: "ForwardBatch", kv: "PagedKVCache", config: "Mo
 
 
 @njit(nogil=True, cache=True)
-def _derive_int32(token_ids, starts, cached, table, vocab_size, max_positions, page_size, num_pages):
+def derive_int32(token_ids, starts, cached, table, vocab_size, max_positions, page_size, num_pages):
     """:func:`step_inputs_reference`'s checks and derivations in one pass over int32 arrays.
     Returns ``(ok, positions, token_seq, page_table, logit_rows)``; when ``ok`` is False the
-    batch is invalid and the arrays are empty."""
+    batch is invalid and the arrays are empty. The compiled CPU step (``cpu_step``) calls it too."""
     empty = np.empty(0, np.int32)
     failed = (False, empty, empty, table, empty)
     num_tokens = token_ids.shape[0]
@@ -144,6 +144,13 @@ def _derive_int32(token_ids, starts, cached, table, vocab_size, max_positions, p
     return True, positions, token_seq, table, logit_rows
 
 
+def int32_batch(batch: "ForwardBatch") -> bool:
+    """Whether ``batch``'s arrays are what :func:`derive_int32` takes: C-contiguous int32 NumPy
+    arrays of the right ranks (what the engine and the benches pass)."""
+    return (_int32_array(batch.token_ids, 1) and _int32_array(batch.query_starts, 1)
+            and _int32_array(batch.cached_lens, 1) and _int32_array(batch.page_table, 2))
+
+
 def _int32_array(value: object, ndim: int) -> bool:
     return (type(value) is np.ndarray and value.dtype == np.int32 and value.ndim == ndim
             and value.flags.c_contiguous)
@@ -153,9 +160,8 @@ def step_inputs(batch: "ForwardBatch", kv: "PagedKVCache", config: "ModelConfig"
                 identity_rows: IdentityRows) -> StepInputs:
     """:func:`step_inputs_reference`'s result, in one compiled pass when the batch's arrays are
     int32 (``ValueError`` for an invalid batch, from the reference)."""
-    if (_int32_array(batch.token_ids, 1) and _int32_array(batch.query_starts, 1)
-            and _int32_array(batch.cached_lens, 1) and _int32_array(batch.page_table, 2)):
-        ok, positions, token_seq, table, logit_rows = _derive_int32(
+    if int32_batch(batch):
+        ok, positions, token_seq, table, logit_rows = derive_int32(
             batch.token_ids, batch.query_starts, batch.cached_lens, batch.page_table, config.vocab_size,
             config.max_position_embeddings, kv.page_size, kv.num_pages)
         if ok:

@@ -8,16 +8,17 @@ import subprocess
 import sys
 import textwrap
 import types
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from engines.runtime.model import cpu_step
-from engines.runtime.model.kernels import attention
+from engines.runtime.model import cpu_step, step_inputs
+from engines.runtime.model.kernels import attention, matmul, run_attention
 from engines.runtime.model.checkpoint import load_checkpoint
-from engines.runtime.model.llama import LlamaModel
+from engines.runtime.model.llama import ForwardBatch, LlamaModel
 from tests.runtime.model.test_model_parity import (  # noqa: F401 - fixture
     PagedSequences, Reference, reference, save_tiny_checkpoint)
 
@@ -31,9 +32,9 @@ class CountedStep:
         self.calls = 0
         compiled = cpu_step.decode_step_cpu
 
-        def counted(*args: Any) -> None:
+        def counted(*args: Any) -> bool:
             self.calls += 1
-            compiled(*args)
+            return compiled(*args)
         monkeypatch.setattr(cpu_step, "decode_step_cpu", counted)
 
 
@@ -156,6 +157,80 @@ def test_steps_past_the_rows_kernel_run_kernel_by_kernel(reference: Reference,  
     seqs.advance([long_prompt])
     model.forward(seqs.batch([[1]]), kv)
     assert counted.calls == 1
+
+
+def test_the_compiled_step_never_meets_a_blas_attention_run() -> None:
+    """The compiled step takes up to ``CPU_ROWS_KERNEL_MAX_ROWS`` tokens without asking attention's
+    split, because no such step holds a prefill run long enough for BLAS attention."""
+    assert matmul.CPU_ROWS_KERNEL_MAX_ROWS < run_attention.MIN_RUN
+    positions = np.arange(matmul.CPU_ROWS_KERNEL_MAX_ROWS, dtype=np.int32)
+    split = run_attention.split_step(positions, np.zeros_like(positions))
+    assert split.runs == () and split.other_rows is None
+
+
+def _invalid_small_batches(model: LlamaModel, kv: Any) -> dict[str, ForwardBatch]:
+    """Batches of a few tokens, each wrong in one way, for ``model`` and ``kv`` (pages of 4)."""
+    def batch(**change: Any) -> ForwardBatch:
+        base = ForwardBatch(token_ids=np.array([5, 6, 7, 8], np.int32), query_starts=np.array([0, 3, 4], np.int32),
+                            cached_lens=np.array([0, 6], np.int32), page_table=np.array([[0, -1], [1, 2]], np.int32))
+        return replace(base, **{k: np.asarray(v, np.int32) for k, v in change.items()})
+
+    vocab, positions = model.config.vocab_size, model.config.max_position_embeddings
+    return {
+        "starts short of the tokens": batch(query_starts=[0, 3, 3]),
+        "a sequence with no token": batch(query_starts=[0, 0, 4]),
+        "negative cached": batch(cached_lens=[0, -1]),
+        "token past the vocab": batch(token_ids=[5, 6, 7, vocab]),
+        "position past the model's": batch(cached_lens=[0, positions]),
+        "table too narrow": batch(cached_lens=[0, 8]),
+        "negative page where a token lives": batch(page_table=[[0, -1], [1, -1]]),
+        "page past the cache": batch(page_table=[[kv.num_pages, -1], [1, 2]]),
+        "more sequences than tokens": batch(query_starts=[0, 1, 2, 3, 4, 4, 4], cached_lens=[0] * 6,
+                                            page_table=[[0]] * 6),
+    }
+
+
+@pytest.mark.parametrize("case", ["starts short of the tokens", "a sequence with no token", "negative cached",
+                                  "token past the vocab", "position past the model's", "table too narrow",
+                                  "negative page where a token lives", "page past the cache",
+                                  "more sequences than tokens"])
+def test_an_invalid_small_batch_runs_nothing_and_raises_the_references_error(
+        reference: Reference, monkeypatch: pytest.MonkeyPatch, case: str) -> None:  # noqa: F811
+    """The compiled step checks the batch itself: an invalid one writes nothing (the KV cache is as
+    it was) and the per-kernel path's NumPy reference raises the error that names the fault. A
+    batch of more sequences than tokens is refused before buffers are sized for its rows."""
+    model = reference.ours
+    kv = model.new_kv_cache(8, 4)
+    kv.k[...] = 1
+    kv.v[...] = 2
+    batch = _invalid_small_batches(model, kv)[case]
+    with pytest.raises(ValueError) as expected:
+        step_inputs.step_inputs_reference(batch, kv, model.config, step_inputs.IdentityRows())
+    counted = CountedStep(monkeypatch)
+    for run in (model.forward, model.forward_greedy):
+        with pytest.raises(ValueError) as raised:
+            run(batch, kv)
+        assert str(raised.value) == str(expected.value)
+    assert counted.calls == (0 if case == "more sequences than tokens" else 2)
+    assert (kv.k == 1).all() and (kv.v == 2).all()
+
+
+def test_batches_of_other_integer_types_run_kernel_by_kernel_alike(reference: Reference,  # noqa: F811
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """int64 arrays are not what the compiled step takes (numba would compile it again for them):
+    such a batch runs kernel by kernel, with the int32 batch's results."""
+    model = reference.ours
+    counted = CountedStep(monkeypatch)
+    results = []
+    for dtype in (np.int32, np.int64):
+        seqs = PagedSequences([[5, 17, 3], [9]], 10)
+        kv = model.new_kv_cache(10, 4)
+        batch = seqs.batch([[5, 17, 3], [9]])
+        batch = replace(batch, **{name: getattr(batch, name).astype(dtype)
+                                  for name in ("token_ids", "query_starts", "cached_lens", "page_table")})
+        results.append(model.forward(batch, kv))
+    assert counted.calls == 1
+    np.testing.assert_allclose(results[0], results[1], rtol=1e-4, atol=1e-4)
 
 
 def test_profiling_backend_launches_kernel_by_kernel(reference: Reference,  # noqa: F811

@@ -96,7 +96,7 @@ def test_both_forms_refuse_the_same_invalid_batches(case: str) -> None:
     batch = _invalid_batches()[case]
     with pytest.raises(ValueError):
         si.step_inputs_reference(batch, KV, CONFIG, si.IdentityRows())
-    ok = si._derive_int32(batch.token_ids, batch.query_starts, batch.cached_lens, batch.page_table, CONFIG.vocab_size,
+    ok = si.derive_int32(batch.token_ids, batch.query_starts, batch.cached_lens, batch.page_table, CONFIG.vocab_size,
                           CONFIG.max_position_embeddings, KV.page_size, KV.num_pages)[0]
     assert not ok  # the compiled pass refuses it too (step_inputs then raises the reference's error)
 
