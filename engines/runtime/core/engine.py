@@ -20,7 +20,6 @@ import dataclasses
 import logging
 import os
 import time
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -813,9 +812,17 @@ class Engine:
         # Requests, not choices (a request has n). Counted from the running side, which is
         # bounded by max_num_seqs, where the waiting queue may be long: every other live
         # request waits, and a running one does too while a choice of its is unadmitted.
-        running = Counter(s.request.request_id for s in self.scheduler.running)
-        waiting = len(self.requests) - len(running) + sum(
-            1 for rid, n in running.items() if n < sum(not s.finished for s in self.requests[rid].sequences))
+        # Plain loops: a Counter and generators cost ~19 us a step here, the caches cold after the
+        # forward pass (~7 with these); a request of one choice needs no count of its choices.
+        running: dict[str, int] = {}
+        for seq in self.scheduler.running:
+            rid = seq.request.request_id
+            running[rid] = running.get(rid, 0) + 1
+        waiting = len(self.requests) - len(running)
+        for rid, n in running.items():
+            choices = self.requests[rid].sequences
+            if n < len(choices) and n < sum(not s.finished for s in choices):
+                waiting += 1
         self.metrics.set_gauges(
             num_running_requests=len(running),
             num_waiting_requests=waiting,

@@ -342,6 +342,10 @@ def _compile_chat_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+#: Tokens a decode window holds past its start before it restarts (see ``IncrementalDetokenizer._step``).
+_WINDOW_RESTART = 6
+
+
 class IncrementalDetokenizer:
     """Turns generated ids, a few at a time, into text deltas for streaming.
 
@@ -375,8 +379,11 @@ class IncrementalDetokenizer:
 
     def add(self, token_ids: int | Iterable[int]) -> str:
         """Take the next generated id(s); return the text they complete (maybe "")."""
-        # int() also takes numpy integers, which samplers hand out and tokenizers rejects.
-        if isinstance(token_ids, Iterable):
+        # int() also takes numpy integers, which samplers hand out and tokenizers rejects. A plain
+        # int first: the engine's case, and isinstance against the Iterable ABC is slow cold.
+        if type(token_ids) is int:
+            self._ids.append(token_ids)
+        elif isinstance(token_ids, Iterable):
             self._ids.extend(int(t) for t in token_ids)
         else:
             self._ids.append(int(token_ids))
@@ -411,9 +418,12 @@ class IncrementalDetokenizer:
                 end -= 1
         delta = text[self._emitted:end] if end > self._emitted else ""
         self._emitted = max(self._emitted, end)
-        if end == len(text) and last > self._window_start and self._ids[last] not in byte_ids:
+        if (end == len(text) and last >= self._window_start + _WINDOW_RESTART
+                and self._ids[last] not in byte_ids):
             # Everything so far is emitted: restart the window at the last visible token,
-            # keeping each decode O(1) instead of O(length of the output).
+            # keeping each decode O(1) instead of O(length of the output). Only every few tokens:
+            # a restart costs a decode of its own, which every token used to pay (two calls into
+            # the tokenizer a token, where one does).
             self._window_start = last
             self._emitted = len(self._decode_window(last))
         return delta

@@ -326,7 +326,10 @@ def test_stream_decodes_a_short_window(pair: tuple[Tokenizer, object], monkeypat
         sizes.append(len(chunk)), decode(chunk, skip_special_tokens))[1])
     deltas = _stream(ours, ids, [1] * len(ids), True)
     assert "".join(deltas) == decode(ids)
-    assert max(sizes) <= 8
+    assert max(sizes) <= 16  # a restart every few tokens, and a held-back character's few more
+    # And it restarts every few tokens, not after each: a restart is a decode of its own, and
+    # each is a call into the tokenizer (two a token before).
+    assert len(sizes) < 1.3 * len(ids)
 
 
 def test_numpy_ids_are_accepted(pair: tuple[Tokenizer, object]) -> None:
