@@ -63,7 +63,7 @@ def kernel_sources_digest(modules: tuple = STEP_KERNEL_MODULES) -> str:
     return digest.hexdigest()
 
 
-def _make_decode_step(kernels_digest: str) -> Callable[..., None]:
+def _make_decode_step(kernels_digest: str) -> Callable[..., bool]:
     """The compiled step, its cache entry keyed by ``kernels_digest`` (see the module's docstring)."""
 
     @njit(nogil=True, cache=True)
@@ -81,11 +81,14 @@ def _make_decode_step(kernels_digest: str) -> Callable[..., None]:
         ok, positions, token_seq, page_table, logit_rows = step_inputs.derive_int32(
             token_ids, query_starts, cached_lens, page_table, vocab_size, max_positions, k_cache.shape[3],
             k_cache.shape[1])
-        if not ok:
-            return False
         rows = np.arange(token_ids.shape[0]).astype(np.int32)
         if all_logits:
             logit_rows = rows
+        # The buffers must be the batch's size (``forward`` sizes them; ``run`` is public): no
+        # kernel checks a bound.
+        if not ok or hidden.shape[0] != token_ids.shape[0] or logits.shape[0] != logit_rows.shape[0] \
+                or next_ids.shape[0] != logit_rows.shape[0]:
+            return False
         head_splits, key_splits = attention.cpu_attention_splits(positions, num_q_heads, k_cache.shape[2],
                                                                  k_cache.shape[3], k_cache.shape[4],
                                                                  parallel_attention_min_work, threads)
@@ -139,17 +142,19 @@ class CpuDecodeStep:
         ``matmul.CPU_ROWS_KERNEL_MAX_ROWS`` new tokens: no BLAS matmul, no BLAS attention run) and
         valid; its results are in the activations returned, as the per-kernel path's would be.
         None, and nothing run, otherwise (the per-kernel path then runs it, or raises)."""
+        if not step_inputs.int32_batch(batch):
+            return None
         num_tokens = batch.token_ids.shape[0]
         num_rows = num_tokens if batch.all_logits else batch.query_starts.shape[0] - 1
         # A valid batch has 1 <= rows <= tokens: checked before its buffers are sized by it.
-        if not (0 < num_rows <= num_tokens <= matmul.CPU_ROWS_KERNEL_MAX_ROWS and step_inputs.int32_batch(batch)):
+        if not 0 < num_rows <= num_tokens <= matmul.CPU_ROWS_KERNEL_MAX_ROWS:
             return None
         act = self.model.workspace.activations(num_tokens, num_rows)
         return act if self.run(batch, act, kv, greedy) else None
 
     def run(self, batch: "ForwardBatch", act: Activations, kv: PagedKVCache, greedy: bool) -> bool:
         """One call of :func:`decode_step_cpu` on buffers sized for ``batch`` (see :meth:`forward`);
-        False for an invalid batch."""
+        False, and nothing run, for an invalid batch or buffers of another size."""
         m, w, be, c = self.model, self.model.layer_weights, self.backend, self.model.config
         return decode_step_cpu(batch.token_ids, batch.query_starts, batch.cached_lens, batch.page_table,
                                batch.all_logits, c.vocab_size, c.max_position_embeddings,

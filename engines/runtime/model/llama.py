@@ -312,7 +312,10 @@ class LlamaModel:
         """Refuse a KV cache this model did not make. This and the batch's checks (``step_inputs``,
         or inside the compiled CPU step) guard memory the kernels would otherwise read or write
         out of bounds."""
-        if kv.backend_name != self.backend_name or kv.dtype != self.dtype or kv.num_layers != len(self.layers):
+        c = self.config
+        shape = (len(self.layers), kv.num_pages, c.num_key_value_heads, kv.page_size, c.head_dim)
+        if (kv.backend_name != self.backend_name or kv.dtype != self.dtype or kv.num_layers != len(self.layers)
+                or tuple(kv.k.shape) != shape or tuple(kv.v.shape) != shape):
             raise ValueError("this KV cache was not made by this model's new_kv_cache()")
 
 

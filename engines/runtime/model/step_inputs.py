@@ -5,8 +5,9 @@ Two forms compute the same :class:`~engines.runtime.model.backend.StepInputs`:
 
 * :func:`step_inputs_reference`, plain NumPy over any integer arrays, which raises the
   ``ValueError`` that names what is wrong;
-* :func:`step_inputs`, the form the model calls: for int32 arrays (what the engine and the
-  benches pass) one compiled pass checks and derives everything. The NumPy form is some 25
+* :func:`step_inputs`, the form the model's per-kernel path calls: for int32 arrays (what the
+  engine and the benches pass) one compiled pass, :func:`derive_int32`, checks and derives
+  everything (the compiled CPU step calls that pass itself, from inside). The NumPy form is some 25
   array operations, 28 us a step with warm caches but ~200 us right after a decode step has
   streamed the weights through every cache: 5-7% of a batch-1 step on the CPU (measured). A
   batch it finds invalid, or one of other dtypes, goes to the reference, which raises (or

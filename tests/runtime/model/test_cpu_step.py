@@ -222,15 +222,44 @@ def test_batches_of_other_integer_types_run_kernel_by_kernel_alike(reference: Re
     model = reference.ours
     counted = CountedStep(monkeypatch)
     results = []
-    for dtype in (np.int32, np.int64):
+    for form in (np.int32, np.int64, list):
         seqs = PagedSequences([[5, 17, 3], [9]], 10)
         kv = model.new_kv_cache(10, 4)
         batch = seqs.batch([[5, 17, 3], [9]])
-        batch = replace(batch, **{name: getattr(batch, name).astype(dtype)
+        batch = replace(batch, **{name: (getattr(batch, name).tolist() if form is list
+                                         else getattr(batch, name).astype(form))
                                   for name in ("token_ids", "query_starts", "cached_lens", "page_table")})
         results.append(model.forward(batch, kv))
     assert counted.calls == 1
     np.testing.assert_allclose(results[0], results[1], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(results[0], results[2], rtol=1e-4, atol=1e-4)
+
+
+def test_the_compiled_step_refuses_buffers_of_another_size(reference: Reference) -> None:  # noqa: F811
+    """``CpuDecodeStep.run`` is public and its kernels check no bound: buffers sized for another
+    batch run nothing (False), the KV cache untouched."""
+    model = reference.ours
+    kv = model.new_kv_cache(8, 4)
+    kv.k[...] = 1
+    batch = PagedSequences([[5, 17, 3], [9]], 8).batch([[5, 17, 3], [9]])
+    for tokens, rows in ((1, 1), (4, 1), (2, 2), (4, 4)):  # the batch needs 4 tokens and 2 rows
+        assert not model.cpu_step.run(batch, model.workspace.activations(tokens, rows), kv, True)
+    assert (kv.k == 1).all()
+    assert model.cpu_step.run(batch, model.workspace.activations(4, 2), kv, True)
+
+
+def test_a_kv_cache_of_another_geometry_is_refused(reference: Reference, tmp_path: Path) -> None:  # noqa: F811
+    """The kernels take heads, head size and page size from the cache's own shape: a cache with
+    this model's layer count but another model's geometry would be read out of bounds."""
+    model = reference.ours
+    c = model.config
+    other = save_tiny_checkpoint(tmp_path, arch="llama", vocab=c.vocab_size, hidden=2 * c.hidden_size,
+                                 layers=c.num_hidden_layers, tied=False, seed=3)
+    foreign = LlamaModel.from_checkpoint(load_checkpoint(other), backend="cpu").new_kv_cache(8, 4)
+    assert foreign.num_layers == c.num_hidden_layers and foreign.k.shape != model.new_kv_cache(8, 4).k.shape
+    batch = PagedSequences([[5, 17, 3]], 8).batch([[5, 17, 3]])
+    with pytest.raises(ValueError, match="not made by this model"):
+        model.forward(batch, foreign)
 
 
 def test_profiling_backend_launches_kernel_by_kernel(reference: Reference,  # noqa: F811
