@@ -11,8 +11,8 @@ one thread, 0.98-1.04 elsewhere, within the noise); it pays most where steps are
 The step takes the batch as the caller made it (:class:`~engines.runtime.model.llama.ForwardBatch`'s
 int32 arrays) and checks and derives its metadata itself (``step_inputs.derive_int32``), so that
 Python pays one call a step: apart, the checks, the metadata's dataclass and attention's split
-each cost another call into cold caches (``forward_greedy`` around the step 57-81 -> 37-44 us at
-batch 1, ``bench/cpu_step_overhead.py``). A batch it finds invalid runs nothing and goes to the
+each cost another call into cold caches (a batch-1 generation's Python outside the compiled call
+60-86 -> 40-59 us a step, alternated processes; BENCHMARKS.md, issue 15). A batch it finds invalid runs nothing and goes to the
 per-kernel path, which raises the reference's ``ValueError``.
 
 It runs the backend's own kernels, in the same order, on the same buffers, with the same
@@ -37,9 +37,8 @@ import hashlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from numba import njit
-
 import numpy as np
+from numba import njit
 
 from engines.runtime.model import step_inputs
 from engines.runtime.model.backend import Activations, CpuBackend
@@ -81,7 +80,7 @@ def _make_decode_step(kernels_digest: str) -> Callable[..., bool]:
         ok, positions, token_seq, page_table, logit_rows = step_inputs.derive_int32(
             token_ids, query_starts, cached_lens, page_table, vocab_size, max_positions, k_cache.shape[3],
             k_cache.shape[1])
-        rows = np.arange(token_ids.shape[0]).astype(np.int32)
+        rows = np.arange(token_ids.shape[0], dtype=np.int32)
         if all_logits:
             logit_rows = rows
         # The buffers must be the batch's size (``forward`` sizes them; ``run`` is public): no
