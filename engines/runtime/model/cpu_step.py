@@ -26,6 +26,22 @@ new tokens (so no BLAS matmul and no BLAS attention run). The profiler's timed b
 model then launches kernel by kernel, as the CUDA backend launches without its graph while
 profiling.
 
+A step of one token (batch-1 decode) runs as a thread team (:func:`one_token_team_step`, on
+``thread_team``'s barriers): one parallel region a step where the kernels' own ``prange`` loops
+fork and join numba's threads some 45 times, with the norms, RoPE and the split attention's merge
+run by one thread in between. Each member takes its chunks of every matmul (its own run first, then
+what is left of the others': ``thread_team.claim``), its attention items, and appends the new
+token's k and v for the heads of its item that holds the token's position; the residual stream, the
+norms, q's rotation and the merge of attention's key slices it computes itself, into buffers of its
+own, so a layer has five barriers, one after each op whose output every member reads whole. The
+kernels' bodies are the same functions (``matmul.row_blocks``, ``matmul.swiglu_block``,
+``attention.attention_item``, ``attention.merge_key_slices``, ``rope_kv.rotate_q_head``,
+``rope_kv.append_kv_head``), so the results are the per-kernel path's to float32 rounding, as the
+rest of the step's. Against the same compiled step forking per kernel, step by step in turn
+(bench/cpu_team_step.py, BENCHMARKS.md): see issue 15's part "One parallel region a step".
+If the team cannot meet (its members put on one thread), it is called off before any work, the step
+runs the forking way, and this model's later steps no longer try.
+
 numba's on-disk cache keys a compiled function by its own bytecode, not by its callees': a
 kernel edited since the step was cached would still run in its old form. The step is therefore
 made by a closure over a digest of the kernel modules' sources, whose contents numba's key
@@ -34,13 +50,14 @@ includes: an edit to any of them compiles the step anew.
 from __future__ import annotations
 
 import hashlib
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
-from engines.runtime.model import step_inputs
+from engines.runtime.model import step_inputs, thread_team
 from engines.runtime.model.backend import Activations, CpuBackend
 from engines.runtime.model.kernels import add_rmsnorm, argmax, attention, embedding, fast_exp, matmul, rope_kv, silu_mul
 from engines.runtime.model.kv_storage import PagedKVCache
@@ -48,10 +65,13 @@ from engines.runtime.model.kv_storage import PagedKVCache
 if TYPE_CHECKING:
     from engines.runtime.model.llama import ForwardBatch, LlamaModel
 
-__all__ = ["CpuDecodeStep", "decode_step_cpu", "kernel_sources_digest"]
+__all__ = ["CpuDecodeStep", "decode_step_cpu", "kernel_sources_digest", "one_token_team_step"]
+
+# Reassociation for the inlined kernel bodies, as their own modules compile them (matmul, attention).
+_FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
 #: The modules whose compiled code :func:`decode_step_cpu` holds (callees and theirs).
-STEP_KERNEL_MODULES = (step_inputs, embedding, add_rmsnorm, matmul, rope_kv, attention, fast_exp, silu_mul, argmax)
+STEP_KERNEL_MODULES = (step_inputs, thread_team, embedding, add_rmsnorm, matmul, rope_kv, attention, fast_exp, silu_mul, argmax)
 
 
 def kernel_sources_digest(modules: tuple = STEP_KERNEL_MODULES) -> str:
@@ -60,6 +80,145 @@ def kernel_sources_digest(modules: tuple = STEP_KERNEL_MODULES) -> str:
     for module in modules:
         digest.update(Path(module.__file__).read_bytes())
     return digest.hexdigest()
+
+
+# Weight bytes a chunk of a team's matmul holds (thread_team.claim): ~4 us of streaming for one
+# member, so that the member who finishes last waits little, in long enough runs to stream.
+TEAM_CHUNK_BYTES = 128 << 10
+
+
+@njit(inline="always")
+def _chunks_per_run(blocks, block_bytes, team):
+    """Chunks a member's run of an op of ``blocks`` blocks of ``block_bytes`` bytes is cut into."""
+    return max(1, min(blocks, blocks * block_bytes // TEAM_CHUNK_BYTES) // team)
+
+
+@njit(inline="always", fastmath=_FASTMATH)
+def _team_matmul(x, w, bias, out, member, team, state, drawn):
+    """A member's part of ``out = x @ w.T + bias`` for one row (2-D, one row each): the chunks of
+    ``matmul_rows_cpu``'s blocks it claims (``thread_team.claim``), and for the last member the
+    columns past them. The tickets drawn a run once the op is done."""
+    blocks = w.shape[0] // 4
+    per_run = _chunks_per_run(blocks, 4 * w.shape[1] * w.itemsize, team)
+    chunks = per_run * team
+    chunk, step = thread_team.claim(state, member, team, 0, drawn, per_run)
+    while chunk >= 0:
+        matmul.row_blocks(x[0], w, bias, out[0], chunk * blocks // chunks, (chunk + 1) * blocks // chunks)
+        chunk, step = thread_team.claim(state, member, team, step, drawn, per_run)
+    if member == team - 1:
+        matmul.row_last_columns(x, w, bias, out)
+    return drawn + per_run + team
+
+
+@njit(inline="always", fastmath=_FASTMATH, error_model="numpy")
+def _team_swiglu(x, w, out, member, team, state, drawn):
+    """A member's part of ``matmul_swiglu_cpu`` for one row: the chunks of its blocks it claims."""
+    blocks = w.shape[0] // 4
+    per_run = _chunks_per_run(blocks, 4 * w.shape[1] * w.itemsize, team)
+    chunks = per_run * team
+    chunk, step = thread_team.claim(state, member, team, 0, drawn, per_run)
+    while chunk >= 0:
+        for block in range(chunk * blocks // chunks, (chunk + 1) * blocks // chunks):
+            matmul.swiglu_block(x[0], w, out[0], block, blocks)
+        chunk, step = thread_team.claim(state, member, team, step, drawn, per_run)
+    return drawn + per_run + team
+
+
+def _make_team_step(kernels_digest: str) -> Callable[..., bool]:
+    """The one-token team step, its cache entry keyed by ``kernels_digest`` (as the step's)."""
+
+    @njit(nogil=True, cache=True, parallel=True, fastmath=_FASTMATH, error_model="numpy")
+    def one_token_team_step(state, team, token_ids, positions, token_seq, page_table, rows,  # the step
+                            embed, input_norm, qkv_w, qkv_bias, o_w, post_norm, gate_up_w, down_w,  # weights
+                            final_norm, lm_head_w, no_bias, no_residual, cos, sin, eps, num_q_heads, scale,
+                            k_cache, v_cache, head_splits, key_splits, greedy,
+                            hidden, qkv, attn, delta, act, final, logits, next_ids):
+        """A step of one token run by a team of ``team`` threads in one parallel region (see the
+        module's docstring and ``thread_team``). True once run; False, and nothing run, if the team
+        could not meet. ``state`` counts the steps run and called off."""
+        kernels_digest  # noqa: B018 - in the cache key, as decode_step_cpu's
+        width = hidden.shape[1]
+        own_hidden = np.empty((team, 1, width), np.float32)
+        own_normed = np.empty((team, 1, width), np.float32)
+        q_width = attn.shape[1]
+        own_q = np.empty((team, 1, q_width), np.float32)
+        own_attn = np.empty((team, 1, q_width), np.float32)
+        num_kv_heads = k_cache.shape[2]
+        page_size = k_cache.shape[3]
+        parts = key_splits if key_splits > 1 else 0
+        part_max = np.empty((parts, num_q_heads), np.float32)
+        part_sum = np.empty((parts, num_q_heads), np.float32)
+        part_out = np.empty((parts, num_q_heads, k_cache.shape[4]), np.float32)
+        position = positions[0]
+        c = cos[position]
+        s = sin[position]
+        page = page_table[token_seq[0], position // page_size]
+        slot = position % page_size
+        items = head_splits * key_splits
+        kv_per_item = num_kv_heads // head_splits
+        thread_team.reset(state, team)
+        for member in prange(team):
+            if thread_team.rendezvous(state, team):
+                h = own_hidden[member]
+                n = own_normed[member]
+                q = own_q[member]
+                merged = own_attn[member]
+                passed = 0  # barriers passed
+                drawn = 0  # tickets drawn (thread_team.claim)
+                embedding.embedding_gather_cpu(token_ids, embed, h)
+                for layer in range(qkv_w.shape[0]):
+                    add_rmsnorm.add_rmsnorm_cpu(h, no_residual if layer == 0 else delta, rows, input_norm[layer], eps,
+                                                n)
+                    drawn = _team_matmul(n, qkv_w[layer], qkv_bias[layer], qkv, member, team, state, drawn)
+                    passed += 1
+                    thread_team.barrier(state, team, passed)
+                    # q rotated into the member's own row, every head (no barrier for RoPE); the
+                    # new token's k and v appended by the member whose item holds its position.
+                    for i in range(q_width):
+                        q[0, i] = qkv[0, i]
+                    for head in range(num_q_heads):
+                        rope_kv.rotate_q_head(q[0], head, c, s)
+                    for item in range(member, items, team):
+                        if item % key_splits == key_splits - 1:
+                            first_kv_head = item // key_splits * kv_per_item
+                            for kv_head in range(first_kv_head, first_kv_head + kv_per_item):
+                                rope_kv.append_kv_head(qkv[0], kv_head, num_q_heads, num_kv_heads, c, s,
+                                                       k_cache[layer, page, kv_head, slot],
+                                                       v_cache[layer, page, kv_head, slot])
+                        attention.attention_item(item, head_splits, key_splits, q, positions, token_seq, page_table,
+                                                 k_cache, v_cache, layer, num_q_heads, scale, attn, part_max, part_sum,
+                                                 part_out)
+                    passed += 1
+                    thread_team.barrier(state, team, passed)
+                    if key_splits > 1:  # every member merges every head, into its own row
+                        for head in range(num_q_heads):
+                            attention.merge_key_slices(0, head, key_splits, part_max, part_sum, part_out, merged)
+                    drawn = _team_matmul(merged if key_splits > 1 else attn, o_w[layer], no_bias, delta, member, team,
+                                         state, drawn)
+                    passed += 1
+                    thread_team.barrier(state, team, passed)
+                    add_rmsnorm.add_rmsnorm_cpu(h, delta, rows, post_norm[layer], eps, n)
+                    drawn = _team_swiglu(n, gate_up_w[layer], act, member, team, state, drawn)
+                    passed += 1
+                    thread_team.barrier(state, team, passed)
+                    drawn = _team_matmul(act, down_w[layer], no_bias, delta, member, team, state, drawn)
+                    passed += 1
+                    thread_team.barrier(state, team, passed)
+                add_rmsnorm.add_rmsnorm_cpu(h, delta, rows, final_norm, eps, n)
+                drawn = _team_matmul(n, lm_head_w, no_bias, logits, member, team, state, drawn)
+                passed += 1
+                thread_team.barrier(state, team, passed)
+                if member == 0:
+                    for i in range(width):
+                        hidden[0, i] = h[0, i]
+                        final[0, i] = n[0, i]
+                    if greedy:
+                        argmax.argmax_cpu(logits, next_ids)
+        ran = state[thread_team.ARRIVED] >= team
+        state[thread_team.TEAM_STEPS if ran else thread_team.CALLED_OFF] += 1
+        return ran
+
+    return one_token_team_step
 
 
 def _make_decode_step(kernels_digest: str) -> Callable[..., bool]:
@@ -71,11 +230,13 @@ def _make_decode_step(kernels_digest: str) -> Callable[..., bool]:
                         embed, input_norm, qkv_w, qkv_bias, o_w, post_norm, gate_up_w, down_w,  # weights
                         final_norm, lm_head_w, no_bias, cos, sin, eps, num_q_heads, scale,
                         k_cache, v_cache, parallel_attention_min_work, threads, greedy,  # KV, attention's split
-                        hidden, no_residual, normed, qkv, attn, delta, gate_up, act, final, logits, next_ids):
+                        hidden, no_residual, normed, qkv, attn, delta, gate_up, act, final, logits, next_ids,
+                        team_state):
         """``LlamaModel._launch`` for one step of a checked batch (False, and nothing run, for an
         invalid one), kernel for kernel but, for one token, the MLP's gate/up projection and
         SwiGLU as one kernel (``matmul_swiglu_cpu``); attention split over numba's threads as
-        ``CpuBackend.attention_splits`` splits it ((0, 0): single-threaded)."""
+        ``CpuBackend.attention_splits`` splits it ((0, 0): single-threaded). A step of one token
+        runs as :func:`one_token_team_step` unless a team of this state was ever called off."""
         kernels_digest  # noqa: B018 - referenced so that it is in the closure, hence in the cache key
         ok, positions, token_seq, page_table, logit_rows = step_inputs.derive_int32(
             token_ids, query_starts, cached_lens, page_table, vocab_size, max_positions, k_cache.shape[3],
@@ -93,6 +254,16 @@ def _make_decode_step(kernels_digest: str) -> Callable[..., bool]:
                                                                  parallel_attention_min_work, threads)
         # One token, and whole (gate, up) pairs in each block of the fused kernel: see matmul_swiglu_cpu.
         swiglu_fused = token_ids.shape[0] == 1 and gate_up_w.shape[1] % 4 == 0
+        team = max(1, min(threads, thread_team.max_parties(team_state)))
+        if swiglu_fused and team_state[thread_team.CALLED_OFF] == 0 and team_state[thread_team.SWITCHED_OFF] == 0:
+            if head_splits == 0:  # the team is awake anyway: its members take slices of the heads
+                head_splits, key_splits = attention.head_splits(1, k_cache.shape[2], team), 1
+            if one_token_team_step(team_state, team, token_ids, positions, token_seq, page_table, rows,
+                                   embed, input_norm, qkv_w, qkv_bias, o_w, post_norm, gate_up_w, down_w,
+                                   final_norm, lm_head_w, no_bias, no_residual, cos, sin, eps, num_q_heads, scale,
+                                   k_cache, v_cache, head_splits, key_splits, greedy,
+                                   hidden, qkv, attn, delta, act, final, logits, next_ids):
+                return True
         embedding.embedding_gather_cpu(token_ids, embed, hidden)
         for layer in range(qkv_w.shape[0]):
             residual = no_residual if layer == 0 else delta
@@ -123,6 +294,9 @@ def _make_decode_step(kernels_digest: str) -> Callable[..., bool]:
     return decode_step_cpu
 
 
+# A module global, not a closure variable, for decode_step_cpu to call: numba keys a closure's cache
+# entry by its variables' values, and a dispatcher's differs in every process.
+one_token_team_step = _make_team_step(kernel_sources_digest())
 decode_step_cpu = _make_decode_step(kernel_sources_digest())
 
 
@@ -135,6 +309,33 @@ class CpuDecodeStep:
         first = model.layers[0].attention
         self.num_q_heads, self.scale = first.num_q_heads, first.scale
         self.cos, self.sin = first.cos, first.sin
+        w, c = model.layer_weights, model.config
+        # The step's arguments that never change, gathered once: ~40 attribute reads a step cost
+        # more than their count says right after a step has flushed the caches.
+        self._model_args = (c.vocab_size, c.max_position_embeddings, model.embed_tokens, w.input_norm, w.qkv_w,
+                            w.qkv_bias, w.o_w, w.post_attention_norm, w.gate_up_w, w.down_w, model.norm,
+                            model.lm_head_w, model.no_bias, self.cos, self.sin, model.eps, self.num_q_heads,
+                            self.scale)
+        self._buffers_of: tuple[Activations | None, tuple] = (None, ())
+        self.team_state = thread_team.new_state(backend.numba_threads)
+        # One step at a time: two teams counting in one state would wait for each other forever
+        # (and two steps would overwrite each other's buffers anyway).
+        self._one_at_a_time = threading.Lock()
+
+    @property
+    def team(self) -> bool:
+        """Whether steps of one token run as a thread team (:func:`one_token_team_step`): True
+        unless switched off here or called off once (then the step forks per kernel)."""
+        return not (self.team_state[thread_team.SWITCHED_OFF] or self.team_state[thread_team.CALLED_OFF])
+
+    @team.setter
+    def team(self, on: bool) -> None:
+        self.team_state[thread_team.SWITCHED_OFF] = 0 if on else 1
+
+    @property
+    def team_steps(self) -> tuple[int, int]:
+        """``(run, called off)``: this model's steps run as a team, and teams called off."""
+        return int(self.team_state[thread_team.TEAM_STEPS]), int(self.team_state[thread_team.CALLED_OFF])
 
     def forward(self, batch: "ForwardBatch", kv: PagedKVCache, greedy: bool) -> Activations | None:
         """Run ``batch`` if it is a step this covers (int32 arrays, at most
@@ -154,12 +355,13 @@ class CpuDecodeStep:
     def run(self, batch: "ForwardBatch", act: Activations, kv: PagedKVCache, greedy: bool) -> bool:
         """One call of :func:`decode_step_cpu` on buffers sized for ``batch`` (see :meth:`forward`);
         False, and nothing run, for an invalid batch or buffers of another size."""
-        m, w, be, c = self.model, self.model.layer_weights, self.backend, self.model.config
-        return decode_step_cpu(batch.token_ids, batch.query_starts, batch.cached_lens, batch.page_table,
-                               batch.all_logits, c.vocab_size, c.max_position_embeddings,
-                               m.embed_tokens, w.input_norm, w.qkv_w, w.qkv_bias, w.o_w, w.post_attention_norm,
-                               w.gate_up_w, w.down_w, m.norm, m.lm_head_w, m.no_bias, self.cos, self.sin, m.eps,
-                               self.num_q_heads, self.scale, kv.k, kv.v,
-                               be.parallel_attention_min_work, be.numba_threads, greedy,
-                               act.hidden, act.no_residual, act.normed, act.qkv, act.attn, act.delta, act.gate_up,
-                               act.act, act.final, act.logits, act.next_ids)
+        last, buffers = self._buffers_of
+        if act is not last:
+            buffers = (act.hidden, act.no_residual, act.normed, act.qkv, act.attn, act.delta, act.gate_up, act.act,
+                       act.final, act.logits, act.next_ids)
+            self._buffers_of = (act, buffers)
+        be = self.backend
+        with self._one_at_a_time:
+            return decode_step_cpu(batch.token_ids, batch.query_starts, batch.cached_lens, batch.page_table,
+                                   batch.all_logits, *self._model_args, kv.k, kv.v, be.parallel_attention_min_work,
+                                   be.numba_threads, greedy, *buffers, self.team_state)

@@ -12,10 +12,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numba
 import numpy as np
 import pytest
 
-from engines.runtime.model import cpu_step, step_inputs
+from engines.runtime.model import cpu_step, step_inputs, thread_team
 from engines.runtime.model.kernels import attention, matmul, run_attention
 from engines.runtime.model.checkpoint import load_checkpoint
 from engines.runtime.model.llama import ForwardBatch, LlamaModel
@@ -36,6 +37,25 @@ class CountedStep:
             self.calls += 1
             return compiled(*args)
         monkeypatch.setattr(cpu_step, "decode_step_cpu", counted)
+
+
+class TeamSteps:
+    """The model's one-token steps run as a thread team, and teams called off, from now on."""
+
+    def __init__(self, model: LlamaModel) -> None:
+        self.step = model.cpu_step
+        self.before = self.step.team_steps
+
+    def ran(self) -> tuple[int, int]:
+        now = self.step.team_steps
+        return now[0] - self.before[0], now[1] - self.before[1]
+
+
+def one_token_steps(vocab: int, seed: int, prompt: int, count: int) -> list[tuple[list[list[int]], str]]:
+    """A prompt of ``prompt`` random tokens, then ``count`` steps of one token, logits and greedy in turn."""
+    rng = np.random.default_rng(seed)
+    steps = [([rng.integers(0, vocab, prompt).tolist()], "logits")]
+    return steps + [([rng.integers(0, vocab, 1).tolist()], "greedy" if i % 2 else "logits") for i in range(count)]
 
 
 def run_both(model: LlamaModel, steps: list[tuple[list[list[int]], str]], num_pages: int = 40) -> None:
@@ -98,12 +118,11 @@ def test_compiled_steps_of_one_token_equal_the_per_kernel_path(reference: Refere
     model = reference.ours
     assert model.layer_weights.gate_up_w.shape[1] % 4 == 0  # whole (gate, up) pairs: the fused kernel runs
     counted = CountedStep(monkeypatch)
-    rng = np.random.default_rng(11)
-    steps = [([rng.integers(0, model.config.vocab_size, 9).tolist()], "logits")]
-    steps += [([rng.integers(0, model.config.vocab_size, 1).tolist()], "greedy" if i % 2 else "logits")
-              for i in range(8)]
+    steps = one_token_steps(model.config.vocab_size, seed=11, prompt=9, count=8)
+    team = TeamSteps(model)
     run_both(model, steps)
     assert counted.calls == len(steps)
+    assert team.ran() == (8, 0)  # each step of one token ran as a thread team, none called off
 
 
 def test_compiled_steps_of_one_token_over_long_contexts_split_its_keys(reference: Reference,  # noqa: F811
@@ -116,16 +135,62 @@ def test_compiled_steps_of_one_token_over_long_contexts_split_its_keys(reference
     monkeypatch.setattr(backend, "parallel_attention_min_work", 0)
     monkeypatch.setattr(backend, "numba_threads", 2)
     counted = CountedStep(monkeypatch)
-    rng = np.random.default_rng(17)
-    steps = [([rng.integers(0, model.config.vocab_size, 32).tolist()], "logits")]  # the most the step takes
-    steps += [([rng.integers(0, model.config.vocab_size, 1).tolist()], "greedy" if i % 2 else "logits")
-              for i in range(6)]
+    steps = one_token_steps(model.config.vocab_size, seed=17, prompt=32, count=6)  # the most the step takes
     config = model.config
     for position in range(32, 38):  # the decode steps' positions, pages of 4
         assert attention.cpu_attention_splits(np.array([position], np.int32), config.num_attention_heads,
                                               config.num_key_value_heads, 4, config.head_dim, 0, 2) == (1, 2)
+    team = TeamSteps(model)
     run_both(model, steps)
     assert counted.calls == len(steps)
+    assert team.ran() == (6, 0)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_one_token_steps_of_a_team_of_each_size_equal_the_per_kernel_path(reference: Reference,  # noqa: F811
+                                                                        monkeypatch: pytest.MonkeyPatch,
+                                                                        threads: int) -> None:
+    """The thread team at one member and at two, heads cut (the team cuts the heads of a small
+    attention that the omp step runs on one thread)."""
+    if numba.get_num_threads() < threads:
+        pytest.fail(f"numba has {numba.get_num_threads()} threads; this test needs {threads}")
+    model = reference.ours
+    monkeypatch.setattr(model.cpu_step.backend, "numba_threads", threads)
+    steps = one_token_steps(model.config.vocab_size, seed=19, prompt=6, count=5)
+    team = TeamSteps(model)
+    run_both(model, steps)
+    assert team.ran() == (5, 0)
+
+
+def test_a_team_that_cannot_meet_is_called_off_and_its_steps_run_without_one(
+        reference: Reference, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """numba's pool cut to one thread under a backend that counted two: both members of the team
+    land on one thread. The first step's team is called off before any work, the step runs the
+    omp way (the same results as the per-kernel path), and later steps no longer try a team."""
+    model = reference.ours
+    monkeypatch.setattr(model.cpu_step, "team_state", thread_team.new_state(2))
+    monkeypatch.setattr(model.cpu_step.backend, "numba_threads", 2)
+    steps = one_token_steps(model.config.vocab_size, seed=23, prompt=5, count=4)
+    threads = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        run_both(model, steps)
+    finally:
+        numba.set_num_threads(threads)
+    assert model.cpu_step.team_steps == (0, 1) and not model.cpu_step.team
+
+
+def test_a_team_switched_off_runs_its_steps_forking_per_kernel(reference: Reference,  # noqa: F811
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    model = reference.ours
+    monkeypatch.setattr(model.cpu_step, "team_state", thread_team.new_state(2))
+    model.cpu_step.team = False
+    steps = one_token_steps(model.config.vocab_size, seed=29, prompt=5, count=3)
+    run_both(model, steps)
+    assert model.cpu_step.team_steps == (0, 0) and not model.cpu_step.team
+    model.cpu_step.team = True
+    run_both(model, steps[:1] + steps[1:2])
+    assert model.cpu_step.team_steps == (1, 0) and model.cpu_step.team
 
 
 def test_one_token_steps_of_an_odd_intermediate_size_run_matmul_then_silu_mul(

@@ -254,6 +254,106 @@ def _weigh_four_pages(p0, p1, p2, p3, first_head, first, stride, group, per_item
                     a[d] += w0 * v0[s, d] + w1 * v1[s, d] + w2 * v2[s, d] + w3 * v3[s, d]
 
 
+@njit(inline="always")
+def attention_item(item, head_splits, key_splits, qkv, positions, token_seq, page_table, k_cache, v_cache, layer,
+                   num_q_heads, scale, out, part_max, part_sum, part_out):
+    """Work item ``item`` of :func:`paged_attention_cpu`: one token, one of ``head_splits`` slices of
+    its kv heads, one of ``key_splits`` slices of its keys. Its output goes to ``out`` (keys
+    whole) or to its slice's ``part_*`` row (keys cut; :func:`merge_key_slices` finishes it)."""
+    num_kv_heads = k_cache.shape[2]
+    page_size = k_cache.shape[3]
+    head_dim = k_cache.shape[4]
+    group = num_q_heads // num_kv_heads
+    per_item = num_kv_heads // head_splits
+    q_heads = per_item * group
+    splits = head_splits * key_splits
+    t = item // splits
+    first_head = (item % splits) // key_splits * per_item
+    key_slice = item % key_splits
+    part = t * key_splits + key_slice
+    q_base = first_head * group  # the item's first q head
+    seq = token_seq[t]
+    num_keys = positions[t] + 1
+    first_page, end_page = _key_slice(num_keys, page_size, key_splits, key_slice)
+    count = min(end_page * page_size, num_keys) - first_page * page_size  # the item's keys
+    if count <= 0:  # more slices than pages: this one holds none
+        for i in range(q_heads):
+            part_max[part, q_base + i] = -np.inf
+            part_sum[part, q_base + i] = 0.0
+            for d in range(head_dim):
+                part_out[part, q_base + i, d] = 0.0
+    else:
+        q = np.empty((q_heads, head_dim), np.float32)
+        for i in range(q_heads):
+            for d in range(head_dim):
+                q[i, d] = qkv[t, (q_base + i) * head_dim + d] * scale
+        # Four streams over 4 * quarter whole pages (see _paged_attention).
+        quarter = (count // page_size) // 4
+        stride = quarter * page_size  # keys between the four pages read side by side
+        pages = page_table[seq]
+        scores = np.empty((q_heads, count), np.float32)
+        for j in range(quarter):
+            p = first_page + j
+            _score_four_pages(q, k_cache[layer, pages[p]], k_cache[layer, pages[p + quarter]],
+                              k_cache[layer, pages[p + 2 * quarter]], k_cache[layer, pages[p + 3 * quarter]],
+                              first_head, j * page_size, stride, group, per_item, scores)
+        for p in range(first_page + 4 * quarter, end_page):
+            first = (p - first_page) * page_size
+            _score_page(q, k_cache[layer, pages[p]], first_head, min(page_size, count - first), first, group,
+                        per_item, scores)
+        tops = np.empty(q_heads, np.float32)
+        sums = np.empty(q_heads, np.float32)
+        lanes = np.empty(16, np.float32)
+        for i in range(q_heads):
+            tops[i], sums[i] = softmax_numerators_and_max(scores[i], count, lanes)
+        acc = np.zeros((q_heads, head_dim), np.float32)
+        for j in range(quarter):
+            p = first_page + j
+            _weigh_four_pages(v_cache[layer, pages[p]], v_cache[layer, pages[p + quarter]],
+                              v_cache[layer, pages[p + 2 * quarter]], v_cache[layer, pages[p + 3 * quarter]],
+                              first_head, j * page_size, stride, group, per_item, scores, acc)
+        for p in range(first_page + 4 * quarter, end_page):
+            first = (p - first_page) * page_size
+            _weigh_page(v_cache[layer, pages[p]], first_head, min(page_size, count - first), first, group,
+                        per_item, scores, acc)
+        if key_splits == 1:
+            for i in range(q_heads):
+                inverse = float32(1.0) / sums[i]
+                for d in range(head_dim):
+                    out[t, (q_base + i) * head_dim + d] = acc[i, d] * inverse
+        else:
+            for i in range(q_heads):
+                part_max[part, q_base + i] = tops[i]
+                part_sum[part, q_base + i] = sums[i]
+                for d in range(head_dim):
+                    part_out[part, q_base + i, d] = acc[i, d]
+
+
+@njit(inline="always")
+def merge_key_slices(t, i, key_splits, part_max, part_sum, part_out, out):
+    """Token ``t``'s q head ``i`` from its ``key_splits`` slices' maxima, sums and unnormalised
+    outputs (a few hundred multiply-adds)."""
+    head_dim = part_out.shape[2]
+    first_part = t * key_splits
+    top = part_max[first_part, i]
+    for s in range(1, key_splits):
+        top = max(top, part_max[first_part + s, i])
+    total = float32(0.0)
+    row = out[t, i * head_dim:(i + 1) * head_dim]
+    for s in range(key_splits):
+        weight = exp_f32(part_max[first_part + s, i] - top)
+        total += part_sum[first_part + s, i] * weight
+        if s == 0:
+            for d in range(head_dim):
+                row[d] = part_out[first_part, i, d] * weight
+        else:
+            for d in range(head_dim):
+                row[d] += part_out[first_part + s, i, d] * weight
+    inverse = float32(1.0) / total
+    for d in range(head_dim):
+        row[d] *= inverse
+
+
 def _paged_attention(qkv, positions, token_seq, page_table, k_cache, v_cache, layer, num_q_heads, scale, out,
                      head_splits, key_splits):
     """Exact two-pass softmax per (token, q head); see :func:`paged_attention_cuda`.
@@ -283,101 +383,19 @@ def _paged_attention(qkv, positions, token_seq, page_table, k_cache, v_cache, la
     1.12-1.44x faster on two threads (8: 1.29-1.30x on one), at 80 keys 1.05-1.18x; over pages
     contiguous per sequence, 3% slower to 9% faster (measured cold).
     """
-    num_kv_heads = k_cache.shape[2]
-    page_size = k_cache.shape[3]
-    head_dim = k_cache.shape[4]
-    group = num_q_heads // num_kv_heads
-    per_item = num_kv_heads // head_splits
-    q_heads = per_item * group
     num_tokens = qkv.shape[0]
-    splits = head_splits * key_splits
     # Partial results where keys are cut: each slice's max score, sum of numerators and
     # unnormalised output, per q head.
     parts = num_tokens * key_splits if key_splits > 1 else 0
     part_max = np.empty((parts, num_q_heads), np.float32)
     part_sum = np.empty((parts, num_q_heads), np.float32)
-    part_out = np.empty((parts, num_q_heads, head_dim), np.float32)
-    for item in prange(num_tokens * splits):
-        t = item // splits
-        first_head = (item % splits) // key_splits * per_item
-        key_slice = item % key_splits
-        part = t * key_splits + key_slice
-        q_base = first_head * group  # the item's first q head
-        seq = token_seq[t]
-        num_keys = positions[t] + 1
-        first_page, end_page = _key_slice(num_keys, page_size, key_splits, key_slice)
-        count = min(end_page * page_size, num_keys) - first_page * page_size  # the item's keys
-        if count <= 0:  # more slices than pages: this one holds none
-            for i in range(q_heads):
-                part_max[part, q_base + i] = -np.inf
-                part_sum[part, q_base + i] = 0.0
-                for d in range(head_dim):
-                    part_out[part, q_base + i, d] = 0.0
-        else:
-            q = np.empty((q_heads, head_dim), np.float32)
-            for i in range(q_heads):
-                for d in range(head_dim):
-                    q[i, d] = qkv[t, (q_base + i) * head_dim + d] * scale
-            # Four streams over 4 * quarter whole pages (see the docstring).
-            quarter = (count // page_size) // 4
-            stride = quarter * page_size  # keys between the four pages read side by side
-            pages = page_table[seq]
-            scores = np.empty((q_heads, count), np.float32)
-            for j in range(quarter):
-                p = first_page + j
-                _score_four_pages(q, k_cache[layer, pages[p]], k_cache[layer, pages[p + quarter]],
-                                  k_cache[layer, pages[p + 2 * quarter]], k_cache[layer, pages[p + 3 * quarter]],
-                                  first_head, j * page_size, stride, group, per_item, scores)
-            for p in range(first_page + 4 * quarter, end_page):
-                first = (p - first_page) * page_size
-                _score_page(q, k_cache[layer, pages[p]], first_head, min(page_size, count - first), first, group,
-                            per_item, scores)
-            tops = np.empty(q_heads, np.float32)
-            sums = np.empty(q_heads, np.float32)
-            lanes = np.empty(16, np.float32)
-            for i in range(q_heads):
-                tops[i], sums[i] = softmax_numerators_and_max(scores[i], count, lanes)
-            acc = np.zeros((q_heads, head_dim), np.float32)
-            for j in range(quarter):
-                p = first_page + j
-                _weigh_four_pages(v_cache[layer, pages[p]], v_cache[layer, pages[p + quarter]],
-                                  v_cache[layer, pages[p + 2 * quarter]], v_cache[layer, pages[p + 3 * quarter]],
-                                  first_head, j * page_size, stride, group, per_item, scores, acc)
-            for p in range(first_page + 4 * quarter, end_page):
-                first = (p - first_page) * page_size
-                _weigh_page(v_cache[layer, pages[p]], first_head, min(page_size, count - first), first, group,
-                            per_item, scores, acc)
-            if key_splits == 1:
-                for i in range(q_heads):
-                    inverse = float32(1.0) / sums[i]
-                    for d in range(head_dim):
-                        out[t, (q_base + i) * head_dim + d] = acc[i, d] * inverse
-            else:
-                for i in range(q_heads):
-                    part_max[part, q_base + i] = tops[i]
-                    part_sum[part, q_base + i] = sums[i]
-                    for d in range(head_dim):
-                        part_out[part, q_base + i, d] = acc[i, d]
-    weights = np.empty(key_splits, np.float32)
-    for t in range(num_tokens if key_splits > 1 else 0):  # merge the slices (a few thousand multiply-adds)
-        first_part = t * key_splits
+    part_out = np.empty((parts, num_q_heads, k_cache.shape[4]), np.float32)
+    for item in prange(num_tokens * head_splits * key_splits):
+        attention_item(item, head_splits, key_splits, qkv, positions, token_seq, page_table, k_cache, v_cache, layer,
+                       num_q_heads, scale, out, part_max, part_sum, part_out)
+    for t in range(num_tokens if key_splits > 1 else 0):  # merge the slices
         for i in range(num_q_heads):
-            top = part_max[first_part, i]
-            for s in range(1, key_splits):
-                top = max(top, part_max[first_part + s, i])
-            total = float32(0.0)
-            for s in range(key_splits):
-                weights[s] = exp_f32(part_max[first_part + s, i] - top)
-                total += part_sum[first_part + s, i] * weights[s]
-            row = out[t, i * head_dim:(i + 1) * head_dim]
-            for d in range(head_dim):
-                row[d] = part_out[first_part, i, d] * weights[0]
-            for s in range(1, key_splits):
-                for d in range(head_dim):
-                    row[d] += part_out[first_part + s, i, d] * weights[s]
-            inverse = float32(1.0) / total
-            for d in range(head_dim):
-                row[d] *= inverse
+            merge_key_slices(t, i, key_splits, part_max, part_sum, part_out, out)
 
 
 # Reassociation lets LLVM vectorise the q.k dot products (the hot loop); no flags that

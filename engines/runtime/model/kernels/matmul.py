@@ -180,11 +180,10 @@ _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
 
 @njit(nogil=True, cache=True, fastmath=_FASTMATH)
-def _last_columns_and_bias(x, w, bias, out, first):
-    """The blocked kernels' epilogue: output columns ``first ..`` one at a time, then the bias."""
+def _last_columns(x, w, out, first):
+    """The blocked kernels' epilogue: output columns ``first ..`` one at a time (no bias)."""
     rows, inner = x.shape
-    cols = w.shape[0]
-    for n in range(first, cols):
+    for n in range(first, w.shape[0]):
         wn = w[n]
         for m in range(rows):
             xm = x[m]
@@ -192,9 +191,14 @@ def _last_columns_and_bias(x, w, bias, out, first):
             for k in range(inner):
                 s += xm[k] * wn[k]
             out[m, n] = s
+
+
+@njit(nogil=True, cache=True)
+def _add_bias(out, bias, first, end):
+    """``out[:, first:end] += bias[first:end]`` (nothing for a zero-length bias)."""
     if bias.shape[0] > 0:
-        for m in range(rows):
-            for n in range(cols):
+        for m in range(out.shape[0]):
+            for n in range(first, end):
                 out[m, n] += bias[n]
 
 
@@ -209,6 +213,44 @@ def _row_dot_four(xm, w0, w1, w2, w3):
         s2 += a * w2[k]
         s3 += a * w3[k]
     return s0, s1, s2, s3
+
+
+@njit(inline="always", fastmath=_FASTMATH)
+def row_blocks(x, w, bias, out, first, end):
+    """:func:`matmul_rows_cpu` for one row ``x`` (1-D), its blocks ``first .. end - 1`` only: output
+    columns ``b, b + q, b + 2q, b + 3q`` of each block ``b`` (``q = out // 4``), bias added. The
+    share of one member of a thread team (cpu_step); the columns past ``4q`` are
+    :func:`row_last_columns`'."""
+    q = w.shape[0] // 4
+    has_bias = bias.shape[0] > 0
+    for block in range(first, end):
+        s0, s1, s2, s3 = _row_dot_four(x, w[block], w[block + q], w[block + 2 * q], w[block + 3 * q])
+        if has_bias:
+            s0 += bias[block]
+            s1 += bias[block + q]
+            s2 += bias[block + 2 * q]
+            s3 += bias[block + 3 * q]
+        out[block] = s0
+        out[block + q] = s1
+        out[block + 2 * q] = s2
+        out[block + 3 * q] = s3
+
+
+@njit(nogil=True, cache=True, fastmath=_FASTMATH)
+def row_last_columns(x, w, bias, out):
+    """The columns :func:`row_blocks` leaves (past ``4 * (out // 4)``) of one row (2-D views, one row)."""
+    first = 4 * (w.shape[0] // 4)
+    _last_columns(x, w, out, first)
+    _add_bias(out, bias, first, w.shape[0])
+
+
+@njit(inline="always", fastmath=_FASTMATH, error_model="numpy")
+def swiglu_block(x, w, out, block, q):
+    """Block ``block`` of :func:`matmul_swiglu_cpu` for one row ``x`` (1-D): gates ``block`` and
+    ``block + q`` and their ups, ``out[block]`` and ``out[block + q]``."""
+    s0, s1, s2, s3 = _row_dot_four(x, w[block], w[block + q], w[block + 2 * q], w[block + 3 * q])
+    out[block] = s0 / (float32(1.0) + exp_f32(-s0)) * s2
+    out[block + q] = s1 / (float32(1.0) + exp_f32(-s1)) * s3
 
 
 @njit(nogil=True, cache=True, parallel=True, fastmath=_FASTMATH)
@@ -320,7 +362,8 @@ def matmul_rows_cpu(x, w, bias, out):
             out[m, n1] = s1
             out[m, n2] = s2
             out[m, n3] = s3
-    _last_columns_and_bias(x, w, bias, out, 4 * q)
+    _last_columns(x, w, out, 4 * q)
+    _add_bias(out, bias, 0, cols)
 
 
 @njit(nogil=True, cache=True, parallel=True, fastmath=_FASTMATH, error_model="numpy")
@@ -344,14 +387,8 @@ def matmul_swiglu_cpu(x, w, out):
         raise ValueError("matmul_swiglu_cpu: w needs 4k rows [gate | up] and out [rows, 2k]")
     q = cols // 4
     for block in prange(q):
-        w0 = w[block]
-        w1 = w[block + q]
-        w2 = w[block + 2 * q]
-        w3 = w[block + 3 * q]
         for m in range(rows):
-            s0, s1, s2, s3 = _row_dot_four(x[m], w0, w1, w2, w3)
-            out[m, block] = s0 / (float32(1.0) + exp_f32(-s0)) * s2
-            out[m, block + q] = s1 / (float32(1.0) + exp_f32(-s1)) * s3
+            swiglu_block(x[m], w, out[m], block, q)
 
 
 def matmul_cpu(x: np.ndarray, w: np.ndarray, bias: np.ndarray, out: np.ndarray) -> None:

@@ -64,39 +64,53 @@ def rope_kv_append_cuda(qkv, positions, token_seq, page_table, cos, sin, k_cache
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
+def rotate_q_head(row, h, c, s):
+    """Rotate q head ``h`` of the projection row ``row`` in place by the angles' ``c``/``s``."""
+    half = c.shape[0]
+    x1 = row[2 * h * half:(2 * h + 1) * half]
+    x2 = row[(2 * h + 1) * half:(2 * h + 2) * half]
+    for i in range(half):
+        a = x1[i]
+        b = x2[i]
+        x1[i] = a * c[i] - b * s[i]
+        x2[i] = b * c[i] + a * s[i]
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
+def append_kv_head(row, kv_head, num_q_heads, num_kv_heads, c, s, key, value):
+    """kv head ``kv_head`` of the projection row ``row``: its k rotated into the cache row ``key``,
+    its v copied into ``value``."""
+    half = c.shape[0]
+    head_dim = 2 * half
+    k_base = (num_q_heads + kv_head) * head_dim
+    v_base = (num_q_heads + num_kv_heads + kv_head) * head_dim
+    x1 = row[k_base:k_base + half]
+    x2 = row[k_base + half:k_base + head_dim]
+    for i in range(half):
+        key[i] = x1[i] * c[i] - x2[i] * s[i]
+        key[half + i] = x2[i] * c[i] + x1[i] * s[i]
+    value[:] = row[v_base:v_base + head_dim]
+
+
+@njit(nogil=True, cache=True, error_model="numpy")
 def rope_kv_append_cpu(qkv, positions, token_seq, page_table, cos, sin, k_cache, v_cache, layer, num_q_heads):
     """CPU twin of :func:`rope_kv_append_cuda`. The loops run over 1-D slices (a head's halves,
     a cache slot's row), which LLVM vectorises; 2.3x faster than indexing the 2-D and 5-D arrays
     element by element (a 2048-token prefill)."""
     num_kv_heads = k_cache.shape[2]
     page_size = k_cache.shape[3]
-    head_dim = k_cache.shape[4]
-    half = head_dim // 2
     for t in range(qkv.shape[0]):
         pos = positions[t]
         c = cos[pos]
         s = sin[pos]
         row = qkv[t]
         for h in range(num_q_heads):
-            x1 = row[h * head_dim:h * head_dim + half]
-            x2 = row[h * head_dim + half:(h + 1) * head_dim]
-            for i in range(half):
-                a = x1[i]
-                b = x2[i]
-                x1[i] = a * c[i] - b * s[i]
-                x2[i] = b * c[i] + a * s[i]
+            rotate_q_head(row, h, c, s)
         page = page_table[token_seq[t], pos // page_size]
         slot = pos % page_size
         for kv_head in range(num_kv_heads):
-            k_base = (num_q_heads + kv_head) * head_dim
-            v_base = (num_q_heads + num_kv_heads + kv_head) * head_dim
-            key = k_cache[layer, page, kv_head, slot]
-            x1 = row[k_base:k_base + half]
-            x2 = row[k_base + half:k_base + head_dim]
-            for i in range(half):
-                key[i] = x1[i] * c[i] - x2[i] * s[i]
-                key[half + i] = x2[i] * c[i] + x1[i] * s[i]
-            v_cache[layer, page, kv_head, slot] = row[v_base:v_base + head_dim]
+            append_kv_head(row, kv_head, num_q_heads, num_kv_heads, c, s, k_cache[layer, page, kv_head, slot],
+                           v_cache[layer, page, kv_head, slot])
 
 
 CUDA_SIGNATURES = {

@@ -1,0 +1,213 @@
+"""A team of numba's threads that stays together for a whole CPU step, meeting at spin barriers.
+
+A batch-1 decode step is ~45 small parallel loops (four matmuls and attention a layer), and each
+``prange`` is an OpenMP fork and join: 1.2 us warm and ~2.6 us cold on this 2-core machine, with
+the norms, RoPE and the split attention's merge run by one thread between them while the other
+waits. A step run as one ``prange(team)``, each iteration a team member that takes its share of
+every op and waits for the others at a barrier where an op's output is needed whole, pays one
+fork and join a step (as llama.cpp's thread pool does); a barrier between two cores is one cache
+line passed back and forth.
+
+The pieces, all compiled (numba ``@intrinsic``: LLVM atomics, the CPU's spin-wait hint):
+
+* :func:`rendezvous`: every member arrives before any works. The threading layer is what puts
+  the iterations of a ``prange`` on threads; if two landed on one thread (a layer with work
+  stealing, fewer threads than asked for), the first would wait at its first barrier for a
+  partner that can only start after it returns. So members first wait for each other, for a
+  bounded time, and if the team is not complete by then it is called off, atomically, and no
+  member does any work: the caller then runs the step another way.
+* :func:`claim`: an op's work as chunks that members draw, in order, until none is left, so that
+  a member whose core runs slower for a while (another VM on its host core, an interrupt) takes
+  fewer: with fixed halves, one member of two waited 5-10% of a batch-1 step at barriers while
+  the other finished its half (a cycle counter around each phase).
+* :func:`barrier`: a counter that only grows within a region; barrier ``k`` is passed once it
+  reaches ``parties * k``. Waiting spins with the CPU's pause hint, and yields the core to the
+  scheduler after a while, so that a member whose partner was preempted (more runnable threads
+  than cores: the server, a load client) does not hold the core its partner needs.
+
+A member must pass every barrier the others do: the team's code has no early exit and raises
+nothing (``error_model="numpy"``, no checks that raise) once the rendezvous is passed.
+"""
+from __future__ import annotations
+
+import platform
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+__all__ = ["ARRIVED", "BARRIER", "CALLED_OFF", "SWITCHED_OFF", "TEAM_STEPS", "TICKETS", "barrier", "claim", "max_parties", "new_state",
+           "rendezvous", "reset"]
+
+# Slots of a team's state array (int64), each on a cache line of its own.
+BARRIER = 0      # arrivals at the region's barriers so far
+ARRIVED = 8      # members through the rendezvous, or CALLED_OFF_MARK once it has been called off
+TEAM_STEPS = 16  # regions run as a full team (a count the caller keeps; tests read it)
+CALLED_OFF = 24  # regions called off (the caller runs those another way)
+SWITCHED_OFF = 32  # the owner's switch: nonzero, its caller runs no team (to compare, or by choice)
+TICKETS = 40     # run r's ticket counter (:func:`claim`) at TICKETS + 8 * r
+
+# A rendezvous called off holds this (far below any count of arrivals added to it afterwards).
+CALLED_OFF_MARK = -(1 << 40)
+# Pauses before a waiting member first yields the core: ~20-70 us (a pause is 10-40 ns).
+SPINS_BEFORE_YIELD = 2000
+# Waits (pauses or yields) before a rendezvous is called off: tens of milliseconds. A complete
+# team meets within microseconds of the fork.
+RENDEZVOUS_WAITS = 200_000
+
+
+def new_state(max_parties: int) -> np.ndarray:
+    """A team's state: the int64 array :func:`rendezvous`, :func:`barrier` and :func:`claim` count
+    in, for teams of up to ``max_parties`` members (:func:`max_parties`)."""
+    return np.zeros(TICKETS + 8 * max(1, max_parties), np.int64)
+
+
+@njit(inline="always")
+def max_parties(state):  # noqa: ANN001, ANN201
+    """The largest team ``state`` has ticket counters for."""
+    return (state.shape[0] - TICKETS) // 8
+
+
+@njit(inline="always")
+def reset(state, parties):  # noqa: ANN001, ANN201
+    """Zero the region's counters (before the region, by the thread that forks it)."""
+    state[BARRIER] = 0
+    state[ARRIVED] = 0
+    for run in range(parties):
+        state[TICKETS + 8 * run] = 0
+
+
+def _pointer(context, builder, array_type, array, index):  # noqa: ANN001, ANN202 - numba's codegen types
+    return cgutils.get_item_pointer(context, builder, array_type,
+                                    context.make_array(array_type)(context, builder, array), [index])
+
+
+@intrinsic
+def atomic_add(typingctx, array, index, value):  # noqa: ANN001, ANN201
+    """``array[index] += value`` atomically (sequentially consistent); the old value."""
+    sig = types.int64(array, types.intp, types.int64)
+
+    def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+        return builder.atomic_rmw("add", _pointer(context, builder, sig.args[0], args[0], args[1]), args[2],
+                                  "seq_cst")
+    return sig, codegen
+
+
+@intrinsic
+def atomic_load(typingctx, array, index):  # noqa: ANN001, ANN201
+    """``array[index]``, an acquiring atomic load (never hoisted out of a wait loop)."""
+    sig = types.int64(array, types.intp)
+
+    def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+        return builder.load_atomic(_pointer(context, builder, sig.args[0], args[0], args[1]), "acquire", 8)
+    return sig, codegen
+
+
+@intrinsic
+def compare_and_swap(typingctx, array, index, expected, new):  # noqa: ANN001, ANN201
+    """Set ``array[index]`` to ``new`` if it holds ``expected``, atomically; whether it did."""
+    sig = types.boolean(array, types.intp, types.int64, types.int64)
+
+    def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+        pair = builder.cmpxchg(_pointer(context, builder, sig.args[0], args[0], args[1]), args[2], args[3],
+                               "seq_cst", "seq_cst")
+        return builder.extract_value(pair, 1)
+    return sig, codegen
+
+
+_MACHINE = platform.machine().lower()
+
+
+@intrinsic
+def spin_pause(typingctx):  # noqa: ANN001, ANN201
+    """The CPU's spin-wait hint (x86 ``pause``, arm64 ``yield``); nothing elsewhere."""
+    sig = types.void()
+
+    def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+        if _MACHINE in ("x86_64", "amd64"):
+            builder.call(cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                                        "llvm.x86.sse2.pause"), [])
+        elif _MACHINE in ("aarch64", "arm64"):
+            hint = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [ir.IntType(32)]),
+                                                  "llvm.aarch64.hint")
+            builder.call(hint, [ir.Constant(ir.IntType(32), 1)])
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@intrinsic
+def yield_core(typingctx):  # noqa: ANN001, ANN201
+    """POSIX ``sched_yield()``: let another runnable thread have this core."""
+    sig = types.void()
+
+    def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+        builder.call(cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(32), []),
+                                                    "sched_yield"), [])
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+@njit(inline="always")
+def _wait(spins):  # noqa: ANN001, ANN202
+    if spins < SPINS_BEFORE_YIELD:
+        spin_pause()
+    else:
+        yield_core()
+
+
+@njit(nogil=True)
+def rendezvous(state, parties):  # noqa: ANN001, ANN201
+    """Arrive, and wait for the other ``parties - 1`` members: True once all have arrived; False
+    if the team was called off (by this member after ``RENDEZVOUS_WAITS`` waits, or by another),
+    in which case no member may work. The caller zeroes the counters before the region
+    (:func:`reset`)."""
+    if atomic_add(state, ARRIVED, 1) < 0:
+        return False
+    waits = 0
+    while True:
+        arrived = atomic_load(state, ARRIVED)
+        if arrived >= parties:
+            return True
+        if arrived < 0:
+            return False
+        if waits >= RENDEZVOUS_WAITS and compare_and_swap(state, ARRIVED, arrived, CALLED_OFF_MARK):
+            return False
+        _wait(waits)
+        waits += 1
+
+
+@njit(nogil=True)
+def barrier(state, parties, number):  # noqa: ANN001, ANN201
+    """Wait until all ``parties`` have reached barrier ``number`` (1, 2, ... within a region)."""
+    atomic_add(state, BARRIER, 1)
+    target = parties * number
+    spins = 0
+    while atomic_load(state, BARRIER) < target:
+        _wait(spins)
+        spins += 1
+
+
+@njit(inline="always")
+def claim(state, member, parties, step, drawn, per_run):  # noqa: ANN001, ANN201
+    """``(chunk, step)``: the next chunk of the current op for ``member`` to do (-1 once none is
+    left), and the cursor to pass to the next call (0 at the op's first).
+
+    The op is ``parties`` runs of ``per_run`` chunks, chunk ``run * per_run + i``. A member takes
+    its own run's chunks in order, so that it streams its share of the weights as one long run
+    (chunks drawn in turn from one shared counter streamed at 40-42 GB/s where the host read 57-59:
+    each member's streams then jumped ahead at every chunk), then the chunks still left in the
+    others' runs, the next member's first: a member whose core ran slower for a while gets help at
+    the end. Each run has its own ticket counter, ``state[TICKETS + 8 * run]``. A member draws
+    from a run until a ticket comes back empty, exactly once a run, so after an op every counter
+    has given out ``per_run + parties`` tickets more: ``drawn`` is that sum over the ops before
+    this one, which every member knows without asking. The caller zeroes the counters before the
+    region (:func:`new_state` sizes them) and passes a barrier between two ops."""
+    while step < parties:
+        run = (member + step) % parties
+        ticket = atomic_add(state, TICKETS + 8 * run, 1) - drawn
+        if ticket < per_run:
+            return run * per_run + ticket, step
+        step += 1
+    return -1, step
