@@ -34,13 +34,16 @@ what is left of the others': ``thread_team.claim``), its attention items, and ap
 token's k and v for the heads of its item that holds the token's position; the residual stream, the
 norms, q's rotation and the merge of attention's key slices it computes itself, into buffers of its
 own, so a layer has five barriers, one after each op whose output every member reads whole. The
-kernels' bodies are the same functions (``matmul.row_blocks``, ``matmul.swiglu_block``,
-``attention.attention_item``, ``attention.merge_key_slices``, ``rope_kv.rotate_q_head``,
-``rope_kv.append_kv_head``), so the results are the per-kernel path's to float32 rounding, as the
-rest of the step's. Against the same compiled step forking per kernel, step by step in turn
+work is the kernels' own bodies (``matmul.row_blocks``, the row loop of ``matmul_rows_cpu`` for a
+last odd row; ``matmul.swiglu_block``, ``attention.attention_item`` and ``merge_key_slices``,
+``rope_kv.rotate_q_head`` and ``append_kv_head``, which the kernels call too), so the results are
+the per-kernel path's to float32 rounding, as the rest of the step's. After a team step the
+activations hold the same ``hidden``, ``final``, ``logits`` and ``next_ids``; the others are the
+team's scratch (``qkv`` keeps q unrotated, the members rotate their own copies). Against the same compiled step forking per kernel, step by step in turn
 (bench/cpu_team_step.py, BENCHMARKS.md): see issue 15's part "One parallel region a step".
 If the team cannot meet (its members put on one thread), it is called off before any work, the step
-runs the forking way, and this model's later steps no longer try.
+runs the forking way, and the next 64 steps too (twice as many after each call-off in a row, up to
+65,536) before a team is tried again.
 
 numba's on-disk cache keys a compiled function by its own bytecode, not by its callees': a
 kernel edited since the step was cached would still run in its old form. The step is therefore
@@ -137,7 +140,10 @@ def _make_team_step(kernels_digest: str) -> Callable[..., bool]:
         module's docstring and ``thread_team``). True once run; False, and nothing run, if the team
         could not meet. ``state`` counts the steps run and called off."""
         kernels_digest  # noqa: B018 - in the cache key, as decode_step_cpu's
+        if team < 1 or team > thread_team.max_parties(state):  # no counters for it
+            return False
         width = hidden.shape[1]
+        head_dim = k_cache.shape[4]
         own_hidden = np.empty((team, 1, width), np.float32)
         own_normed = np.empty((team, 1, width), np.float32)
         q_width = attn.shape[1]
@@ -177,7 +183,7 @@ def _make_team_step(kernels_digest: str) -> Callable[..., bool]:
                     for i in range(q_width):
                         q[0, i] = qkv[0, i]
                     for head in range(num_q_heads):
-                        rope_kv.rotate_q_head(q[0], head, c, s)
+                        rope_kv.rotate_q_head(q[0], head, head_dim, c, s)
                     for item in range(member, items, team):
                         if item % key_splits == key_splits - 1:
                             first_kv_head = item // key_splits * kv_per_item
@@ -236,7 +242,9 @@ def _make_decode_step(kernels_digest: str) -> Callable[..., bool]:
         invalid one), kernel for kernel but, for one token, the MLP's gate/up projection and
         SwiGLU as one kernel (``matmul_swiglu_cpu``); attention split over numba's threads as
         ``CpuBackend.attention_splits`` splits it ((0, 0): single-threaded). A step of one token
-        runs as :func:`one_token_team_step` unless a team of this state was ever called off."""
+        with whole (gate, up) pairs in the fused kernel's blocks runs as :func:`one_token_team_step`
+        unless ``team_state`` says not to (``thread_team.may_try``: switched off, or waiting after a
+        call-off)."""
         kernels_digest  # noqa: B018 - referenced so that it is in the closure, hence in the cache key
         ok, positions, token_seq, page_table, logit_rows = step_inputs.derive_int32(
             token_ids, query_starts, cached_lens, page_table, vocab_size, max_positions, k_cache.shape[3],
@@ -254,15 +262,18 @@ def _make_decode_step(kernels_digest: str) -> Callable[..., bool]:
                                                                  parallel_attention_min_work, threads)
         # One token, and whole (gate, up) pairs in each block of the fused kernel: see matmul_swiglu_cpu.
         swiglu_fused = token_ids.shape[0] == 1 and gate_up_w.shape[1] % 4 == 0
-        team = max(1, min(threads, thread_team.max_parties(team_state)))
-        if swiglu_fused and team_state[thread_team.CALLED_OFF] == 0 and team_state[thread_team.SWITCHED_OFF] == 0:
+        if swiglu_fused and thread_team.may_try(team_state):
+            team = max(1, min(threads, thread_team.max_parties(team_state)))
+            team_heads, team_keys = head_splits, key_splits
             if head_splits == 0:  # the team is awake anyway: its members take slices of the heads
-                head_splits, key_splits = attention.head_splits(1, k_cache.shape[2], team), 1
-            if one_token_team_step(team_state, team, token_ids, positions, token_seq, page_table, rows,
-                                   embed, input_norm, qkv_w, qkv_bias, o_w, post_norm, gate_up_w, down_w,
-                                   final_norm, lm_head_w, no_bias, no_residual, cos, sin, eps, num_q_heads, scale,
-                                   k_cache, v_cache, head_splits, key_splits, greedy,
-                                   hidden, qkv, attn, delta, act, final, logits, next_ids):
+                team_heads, team_keys = attention.head_splits(1, k_cache.shape[2], team), 1
+            ran = one_token_team_step(team_state, team, token_ids, positions, token_seq, page_table, rows,
+                                      embed, input_norm, qkv_w, qkv_bias, o_w, post_norm, gate_up_w, down_w,
+                                      final_norm, lm_head_w, no_bias, no_residual, cos, sin, eps, num_q_heads,
+                                      scale, k_cache, v_cache, team_heads, team_keys, greedy,
+                                      hidden, qkv, attn, delta, act, final, logits, next_ids)
+            thread_team.back_off(team_state, not ran)
+            if ran:
                 return True
         embedding.embedding_gather_cpu(token_ids, embed, hidden)
         for layer in range(qkv_w.shape[0]):
@@ -324,9 +335,10 @@ class CpuDecodeStep:
 
     @property
     def team(self) -> bool:
-        """Whether steps of one token run as a thread team (:func:`one_token_team_step`): True
-        unless switched off here or called off once (then the step forks per kernel)."""
-        return not (self.team_state[thread_team.SWITCHED_OFF] or self.team_state[thread_team.CALLED_OFF])
+        """Whether the next step of one token tries a thread team (:func:`one_token_team_step`):
+        True unless switched off here, or in the wait after a team was called off (the steps
+        then fork per kernel; see ``thread_team``)."""
+        return not (self.team_state[thread_team.SWITCHED_OFF] or self.team_state[thread_team.SKIPS_LEFT])
 
     @team.setter
     def team(self, on: bool) -> None:
@@ -340,8 +352,8 @@ class CpuDecodeStep:
     def forward(self, batch: "ForwardBatch", kv: PagedKVCache, greedy: bool) -> Activations | None:
         """Run ``batch`` if it is a step this covers (int32 arrays, at most
         ``matmul.CPU_ROWS_KERNEL_MAX_ROWS`` new tokens: no BLAS matmul, no BLAS attention run) and
-        valid; its results are in the activations returned, as the per-kernel path's would be.
-        None, and nothing run, otherwise (the per-kernel path then runs it, or raises)."""
+        valid; its results (``logits``, ``next_ids``, ``hidden``, ``final``) are in the activations
+        returned, as the per-kernel path's would be. None, and nothing run, otherwise (the per-kernel path then runs it, or raises)."""
         if not step_inputs.int32_batch(batch):
             return None
         num_tokens = batch.token_ids.shape[0]

@@ -25,12 +25,19 @@ The pieces, all compiled (numba ``@intrinsic``: LLVM atomics, the CPU's spin-wai
   scheduler after a while, so that a member whose partner was preempted (more runnable threads
   than cores: the server, a load client) does not hold the core its partner needs.
 
-A member must pass every barrier the others do: the team's code has no early exit and raises
-nothing (``error_model="numpy"``, no checks that raise) once the rendezvous is passed.
+A member must pass every barrier the others do: the team's code has no early exit and no check
+that raises (``error_model="numpy"``) once the rendezvous is passed; only a failed allocation of
+a few KB inside the region could still raise, and leave the others waiting.
+
+A team called off is tried again later (:func:`may_try`, :func:`back_off`): after 64 regions run
+another way, then twice as many after each call-off in a row, up to 65,536. A threading layer that
+can never field the team then costs a rendezvous's wait every 65,536 steps; a team called off
+because a member's thread was slow to start under load comes back after 64.
 """
 from __future__ import annotations
 
 import platform
+import sys
 
 import numpy as np
 from llvmlite import ir
@@ -38,7 +45,8 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["ARRIVED", "BARRIER", "CALLED_OFF", "SWITCHED_OFF", "TEAM_STEPS", "TICKETS", "barrier", "claim", "max_parties", "new_state",
+__all__ = ["ARRIVED", "BACKOFF", "BARRIER", "CALLED_OFF", "SKIPS_LEFT", "SWITCHED_OFF", "TEAM_STEPS", "TICKETS",
+           "back_off", "may_try", "barrier", "claim", "max_parties", "new_state",
            "rendezvous", "reset"]
 
 # Slots of a team's state array (int64), each on a cache line of its own.
@@ -47,15 +55,21 @@ ARRIVED = 8      # members through the rendezvous, or CALLED_OFF_MARK once it ha
 TEAM_STEPS = 16  # regions run as a full team (a count the caller keeps; tests read it)
 CALLED_OFF = 24  # regions called off (the caller runs those another way)
 SWITCHED_OFF = 32  # the owner's switch: nonzero, its caller runs no team (to compare, or by choice)
-TICKETS = 40     # run r's ticket counter (:func:`claim`) at TICKETS + 8 * r
+SKIPS_LEFT = 40  # regions the caller still runs another way after a call-off, before trying again
+BACKOFF = 48     # that wait's length after the last call-off (doubling while teams keep failing)
+TICKETS = 56     # run r's ticket counter (:func:`claim`) at TICKETS + 8 * r
 
 # A rendezvous called off holds this (far below any count of arrivals added to it afterwards).
 CALLED_OFF_MARK = -(1 << 40)
 # Pauses before a waiting member first yields the core: ~20-70 us (a pause is 10-40 ns).
 SPINS_BEFORE_YIELD = 2000
-# Waits (pauses or yields) before a rendezvous is called off: tens of milliseconds. A complete
-# team meets within microseconds of the fork.
-RENDEZVOUS_WAITS = 200_000
+# Waits before a rendezvous is called off: 2,000 pauses, then yields, ~10-20 ms on an idle machine
+# (a yield with nobody waiting returns at once), longer on a busy one. A complete team meets within
+# microseconds of the fork; one that cannot meet (two members on one thread) never does.
+RENDEZVOUS_WAITS = 20_000
+# Regions run another way after a first call-off; doubled at each call-off in a row, up to the last.
+FIRST_BACKOFF = 64
+LAST_BACKOFF = 1 << 16
 
 
 def new_state(max_parties: int) -> np.ndarray:
@@ -137,14 +151,19 @@ def spin_pause(typingctx):  # noqa: ANN001, ANN201
     return sig, codegen
 
 
+_POSIX = sys.platform != "win32"
+
+
 @intrinsic
 def yield_core(typingctx):  # noqa: ANN001, ANN201
-    """POSIX ``sched_yield()``: let another runnable thread have this core."""
+    """POSIX ``sched_yield()``: let another runnable thread have this core (nothing on Windows,
+    which has no such symbol to link: waiting members only spin there)."""
     sig = types.void()
 
     def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
-        builder.call(cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(32), []),
-                                                    "sched_yield"), [])
+        if _POSIX:
+            builder.call(cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(32), []),
+                                                        "sched_yield"), [])
         return context.get_dummy_value()
     return sig, codegen
 
@@ -211,3 +230,26 @@ def claim(state, member, parties, step, drawn, per_run):  # noqa: ANN001, ANN201
             return run * per_run + ticket, step
         step += 1
     return -1, step
+
+
+@njit(inline="always")
+def may_try(state):  # noqa: ANN001, ANN201
+    """Whether the caller may run a team in this region: not switched off, and not in the wait after
+    a call-off (a region it runs another way counts down that wait)."""
+    if state[SWITCHED_OFF] != 0:
+        return False
+    if state[SKIPS_LEFT] > 0:
+        state[SKIPS_LEFT] -= 1
+        return False
+    return True
+
+
+@njit(inline="always")
+def back_off(state, called_off):  # noqa: ANN001, ANN201
+    """After a region tried as a team: reset the wait if it ran, else double it (see the module's
+    docstring) and start it."""
+    if called_off:
+        state[BACKOFF] = min(max(FIRST_BACKOFF, 2 * state[BACKOFF]), LAST_BACKOFF)
+        state[SKIPS_LEFT] = state[BACKOFF]
+    else:
+        state[BACKOFF] = 0

@@ -162,11 +162,25 @@ def test_one_token_steps_of_a_team_of_each_size_equal_the_per_kernel_path(refere
     assert team.ran() == (5, 0)
 
 
+def test_a_team_step_with_many_chunks_a_run_and_a_vocabulary_of_4k_plus_2_equals_the_per_kernel_path(
+        tmp_path: Path) -> None:
+    """Weights big enough that each member's run of a matmul is many chunks (the LM head: 1,024
+    blocks of four 1 KB rows, 32 chunks), and a vocabulary whose last two columns the blocks leave
+    to the last member (``matmul.row_last_columns``)."""
+    folder = save_tiny_checkpoint(tmp_path, arch="llama", vocab=4098, hidden=256, layers=2, tied=False, seed=7,
+                                  intermediate=512)
+    model = LlamaModel.from_checkpoint(load_checkpoint(folder), backend="cpu")
+    team = TeamSteps(model)
+    run_both(model, one_token_steps(4098, seed=37, prompt=7, count=6))
+    assert team.ran() == (6, 0)
+
+
 def test_a_team_that_cannot_meet_is_called_off_and_its_steps_run_without_one(
         reference: Reference, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     """numba's pool cut to one thread under a backend that counted two: both members of the team
     land on one thread. The first step's team is called off before any work, the step runs the
-    omp way (the same results as the per-kernel path), and later steps no longer try a team."""
+    omp way (the same results as the per-kernel path), and the next 64 steps do not try a team;
+    with the pool whole again, the step after them runs as a team."""
     model = reference.ours
     monkeypatch.setattr(model.cpu_step, "team_state", thread_team.new_state(2))
     monkeypatch.setattr(model.cpu_step.backend, "numba_threads", 2)
@@ -178,6 +192,8 @@ def test_a_team_that_cannot_meet_is_called_off_and_its_steps_run_without_one(
     finally:
         numba.set_num_threads(threads)
     assert model.cpu_step.team_steps == (0, 1) and not model.cpu_step.team
+    run_both(model, one_token_steps(model.config.vocab_size, seed=31, prompt=2, count=62))  # 3 + 61 skipped
+    assert model.cpu_step.team_steps == (1, 1) and model.cpu_step.team
 
 
 def test_a_team_switched_off_runs_its_steps_forking_per_kernel(reference: Reference,  # noqa: F811
@@ -368,8 +384,10 @@ def test_cache_key_follows_every_kernel_source(tmp_path: Path, monkeypatch: pyte
 
     assert {m.__name__.rsplit(".", 1)[-1] for m in cpu_step.STEP_KERNEL_MODULES} >= {
         "embedding", "add_rmsnorm", "matmul", "rope_kv", "attention", "fast_exp", "silu_mul", "argmax"}
-    (cell,) = cpu_step.decode_step_cpu.py_func.__closure__
-    assert cell.cell_contents == cpu_step.kernel_sources_digest()
+    assert "thread_team" in {m.__name__.rsplit(".", 1)[-1] for m in cpu_step.STEP_KERNEL_MODULES}
+    for step in (cpu_step.decode_step_cpu, cpu_step.one_token_team_step):
+        (cell,) = step.py_func.__closure__
+        assert cell.cell_contents == cpu_step.kernel_sources_digest()
     one, other = cpu_step._make_decode_step("one"), cpu_step._make_decode_step("other")
     codegen = cpu_step.decode_step_cpu.targetctx.codegen()
     assert one._cache._index_key((), codegen) != other._cache._index_key((), codegen)
@@ -387,17 +405,24 @@ def test_a_process_whose_first_call_is_the_cached_step(reference: Reference) -> 
         kv = model.new_kv_cache(4, 4)
         batch = ForwardBatch(np.array([1, 2], np.int32), np.array([0, 2], np.int32), np.array([0], np.int32),
                              np.array([[0]], np.int32))
-        print(int(model.forward_greedy(batch, kv)[0]))
+        first = int(model.forward_greedy(batch, kv)[0])
+        one = ForwardBatch(np.array([first], np.int32), np.array([0, 1], np.int32), np.array([2], np.int32),
+                           np.array([[0]], np.int32))
+        print(first, int(model.forward_greedy(one, kv)[0]), model.cpu_step.team_steps)
         from engines.runtime.model import cpu_step
-        print("cache hits", sum(cpu_step.decode_step_cpu.stats.cache_hits.values()))
+        print("cache hits", sum(cpu_step.decode_step_cpu.stats.cache_hits.values()),
+              "team compiled here", len(cpu_step.one_token_team_step.overloads))
     """)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     outputs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
                for _ in range(2)]  # the first may compile; the second loads the step from the cache
     for done in outputs:
         assert done.returncode == 0, done.stderr[-2000:]
-    assert outputs[0].stdout.split()[0] == outputs[1].stdout.split()[0]
-    # The second really loaded it (a step numba cannot cache, e.g. one that reads a ctypes
-    # pointer, compiles anew in every process and warns).
-    assert outputs[1].stdout.strip().endswith("cache hits 1"), outputs[1].stdout + outputs[1].stderr[-2000:]
+    assert outputs[0].stdout.splitlines()[0] == outputs[1].stdout.splitlines()[0]
+    assert outputs[1].stdout.splitlines()[0].endswith("(1, 0)")  # the one-token step ran as a team
+    # The second really loaded the step (a step numba cannot cache, e.g. one that reads a ctypes
+    # pointer, compiles anew in every process and warns), the team's code within it: the team's
+    # own dispatcher compiled nothing there.
+    assert outputs[1].stdout.strip().endswith("cache hits 1 team compiled here 0"), \
+        outputs[1].stdout + outputs[1].stderr[-2000:]
     assert "Cannot cache" not in outputs[1].stderr

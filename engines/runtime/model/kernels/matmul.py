@@ -355,13 +355,8 @@ def matmul_rows_cpu(x, w, bias, out):
             out[m + 1, n1] = s11
             out[m + 1, n2] = s12
             out[m + 1, n3] = s13
-        if (rows - rows4) % 2:
-            m = rows - 1
-            s0, s1, s2, s3 = _row_dot_four(x[m], w0, w1, w2, w3)
-            out[m, n0] = s0
-            out[m, n1] = s1
-            out[m, n2] = s2
-            out[m, n3] = s3
+        if (rows - rows4) % 2:  # the bias comes after every block, below
+            row_blocks(x[rows - 1], w, bias[:0], out[rows - 1], block, block + 1)
     _last_columns(x, w, out, 4 * q)
     _add_bias(out, bias, 0, cols)
 

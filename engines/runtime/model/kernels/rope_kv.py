@@ -64,11 +64,12 @@ def rope_kv_append_cuda(qkv, positions, token_seq, page_table, cos, sin, k_cache
 
 
 @njit(nogil=True, cache=True, error_model="numpy")
-def rotate_q_head(row, h, c, s):
-    """Rotate q head ``h`` of the projection row ``row`` in place by the angles' ``c``/``s``."""
-    half = c.shape[0]
-    x1 = row[2 * h * half:(2 * h + 1) * half]
-    x2 = row[(2 * h + 1) * half:(2 * h + 2) * half]
+def rotate_q_head(row, h, head_dim, c, s):
+    """Rotate q head ``h`` (``head_dim`` wide) of the projection row ``row`` in place by the
+    position's ``c``/``s`` (a row of :func:`rope_tables`)."""
+    half = head_dim // 2
+    x1 = row[h * head_dim:h * head_dim + half]
+    x2 = row[h * head_dim + half:(h + 1) * head_dim]
     for i in range(half):
         a = x1[i]
         b = x2[i]
@@ -78,10 +79,10 @@ def rotate_q_head(row, h, c, s):
 
 @njit(nogil=True, cache=True, error_model="numpy")
 def append_kv_head(row, kv_head, num_q_heads, num_kv_heads, c, s, key, value):
-    """kv head ``kv_head`` of the projection row ``row``: its k rotated into the cache row ``key``,
-    its v copied into ``value``."""
-    half = c.shape[0]
-    head_dim = 2 * half
+    """kv head ``kv_head`` of the projection row ``row``: its k rotated into the cache row ``key``
+    (``head_dim`` wide), its v copied into ``value``."""
+    head_dim = key.shape[0]
+    half = head_dim // 2
     k_base = (num_q_heads + kv_head) * head_dim
     v_base = (num_q_heads + num_kv_heads + kv_head) * head_dim
     x1 = row[k_base:k_base + half]
@@ -99,13 +100,14 @@ def rope_kv_append_cpu(qkv, positions, token_seq, page_table, cos, sin, k_cache,
     element by element (a 2048-token prefill)."""
     num_kv_heads = k_cache.shape[2]
     page_size = k_cache.shape[3]
+    head_dim = k_cache.shape[4]
     for t in range(qkv.shape[0]):
         pos = positions[t]
         c = cos[pos]
         s = sin[pos]
         row = qkv[t]
         for h in range(num_q_heads):
-            rotate_q_head(row, h, c, s)
+            rotate_q_head(row, h, head_dim, c, s)
         page = page_table[token_seq[t], pos // page_size]
         slot = pos % page_size
         for kv_head in range(num_kv_heads):
