@@ -88,9 +88,10 @@ def main() -> None:
         for spell, pick in spells:
             pairs = [(t[1], o[1], t[2], o[2]) for t, o in zip(by_spell["team"], by_spell["omp"]) if pick(t[0])]
             if pairs:
+                team_share, omp_share = (statistics.median(p[i] for p in pairs) for i in (2, 3))
                 print(f"  {spell} ({len(pairs)} generations): team/omp "
                       f"{statistics.median(p[0] / p[1] for p in pairs):.3f}; share of the host's read rate "
-                      f"team {statistics.median(p[2] for p in pairs):.1%}, omp {statistics.median(p[3] for p in pairs):.1%}")
+                      f"team {team_share:.1%}, omp {omp_share:.1%}")
 
 
 if __name__ == "__main__":

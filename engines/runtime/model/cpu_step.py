@@ -12,8 +12,8 @@ The step takes the batch as the caller made it (:class:`~engines.runtime.model.l
 int32 arrays) and checks and derives its metadata itself (``step_inputs.derive_int32``), so that
 Python pays one call a step: apart, the checks, the metadata's dataclass and attention's split
 each cost another call into cold caches (a batch-1 generation's Python outside the compiled call
-60-86 -> 40-59 us a step, alternated processes; BENCHMARKS.md, issue 15). A batch it finds invalid runs nothing and goes to the
-per-kernel path, which raises the reference's ``ValueError``.
+60-86 -> 40-59 us a step, alternated processes; BENCHMARKS.md, issue 15). A batch it finds
+invalid runs nothing and goes to the per-kernel path, which raises the reference's ``ValueError``.
 
 It runs the backend's own kernels, in the same order, on the same buffers, with the same
 attention split, but for one fusion: in a step of one token the MLP's gate/up projection and its
@@ -39,8 +39,9 @@ last odd row; ``matmul.swiglu_block``, ``attention.attention_item`` and ``merge_
 ``rope_kv.rotate_q_head`` and ``append_kv_head``, which the kernels call too), so the results are
 the per-kernel path's to float32 rounding, as the rest of the step's. After a team step the
 activations hold the same ``hidden``, ``final``, ``logits`` and ``next_ids``; the others are the
-team's scratch (``qkv`` keeps q unrotated, the members rotate their own copies). Against the same compiled step forking per kernel, step by step in turn
-(bench/cpu_team_step.py, BENCHMARKS.md): see issue 15's part "One parallel region a step".
+team's scratch (``qkv`` keeps q unrotated, the members rotate their own copies). Against the same
+compiled step forking per kernel, step by step in turn (bench/cpu_team_step.py): BENCHMARKS.md,
+issue 15's part "One parallel region a step".
 If the team cannot meet (its members put on one thread), it is called off before any work, the step
 runs the forking way, and the next 64 steps too (twice as many after each call-off in a row, up to
 65,536) before a team is tried again.
@@ -74,7 +75,8 @@ __all__ = ["CpuDecodeStep", "decode_step_cpu", "kernel_sources_digest", "one_tok
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
 #: The modules whose compiled code :func:`decode_step_cpu` holds (callees and theirs).
-STEP_KERNEL_MODULES = (step_inputs, thread_team, embedding, add_rmsnorm, matmul, rope_kv, attention, fast_exp, silu_mul, argmax)
+STEP_KERNEL_MODULES = (step_inputs, thread_team, embedding, add_rmsnorm, matmul, rope_kv, attention, fast_exp,
+                       silu_mul, argmax)
 
 
 def kernel_sources_digest(modules: tuple = STEP_KERNEL_MODULES) -> str:
@@ -96,34 +98,26 @@ def _chunks_per_run(blocks, block_bytes, team):
     return max(1, min(blocks, blocks * block_bytes // TEAM_CHUNK_BYTES) // team)
 
 
-@njit(inline="always", fastmath=_FASTMATH)
-def _team_matmul(x, w, bias, out, member, team, state, drawn):
-    """A member's part of ``out = x @ w.T + bias`` for one row (2-D, one row each): the chunks of
-    ``matmul_rows_cpu``'s blocks it claims (``thread_team.claim``), and for the last member the
-    columns past them. The tickets drawn a run once the op is done."""
-    blocks = w.shape[0] // 4
-    per_run = _chunks_per_run(blocks, 4 * w.shape[1] * w.itemsize, team)
-    chunks = per_run * team
-    chunk, step = thread_team.claim(state, member, team, 0, drawn, per_run)
-    while chunk >= 0:
-        matmul.row_blocks(x[0], w, bias, out[0], chunk * blocks // chunks, (chunk + 1) * blocks // chunks)
-        chunk, step = thread_team.claim(state, member, team, step, drawn, per_run)
-    if member == team - 1:
-        matmul.row_last_columns(x, w, bias, out)
-    return drawn + per_run + team
-
-
 @njit(inline="always", fastmath=_FASTMATH, error_model="numpy")
-def _team_swiglu(x, w, out, member, team, state, drawn):
-    """A member's part of ``matmul_swiglu_cpu`` for one row: the chunks of its blocks it claims."""
+def _team_matmul(x, w, bias, out, member, team, state, drawn, swiglu):
+    """A member's part of ``out = x @ w.T + bias`` for one row (2-D, one row each), or with
+    ``swiglu`` of ``matmul_swiglu_cpu`` (``w`` ``[gate | up]``, no bias): the chunks of the kernel's
+    blocks it claims (``thread_team.claim``), and for the last member of a plain product the columns
+    past them. The tickets drawn a run once the op is done."""
     blocks = w.shape[0] // 4
     per_run = _chunks_per_run(blocks, 4 * w.shape[1] * w.itemsize, team)
     chunks = per_run * team
     chunk, step = thread_team.claim(state, member, team, 0, drawn, per_run)
     while chunk >= 0:
-        for block in range(chunk * blocks // chunks, (chunk + 1) * blocks // chunks):
-            matmul.swiglu_block(x[0], w, out[0], block, blocks)
+        first, end = chunk * blocks // chunks, (chunk + 1) * blocks // chunks
+        if swiglu:
+            for block in range(first, end):
+                matmul.swiglu_block(x[0], w, out[0], block, blocks)
+        else:
+            matmul.row_blocks(x[0], w, bias, out[0], first, end)
         chunk, step = thread_team.claim(state, member, team, step, drawn, per_run)
+    if not swiglu and member == team - 1:
+        matmul.row_last_columns(x, w, bias, out)
     return drawn + per_run + team
 
 
@@ -154,7 +148,7 @@ def _make_team_step(kernels_digest: str) -> Callable[..., bool]:
         parts = key_splits if key_splits > 1 else 0
         part_max = np.empty((parts, num_q_heads), np.float32)
         part_sum = np.empty((parts, num_q_heads), np.float32)
-        part_out = np.empty((parts, num_q_heads, k_cache.shape[4]), np.float32)
+        part_out = np.empty((parts, num_q_heads, head_dim), np.float32)
         position = positions[0]
         c = cos[position]
         s = sin[position]
@@ -175,7 +169,7 @@ def _make_team_step(kernels_digest: str) -> Callable[..., bool]:
                 for layer in range(qkv_w.shape[0]):
                     add_rmsnorm.add_rmsnorm_cpu(h, no_residual if layer == 0 else delta, rows, input_norm[layer], eps,
                                                 n)
-                    drawn = _team_matmul(n, qkv_w[layer], qkv_bias[layer], qkv, member, team, state, drawn)
+                    drawn = _team_matmul(n, qkv_w[layer], qkv_bias[layer], qkv, member, team, state, drawn, False)
                     passed += 1
                     thread_team.barrier(state, team, passed)
                     # q rotated into the member's own row, every head (no barrier for RoPE); the
@@ -200,18 +194,18 @@ def _make_team_step(kernels_digest: str) -> Callable[..., bool]:
                         for head in range(num_q_heads):
                             attention.merge_key_slices(0, head, key_splits, part_max, part_sum, part_out, merged)
                     drawn = _team_matmul(merged if key_splits > 1 else attn, o_w[layer], no_bias, delta, member, team,
-                                         state, drawn)
+                                         state, drawn, False)
                     passed += 1
                     thread_team.barrier(state, team, passed)
                     add_rmsnorm.add_rmsnorm_cpu(h, delta, rows, post_norm[layer], eps, n)
-                    drawn = _team_swiglu(n, gate_up_w[layer], act, member, team, state, drawn)
+                    drawn = _team_matmul(n, gate_up_w[layer], no_bias, act, member, team, state, drawn, True)
                     passed += 1
                     thread_team.barrier(state, team, passed)
-                    drawn = _team_matmul(act, down_w[layer], no_bias, delta, member, team, state, drawn)
+                    drawn = _team_matmul(act, down_w[layer], no_bias, delta, member, team, state, drawn, False)
                     passed += 1
                     thread_team.barrier(state, team, passed)
                 add_rmsnorm.add_rmsnorm_cpu(h, delta, rows, final_norm, eps, n)
-                drawn = _team_matmul(n, lm_head_w, no_bias, logits, member, team, state, drawn)
+                drawn = _team_matmul(n, lm_head_w, no_bias, logits, member, team, state, drawn, False)
                 passed += 1
                 thread_team.barrier(state, team, passed)
                 if member == 0:
@@ -321,13 +315,11 @@ class CpuDecodeStep:
         self.num_q_heads, self.scale = first.num_q_heads, first.scale
         self.cos, self.sin = first.cos, first.sin
         w, c = model.layer_weights, model.config
-        # The step's arguments that never change, gathered once: ~40 attribute reads a step cost
-        # more than their count says right after a step has flushed the caches.
+        # The step's arguments that never change, gathered once.
         self._model_args = (c.vocab_size, c.max_position_embeddings, model.embed_tokens, w.input_norm, w.qkv_w,
                             w.qkv_bias, w.o_w, w.post_attention_norm, w.gate_up_w, w.down_w, model.norm,
                             model.lm_head_w, model.no_bias, self.cos, self.sin, model.eps, self.num_q_heads,
                             self.scale)
-        self._buffers_of: tuple[Activations | None, tuple] = (None, ())
         self.team_state = thread_team.new_state(backend.numba_threads)
         # One step at a time: two teams counting in one state would wait for each other forever
         # (and two steps would overwrite each other's buffers anyway).
@@ -353,7 +345,8 @@ class CpuDecodeStep:
         """Run ``batch`` if it is a step this covers (int32 arrays, at most
         ``matmul.CPU_ROWS_KERNEL_MAX_ROWS`` new tokens: no BLAS matmul, no BLAS attention run) and
         valid; its results (``logits``, ``next_ids``, ``hidden``, ``final``) are in the activations
-        returned, as the per-kernel path's would be. None, and nothing run, otherwise (the per-kernel path then runs it, or raises)."""
+        returned, as the per-kernel path's would be. None, and nothing run, otherwise (the per-kernel
+        path then runs it, or raises)."""
         if not step_inputs.int32_batch(batch):
             return None
         num_tokens = batch.token_ids.shape[0]
@@ -367,13 +360,10 @@ class CpuDecodeStep:
     def run(self, batch: "ForwardBatch", act: Activations, kv: PagedKVCache, greedy: bool) -> bool:
         """One call of :func:`decode_step_cpu` on buffers sized for ``batch`` (see :meth:`forward`);
         False, and nothing run, for an invalid batch or buffers of another size."""
-        last, buffers = self._buffers_of
-        if act is not last:
-            buffers = (act.hidden, act.no_residual, act.normed, act.qkv, act.attn, act.delta, act.gate_up, act.act,
-                       act.final, act.logits, act.next_ids)
-            self._buffers_of = (act, buffers)
         be = self.backend
         with self._one_at_a_time:
             return decode_step_cpu(batch.token_ids, batch.query_starts, batch.cached_lens, batch.page_table,
                                    batch.all_logits, *self._model_args, kv.k, kv.v, be.parallel_attention_min_work,
-                                   be.numba_threads, greedy, *buffers, self.team_state)
+                                   be.numba_threads, greedy, act.hidden, act.no_residual, act.normed, act.qkv,
+                                   act.attn, act.delta, act.gate_up, act.act, act.final, act.logits, act.next_ids,
+                                   self.team_state)

@@ -16,10 +16,10 @@ The pieces, all compiled (numba ``@intrinsic``: LLVM atomics, the CPU's spin-wai
   partner that can only start after it returns. So members first wait for each other, for a
   bounded time, and if the team is not complete by then it is called off, atomically, and no
   member does any work: the caller then runs the step another way.
-* :func:`claim`: an op's work as chunks that members draw, in order, until none is left, so that
-  a member whose core runs slower for a while (another VM on its host core, an interrupt) takes
-  fewer: with fixed halves, one member of two waited 5-10% of a batch-1 step at barriers while
-  the other finished its half (a cycle counter around each phase).
+* :func:`claim`: an op's work as chunks, a run of them a member, taken in order, then the chunks
+  left in the others' runs, so that a member whose core runs slower for a while (another VM on its
+  host core, an interrupt) does fewer: with fixed halves, one member of two waited 5-10% of a
+  batch-1 step at barriers while the other finished its half (a cycle counter around each phase).
 * :func:`barrier`: a counter that only grows within a region; barrier ``k`` is passed once it
   reaches ``parties * k``. Waiting spins with the CPU's pause hint, and yields the core to the
   scheduler after a while, so that a member whose partner was preempted (more runnable threads
@@ -46,8 +46,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 __all__ = ["ARRIVED", "BACKOFF", "BARRIER", "CALLED_OFF", "SKIPS_LEFT", "SWITCHED_OFF", "TEAM_STEPS", "TICKETS",
-           "back_off", "may_try", "barrier", "claim", "max_parties", "new_state",
-           "rendezvous", "reset"]
+           "back_off", "barrier", "claim", "max_parties", "may_try", "new_state", "rendezvous", "reset"]
 
 # Slots of a team's state array (int64), each on a cache line of its own.
 BARRIER = 0      # arrivals at the region's barriers so far
@@ -72,10 +71,10 @@ FIRST_BACKOFF = 64
 LAST_BACKOFF = 1 << 16
 
 
-def new_state(max_parties: int) -> np.ndarray:
+def new_state(parties: int) -> np.ndarray:
     """A team's state: the int64 array :func:`rendezvous`, :func:`barrier` and :func:`claim` count
-    in, for teams of up to ``max_parties`` members (:func:`max_parties`)."""
-    return np.zeros(TICKETS + 8 * max(1, max_parties), np.int64)
+    in, for teams of up to ``parties`` members (:func:`max_parties`)."""
+    return np.zeros(TICKETS + 8 * max(1, parties), np.int64)
 
 
 @njit(inline="always")
