@@ -63,7 +63,8 @@ from numba import njit, prange
 
 from engines.runtime.model import step_inputs, thread_team
 from engines.runtime.model.backend import Activations, CpuBackend
-from engines.runtime.model.kernels import add_rmsnorm, argmax, attention, embedding, fast_exp, matmul, rope_kv, silu_mul
+from engines.runtime.model.kernels import (add_rmsnorm, argmax, attention, embedding, fast_exp, matmul, rope_kv, silu_mul,
+                                           vector_width)
 from engines.runtime.model.kv_storage import PagedKVCache
 
 if TYPE_CHECKING:
@@ -76,7 +77,7 @@ _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
 #: The modules whose compiled code :func:`decode_step_cpu` holds (callees and theirs).
 STEP_KERNEL_MODULES = (step_inputs, thread_team, embedding, add_rmsnorm, matmul, rope_kv, attention, fast_exp,
-                       silu_mul, argmax)
+                       silu_mul, argmax, vector_width)
 
 
 def kernel_sources_digest(modules: tuple = STEP_KERNEL_MODULES) -> str:

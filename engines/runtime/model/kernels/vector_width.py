@@ -1,0 +1,37 @@
+"""``prefer_wide_vectors()``: let LLVM vectorise the function being compiled with 512-bit vectors.
+
+LLVM vectorises for Intel's AVX-512 server cores (Skylake-SP to Emerald Rapids) with 256-bit
+vectors by default: their tuning prefers them (``prefer-256-bit``), from the days when 512-bit
+instructions lowered those cores' clocks. numba compiles for the host CPU and inherits that. In a
+loop bound by arithmetic, the few-row matmul of a batched decode step, it leaves half of each FMA
+unit idle: ``matmul_rows_cpu`` at 32 rows ran at 68 GFLOP/s on one core of an Emerald Rapids
+machine, and at 84 with 512-bit vectors (8 and 16 rows: 63 -> 71, 68 -> 74; 1 to 4 rows, bound by
+memory, unchanged; BENCHMARKS.md, issue 15).
+
+A call compiles to nothing: it marks the LLVM function it is lowered into with
+``"prefer-vector-width"="512"``, which the vectoriser reads per function. Inside a ``prange``
+body it marks the body (numba outlines each parallel loop into a function of its own). A CPU
+without 512-bit vectors ignores it.
+"""
+from __future__ import annotations
+
+from numba import types
+from numba.extending import intrinsic
+
+__all__ = ["WIDE_VECTORS_ATTRIBUTE", "prefer_wide_vectors"]
+
+#: The LLVM function attribute :func:`prefer_wide_vectors` sets (as it appears in the IR).
+WIDE_VECTORS_ATTRIBUTE = '"prefer-vector-width"="512"'
+
+
+@intrinsic
+def prefer_wide_vectors(typingctx):  # noqa: ANN001, ANN201
+    """Mark the function being compiled for 512-bit vectors (see the module's docstring)."""
+    sig = types.void()
+
+    def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+        # llvmlite's AttributeSet.add accepts only attributes without a value; a string
+        # attribute is written into the IR as it is.
+        set.add(builder.function.attributes, WIDE_VECTORS_ATTRIBUTE)
+        return context.get_dummy_value()
+    return sig, codegen
