@@ -294,6 +294,25 @@ def test_paged_attention_reads_four_pages_side_by_side(rng: np.random.Generator)
             np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
 
+def test_whole_pages_past_the_groups_of_four_go_in_one_more_group(rng: np.random.Generator) -> None:
+    """Two or three whole pages past a token's groups of four are read as its last four whole
+    pages side by side, the ones already weighed given no weight; one is read alone: contexts of
+    4q + r whole pages (r = 0..3, q = 1, 2), with and without a partial last page, every split."""
+    cached = [PAGE_SIZE * (4 * q + r) - 1 + extra for q in (1, 2) for r in range(4) for extra in (0, 3)]
+    step, tokens = ragged_step(rng, cached, [1] * len(cached), num_pages=200)
+    cache_shape = (2, 200, KV_HEADS, PAGE_SIZE, HEAD_DIM)
+    k = rng.standard_normal(cache_shape).astype(np.float32)
+    v = rng.standard_normal(cache_shape).astype(np.float32)
+    qkv = rng.standard_normal((tokens, (Q_HEADS + 2 * KV_HEADS) * HEAD_DIM)).astype(np.float32)
+    want = dense_attention(qkv, step, k, v, 1)
+    for head_splits, key_splits in ((1, 1), *SPLITS):
+        for kernel in (attention.paged_attention_serial_cpu, attention.paged_attention_cpu):
+            got = np.full((tokens, Q_HEADS * HEAD_DIM), np.nan, np.float32)
+            kernel(qkv, step.positions, step.token_seq, step.page_table, k, v, 1, Q_HEADS,
+                   np.float32(HEAD_DIM ** -0.5), got, head_splits, key_splits)
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("cached", [4 * PAGE_SIZE - 1, 9 * PAGE_SIZE + 2, 2])
 def test_paged_attention_of_one_token_reads_four_pages_side_by_side(rng: np.random.Generator, cached: int) -> None:
     """Batch 1 on one thread (one token, its heads unsplit) takes the four-page path too: contexts

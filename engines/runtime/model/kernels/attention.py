@@ -234,9 +234,13 @@ def _weigh_page(page, first_head, count, first, group, per_item, scores, acc):
 
 
 @njit(inline="always")
-def _weigh_four_pages(p0, p1, p2, p3, first_head, first, stride, group, per_item, scores, acc):
-    """:func:`_weigh_page` for four whole pages at once, their values read side by side."""
+def _weigh_four_pages(p0, p1, p2, p3, first_head, first, stride, group, per_item, scores, acc, weighed):
+    """:func:`_weigh_page` for four whole pages at once, their values read side by side; the first
+    ``weighed`` of them (already in ``acc``) read but given no weight."""
     head_dim = acc.shape[1]
+    m0 = float32(weighed < 1)
+    m1 = float32(weighed < 2)
+    m2 = float32(weighed < 3)
     for h in range(per_item):
         v0 = p0[first_head + h]
         v1 = p1[first_head + h]
@@ -245,9 +249,9 @@ def _weigh_four_pages(p0, p1, p2, p3, first_head, first, stride, group, per_item
         for s in range(v0.shape[0]):
             for g in range(group):
                 i = h * group + g
-                w0 = scores[i, first + s]
-                w1 = scores[i, first + stride + s]
-                w2 = scores[i, first + 2 * stride + s]
+                w0 = scores[i, first + s] * m0
+                w1 = scores[i, first + stride + s] * m1
+                w2 = scores[i, first + 2 * stride + s] * m2
                 w3 = scores[i, first + 3 * stride + s]
                 a = acc[i]
                 for d in range(head_dim):
@@ -287,8 +291,14 @@ def attention_item(item, head_splits, key_splits, qkv, positions, token_seq, pag
         for i in range(q_heads):
             for d in range(head_dim):
                 q[i, d] = qkv[t, (q_base + i) * head_dim + d] * scale
-        # Four streams over 4 * quarter whole pages (see _paged_attention).
-        quarter = (count // page_size) // 4
+        # Four streams over 4 * quarter whole pages (see _paged_attention). Two or three whole
+        # pages past them go in one more group of four, the item's last four whole pages, whose
+        # first 4 - rest are scored again (the same values) and left out of the weighted sum: read
+        # one by one, they brought a batch's keys in at 10 GB/s where groups of four reach 17. One
+        # page past them is read alone (a group would re-read three for it: slower, measured).
+        whole = count // page_size
+        quarter = whole // 4
+        rest = whole - 4 * quarter if whole >= 4 and whole % 4 >= 2 else 0
         stride = quarter * page_size  # keys between the four pages read side by side
         pages = page_table[seq]
         scores = np.empty((q_heads, count), np.float32)
@@ -297,7 +307,13 @@ def attention_item(item, head_splits, key_splits, qkv, positions, token_seq, pag
             _score_four_pages(q, k_cache[layer, pages[p]], k_cache[layer, pages[p + quarter]],
                               k_cache[layer, pages[p + 2 * quarter]], k_cache[layer, pages[p + 3 * quarter]],
                               first_head, j * page_size, stride, group, per_item, scores)
-        for p in range(first_page + 4 * quarter, end_page):
+        last_four = first_page + whole - 4  # the last group's first page, when there is a rest
+        if rest:
+            _score_four_pages(q, k_cache[layer, pages[last_four]], k_cache[layer, pages[last_four + 1]],
+                              k_cache[layer, pages[last_four + 2]], k_cache[layer, pages[last_four + 3]],
+                              first_head, (whole - 4) * page_size, page_size, group, per_item, scores)
+        singles = first_page + (whole if rest else 4 * quarter)  # the pages read one by one
+        for p in range(singles, end_page):
             first = (p - first_page) * page_size
             _score_page(q, k_cache[layer, pages[p]], first_head, min(page_size, count - first), first, group,
                         per_item, scores)
@@ -311,8 +327,12 @@ def attention_item(item, head_splits, key_splits, qkv, positions, token_seq, pag
             p = first_page + j
             _weigh_four_pages(v_cache[layer, pages[p]], v_cache[layer, pages[p + quarter]],
                               v_cache[layer, pages[p + 2 * quarter]], v_cache[layer, pages[p + 3 * quarter]],
-                              first_head, j * page_size, stride, group, per_item, scores, acc)
-        for p in range(first_page + 4 * quarter, end_page):
+                              first_head, j * page_size, stride, group, per_item, scores, acc, 0)
+        if rest:
+            _weigh_four_pages(v_cache[layer, pages[last_four]], v_cache[layer, pages[last_four + 1]],
+                              v_cache[layer, pages[last_four + 2]], v_cache[layer, pages[last_four + 3]],
+                              first_head, (whole - 4) * page_size, page_size, group, per_item, scores, acc, 4 - rest)
+        for p in range(singles, end_page):
             first = (p - first_page) * page_size
             _weigh_page(v_cache[layer, pages[p]], first_head, min(page_size, count - first), first, group,
                         per_item, scores, acc)
@@ -375,7 +395,8 @@ def _paged_attention(qkv, positions, token_seq, page_table, k_cache, v_cache, la
     whose items lose the four streams (80 keys: 14.4 against 12.6 us); there heads are cut.
 
     Each item reads four of its pages side by side, ``j, j + n/4, j + n/2, j + 3n/4`` of its ``n``
-    whole ones (the rest one by one): four memory streams, as the projections read their weights.
+    whole ones (two or three left past them as its last four whole pages again, one left and a
+    partial page alone): four memory streams, as the projections read their weights.
     At batch 1 one stream of half pages per thread brought the KV in at 10-15 GB/s; four make its
     attention 1.18-1.36x faster on two threads (80 to 500 keys read from memory) and 1.17-1.29x on
     one (144 to 528 keys). A batch's items of whole tokens gain where pages are interleaved
