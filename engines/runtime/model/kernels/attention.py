@@ -298,7 +298,7 @@ def attention_item(item, head_splits, key_splits, qkv, positions, token_seq, pag
         # page past them is read alone (a group would re-read three for it: slower, measured).
         whole = count // page_size
         quarter = whole // 4
-        rest = whole - 4 * quarter if whole >= 4 and whole % 4 >= 2 else 0
+        rest = whole % 4 if quarter and whole % 4 >= 2 else 0
         stride = quarter * page_size  # keys between the four pages read side by side
         pages = page_table[seq]
         scores = np.empty((q_heads, count), np.float32)
