@@ -146,6 +146,35 @@ def test_cpu_matmul_paths(rng: np.random.Generator, rows: int) -> None:
         np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("four_row_blocks", [True, False])
+def test_cpu_rows_kernel_in_blocks_of_four_rows_and_of_two(rng: np.random.Generator, four_row_blocks: bool) -> None:
+    """``matmul_rows_cpu``'s two register blockings (the host's vector registers pick one, as the
+    omitted argument's default: ``FOUR_ROW_BLOCKS``), whichever this host runs, against float64 at
+    row counts that leave every tail (a pair, an odd row, both)."""
+    inner, cols = 37, 150
+    weight = rng.standard_normal((cols, inner)).astype(np.float32)
+    bias = rng.standard_normal(cols).astype(np.float32)
+    for rows in (1, 2, 3, 4, 5, 6, 7, 9, 16, 31, matmul.CPU_ROWS_KERNEL_MAX_ROWS):
+        x = rng.standard_normal((rows, inner)).astype(np.float32)
+        out = np.full((rows, cols), np.nan, np.float32)
+        matmul.matmul_rows_cpu(x, weight, bias, out, four_row_blocks)
+        want = x.astype(np.float64) @ weight.T.astype(np.float64) + bias
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5, err_msg=f"{rows} rows")
+
+
+def test_four_row_blocks_where_numba_compiles_for_avx512(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The blocking follows the features numba compiles for: ``NUMBA_CPU_FEATURES`` when set."""
+    from numba.core import config
+
+    from engines.runtime.model.kernels import vector_width
+
+    assert matmul.FOUR_ROW_BLOCKS == vector_width.has_512_bit_vectors()
+    monkeypatch.setattr(config, "CPU_FEATURES", "+avx,+avx2,+fma,+avx512f,+avx512bw")
+    assert vector_width.has_512_bit_vectors()
+    monkeypatch.setattr(config, "CPU_FEATURES", "+avx,+avx2,+fma,-avx512f")
+    assert not vector_width.has_512_bit_vectors()
+
+
 @pytest.mark.parametrize("rows", [1, 3])
 def test_cpu_matmul_with_swiglu_epilogue_equals_matmul_then_silu_mul(rng: np.random.Generator, rows: int) -> None:
     """The fused gate/up projection and SwiGLU of the compiled CPU step against its reference,

@@ -26,7 +26,7 @@ import numpy as np
 from numba import cuda, float32, njit, prange
 
 from engines.runtime.model.kernels.fast_exp import exp_f32
-from engines.runtime.model.kernels.vector_width import prefer_wide_vectors
+from engines.runtime.model.kernels.vector_width import has_512_bit_vectors, prefer_wide_vectors
 
 # Inner dimension of a shared-memory tile; a block tile is (4*blockDim.y) x (4*blockDim.x).
 TILE_K = 16
@@ -178,6 +178,10 @@ def gemv_cuda(x, w_t, bias, out):
 CPU_ROWS_KERNEL_MAX_ROWS = 32
 # Reassociation lets LLVM vectorise the dot products over ``in``.
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
+#: Whether matmul_rows_cpu multiplies four input rows at a time (sixteen accumulators) or two
+#: (eight): four where the CPU has AVX-512's 32 vector registers; with AVX2's 16, sixteen
+#: accumulators and their operands do not fit, and LLVM keeps six of them on the stack.
+FOUR_ROW_BLOCKS = has_512_bit_vectors()
 
 
 @njit(nogil=True, cache=True, fastmath=_FASTMATH)
@@ -255,12 +259,15 @@ def swiglu_block(x, w, out, block, q):
 
 
 @njit(nogil=True, cache=True, parallel=True, fastmath=_FASTMATH)
-def matmul_rows_cpu(x, w, bias, out):
+def matmul_rows_cpu(x, w, bias, out, four_row_blocks=FOUR_ROW_BLOCKS):
     """``out = x @ w.T + bias`` for few rows of ``x``, ``w`` in ``[out, in]`` layout.
 
     Register blocking: each step of the ``in`` loop loads four weight rows and four input
-    rows and feeds sixteen accumulators, so a weight row is read from memory once per four
-    input rows and the input rows (small) stay in L1. The four weight rows of a block are
+    rows and feeds sixteen accumulators (``four_row_blocks``; else two input rows and eight
+    accumulators, see ``FOUR_ROW_BLOCKS``: on an AVX2 Zen 3 core the step's matmuls then took
+    0.79-0.93 of the time at 4 to 32 rows), so a weight row is read from memory once and the
+    input rows (small) stay in the caches. Omitted, ``four_row_blocks`` is a constant of the
+    compiled code. The four weight rows of a block are
     ``n``, ``n + q``, ``n + 2q`` and ``n + 3q`` (``q = out // 4``), not four neighbours: block
     after block, each of the four then reads on where it left off, four long sequential
     streams that the hardware prefetcher runs ahead of, where neighbours made every block four
@@ -271,7 +278,7 @@ def matmul_rows_cpu(x, w, bias, out):
     """
     rows, inner = x.shape
     cols = w.shape[0]
-    rows4 = rows - rows % 4
+    rows4 = rows - rows % 4 if four_row_blocks else 0
     q = cols // 4
     for block in prange(q):
         prefer_wide_vectors()
@@ -331,7 +338,7 @@ def matmul_rows_cpu(x, w, bias, out):
             out[m + 3, n1] = s31
             out[m + 3, n2] = s32
             out[m + 3, n3] = s33
-        # The last rows in pairs (eight accumulators), then the odd one.
+        # The rows left in pairs (eight accumulators), then the odd one.
         for m in range(rows4, rows - 1, 2):
             x0 = x[m]
             x1 = x[m + 1]

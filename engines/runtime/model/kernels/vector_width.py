@@ -12,13 +12,18 @@ A call compiles to nothing: it marks the LLVM function it is lowered into with
 ``"prefer-vector-width"="512"``, which the vectoriser reads per function. Inside a ``prange``
 body it marks the body (numba outlines each parallel loop into a function of its own). A CPU
 without 512-bit vectors ignores it.
+
+:func:`has_512_bit_vectors` says whether numba compiles for AVX-512, and so for 32 vector registers
+rather than AVX2's 16: a register-blocked kernel sizes its blocks by it (``matmul_rows_cpu``).
 """
 from __future__ import annotations
 
+from llvmlite import binding
 from numba import types
+from numba.core import config
 from numba.extending import intrinsic
 
-__all__ = ["WIDE_VECTORS_ATTRIBUTE", "prefer_wide_vectors"]
+__all__ = ["WIDE_VECTORS_ATTRIBUTE", "has_512_bit_vectors", "prefer_wide_vectors"]
 
 #: The LLVM function attribute :func:`prefer_wide_vectors` sets (as it appears in the IR).
 WIDE_VECTORS_ATTRIBUTE = '"prefer-vector-width"="512"'
@@ -35,3 +40,10 @@ def prefer_wide_vectors(typingctx):  # noqa: ANN001, ANN201
         set.add(builder.function.attributes, WIDE_VECTORS_ATTRIBUTE)
         return context.get_dummy_value()
     return sig, codegen
+
+
+def has_512_bit_vectors() -> bool:
+    """Whether numba compiles for a CPU with AVX-512 (``NUMBA_CPU_FEATURES`` if set, else the host's
+    features, as numba's own code generator takes them)."""
+    features = config.CPU_FEATURES if config.CPU_FEATURES is not None else binding.get_host_cpu_features().flatten()
+    return "+avx512f" in features.split(",")
