@@ -4,11 +4,10 @@ the batched decode's matmul carries it."""
 from __future__ import annotations
 
 import numpy as np
-from llvmlite import binding
 from numba import float32, njit, prange
 
 from engines.runtime.model.kernels import matmul
-from engines.runtime.model.kernels.vector_width import WIDE_VECTORS_ATTRIBUTE, prefer_wide_vectors
+from engines.runtime.model.kernels.vector_width import WIDE_VECTORS_ATTRIBUTE, has_512_bit_vectors, prefer_wide_vectors
 
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
@@ -67,7 +66,7 @@ def test_512_bit_registers_where_the_cpu_has_them() -> None:
     x, w = _inputs()
     _run(wide, x, w)
     uses_zmm = "zmm" in wide.inspect_asm(wide.signatures[0])
-    assert uses_zmm == bool(binding.get_host_cpu_features().get("avx512f", False))
+    assert uses_zmm == has_512_bit_vectors()
 
 
 def test_the_batched_decode_matmul_is_marked() -> None:
