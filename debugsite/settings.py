@@ -8,11 +8,12 @@ in-memory channel layer), ``SECRET_KEY`` (default: generated once and kept in
 from __future__ import annotations
 
 import os
-import secrets
 from pathlib import Path
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
+
+from debugsite.secret_key import kept_secret_key
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(os.environ.get("DEBUGSITE_VAR_DIR", BASE_DIR / "var"))
@@ -30,11 +31,7 @@ def _secret_key() -> str:
     """The configured key, else one generated on first start and kept on disk."""
     if os.environ.get("SECRET_KEY"):
         return os.environ["SECRET_KEY"]
-    path = VAR_DIR / "secret_key"
-    if not path.exists():
-        path.write_text(secrets.token_urlsafe(50))
-        path.chmod(0o600)
-    return path.read_text().strip()
+    return kept_secret_key(VAR_DIR / "secret_key")
 
 
 SECRET_KEY = _secret_key()
