@@ -1,5 +1,5 @@
 """``exp_f32`` (the CPU kernels' vectorisable exp) against its plain reference, the exact exp, and
-the kernels built on it against NumPy: ``causal_exp_rows`` (BLAS attention's softmax) and the
+the kernels built on it against NumPy: ``causal_softmax_rows`` (BLAS attention's softmax) and the
 CPU ``silu_mul`` at widths that run their vector loops."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from numba import njit
 
 from engines.runtime.model.kernels import silu_mul
 from engines.runtime.model.kernels.fast_exp import exp_f32
-from engines.runtime.model.kernels.run_attention import causal_exp_rows
+from engines.runtime.model.kernels.run_attention import causal_softmax_rows
 
 FLOAT32 = np.finfo(np.float32)
 
@@ -57,38 +57,35 @@ def test_edges_zero_infinity_and_nan() -> None:
     assert math.isnan(exp_scalar(np.float32(np.nan)))
 
 
-def reference_exp_rows(scores: np.ndarray, first_row_keys: int) -> tuple[np.ndarray, np.ndarray]:
+def reference_softmax_rows(scores: np.ndarray, first_row_keys: int) -> np.ndarray:
     out = np.zeros_like(scores, dtype=np.float64)
-    sums = np.zeros(scores.shape[0])
     for i, row in enumerate(scores.astype(np.float64)):
         seen = min(first_row_keys + i, scores.shape[1])
-        out[i, :seen] = np.exp(row[:seen] - row[:seen].max())
-        sums[i] = out[i, :seen].sum()
-    return out, sums
+        e = np.exp(row[:seen] - row[:seen].max())
+        out[i, :seen] = e / e.sum()
+    return out
 
 
 @pytest.mark.parametrize("keys, first_row_keys", [(45, 30), (200, 1), (37, 100)])
-def test_causal_exp_rows_matches_a_float64_masked_softmax(keys: int, first_row_keys: int) -> None:
+def test_causal_softmax_rows_matches_a_float64_masked_softmax(keys: int, first_row_keys: int) -> None:
     rng = np.random.default_rng(keys)
     scores = (rng.standard_normal((19, keys)) * 6).astype(np.float32)
     scores[3, min(first_row_keys + 3, keys) - 1] = 40.0  # the max in the row's last visible key
     scores[4, 0] = 40.0                                  # and in its first
-    want, want_sums = reference_exp_rows(scores, first_row_keys)
-    sums = np.empty(19, np.float32)
-    causal_exp_rows(scores, first_row_keys, sums)
+    want = reference_softmax_rows(scores, first_row_keys)
+    causal_softmax_rows(scores, first_row_keys)
     # float32 rounding of (score - max) alone is 40 * 2**-24 relative: a tolerance of 1e-5
     np.testing.assert_allclose(scores, want, rtol=1e-5, atol=1e-30)
-    np.testing.assert_allclose(sums, want_sums, rtol=1e-5)
     for i in range(19):  # masked keys are exact zeros, not tiny numbers
         assert not scores[i, min(first_row_keys + i, keys):].any()
 
 
-def test_causal_exp_rows_keeps_nan() -> None:
+def test_causal_softmax_rows_keeps_nan() -> None:
     scores = np.zeros((2, 40), np.float32)
     scores[0, 20] = np.nan
-    sums = np.empty(2, np.float32)
-    causal_exp_rows(scores, 39, sums)
-    assert np.isnan(sums[0]) and sums[1] == 40.0
+    causal_softmax_rows(scores, 39)
+    assert np.isnan(scores[0, :39]).all() and not scores[0, 39:].any()
+    np.testing.assert_array_equal(scores[1, :40], np.float32(1 / 40))
 
 
 def test_cpu_silu_mul_over_vector_widths() -> None:

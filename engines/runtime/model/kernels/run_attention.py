@@ -8,9 +8,12 @@ one (token, head) at a time) reaches a few. The queries go in tiles of ``TILE`` 
 against only the keys its last row may see, so the causal half above the diagonal is mostly
 never computed; what the tile's diagonal block holds beyond a row's position is masked.
 
-The softmax between the two products is one numba pass per row (:func:`causal_exp_rows`: the
-row's max, ``exp`` vectorised by ``fast_exp``, the sum, the masked tail zeroed), where NumPy took
-five passes over the tile (2.3x faster on a 2048-token prefill). Each query head is one job
+The softmax between the two products is one numba call a tile (:func:`causal_softmax_rows`:
+each row's max, ``exp`` vectorised by ``fast_exp``, the sum, the row scaled by its inverse, the
+masked tail zeroed), where NumPy took five passes over the tile (2.3x faster on a 2048-token
+prefill). The rows leave it normalised, so the second product writes the output's columns
+itself (``out=``): no weighted-sum buffer, division or copy a tile (a 512-token prefill's
+attention 0.89 of the time on 2 threads). Each query head is one job
 for a :class:`~engines.runtime.model.cpu_pool.CpuPool`: heads run side by side, one a core,
 each with single-threaded BLAS and its own scores buffer.
 
@@ -26,7 +29,7 @@ from numba import float32, njit
 from engines.runtime.model.cpu_pool import CpuPool, scratch
 from engines.runtime.model.kernels.fast_exp import softmax_numerators
 
-__all__ = ["MIN_RUN", "TILE", "AttentionSplit", "causal_exp_rows", "run_attention", "split_step", "token_runs"]
+__all__ = ["MIN_RUN", "TILE", "AttentionSplit", "causal_softmax_rows", "run_attention", "split_step", "token_runs"]
 
 #: Query rows per matrix product (the scores of a tile are ``TILE x keys`` floats).
 TILE = 128
@@ -35,16 +38,18 @@ MIN_RUN = 48
 
 
 @njit(nogil=True, cache=True, error_model="numpy", fastmath={"reassoc", "contract", "nsz", "arcp"})
-def causal_exp_rows(scores: np.ndarray, first_row_keys: int, sums: np.ndarray) -> None:
-    """Softmax numerators of a tile of scores, in place: row ``i`` sees its first
-    ``first_row_keys + i`` keys (capped at the tile's width), which become ``exp(s - row max)``;
-    the keys past them become 0. ``sums[i]`` gets the row's sum, the softmax's denominator."""
+def causal_softmax_rows(scores: np.ndarray, first_row_keys: int) -> None:
+    """The causal softmax of a tile of scores, in place: row ``i`` sees its first
+    ``first_row_keys + i`` keys (capped at the tile's width), which become their softmax
+    ``exp(s - row max) / sum``; the keys past them become 0."""
     rows, keys = scores.shape
     lanes = np.empty(16, np.float32)
     for i in range(rows):
         row = scores[i]
         seen = min(first_row_keys + i, keys)
-        sums[i] = softmax_numerators(row, seen, lanes)
+        inverse = float32(1.0) / softmax_numerators(row, seen, lanes)
+        for j in range(seen):
+            row[j] *= inverse
         for j in range(seen, keys):
             row[j] = float32(0.0)
 
@@ -102,18 +107,14 @@ def run_attention(qkv: np.ndarray, start: int, end: int, first: int, seq: int, p
         v = v_cache[layer, pages, kv_head].reshape(-1, head_dim)[:num_keys]
         col = q_head * head_dim
         q = qkv[start:end, col:col + head_dim] * scale
-        tile = min(n, TILE)
-        buffer = scratch(tile * num_keys + tile)  # the scores of a tile, then the softmax sums
-        sums = buffer[tile * num_keys:]
+        buffer = scratch(min(n, TILE) * num_keys)  # the scores of a tile
         for t0 in range(0, n, TILE):
             t1 = min(n, t0 + TILE)
             visible = first + t1  # keys the tile's last row may see
             scores = buffer[:(t1 - t0) * visible].reshape(t1 - t0, visible)
             np.matmul(q[t0:t1], k[:visible].T, out=scores)
-            causal_exp_rows(scores, first + t0 + 1, sums)
-            weighted = scores @ v[:visible]
-            weighted /= sums[:t1 - t0, None]
-            out[start + t0:start + t1, col:col + head_dim] = weighted
+            causal_softmax_rows(scores, first + t0 + 1)
+            np.matmul(scores, v[:visible], out=out[start + t0:start + t1, col:col + head_dim])
 
     if pool is None:
         for q_head in range(num_q_heads):
