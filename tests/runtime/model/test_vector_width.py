@@ -1,12 +1,12 @@
 """``prefer_wide_vectors``: the LLVM attribute reaches the function it is called in, a ``prange``
 body included, 512-bit registers follow where the CPU has them, results are the plain code's, and
-the batched decode's matmul carries it."""
+the batched decode's matmul, the prefill softmax and ``silu_mul`` carry it."""
 from __future__ import annotations
 
 import numpy as np
 from numba import float32, njit, prange
 
-from engines.runtime.model.kernels import matmul
+from engines.runtime.model.kernels import matmul, run_attention, silu_mul
 from engines.runtime.model.kernels.vector_width import WIDE_VECTORS_ATTRIBUTE, has_512_bit_vectors, prefer_wide_vectors
 
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
@@ -81,3 +81,22 @@ def test_the_batched_decode_matmul_is_marked() -> None:
         fresh(x, w, np.zeros(0, np.float32), out)
         np.testing.assert_allclose(out, x @ w.T, rtol=1e-4, atol=1e-4)
     assert WIDE_VECTORS_ATTRIBUTE in fresh.inspect_llvm(fresh.signatures[0])
+
+
+def test_the_prefill_softmax_and_silu_mul_are_marked() -> None:
+    """The two kernels bound by the exp's arithmetic carry the mark (compiled afresh from their
+    sources, as above), and still compute their plain results."""
+    softmax = njit(cache=False, fastmath=_FASTMATH, error_model="numpy")(run_attention.causal_softmax_rows.py_func)
+    scores = np.random.default_rng(2).standard_normal((5, 70)).astype(np.float32)
+    want = np.exp(scores.astype(np.float64) - scores.max(axis=1, keepdims=True))
+    softmax(scores, 70)
+    np.testing.assert_allclose(scores, want / want.sum(axis=1, keepdims=True), rtol=1e-5)
+    assert WIDE_VECTORS_ATTRIBUTE in softmax.inspect_llvm(softmax.signatures[0])
+    gate_up = np.random.default_rng(3).standard_normal((3, 2 * 37)).astype(np.float32)
+    g, u = gate_up[:, :37].astype(np.float64), gate_up[:, 37:]
+    for twin, parallel in ((silu_mul.silu_mul_cpu, True), (silu_mul.silu_mul_serial_cpu, False)):
+        fresh = njit(cache=False, parallel=parallel, error_model="numpy")(twin.py_func)
+        out = np.empty((3, 37), np.float32)
+        fresh(gate_up, out)
+        np.testing.assert_allclose(out, g / (1 + np.exp(-g)) * u, rtol=1e-5, atol=1e-6)
+        assert WIDE_VECTORS_ATTRIBUTE in fresh.inspect_llvm(fresh.signatures[0])

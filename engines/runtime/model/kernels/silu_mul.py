@@ -9,6 +9,7 @@ from numba import cuda, float32, njit, prange
 
 from engines.runtime.model.kernels.fast_exp import exp_f32
 from engines.runtime.model.kernels.variants import renamed
+from engines.runtime.model.kernels.vector_width import prefer_wide_vectors
 
 
 @cuda.jit(cache=True)
@@ -25,6 +26,7 @@ def silu_mul_cuda(gate_up, out):
 def _silu_mul(gate_up, out):
     width = out.shape[1]
     for t in prange(out.shape[0]):
+        prefer_wide_vectors()  # bound by exp's arithmetic and the division: 512-bit vectors where the CPU has them
         for i in range(width):
             g = gate_up[t, i]
             out[t, i] = g / (float32(1.0) + exp_f32(-g)) * gate_up[t, width + i]
