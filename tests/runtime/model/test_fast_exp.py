@@ -1,6 +1,7 @@
-"""``exp_f32`` (the CPU kernels' vectorisable exp) against its plain reference, the exact exp, and
-the kernels built on it against NumPy: ``causal_softmax_rows`` (BLAS attention's softmax) and the
-CPU ``silu_mul`` at widths that run their vector loops."""
+"""``exp_f32`` (the CPU kernels' vectorisable exp) and ``exp_nonpositive_f32`` (its softmax form)
+against their plain reference, the exact exp, and the kernels built on them against NumPy:
+``softmax_numerators_and_max``, ``causal_softmax_rows`` (BLAS attention's softmax) and the CPU
+``silu_mul`` at widths that run their vector loops."""
 from __future__ import annotations
 
 import math
@@ -10,7 +11,7 @@ import pytest
 from numba import njit
 
 from engines.runtime.model.kernels import silu_mul
-from engines.runtime.model.kernels.fast_exp import exp_f32
+from engines.runtime.model.kernels.fast_exp import exp_f32, exp_nonpositive_f32, softmax_numerators_and_max
 from engines.runtime.model.kernels.run_attention import causal_softmax_rows
 
 FLOAT32 = np.finfo(np.float32)
@@ -26,6 +27,19 @@ def exp_loop(x: np.ndarray, out: np.ndarray) -> None:
 @njit(cache=False)
 def exp_scalar(x: float) -> float:
     return exp_f32(x)
+
+
+@njit(cache=False)
+def exp_nonpositive_loop(x: np.ndarray, out: np.ndarray) -> None:
+    """exp_nonpositive_f32 in a loop (what LLVM vectorises)."""
+    for i in range(x.shape[0]):
+        out[i] = exp_nonpositive_f32(x[i])
+
+
+@njit(cache=False, fastmath={"reassoc", "contract", "nsz", "arcp"})
+def numerators_and_max(row: np.ndarray, count: int) -> tuple[float, float]:
+    """softmax_numerators_and_max with the kernels' fastmath flags (its loops take the caller's)."""
+    return softmax_numerators_and_max(row, count)
 
 
 def ulps(got: np.ndarray, exact: np.ndarray) -> np.ndarray:
@@ -47,6 +61,24 @@ def test_within_one_ulp_of_the_exact_exp_over_the_normal_range() -> None:
         assert ulps(np.float32([exp_scalar(value)]), np.exp(np.float64([value])))[0] <= 1.0
 
 
+@njit(cache=False, fastmath={"reassoc", "contract", "nsz", "arcp"})
+def exp_loop_as_in_kernels(x: np.ndarray, out: np.ndarray) -> None:
+    """exp_f32 in a loop compiled with the CPU kernels' fastmath flags."""
+    for i in range(x.shape[0]):
+        out[i] = exp_f32(x[i])
+
+
+def test_within_a_few_ulp_compiled_as_the_kernels_compile_it() -> None:
+    x = np.linspace(-87.33, 88.72, 1 << 20, dtype=np.float32)
+    got = np.empty_like(x)
+    exp_loop_as_in_kernels(x, got)
+    exact = np.exp(x.astype(np.float64))
+    finite = (exact >= FLOAT32.tiny) & (x < 88.376)  # above it, 2**n's factors may be multiplied first: inf
+    error = ulps(got[finite], exact[finite])
+    assert error.max() <= 5.0
+    assert error[np.abs(x[finite]) <= 10].max() <= 1.5
+
+
 def test_edges_zero_infinity_and_nan() -> None:
     x = np.float32([-np.inf, -1000.0, -103.0, -87.34, np.inf, 1000.0, 88.73, np.nan, 0.0])
     got = np.empty_like(x)
@@ -55,6 +87,41 @@ def test_edges_zero_infinity_and_nan() -> None:
     assert np.isposinf(got[4:7]).all()
     assert np.isnan(got[7]) and got[8] == 1.0
     assert math.isnan(exp_scalar(np.float32(np.nan)))
+
+
+def test_the_nonpositive_exp_is_exp_f32_where_it_applies() -> None:
+    x = np.concatenate([-np.linspace(0, 110, 1 << 20, dtype=np.float32),
+                        np.float32([-0.0, -1e-30, -87.3365, -87.34, -103.0, -1000.0, -np.inf, np.nan])])
+    got, want = np.empty_like(x), np.empty_like(x)
+    exp_nonpositive_loop(x, got)
+    exp_loop(x, want)
+    np.testing.assert_array_equal(got, want)  # bit for bit, NaN where NaN, flushed zeros alike
+    exact = np.exp(x.astype(np.float64))
+    normal = exact >= FLOAT32.tiny
+    assert ulps(got[normal], exact[normal]).max() <= 1.0
+
+
+@pytest.mark.parametrize("special, at", [(None, 41), (None, 68), (np.nan, 0), (np.nan, 37), (np.nan, 70), (np.inf, 5),
+                                         (-np.inf, 0), (-np.inf, 64)])
+def test_softmax_numerators_and_max_against_numpy(special: float | None, at: int) -> None:
+    """The max (a maxnum reduction, in vector lanes and a scalar tail: 71 keys) and the sum. A NaN
+    anywhere makes its own numerator and the sum NaN (so every probability, once divided by it), as
+    an infinite score does; -inf gives 0."""
+    row = (np.random.default_rng(at).standard_normal(80) * 9).astype(np.float32)
+    row[41 if special is not None else at] = 30.0  # the max: in the vector loop's lanes, or in its tail
+    if special is not None:
+        row[at] = special
+    scores = row.copy()
+    top, total = numerators_and_max(scores, 71)
+    seen = row[:71].astype(np.float64)
+    np.testing.assert_array_equal(scores[71:], row[71:])  # past count: untouched
+    if special is not None and not np.isneginf(special):  # NaN or +inf
+        assert np.isnan(total) and np.isnan(scores[at])
+        return
+    assert top == 30.0
+    want = np.exp(seen - 30.0)
+    np.testing.assert_allclose(scores[:71], want, rtol=1e-5, atol=0)  # (score - max) rounded: ~40 * 2**-24
+    np.testing.assert_allclose(total, want.sum(), rtol=1e-5)
 
 
 def reference_softmax_rows(scores: np.ndarray, first_row_keys: int) -> np.ndarray:

@@ -319,9 +319,8 @@ def attention_item(item, head_splits, key_splits, qkv, positions, token_seq, pag
                         per_item, scores)
         tops = np.empty(q_heads, np.float32)
         sums = np.empty(q_heads, np.float32)
-        lanes = np.empty(16, np.float32)
         for i in range(q_heads):
-            tops[i], sums[i] = softmax_numerators_and_max(scores[i], count, lanes)
+            tops[i], sums[i] = softmax_numerators_and_max(scores[i], count)
         acc = np.zeros((q_heads, head_dim), np.float32)
         for j in range(quarter):
             p = first_page + j
