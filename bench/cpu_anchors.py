@@ -9,7 +9,9 @@ timed, prefill included), and the table gives the medians of ``--rounds`` rounds
 (batch 1, long prompts) is timed the same way. This machine's memory bandwidth is measured in
 the same run (and around each of our batch-1 generations), and batch 1's bytes per token
 against it: its weights, and its weights with the keys and values it reads, over the whole
-generation and over its decode steps alone (the prefill, bound by arithmetic, left out).
+generation and over its decode steps alone (the prefill, bound by arithmetic, left out). With two
+generation lengths, each batch's tokens/s over the longer one against the shorter one's, for each
+engine, beside what a step bound by the bytes it reads would keep.
 
     .venv/bin/python bench/cpu_anchors.py                          # the full table (long)
     .venv/bin/python bench/cpu_anchors.py --threads 2 --batches 1 8 32 --new-tokens 128 --rounds 3
@@ -320,6 +322,25 @@ def bandwidth_note(args: argparse.Namespace, row: dict) -> str:
             f"medians' {100 * row['ours'] * weights / 1e9 / row['gbs']:.0f}%)")
 
 
+def decay_lines(args: argparse.Namespace, rows: list[dict]) -> list[str]:
+    """Each batch's tokens/s over its longest generation against its shortest one's, for each
+    engine (the goal: ours no lower than CTranslate2's), and the ratio a step bound by its bytes
+    alone would have: the weights once a step and each sequence's keys and values, read at one rate."""
+    lines = []
+    for batch in sorted({row["batch"] for row in rows if row["kind"] == "decode"}):
+        by_new = {row["new"]: row for row in rows if row["kind"] == "decode" and row["batch"] == batch}
+        if len(by_new) < 2:
+            continue
+        short, long = by_new[min(by_new)], by_new[max(by_new)]
+        weights = weight_bytes(args)
+        bound = (weights + batch * kv_bytes(args, short["new"])) / (weights + batch * kv_bytes(args, long["new"]))
+        engines = "; ".join(f"{name} {long[key] / short[key]:.3f}"
+                            for name, key in (("ours", "ours"), ("CT2", "ctranslate2"), ("HF", "transformers")))
+        lines.append(f"  batch {batch}, {long['new']} new over {short['new']} new (tok/s): {engines}; "
+                     f"bound by bytes {bound:.3f}")
+    return lines
+
+
 def blas_note() -> str:
     """The BLAS our prefill's projections run on, and its kernels: an ``OPENBLAS_CORETYPE`` set in
     the environment picks them instead of the processor (some machines here set it, and on an
@@ -344,7 +365,9 @@ def main() -> None:
           f"vocab {args.vocab}, fp32; prompt {args.prompt_len}; medians of {args.rounds} alternated rounds")
     print(blas_note())
     for threads in args.threads:
+        rows: list[dict] = []
         for row in measure(args, threads):
+            rows.append(row)
             if row["kind"] == "bandwidth":
                 print(f"\n{threads} thread(s): host memory bandwidth {row['gbs']:.1f} GB/s")
                 print(f"{'':9}{'batch':>6}{'prompt':>7}{'new':>5}{'ours':>10}{'CT2':>10}{'HF':>10}"
@@ -359,6 +382,8 @@ def main() -> None:
                      else "")
                   + (f"  kernel by kernel {row['per-kernel']:.0f}: ours {row['ours'] / row['per-kernel']:.2f}x"
                      if "per-kernel" in row else ""), flush=True)
+        for line in decay_lines(args, rows):
+            print(line, flush=True)
 
 
 if __name__ == "__main__":
