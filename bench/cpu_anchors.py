@@ -325,7 +325,9 @@ def bandwidth_note(args: argparse.Namespace, row: dict) -> str:
 def decay_lines(args: argparse.Namespace, rows: list[dict]) -> list[str]:
     """Each batch's tokens/s over its longest generation against its shortest one's, for each
     engine (the goal: ours no lower than CTranslate2's), and the ratio a step bound by its bytes
-    alone would have: the weights once a step and each sequence's keys and values, read at one rate."""
+    alone would have: the weights once a step and each sequence's keys and values, read at one rate.
+    At batch 1, ours again with each generation against the host's rate read around it, as if
+    the host's memory had kept one speed (it drifts by up to ~10% between two cells here)."""
     lines = []
     for batch in sorted({row["batch"] for row in rows if row["kind"] == "decode"}):
         by_new = {row["new"]: row for row in rows if row["kind"] == "decode" and row["batch"] == batch}
@@ -336,8 +338,11 @@ def decay_lines(args: argparse.Namespace, rows: list[dict]) -> list[str]:
         bound = (weights + batch * kv_bytes(args, short["new"])) / (weights + batch * kv_bytes(args, long["new"]))
         engines = "; ".join(f"{name} {long[key] / short[key]:.3f}"
                             for name, key in (("ours", "ours"), ("CT2", "ctranslate2"), ("HF", "transformers")))
+        # Batch 1 has the host's rate read around each of our generations: our decay at one rate.
+        steady = (f"; ours at the host's rate around each generation {long['share'] / short['share']:.3f}"
+                  if "share" in long and "share" in short else "")
         lines.append(f"  batch {batch}, {long['new']} new over {short['new']} new (tok/s): {engines}; "
-                     f"bound by bytes {bound:.3f}")
+                     f"bound by bytes {bound:.3f}{steady}")
     return lines
 
 
