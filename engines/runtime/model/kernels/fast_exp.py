@@ -120,7 +120,7 @@ def softmax_numerators_and_max(row: np.ndarray, count: int) -> tuple[float, floa
     numerator, hence the sum and every probability of the row, NaN, as the exact softmax does
     (the lane-wise compare and select this replaces was not vectorised at all: a 128 x 2048
     tile's max 57 -> 29 us, its whole softmax 184 -> 108 us with :func:`exp_nonpositive_f32`, on
-    one core of an AVX-512 Xeon; results identical)."""
+    one core of an AVX-512 Xeon; the same numerators, the sum summed in another order)."""
     top = float32(row[0])
     for j in range(count):
         top = _maxnum(top, float32(row[j]))
