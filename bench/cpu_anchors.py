@@ -329,12 +329,12 @@ def decay_lines(args: argparse.Namespace, rows: list[dict]) -> list[str]:
     At batch 1, ours again with each generation against the host's rate read around it, as if
     the host's memory had kept one speed (it drifts by up to ~10% between two cells here)."""
     lines = []
+    weights = weight_bytes(args)
     for batch in sorted({row["batch"] for row in rows if row["kind"] == "decode"}):
         by_new = {row["new"]: row for row in rows if row["kind"] == "decode" and row["batch"] == batch}
         if len(by_new) < 2:
             continue
         short, long = by_new[min(by_new)], by_new[max(by_new)]
-        weights = weight_bytes(args)
         bound = (weights + batch * kv_bytes(args, short["new"])) / (weights + batch * kv_bytes(args, long["new"]))
         engines = "; ".join(f"{name} {long[key] / short[key]:.3f}"
                             for name, key in (("ours", "ours"), ("CT2", "ctranslate2"), ("HF", "transformers")))
