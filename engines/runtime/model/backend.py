@@ -22,6 +22,7 @@ import numpy as np
 from numba import cuda
 
 from engines.runtime.model.cpu_pool import CpuPool
+from engines.runtime.model.host_memory import aligned_copy, aligned_empty
 from engines.runtime.model.kernels import argmax, attention, embedding, matmul, add_rmsnorm, rope_kv, run_attention, silu_mul
 
 Array = Any  # numpy.ndarray on the CPU backend, a numba DeviceNDArray on the CUDA backend
@@ -160,8 +161,8 @@ class CpuBackend:
         self.numba_threads = numba.get_num_threads()
 
     def to_storage(self, array: np.ndarray, dtype: str) -> np.ndarray:
-        """A C-contiguous copy of ``array`` in storage dtype ``dtype``."""
-        return np.ascontiguousarray(array, dtype=_check_dtype(dtype, self.dtypes, self.name))
+        """A C-contiguous copy of ``array`` in storage dtype ``dtype``, aligned by ``host_memory``."""
+        return aligned_copy(array, _check_dtype(dtype, self.dtypes, self.name))
 
     def store_linear(self, weight: np.ndarray, dtype: str) -> np.ndarray:
         """A linear layer's ``[out, in]`` weight, kept in that layout (what ``matmul`` reads)."""
@@ -173,15 +174,15 @@ class CpuBackend:
         (``cpu_step``) indexes by layer. Filled layer by layer, so loading never holds the
         weight twice. ``linear`` weights keep their ``[out, in]`` layout, as in :meth:`store_linear`."""
         first = self.to_storage(make(0), dtype)
-        stacked = np.empty((count, *first.shape), dtype=first.dtype)
+        stacked = aligned_empty((count, *first.shape), first.dtype)
         stacked[0] = first
         for i in range(1, count):
             stacked[i] = make(i)
         return stacked
 
     def empty(self, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-        """An uninitialised C-contiguous array."""
-        return np.empty(shape, dtype=dtype)
+        """An uninitialised C-contiguous array, aligned by ``host_memory``."""
+        return aligned_empty(shape, dtype)
 
     def upload_step(self, host: StepInputs) -> StepInputs:
         """The step metadata, ready for the kernels (host arrays are used as they are), with
