@@ -9,9 +9,9 @@ for it on this Zen 4 machine (batches 8 and 32, the model's shapes, one and two 
 ``/tmp`` probe alternating the same kernels over copies at either offset); a page-aligned copy was
 another 3-7% faster than one 64 bytes past a page, so large arrays are page-aligned. Batch-1
 steps, bound by memory rather than by loads, neither gain nor lose beyond the noise: the same
-process's batch-1 generations with every array at either offset, twelve processes, 0.97-1.09x;
-five processes a commit in turn, 1.03x on two threads and 1.15x on one (tok/s per GB/s of the
-host's rate; BENCHMARKS.md, issue 15). One earlier A/B of two processes a commit had read 0.88x:
+process's batch-1 generations with every array at either offset, twelve processes, 0.96-1.09x;
+four or five processes a commit in turn, 1.03x on two threads and 1.15x on one (tok/s per GB/s of
+the host's rate; BENCHMARKS.md, issue 15). One earlier A/B of two processes a commit had read 0.88x:
 a process's batch-1 rate moves by ~10% with where its memory lands, so one process is no sample.
 """
 from __future__ import annotations
