@@ -18,42 +18,56 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 if TYPE_CHECKING:  # the runtime (numba and all) loads only when engines are built
     from engines.runtime import AsyncEngine, EngineConfig, KVListenSpec
 
 logger = logging.getLogger(__name__)
 
-DEMO_MODEL = "demo"
 
 
 class RegistryError(Exception):
     """The registry cannot be configured as asked; the message says why."""
 
 
+def builtin_model_names() -> tuple[str, ...]:
+    """The models ``--model`` names without a path (``smollm2``, ``demo``), in ``serve``'s default order."""
+    from engines.runtime import BUILTIN_MODEL_NAMES  # a standard-library-only module of the runtime
+
+    return BUILTIN_MODEL_NAMES
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """One ``--model`` value: where the checkpoint is, and the name to serve it under."""
 
-    source: str  # "demo" or a local checkpoint folder
-    name: str | None = None  # served name; None: "demo", or the checkpoint folder's name
+    source: str  # a built-in model's name, a Hugging Face checkpoint folder, or a GGUF file
+    name: str | None = None  # served name; None: the built-in's name, the folder's, or the file's without .gguf
+
+    @property
+    def builtin(self) -> bool:
+        """Whether ``source`` names a built-in model rather than a path."""
+        return self.source in builtin_model_names()
 
     @classmethod
     def parse(cls, text: str) -> "ModelSpec":
-        """Parse ``demo``, ``demo:NAME``, ``PATH`` or ``PATH:NAME``.
+        """Parse ``NAME`` (a built-in model), ``PATH`` (a checkpoint folder or a GGUF file), each
+        optionally followed by ``:SERVED_NAME``.
 
         A path that exists exactly as given is never split, so a folder whose
         name holds a colon still loads.
         """
         text = text.strip()
         if not text:
-            raise RegistryError("--model needs a value: 'demo' or a checkpoint folder, optionally ':NAME'")
-        if text == DEMO_MODEL or Path(text).exists() or ":" not in text:
+            raise RegistryError(f"--model needs a value: {' or '.join(builtin_model_names())}, a checkpoint "
+                                "folder or a .gguf file, optionally ':NAME'")
+        if text in builtin_model_names() or Path(text).exists() or ":" not in text:
             return cls(source=text)
         source, _, name = text.rpartition(":")
         if not name or "/" in name:
@@ -221,23 +235,25 @@ def build_engines(
     process: bool = False,
     restart: bool = True,
     kv_listen: "KVListenSpec | None" = None,
+    progress: Callable[[str], None] | None = None,
 ) -> list["AsyncEngine"]:
     """Load each checkpoint and make an (unstarted) engine for it; ``process=True`` runs each
     engine loop in its own process (the checkpoint's weights are then loaded there, not here);
     ``restart=False`` leaves an engine that dies dead instead of restarting it; ``kv_listen``
-    gives each engine a K/V listener (a fixed port: the next engine takes the next port).
+    gives each engine a K/V listener (a fixed port: the next engine takes the next port);
+    ``progress`` hears what a built-in model's first use prepares.
 
     Raises :class:`RegistryError` for two specs with one served name, and lets
     ``CheckpointError`` (whose message names the file at fault) through.
     """
-    from engines.runtime import AsyncEngine, RestartPolicy, demo_checkpoint_path, load_checkpoint
+    from engines.runtime import AsyncEngine, RestartPolicy, builtin_model_path, load_checkpoint
 
     engines: list[AsyncEngine] = []
     names: set[str] = set()
     for spec in specs:
-        path = demo_checkpoint_path() if spec.source == DEMO_MODEL else Path(spec.source).expanduser()
+        path = builtin_model_path(spec.source, progress=progress) if spec.builtin else Path(spec.source).expanduser()
         checkpoint = load_checkpoint(path, load_weights=not process)
-        name = spec.name or (DEMO_MODEL if spec.source == DEMO_MODEL else checkpoint.name)
+        name = spec.name or (spec.source if spec.builtin else checkpoint.name)
         if name in names:
             raise RegistryError(
                 f"two --model values are served as {name!r}: give one of them another name with ':NAME'"
@@ -254,6 +270,22 @@ def build_engines(
 
 
 ENGINE_MODES = ("process", "thread")
+
+_BYTE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+               "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+_BYTE_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*", re.IGNORECASE)
+
+
+def parse_byte_size(text: str) -> int:
+    """``--kv-cache-bytes``' value: a number of bytes, or with a unit (``512M``, ``1.5GB``,
+    ``2GiB``: k/M/G/T are powers of 1000, Ki/Mi/Gi/Ti of 1024). Raises ``ValueError``."""
+    match = _BYTE_SIZE.fullmatch(text)
+    if match is None:
+        raise ValueError(f"expected a size such as 536870912, 512M or 2GiB, got {text!r}")
+    value = int(float(match.group(1)) * _BYTE_UNITS[(match.group(2) or "").lower()])
+    if value < 1:
+        raise ValueError(f"the size must be at least one byte, got {text!r}")
+    return value
 
 
 def engine_mode(mode: str) -> bool:
@@ -275,7 +307,7 @@ def configure_from_env(env: dict[str, str] | None = None) -> EngineRegistry:
 
     ``ENGINES_MODELS`` (comma-separated ``--model`` specs), ``ENGINES_ENABLE_DEBUG``,
     ``ENGINES_ENABLE_TRACING``, ``ENGINES_RESTART`` (default on), ``ENGINES_BACKEND``, ``ENGINES_DTYPE``,
-    ``ENGINES_MAX_NUM_SEQS``, ``ENGINES_NUM_PAGES``, ``ENGINES_MAX_TOTAL_TOKENS``,
+    ``ENGINES_MAX_NUM_SEQS``, ``ENGINES_NUM_PAGES``, ``ENGINES_MAX_TOTAL_TOKENS``, ``ENGINES_KV_CACHE_BYTES``,
     ``ENGINES_PREFILL_CHUNK_SIZE``, ``ENGINES_ENGINE_MODE`` (``process``, the default, or
     ``thread``), ``ENGINES_KV_HOST`` and ``ENGINES_KV_PORT`` (the K/V listeners, with debug on;
     default 127.0.0.1, any free port) and ``API_KEY`` mean what the serve flags mean.
@@ -286,7 +318,8 @@ def configure_from_env(env: dict[str, str] | None = None) -> EngineRegistry:
     api_key = env.get("API_KEY") or None
     if api_key is not None and not api_key.strip():
         raise RegistryError("API_KEY is only whitespace: set a real key, or unset it")  # before any engine loads
-    specs = [ModelSpec.parse(s) for s in env.get("ENGINES_MODELS", DEMO_MODEL).split(",") if s.strip()]
+    default = ",".join(builtin_model_names())
+    specs = [ModelSpec.parse(s) for s in env.get("ENGINES_MODELS", default).split(",") if s.strip()]
     sizing = {
         "max_num_seqs": env.get("ENGINES_MAX_NUM_SEQS"),
         "num_pages": env.get("ENGINES_NUM_PAGES"),
@@ -294,6 +327,8 @@ def configure_from_env(env: dict[str, str] | None = None) -> EngineRegistry:
         "prefill_chunk_size": env.get("ENGINES_PREFILL_CHUNK_SIZE"),
     }
     config = EngineConfig(**{k: int(v) for k, v in sizing.items() if v})
+    if env.get("ENGINES_KV_CACHE_BYTES"):
+        config.kv_cache_bytes = parse_byte_size(env["ENGINES_KV_CACHE_BYTES"])
     engines = build_engines(
         specs,
         config,

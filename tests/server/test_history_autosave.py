@@ -180,7 +180,8 @@ def test_serve_snapshots_metrics_while_serving_and_saves_the_last_window_on_sigt
     env = {k: v for k, v in os.environ.items() if k not in ("API_KEY", "DATABASE_URL", "DJANGO_SETTINGS_MODULE")}
     env |= {"DEBUGSITE_VAR_DIR": str(tmp_path), "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(
-        [sys.executable, "manage.py", "serve", "--enable-tracing", "--port", str(port), "--backend", "cpu",
+        [sys.executable, "manage.py", "serve", "--model", "demo", "--enable-tracing", "--port", str(port),
+         "--backend", "cpu",
          "--max-num-seqs", "2", "--max-total-tokens", "1024", "--prefill-chunk-size", "64",
          # The interval is far away: the only trace record can come from the save on shutdown.
          "--trace-autosave", "3600", "--metrics-snapshot-interval", "0.2"],

@@ -130,8 +130,11 @@ async def test_debug_routes_on_a_dead_engine_are_503_not_500(serve, stopped_engi
         # Its metrics lived in its engine loop (perhaps another process): gone, and said so.
         error = assert_error(await http.post("/debug/dump_engine_metrics", json={"model": "stopped"}), 503)
         assert "is not running" in error["message"]
-        assert (await http.get("/stats")).json()["engines"]["stopped"] == {
-            "backend": "cpu", "alive": False, "state": "stopped", "reason": None, "restarts": 0}
+        stats = (await http.get("/stats")).json()["engines"]["stopped"]
+        kv = stats.pop("kv_cache")  # what it had allocated, still said
+        assert kv["tokens"] == stopped_engine.kv_cache.tokens and kv["rule"] == "max_total_tokens"
+        assert stats == {"backend": "cpu", "weights": "safetensors", "alive": False, "state": "stopped",
+                         "reason": None, "restarts": 0}
         exposition = (await http.get("/metrics")).text
         assert 'engine_up{model="stopped",state="stopped"} 0.0' in exposition
         assert 'engine_restarts_total{model="stopped"} 0.0' in exposition

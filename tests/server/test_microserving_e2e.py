@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 KEY = "cluster-key"
 PROMPT = list(range(300, 352))  # 52 plain tokens
-SERVE = ["--enable-debug", "--enable-tracing", "--backend", "cpu", "--max-num-seqs", "4",
+SERVE = ["--model", "demo", "--enable-debug", "--enable-tracing", "--backend", "cpu", "--max-num-seqs", "4",
          "--max-total-tokens", "1024", "--prefill-chunk-size", "64"]
 _ids = itertools.count()
 

@@ -13,7 +13,8 @@ import pytest
 from django.core.management import CommandError, call_command
 
 from engines.management.commands.serve import is_loopback
-from engines.registry import EngineRegistry, ModelSpec, RegistryError, ServerOptions, configure_from_env
+from engines.registry import EngineRegistry, ModelSpec, RegistryError, ServerOptions, configure_from_env, \
+    parse_byte_size
 from tests.processes import Server, start_server
 
 REPO = Path(__file__).resolve().parents[2]
@@ -47,6 +48,37 @@ def test_model_spec_parsing(tmp_path) -> None:
     for bad in ("", "demo:", "demo:a/b"):
         with pytest.raises(RegistryError):
             ModelSpec.parse(bad)
+
+
+def test_built_in_models_are_names_and_files_are_paths(tmp_path) -> None:
+    assert ModelSpec.parse("smollm2") == ModelSpec("smollm2") and ModelSpec.parse("smollm2").builtin
+    assert ModelSpec.parse("smollm2:chat") == ModelSpec("smollm2", "chat")
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert ModelSpec.parse(f"{gguf}:mine") == ModelSpec(str(gguf), "mine") and not ModelSpec(str(gguf)).builtin
+
+
+def test_byte_sizes() -> None:
+    assert parse_byte_size("1048576") == 1 << 20
+    assert parse_byte_size("512M") == 512_000_000 and parse_byte_size("512MB") == 512_000_000
+    assert parse_byte_size("2GiB") == 2 << 30 and parse_byte_size("1.5g") == 1_500_000_000
+    for bad in ("", "lots", "-1G", "0", "1.5.2G"):
+        with pytest.raises(ValueError):
+            parse_byte_size(bad)
+
+
+def test_serve_serves_both_built_in_models_by_default_and_takes_kv_cache_bytes(monkeypatch) -> None:
+    from engines.management.commands.serve import Command
+
+    seen: dict = {}
+    monkeypatch.setattr(Command, "_apply_migrations", lambda self: None)
+    monkeypatch.setattr(Command, "_run_daphne", lambda *args, **kwargs: None)
+    monkeypatch.setattr(Command, "_load_engines", lambda self, specs, options: seen.update(specs=specs, options=options))
+    call_command("serve", "--kv-cache-bytes", "256MiB")
+    assert seen["specs"] == [ModelSpec("smollm2"), ModelSpec("demo")]
+    assert seen["options"]["kv_cache_bytes"] == 256 << 20
+    with pytest.raises(CommandError):  # one way of sizing the KV cache at a time
+        call_command("serve", "--kv-cache-bytes", "1G", "--num-pages", "8")
 
 
 def test_registry_lookup_never_guesses() -> None:
@@ -148,7 +180,7 @@ def test_servers_started_together_on_a_fresh_machine_share_its_database(tmp_path
 
     def start() -> None:
         try:
-            started.append(start_server(["--backend", "cpu", "--max-total-tokens", "512"], var))
+            started.append(start_server(["--model", "demo", "--backend", "cpu", "--max-total-tokens", "512"], var))
         except BaseException as exc:  # noqa: BLE001 - pytest.fail raises an outcome, reported below
             errors.append(exc)
 
@@ -192,7 +224,7 @@ def test_serve_on_a_port_in_use_says_so_and_prints_no_links(tmp_path) -> None:
         busy.listen()
         port = busy.getsockname()[1]
         result = subprocess.run(
-            [sys.executable, "manage.py", "serve", "--port", str(port)],
+            [sys.executable, "manage.py", "serve", "--model", "demo", "--port", str(port)],
             cwd=REPO, env=env, capture_output=True, text=True, timeout=180,
         )
     assert result.returncode == 1

@@ -25,7 +25,8 @@ STREAM_USER = "e2e-stream-1"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[Server]:
-    srv = start_server(["--enable-debug", "--enable-tracing", "--backend", "cpu", "--max-num-seqs", "4",
+    srv = start_server(["--model", "demo", "--enable-debug", "--enable-tracing", "--backend", "cpu",
+                        "--max-num-seqs", "4",
                         "--max-total-tokens", "2048", "--prefill-chunk-size", "128", "--drain-timeout", "1"],
                        tmp_path_factory.mktemp("var"))
     yield srv

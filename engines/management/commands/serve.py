@@ -37,7 +37,17 @@ from django.db.migrations.executor import MigrationExecutor
 from engines.dashboard.local_login import local_login_path
 from engines.dashboard.sampler import hub_for
 from engines.history.autosave import HistoryAutosave
-from engines.registry import ENGINE_MODES, ModelSpec, RegistryError, build_engines, configure, engine_mode, registry
+from engines.registry import (
+    ENGINE_MODES,
+    ModelSpec,
+    RegistryError,
+    build_engines,
+    builtin_model_names,
+    configure,
+    engine_mode,
+    parse_byte_size,
+    registry,
+)
 
 logger = logging.getLogger("engines.serve")
 
@@ -64,6 +74,14 @@ def allow_host(host: str) -> None:
         settings.ALLOWED_HOSTS = [*settings.ALLOWED_HOSTS, entry]
 
 
+def byte_size(text: str) -> int:
+    """argparse type for a size in bytes (``parse_byte_size``)."""
+    try:
+        return parse_byte_size(text)
+    except ValueError as exc:
+        raise ArgumentTypeError(str(exc)) from None
+
+
 def seconds(text: str) -> float:
     """argparse type for an interval: a finite number of seconds >= 0."""
     try:
@@ -80,16 +98,18 @@ class _Interrupted(Exception):
 
 
 class Command(BaseCommand):
-    help = "Serve engines (the demo model by default) over the OpenAI API, /debug, /metrics and the dashboard."
+    help = ("Serve engines (the built-in smollm2 and demo models by default) over the OpenAI API, /debug, "
+            "/metrics and the dashboard.")
 
     # Django's system checks run anyway in the ASGI app; skipping them here keeps start-up quick.
     requires_system_checks: list[str] = []
 
     def add_arguments(self, parser: ArgumentParser) -> None:
         parser.add_argument(
-            "--model", action="append", dest="models", metavar="demo|PATH[:NAME]",
-            help="model to serve (repeatable): 'demo' or a local Hugging Face checkpoint folder, "
-                 "optionally ':NAME' for the served name (default: demo)",
+            "--model", action="append", dest="models", metavar="smollm2|demo|PATH[:NAME]",
+            help="model to serve (repeatable): a built-in one (smollm2: SmolLM2-135M-Instruct, a real chat "
+                 "model; demo: random weights, for tests), a local Hugging Face checkpoint folder or a GGUF "
+                 "file, optionally ':NAME' for the served name (default: smollm2 and demo)",
         )
         parser.add_argument("--enable-debug", action="store_true",
                             help="mount /debug/*, honour debug_config in requests and return usage.extra")
@@ -140,6 +160,10 @@ class Command(BaseCommand):
         pages = sizing.add_mutually_exclusive_group()
         pages.add_argument("--num-pages", type=int, help="KV-cache pages per engine")
         pages.add_argument("--max-total-tokens", type=int, help="KV-cache capacity in tokens (sets the pages)")
+        pages.add_argument("--kv-cache-bytes", type=byte_size, metavar="SIZE",
+                           help="KV-cache size in bytes per engine (512M, 2GiB, ...). Default, with none of "
+                                "these three: as large as the model's weights, at least one full context, "
+                                "at most a quarter of the free memory")
         sizing.add_argument("--page-size", type=int, help="tokens per KV-cache page")
         sizing.add_argument("--prefill-chunk-size", type=int, help="per-step token budget (prefill + decode)")
 
@@ -167,7 +191,7 @@ class Command(BaseCommand):
                                "--decode-url (servers run with --enable-debug), and no --model.")
         if (options["prefill_url"] or options["decode_url"]) and not options["router"]:
             raise CommandError("--prefill-url and --decode-url belong to a router: add --router disagg.")
-        specs = [] if options["router"] else self._model_specs(options["models"] or ["demo"])
+        specs = [] if options["router"] else self._model_specs(options["models"] or list(builtin_model_names()))
 
         # Until Daphne installs its own handlers, SIGTERM must unwind like Ctrl-C: a migration
         # rolls back and engines built so far are stopped, rather than the process dying mid-step.
@@ -220,7 +244,8 @@ class Command(BaseCommand):
 
         sizing = {
             key: options[key]
-            for key in ("max_num_seqs", "num_pages", "max_total_tokens", "page_size", "prefill_chunk_size")
+            for key in ("max_num_seqs", "num_pages", "max_total_tokens", "kv_cache_bytes", "page_size",
+                        "prefill_chunk_size")
             if options[key] is not None
         }
         for spec in specs:
@@ -236,6 +261,7 @@ class Command(BaseCommand):
                 restart=not options["no_engine_restart"],
                 kv_listen=KVListenSpec(options["host"], options["kv_port"], options["api_key"])
                 if options["enable_debug"] else None,
+                progress=lambda message: self.stdout.write(f"  {message}..."),
             )
             configure(engines, enable_debug=options["enable_debug"], api_key=options["api_key"])
         except (CheckpointError, RegistryError, ValueError, RuntimeError) as exc:
@@ -244,7 +270,8 @@ class Command(BaseCommand):
         for engine in registry:
             tracing = "tracing on" if engine.tracing_enabled else "tracing off"
             where = "own process" if engine.process else "server thread"
-            self.stdout.write(f"  {engine.name}: {engine.backend_name} backend, {tracing}, {where}")
+            self.stdout.write(f"  {engine.name}: {engine.backend_name} backend, {tracing}, {where}; "
+                              f"KV cache {engine.kv_cache.describe() if engine.kv_cache else 'starting'}")
 
     def _configure_router(self, options: dict[str, Any]) -> None:
         from engines.disagg.router import DisaggRouter

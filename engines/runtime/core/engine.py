@@ -28,6 +28,7 @@ import numpy as np
 from engines.runtime.model.checkpoint import Checkpoint
 from engines.runtime.core.grammar import GrammarCompiler, GrammarError
 from engines.runtime.core.kv_pool import KVCachePool
+from engines.runtime.core.kv_sizing import resolve_kv_cache_size
 from engines.runtime.core.kv_transfer import KVBlock, KVReceipt, KVReceiver, KVSend, KVTransferError, \
     ModelIdentity, resolve_window_end
 from engines.runtime.core.limits import REQUEST_LIMITS
@@ -60,18 +61,14 @@ class EngineConfig:
     """Engine sizing, fixed at start-up."""
 
     max_num_seqs: int = 64
+    # The KV cache's size, one of three ways, or none: sized for the model (core.kv_sizing).
     num_pages: int | None = None
+    max_total_tokens: int | None = None
+    kv_cache_bytes: int | None = None
     page_size: int = 16
-    max_total_tokens: int = 65536
     prefill_chunk_size: int = 512
     max_trace_events: int = 1_000_000
     enable_prefix_cache: bool = True
-
-    def resolved_num_pages(self) -> int:
-        """``num_pages``, or as many pages as ``max_total_tokens`` needs when it is unset."""
-        if self.num_pages is not None:
-            return self.num_pages
-        return -(-self.max_total_tokens // self.page_size)
 
 
 @dataclass
@@ -149,7 +146,13 @@ class Engine:
         self.tracer = tracer
         self.vocab_size = model.config.vocab_size
         self.eos_token_ids = frozenset(checkpoint.eos_token_ids)
-        num_pages = self.config.resolved_num_pages()
+        c = self.config
+        self.kv_size = resolve_kv_cache_size(
+            page_size=c.page_size, bytes_per_token=model.kv_bytes_per_token, num_pages=c.num_pages,
+            max_total_tokens=c.max_total_tokens, kv_cache_bytes=c.kv_cache_bytes, weight_bytes=model.weight_bytes,
+            context_length=model.config.max_position_embeddings, max_num_seqs=c.max_num_seqs,
+            free_memory_bytes=model.backend.free_memory_bytes())
+        num_pages = self.kv_size.num_pages
         self.kv = model.new_kv_cache(num_pages, self.config.page_size)
         self.kv_pool = KVCachePool(num_pages, self.config.page_size, self.config.enable_prefix_cache)
         self.scheduler = Scheduler(self.kv_pool, self.config.max_num_seqs, self.config.prefill_chunk_size)

@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from engines.runtime.core.engine import EngineConfig, validate_request
+from engines.runtime.core.kv_sizing import KVCacheSize
 from engines.runtime.core.kv_transfer import KVBlock, KVReceipt
 from engines.runtime.core.request import ChoiceDelta, EngineRequestError, GenerationRequest, RequestOutput
 from engines.runtime.frontend.engine_core import EngineCore, create_engine, engine_info, shorten_gil_switch
@@ -383,6 +384,17 @@ class AsyncEngine:
     async def cuda_profiler(self, start: bool) -> None:
         """``cudaProfilerStart`` (or ``Stop``) in the engine's process, between two steps."""
         await self._acall(CudaProfilerCall(start))
+
+    @property
+    def kv_cache(self) -> KVCacheSize | None:
+        """The engine's KV pool as allocated and the rule that sized it (None until it has started)."""
+        return self._info.kv_cache if self._info else None
+
+    @property
+    def source_format(self) -> str:
+        """What the weights were read from ("safetensors", "GGUF Q4_1 x210, ..."); the checkpoint's own
+        until the engine has started."""
+        return self._info.source_format if self._info and self._info.source_format else self.checkpoint.source_format
 
     @property
     def kv_port(self) -> int | None:

@@ -21,7 +21,6 @@ import sys
 import threading
 from typing import Any, Callable
 
-import numpy as np
 
 from engines import __version__
 from engines.runtime.core.engine import Engine, EngineConfig
@@ -106,10 +105,9 @@ def create_engine(checkpoint: Checkpoint, name: str, config: EngineConfig, backe
 
 def engine_info(engine: Engine) -> EngineInfo:
     """The :class:`EngineInfo` of a built engine."""
-    kv = engine.kv
-    per_token = 2 * kv.num_layers * int(np.prod(kv.k.shape[2:])) // kv.page_size * np.dtype(kv.dtype).itemsize
     return EngineInfo(engine.model.backend_name, engine.model.dtype, engine.vocab_size,
-                      engine.max_seq_len, engine.tracer is not None, per_token)
+                      engine.max_seq_len, engine.tracer is not None, engine.model.kv_bytes_per_token,
+                      kv_cache=engine.kv_size, source_format=engine.checkpoint.source_format)
 
 
 class EngineCore:

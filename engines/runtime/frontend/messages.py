@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 from engines.runtime.core.engine import EngineConfig
+from engines.runtime.core.kv_sizing import KVCacheSize
 from engines.runtime.core.kv_transfer import KVBlock
 from engines.runtime.core.request import GenerationRequest, RequestOutput
 
@@ -59,6 +60,10 @@ class EngineInfo:
     kv_bytes_per_token: int = 0
     #: The port of the engine's K/V listener (``kv_http``); None when it has none.
     kv_port: int | None = None
+    #: The KV pool as allocated, and the rule that sized it.
+    kv_cache: KVCacheSize | None = None
+    #: What the weights were read from ("safetensors", "GGUF Q4_1 x210, ...").
+    source_format: str = ""
 
     @property
     def max_kv_transfer_bytes(self) -> int:

@@ -39,7 +39,8 @@ __all__ = ["PROCESS_START_TIMEOUT_S", "ProcessTransport", "ThreadTransport"]
 # The folder that holds the ``engines`` package, for the engine process's import path.
 _PROJECT_ROOT = Path(__file__).resolve().parents[3]
 
-# What an engine process runs; its end of the socket pair is passed as argv[1].
+# What an engine process runs; its end of the socket pair is passed as argv[1], and the engine's
+# name as argv[2], unread: it tells the engine processes apart in ps and top.
 _CHILD_MAIN = "from engines.runtime.frontend.engine_core import main; main()"
 
 # How long start() waits for an engine process to load its model and compile its kernels.
@@ -147,7 +148,7 @@ class ProcessTransport:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(_PROJECT_ROOT), env.get("PYTHONPATH")]))
         try:
             process = subprocess.Popen(
-                [sys.executable, "-c", _CHILD_MAIN, str(theirs.fileno())],
+                [sys.executable, "-c", _CHILD_MAIN, str(theirs.fileno()), f"engine={self.spec.name}"],
                 pass_fds=(theirs.fileno(),), env=env,
             )
         except BaseException:

@@ -22,7 +22,7 @@ import numpy as np
 from numba import cuda
 
 from engines.runtime.model.cpu_pool import CpuPool
-from engines.runtime.model.host_memory import aligned_copy, aligned_empty
+from engines.runtime.model.host_memory import aligned_copy, aligned_empty, available_bytes
 from engines.runtime.model.kernels import argmax, attention, embedding, matmul, add_rmsnorm, rope_kv, run_attention, silu_mul
 
 Array = Any  # numpy.ndarray on the CPU backend, a numba DeviceNDArray on the CUDA backend
@@ -159,6 +159,10 @@ class CpuBackend:
         # the symbol its parallel kernels call to launch: a kernel loaded from the cache before
         # any parallel one ran from Python would call an unresolved address (a segfault, seen).
         self.numba_threads = numba.get_num_threads()
+
+    def free_memory_bytes(self) -> int | None:
+        """Host memory free now (weights, KV cache and activations live there), or None if unknown."""
+        return available_bytes()
 
     def to_storage(self, array: np.ndarray, dtype: str) -> np.ndarray:
         """A C-contiguous copy of ``array`` in storage dtype ``dtype``, aligned by ``host_memory``."""
@@ -401,6 +405,13 @@ class CudaBackend:
             # the core wrapper below does not own it (a collected stream made recording fail).
             self._numba_record_stream = cuda.stream()
             self._record_stream = driver._to_core_stream(self._numba_record_stream)
+
+    def free_memory_bytes(self) -> int | None:
+        """Device memory free now (the simulator's arrays live on the host: host memory there)."""
+        if self.simulated:
+            return available_bytes()
+        free, _total = cuda.current_context().get_memory_info()
+        return int(free)
 
     def run_step(self, buffers: tuple[Any, ...], num_tokens: int, launches: Callable[[], None]) -> None:
         """Run a step's kernels: ``launches()`` launches them, reading and writing only

@@ -1,4 +1,8 @@
-"""Loading a local Hugging Face checkpoint folder into host memory.
+"""Loading a checkpoint into host memory: a Hugging Face folder, or a GGUF file.
+
+:func:`load_checkpoint` takes either. A GGUF file (llama.cpp's format) is read by
+:mod:`engines.runtime.model.gguf`, which dequantizes its tensors and writes the tokenizer files
+its metadata describes; everything after that is the same :class:`Checkpoint`.
 
 A checkpoint folder holds ``config.json``, the weights (``model.safetensors``, or shards
 listed in ``model.safetensors.index.json``), ``tokenizer.json``, and optionally
@@ -20,7 +24,9 @@ from typing import Any, Iterable, Mapping
 
 import numpy as np
 
-from engines.runtime.model.config import CheckpointError, ModelConfig
+from engines.runtime.model.config import CheckpointError, ModelConfig, expected_tensor_shapes
+from engines.runtime.model.gguf.container import is_gguf_file
+from engines.runtime.model.gguf.model import read_gguf_model
 from engines.runtime.model.tokenizer import Tokenizer
 
 __all__ = ["Checkpoint", "CheckpointError", "load_checkpoint", "expected_tensor_shapes", "read_safetensors"]
@@ -45,12 +51,15 @@ class Checkpoint:
     """Everything the engine needs from a checkpoint folder, in host memory."""
 
     path: Path
-    name: str                          # folder name, or "demo"
+    name: str                          # folder name, "demo", or a GGUF file's name without .gguf
     config: ModelConfig
     weights: Mapping[str, np.ndarray]  # HF tensor names -> float32 (or float16) host arrays
     tokenizer: Tokenizer
     eos_token_ids: tuple[int, ...]     # from generation_config.json / config.json / tokenizer_config.json
     chat_template: str | None          # Jinja source from tokenizer_config.json
+    #: What the weights were stored as: "safetensors", or "GGUF Q4_1 x210, F32 x61, ..." (the
+    #: ggml types and how many tensors have each), for the dashboard and /stats.
+    source_format: str = "safetensors"
 
     @property
     def num_parameters(self) -> int:
@@ -59,7 +68,7 @@ class Checkpoint:
 
 
 def load_checkpoint(path: str | Path, *, load_weights: bool = True) -> Checkpoint:
-    """Load and validate the Hugging Face checkpoint folder at ``path``.
+    """Load and validate the Hugging Face checkpoint folder, or the GGUF file, at ``path``.
 
     ``load_weights=False`` reads everything but the tensors (``weights`` is then empty): what a
     server process needs to tokenize and validate requests while the engine process holds the
@@ -68,13 +77,16 @@ def load_checkpoint(path: str | Path, *, load_weights: bool = True) -> Checkpoin
     Raises :class:`CheckpointError` (never anything else for a bad checkpoint) naming the
     file or tensor at fault: a missing folder or file, invalid JSON, an unsupported
     ``model_type``, a missing tensor, a tensor whose shape does not fit ``config.json``, a
-    dtype we cannot compute in (int8, fp8, ...), or a corrupt safetensors file.
+    dtype we cannot compute in (int8, fp8, ...), a corrupt safetensors or GGUF file, or a GGUF
+    architecture, tensor type or tokenizer this engine does not read.
     """
     folder = Path(path).expanduser()
     if not folder.exists():
-        raise CheckpointError(f"checkpoint folder {folder} does not exist")
+        raise CheckpointError(f"checkpoint {folder} does not exist")
+    if folder.is_file() and (folder.suffix.lower() == ".gguf" or is_gguf_file(folder)):
+        return _load_gguf(folder, load_weights)
     if not folder.is_dir():
-        raise CheckpointError(f"{folder} is not a folder: pass the checkpoint folder that holds config.json")
+        raise CheckpointError(f"{folder} is neither a checkpoint folder (one that holds config.json) nor a GGUF file")
 
     raw_config = _read_json(folder, "config.json", required=True)
     try:
@@ -111,31 +123,26 @@ def load_checkpoint(path: str | Path, *, load_weights: bool = True) -> Checkpoin
     )
 
 
-def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The HF tensor names a Llama-family checkpoint must hold for ``config``, with shapes."""
-    h = config.hidden_size
-    q_dim = config.num_attention_heads * config.head_dim
-    kv_dim = config.num_key_value_heads * config.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
-    for i in range(config.num_hidden_layers):
-        p = f"model.layers.{i}"
-        shapes[f"{p}.input_layernorm.weight"] = (h,)
-        shapes[f"{p}.self_attn.q_proj.weight"] = (q_dim, h)
-        shapes[f"{p}.self_attn.k_proj.weight"] = (kv_dim, h)
-        shapes[f"{p}.self_attn.v_proj.weight"] = (kv_dim, h)
-        shapes[f"{p}.self_attn.o_proj.weight"] = (h, q_dim)
-        if config.attention_bias:
-            shapes[f"{p}.self_attn.q_proj.bias"] = (q_dim,)
-            shapes[f"{p}.self_attn.k_proj.bias"] = (kv_dim,)
-            shapes[f"{p}.self_attn.v_proj.bias"] = (kv_dim,)
-        shapes[f"{p}.post_attention_layernorm.weight"] = (h,)
-        shapes[f"{p}.mlp.gate_proj.weight"] = (config.intermediate_size, h)
-        shapes[f"{p}.mlp.up_proj.weight"] = (config.intermediate_size, h)
-        shapes[f"{p}.mlp.down_proj.weight"] = (h, config.intermediate_size)
-    shapes["model.norm.weight"] = (h,)
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, h)
-    return shapes
+def _load_gguf(file: Path, load_weights: bool) -> Checkpoint:
+    model = read_gguf_model(file, load_weights=load_weights)
+    try:
+        tokenizer = Tokenizer.from_json(model.tokenizer_json, model.tokenizer_config)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{file.name}: {exc}") from None
+    if tokenizer.vocab_size > model.config.vocab_size:
+        raise CheckpointError(f"{file.name} has {tokenizer.vocab_size} tokens but {model.config.vocab_size} "
+                              "embedding rows: the vocabulary does not belong to these weights")
+    types = ", ".join(f"{name} x{count}" for name, count in model.tensor_types.items())
+    return Checkpoint(
+        path=model.path,
+        name=file.name[:-len(".gguf")] if file.name.lower().endswith(".gguf") else file.name,
+        config=model.config,
+        weights=model.weights,
+        tokenizer=tokenizer,
+        eos_token_ids=model.eos_token_ids or ((tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()),
+        chat_template=tokenizer.chat_template,
+        source_format=f"GGUF {types}",
+    )
 
 
 def read_safetensors(file: Path, names: Iterable[str] | None = None) -> dict[str, np.ndarray]:

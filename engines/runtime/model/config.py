@@ -73,3 +73,30 @@ class ModelConfig:
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
         )
+
+
+def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The HF tensor names a Llama-family checkpoint must hold for ``config``, with shapes."""
+    h = config.hidden_size
+    q_dim = config.num_attention_heads * config.head_dim
+    kv_dim = config.num_key_value_heads * config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}"
+        shapes[f"{p}.input_layernorm.weight"] = (h,)
+        shapes[f"{p}.self_attn.q_proj.weight"] = (q_dim, h)
+        shapes[f"{p}.self_attn.k_proj.weight"] = (kv_dim, h)
+        shapes[f"{p}.self_attn.v_proj.weight"] = (kv_dim, h)
+        shapes[f"{p}.self_attn.o_proj.weight"] = (h, q_dim)
+        if config.attention_bias:
+            shapes[f"{p}.self_attn.q_proj.bias"] = (q_dim,)
+            shapes[f"{p}.self_attn.k_proj.bias"] = (kv_dim,)
+            shapes[f"{p}.self_attn.v_proj.bias"] = (kv_dim,)
+        shapes[f"{p}.post_attention_layernorm.weight"] = (h,)
+        shapes[f"{p}.mlp.gate_proj.weight"] = (config.intermediate_size, h)
+        shapes[f"{p}.mlp.up_proj.weight"] = (config.intermediate_size, h)
+        shapes[f"{p}.mlp.down_proj.weight"] = (h, config.intermediate_size)
+    shapes["model.norm.weight"] = (h,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
+    return shapes

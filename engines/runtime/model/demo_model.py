@@ -19,14 +19,14 @@ import struct
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from engines.runtime.model.checkpoint import expected_tensor_shapes
-from engines.runtime.model.config import ModelConfig
+from engines.runtime.model.config import ModelConfig, expected_tensor_shapes
 
 __all__ = ["DEMO_VERSION", "demo_checkpoint_path", "build_demo_checkpoint", "default_cache_root"]
 
@@ -76,8 +76,8 @@ def default_cache_root() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "llm-debugsite"
 
 
-def demo_checkpoint_path(cache_dir: Path | None = None) -> Path:
-    """The folder of the demo checkpoint, building it on first use.
+def demo_checkpoint_path(cache_dir: Path | None = None, progress: Callable[[str], None] | None = None) -> Path:
+    """The folder of the demo checkpoint, building it on first use (``progress`` hears of the build).
 
     ``cache_dir`` (default :func:`default_cache_root`) gets a ``demo-<version>`` subfolder. The
     build happens in a temporary sibling folder that is renamed into place when complete, so
@@ -90,6 +90,8 @@ def demo_checkpoint_path(cache_dir: Path | None = None) -> Path:
         return final
     root.mkdir(parents=True, exist_ok=True)
     _remove_abandoned_builds(root, final.name)
+    if progress is not None:
+        progress(f"building the demo checkpoint into {final}")
     staging = Path(tempfile.mkdtemp(prefix=f".{final.name}-build-", dir=root))
     try:
         build_demo_checkpoint(staging)

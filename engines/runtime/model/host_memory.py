@@ -16,11 +16,12 @@ a process's batch-1 rate moves by ~10% with where its memory lands, so one proce
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
 
-__all__ = ["PAGE_BYTES", "LINE_BYTES", "aligned_copy", "aligned_empty", "alignment_of"]
+__all__ = ["PAGE_BYTES", "LINE_BYTES", "aligned_copy", "aligned_empty", "alignment_of", "available_bytes"]
 
 PAGE_BYTES = 4096
 LINE_BYTES = 64
@@ -50,3 +51,19 @@ def aligned_copy(array: Any, dtype: Any) -> np.ndarray:
     out = aligned_empty(source.shape, dtype)
     out[...] = source
     return out
+
+
+def available_bytes() -> int | None:
+    """Memory the machine can give without swapping (``MemAvailable``: free plus reclaimable
+    caches), or None where the kernel does not say."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return None

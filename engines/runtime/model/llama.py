@@ -24,8 +24,7 @@ import numpy as np
 
 from engines.runtime.model.backend import Activations, Array, Backend, CpuBackend, StepInputs, Workspace, select_backend
 from engines.runtime.model.cpu_step import CpuDecodeStep
-from engines.runtime.model.checkpoint import expected_tensor_shapes
-from engines.runtime.model.config import CheckpointError, ModelConfig
+from engines.runtime.model.config import CheckpointError, ModelConfig, expected_tensor_shapes
 from engines.runtime.model.kernels.rope_kv import rope_tables
 from engines.runtime.model.kv_storage import PagedKVCache
 from engines.runtime.model.step_inputs import IdentityRows, step_inputs
@@ -158,6 +157,12 @@ class LlamaModel:
         self.backend: Backend = select_backend(backend, dtype)
         self.backend_name = self.backend.name
         self.dtype = dtype
+        itemsize = np.dtype(dtype).itemsize
+        #: The stored weights' bytes (a tied LM head counted once; the norms, kept float32, as ``dtype``).
+        self.weight_bytes = sum(int(w.size) for name, w in weights.items()
+                                if not (name == "lm_head.weight" and config.tie_word_embeddings)) * itemsize
+        #: K and V bytes one token takes in every layer of the KV cache.
+        self.kv_bytes_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * itemsize
         if self.backend.name == "cuda":
             # Fail at load, not at the first step, if the attention kernel cannot fit this shape.
             self.backend.attention_threads(config.num_attention_heads // config.num_key_value_heads, config.head_dim)

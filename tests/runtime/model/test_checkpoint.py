@@ -153,7 +153,7 @@ def test_missing_folder(tmp_path: Path) -> None:
 
 
 def test_path_is_a_file(broken: Path) -> None:
-    assert "not a folder" in _error(broken / "config.json")
+    assert "neither a checkpoint folder (one that holds config.json) nor a GGUF file" in _error(broken / "config.json")
 
 
 @pytest.mark.parametrize("filename", ["config.json", "tokenizer.json", "model.safetensors"])
