@@ -269,6 +269,16 @@ def build_engines(
     return engines
 
 
+def prepare_kernels(backend: str, progress: Callable[[str], None] | None = None) -> None:
+    """Before CPU engines start on a machine whose kernel cache is cold: compile their kernels on
+    every core at once (``engines.runtime.precompile``); nothing when the cache is complete, or
+    when the engines will run on a GPU (they compile what they use there themselves)."""
+    from engines.runtime import cuda_usable, precompile
+
+    if backend == "cpu" or (backend == "auto" and not cuda_usable()):
+        precompile(progress=progress)
+
+
 ENGINE_MODES = ("process", "thread")
 
 _BYTE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
@@ -329,6 +339,7 @@ def configure_from_env(env: dict[str, str] | None = None) -> EngineRegistry:
     config = EngineConfig(**{k: int(v) for k, v in sizing.items() if v})
     if env.get("ENGINES_KV_CACHE_BYTES"):
         config.kv_cache_bytes = parse_byte_size(env["ENGINES_KV_CACHE_BYTES"])
+    prepare_kernels(env.get("ENGINES_BACKEND", "auto"), progress=logger.info)
     engines = build_engines(
         specs,
         config,

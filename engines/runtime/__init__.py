@@ -67,6 +67,8 @@ _EXPORTS: dict[str, str] = {
     "StepInputs": "model.backend",
     "PagedKVCache": "model.kv_storage",
     "select_backend": "model.backend",
+    "cuda_usable": "model.backend",
+    "precompile": "frontend.precompile",
     "rope_tables": "model.kernels.rope_kv",
     "CheckpointError": "model.config",
     "Checkpoint": "model.checkpoint",
@@ -121,7 +123,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names resolve l
     from engines.runtime.frontend.kv_wire import KV_WIRE_VERSION, KVWireError, decode_block, encode_block, wire_size
     from engines.runtime.frontend.messages import EngineInfo, EngineSpec, KVListenSpec
     from engines.runtime.frontend.supervision import EngineState, EngineStatus, RestartPolicy
-    from engines.runtime.model.backend import StepInputs, select_backend
+    from engines.runtime.frontend.precompile import precompile
+    from engines.runtime.model.backend import StepInputs, cuda_usable, select_backend
     from engines.runtime.model.checkpoint import Checkpoint, load_checkpoint
     from engines.runtime.model.config import CheckpointError, ModelConfig
     from engines.runtime.model.builtin_models import BUILTIN_MODEL_NAMES, builtin_model_path

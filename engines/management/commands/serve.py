@@ -46,6 +46,7 @@ from engines.registry import (
     configure,
     engine_mode,
     parse_byte_size,
+    prepare_kernels,
     registry,
 )
 
@@ -248,6 +249,10 @@ class Command(BaseCommand):
                         "prefill_chunk_size")
             if options[key] is not None
         }
+        try:
+            prepare_kernels(options["backend"], progress=lambda line: self._say(f"  {line}"))
+        except RuntimeError as exc:
+            raise CommandError(str(exc)) from exc
         for spec in specs:
             self.stdout.write(f"Loading {spec.source}" + (f" as {spec.name}" if spec.name else "") + "...")
         try:
@@ -261,7 +266,7 @@ class Command(BaseCommand):
                 restart=not options["no_engine_restart"],
                 kv_listen=KVListenSpec(options["host"], options["kv_port"], options["api_key"])
                 if options["enable_debug"] else None,
-                progress=lambda message: self.stdout.write(f"  {message}..."),
+                progress=lambda message: self._say(f"  {message}..."),
             )
             configure(engines, enable_debug=options["enable_debug"], api_key=options["api_key"])
         except (CheckpointError, RegistryError, ValueError, RuntimeError) as exc:
@@ -272,6 +277,11 @@ class Command(BaseCommand):
             where = "own process" if engine.process else "server thread"
             self.stdout.write(f"  {engine.name}: {engine.backend_name} backend, {tracing}, {where}; "
                               f"KV cache {engine.kv_cache.describe() if engine.kv_cache else 'starting'}")
+
+    def _say(self, line: str) -> None:
+        """A progress line, out at once (a first start prints them over tens of seconds)."""
+        self.stdout.write(line)
+        self.stdout.flush()
 
     def _configure_router(self, options: dict[str, Any]) -> None:
         from engines.disagg.router import DisaggRouter

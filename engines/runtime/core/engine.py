@@ -47,6 +47,7 @@ from engines.runtime.core.request import (
 from engines.runtime.core.sampler import InvalidSamplingParams, Sampler, SamplingParams, SamplingState, TokenLogprob
 from engines.runtime.core.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from engines.runtime.core.stop_checker import StopChecker
+from engines.runtime.core.warm_up import warm_up
 from engines.runtime.telemetry.profiler import ProfiledBackend, ProfileResult, ProfilerStateError, ProfileStatus, \
     StepProfiler, measure_host_bandwidth
 from engines.runtime.telemetry.trace_recorder import TraceRecorder
@@ -322,18 +323,9 @@ class Engine:
         return self.scheduler.has_work
 
     def warm_up(self) -> None:
-        """Run one tiny prefill and one decode so JIT compilation (numba, a first CUDA graph)
-        happens now, not inside the first user's time to first token.
-
-        Only before any request: it writes scratch K/V into page 0, which no sequence holds yet.
-        """
-        if self.requests or self.kv_pool.num_used_pages:
-            raise RuntimeError("warm_up() must run before the engine takes requests")
-        page_table = np.zeros((1, 1), np.int32)
-        self.model.forward(ForwardBatch(np.array([0, 1], np.int32), np.array([0, 2], np.int32),
-                                        np.array([0], np.int32), page_table), self.kv)
-        self.model.forward_greedy(ForwardBatch(np.array([1], np.int32), np.array([0, 1], np.int32),
-                                               np.array([2], np.int32), page_table), self.kv)
+        """Compile (or load from numba's cache) every kernel a request, a profile or a trace export
+        can reach, before any request (``core.warm_up``); leaves the engine as it found it."""
+        warm_up(self)
 
     # ------------------------------------------------------------------- profiling
 

@@ -99,7 +99,7 @@ def _chunks_per_run(blocks, block_bytes, team):
     return max(1, min(blocks, blocks * block_bytes // TEAM_CHUNK_BYTES) // team)
 
 
-@njit(inline="always", fastmath=_FASTMATH, error_model="numpy")
+@njit(nogil=True, cache=True, fastmath=_FASTMATH, error_model="numpy")
 def _team_matmul(x, w, bias, out, member, team, state, drawn, swiglu):
     """A member's part of ``out = x @ w.T + bias`` for one row (2-D, one row each), or with
     ``swiglu`` of ``matmul_swiglu_cpu`` (``w`` ``[gate | up]``, no bias): the chunks of the kernel's
@@ -158,14 +158,15 @@ def _make_team_step(kernels_digest: str) -> Callable[..., bool]:
         items = head_splits * key_splits
         kv_per_item = num_kv_heads // head_splits
         thread_team.reset(state, team)
-        for member in prange(team):
+        for index in prange(team):
+            member = np.int64(index)  # prange's index is unsigned in the parallel body, signed elsewhere
             if thread_team.rendezvous(state, team):
                 h = own_hidden[member]
                 n = own_normed[member]
                 q = own_q[member]
                 merged = own_attn[member]
                 passed = 0  # barriers passed
-                drawn = 0  # tickets drawn (thread_team.claim)
+                drawn = np.int64(0)  # tickets drawn (thread_team.claim); not a literal: one compiled _team_matmul
                 embedding.embedding_gather_cpu(token_ids, embed, h)
                 for layer in range(qkv_w.shape[0]):
                     add_rmsnorm.add_rmsnorm_cpu(h, no_residual if layer == 0 else delta, rows, input_norm[layer], eps,
@@ -261,7 +262,7 @@ def _make_decode_step(kernels_digest: str) -> Callable[..., bool]:
             team = max(1, min(threads, thread_team.max_parties(team_state)))
             team_heads, team_keys = head_splits, key_splits
             if head_splits == 0:  # the team is awake anyway: its members take slices of the heads
-                team_heads, team_keys = attention.head_splits(1, k_cache.shape[2], team), 1
+                team_heads, team_keys = attention.head_splits(token_ids.shape[0], k_cache.shape[2], team), 1
             ran = one_token_team_step(team_state, team, token_ids, positions, token_seq, page_table, rows,
                                       embed, input_norm, qkv_w, qkv_bias, o_w, post_norm, gate_up_w, down_w,
                                       final_norm, lm_head_w, no_bias, no_residual, cos, sin, eps, num_q_heads,
@@ -281,8 +282,10 @@ def _make_decode_step(kernels_digest: str) -> Callable[..., bool]:
                 attention.paged_attention_cpu(qkv, positions, token_seq, page_table, k_cache, v_cache, layer,
                                               num_q_heads, scale, attn, head_splits, key_splits)
             else:
+                # Splits of one, as ints rather than literals: the same compiled kernel the backend calls.
                 attention.paged_attention_serial_cpu(qkv, positions, token_seq, page_table, k_cache, v_cache, layer,
-                                                     num_q_heads, scale, attn, 1, 1)
+                                                     num_q_heads, scale, attn, max(head_splits, 1),
+                                                     max(key_splits, 1))
             matmul.matmul_rows_cpu(attn, o_w[layer], no_bias, delta)
             add_rmsnorm.add_rmsnorm_cpu(hidden, delta, rows, post_norm[layer], eps, normed)
             if swiglu_fused:
@@ -357,6 +360,31 @@ class CpuDecodeStep:
             return None
         act = self.model.workspace.activations(num_tokens, num_rows)
         return act if self.run(batch, act, kv, greedy) else None
+
+    def run_team_step_alone(self, kv: PagedKVCache) -> bool:
+        """One team step of one token (scratch K/V at page 0's first slot), called from Python with
+        the arguments :func:`decode_step_cpu` gives it: its compiled form is then the one the step
+        calls. A cold start compiles it so in one process while another compiles the step's other
+        callees (``frontend.precompile``); the team step is half of the step's compilation."""
+        from engines.runtime.model.llama import ForwardBatch
+
+        batch = ForwardBatch(np.zeros(1, np.int32), np.array([0, 1], np.int32), np.zeros(1, np.int32),
+                             np.zeros((1, 1), np.int32))
+        be, c = self.backend, self.model.config
+        ok, positions, token_seq, page_table, logit_rows = step_inputs.derive_int32(
+            batch.token_ids, batch.query_starts, batch.cached_lens, batch.page_table, c.vocab_size,
+            c.max_position_embeddings, kv.page_size, kv.num_pages)
+        act = self.model.workspace.activations(1, 1)
+        team = max(1, min(be.numba_threads, thread_team.max_parties(self.team_state)))
+        w, m = self.model.layer_weights, self.model
+        with self._one_at_a_time:
+            return one_token_team_step(
+                self.team_state, team, batch.token_ids, positions, token_seq, page_table,
+                np.arange(1, dtype=np.int32), m.embed_tokens, w.input_norm, w.qkv_w, w.qkv_bias, w.o_w,
+                w.post_attention_norm, w.gate_up_w, w.down_w, m.norm, m.lm_head_w, m.no_bias, act.no_residual,
+                self.cos, self.sin, m.eps, self.num_q_heads, self.scale, kv.k, kv.v,
+                attention.head_splits(1, c.num_key_value_heads, team), 1, True, act.hidden, act.qkv, act.attn,
+                act.delta, act.act, act.final, act.logits, act.next_ids)
 
     def run(self, batch: "ForwardBatch", act: Activations, kv: PagedKVCache, greedy: bool) -> bool:
         """One call of :func:`decode_step_cpu` on buffers sized for ``batch`` (see :meth:`forward`);

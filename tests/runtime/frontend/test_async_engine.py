@@ -42,7 +42,10 @@ async def test_streams_deliver_deltas_as_they_come(async_engine, demo):
     async for out in async_engine.generate(request("s", prompts(demo, 1)[0], max_tokens=6,
                                                    ignore_eos=True)):
         outputs.append(out)
-    assert len(outputs) == 6  # a consumer that keeps up gets one delta per token
+    # A consumer that keeps up gets a delta per token; on a loaded machine two steps may finish
+    # before it wakes, and their deltas come merged (the next test): never all at the end.
+    assert 2 <= len(outputs) <= 6 and sum(len(c.token_ids) for o in outputs for c in o.choices) == 6
+    assert all(len(o.choices[0].token_ids) >= 1 for o in outputs)
     assert outputs[-1].usage is not None and all(o.usage is None for o in outputs[:-1])
 
 
