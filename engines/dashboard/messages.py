@@ -65,6 +65,9 @@ class EngineSnapshot(BaseModel):
     metrics: dict[str, Any] | None = None
     #: The last requests that ended, newest first (``RecentRequest`` fields); None while not running.
     recent_requests: list[dict[str, Any]] | None = None
+    #: Running, but its metrics read went unanswered (a long step or compilation holds it): the
+    #: numbers are left out, the page says "slow to answer".
+    slow: bool = False
     profile: ProfileState = ProfileState()
 
 

@@ -55,17 +55,13 @@ class EngineSampler:
         self.viewers = max(0, self.viewers - 1)
 
     async def snapshot(self) -> EngineSnapshot:
-        """The engine as of now (metrics left out while it does not run or does not answer)."""
-        from engines.runtime import EngineDeadError
-
+        """The engine as of now: metrics left out while it does not run, or (``slow``) while it
+        does not answer within :data:`READ_TIMEOUT_S`."""
         engine = self.engine
         metrics = recent = None
+        slow = False
         if engine.is_alive:
-            try:
-                metrics, recent = await asyncio.wait_for(
-                    asyncio.gather(engine.metrics(), engine.recent_requests()), READ_TIMEOUT_S)
-            except (EngineDeadError, asyncio.TimeoutError):
-                metrics = recent = None
+            metrics, recent, slow = await _read_engine(engine)
         from engines.profiling import profile_state
 
         status = engine.status
@@ -73,7 +69,7 @@ class EngineSampler:
             server=SERVER_ID, engine=engine.name, at=time.time(), state=status.state.value,
             reason=status.reason, restarts=status.restarts, backend=engine.backend_name, dtype=engine.dtype,
             mode="process" if engine.process else "thread", tracing=engine.tracing_enabled, metrics=metrics,
-            recent_requests=recent, profile=profile_state(engine))
+            recent_requests=recent, slow=slow, profile=profile_state(engine))
 
     async def publish(self) -> EngineSnapshot:
         """Take a snapshot and send it to the engine's group."""
@@ -99,6 +95,28 @@ class EngineSampler:
                 await asyncio.wait_for(self._wake.wait(), interval)
             except asyncio.TimeoutError:
                 pass
+
+
+async def _read_engine(engine: AsyncEngine) -> tuple[Any, Any, bool]:
+    """``(metrics, recent requests, slow)``: both reads, or none and ``slow`` when the engine does
+    not answer both in :data:`READ_TIMEOUT_S` (a long compile or step holding its process), or
+    none when it died meanwhile. A read left behind is cancelled and awaited here, its outcome
+    taken: nothing is left to log "exception was never retrieved" later."""
+    from engines.runtime import EngineDeadError
+
+    reads = [asyncio.ensure_future(engine.metrics()), asyncio.ensure_future(engine.recent_requests())]
+    done, pending = await asyncio.wait(reads, timeout=READ_TIMEOUT_S)
+    for read in pending:
+        read.cancel()
+    outcomes = await asyncio.gather(*reads, return_exceptions=True)
+    if pending:
+        return None, None, True
+    failed = [o for o in outcomes if isinstance(o, BaseException)]
+    if failed:
+        if not all(isinstance(o, EngineDeadError) for o in failed):
+            raise failed[0]
+        return None, None, False
+    return outcomes[0], outcomes[1], False
 
 
 class SamplerHub:

@@ -147,10 +147,13 @@ const decodeRate = new Rate();
 function showState(snap) {
   const el = document.querySelector('h1 [data-field="state"]');
   el.textContent = fmt.state(snap);
-  el.dataset.state = snap.state;
+  el.dataset.state = fmt.stateKind(snap);
   const reason = document.getElementById("engine-reason");
-  reason.hidden = snap.state === "running";
-  reason.textContent = snap.state === "running" ? "" : `The engine is ${fmt.state(snap)}; its requests answer 503 meanwhile.`;
+  const healthy = snap.state === "running" && !snap.slow;
+  reason.hidden = healthy;
+  if (healthy) reason.textContent = "";
+  else if (snap.state === "running") reason.textContent = "The engine runs but did not answer the last read in 2 s (a long step or compilation holds it); its numbers are back as soon as it answers.";
+  else reason.textContent = `The engine is ${fmt.state(snap)}; its requests answer 503 meanwhile.`;
 }
 
 // The built-in profiler's state: live from the snapshots, and at once from an action's answer.

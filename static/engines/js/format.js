@@ -31,10 +31,16 @@ export function metric(key, value) {
   return Number.isInteger(value) ? count(value) : value.toPrecision(4);
 }
 
-/** Engine state as shown: "running", "restarting (why)", "dead (why, restarts N)". */
+/** Engine state as shown: "running", "running, slow to answer", "restarting (why)", "dead (why, restarts N)". */
 export function state(snapshot) {
   const s = snapshot.state;
   if (s === "dead") return `dead (${snapshot.reason || "unknown"}, restarts ${snapshot.restarts})`;
   if (s === "restarting") return `restarting (${snapshot.reason || "unknown"})`;
-  return snapshot.restarts ? `${s} (restarts ${snapshot.restarts})` : s;
+  const shown = s === "running" && snapshot.slow ? "running, slow to answer" : s;
+  return snapshot.restarts ? `${shown} (restarts ${snapshot.restarts})` : shown;
+}
+
+/** The state a badge is coloured by: the engine's, or "slow" while it runs but does not answer. */
+export function stateKind(snapshot) {
+  return snapshot.state === "running" && snapshot.slow ? "slow" : snapshot.state;
 }

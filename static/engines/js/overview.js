@@ -33,7 +33,7 @@ function update(snap) {
   const m = snap.metrics;
   const stateEl = field(row, "state");
   stateEl.textContent = fmt.state(snap);
-  stateEl.dataset.state = snap.state;
+  stateEl.dataset.state = fmt.stateKind(snap);
   field(row, "backend").textContent = snap.backend;
   field(row, "dtype").textContent = snap.dtype;
   if (!m) {

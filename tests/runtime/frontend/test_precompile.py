@@ -1,0 +1,76 @@
+"""A cold start's compilation: every unit on worker processes into an empty numba cache, after
+which an engine's whole warm-up compiles nothing; the stamp makes the next start skip it all."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engines.runtime.core.warm_up import PARTS
+from engines.runtime.frontend.precompile import UNITS, precompile_stamp
+
+REPO = Path(__file__).resolve().parents[3]
+
+# In a fresh interpreter with the empty cache: count what a served engine's warm-up compiles.
+COUNT_COMPILES = """
+import json
+from numba.core import event
+compiled = []
+class Count(event.Listener):
+    def on_start(self, ev): pass
+    def on_end(self, ev):
+        f = getattr(ev.data.get("dispatcher"), "py_func", None)
+        compiled.append(f"{f.__module__}.{f.__qualname__}" if f else "?")
+event.register("numba:compile", Count())
+from engines.runtime import Engine, EngineConfig, LlamaModel, builtin_model_path, load_checkpoint
+for name in ("smollm2", "demo"):
+    checkpoint = load_checkpoint(builtin_model_path(name))
+    Engine(LlamaModel.from_checkpoint(checkpoint, backend="cpu"), checkpoint, EngineConfig()).warm_up()
+print(json.dumps(compiled))
+"""
+
+
+def test_every_cpu_warm_up_part_is_in_a_unit() -> None:
+    """The units are the warm-up's CPU parts, split along the compiled step's call tree."""
+    covered = {"the batched step", "the one-token step", "the trace exporter", "steps kernel by kernel",
+               "profiling", "K/V windows", "structured output"}
+    assert {part.name for part in PARTS if "cpu" in part.backends} == covered
+    names = [unit.name for unit in UNITS]
+    assert len(names) == len(set(names)) and all(d in names for unit in UNITS for d in unit.after)
+
+
+@pytest.mark.slow
+def test_a_cold_cache_is_filled_on_every_core_and_then_nothing_compiles(tmp_path: Path) -> None:
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba"), "PYTHONPATH": str(REPO)}
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    code = ("import json; from engines.runtime import precompile; lines = []; "
+            "did = precompile(jobs=2, progress=lines.append); print(json.dumps([did, lines]))")
+    first = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=900)
+    assert first.returncode == 0, first.stderr
+    did, lines = json.loads(first.stdout.strip().splitlines()[-1])
+    assert did and lines[0].startswith(f"compiling the engine's kernels for this machine, once ({len(UNITS)} parts")
+    assert [line.split(":")[0] for line in lines[1:-1]] == [f"compiling kernels {i}/{len(UNITS)}"
+                                                           for i in range(1, len(UNITS) + 1)]
+    assert lines[-1].startswith("compiled in ")
+    # The engines' own warm-ups now load everything: not one function compiles.
+    warm = subprocess.run([sys.executable, "-c", COUNT_COMPILES], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert warm.returncode == 0, warm.stderr
+    assert json.loads(warm.stdout.strip().splitlines()[-1]) == []
+    # The stamp: the next start does nothing at all.
+    again = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert json.loads(again.stdout.strip().splitlines()[-1]) == [False, []]
+
+
+def test_the_stamp_lives_in_the_cache_and_names_the_sources(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
+    stamp = precompile_stamp()
+    assert stamp.parent == tmp_path and stamp.name.startswith("precompiled-")
+    monkeypatch.delenv("NUMBA_CACHE_DIR")
+    assert precompile_stamp().parent == REPO / "engines" / "runtime" / "__pycache__"

@@ -1,0 +1,89 @@
+"""The dashboard's sampler when an engine is slow to answer: a "slow" snapshot, and no exception
+left behind for asyncio to log."""
+from __future__ import annotations
+
+import asyncio
+import gc
+
+import pytest
+
+from engines.dashboard import sampler as sampler_module
+from engines.dashboard.sampler import EngineSampler
+from engines.runtime import EngineDeadError
+
+
+class Layer:
+    def __init__(self) -> None:
+        self.sent: list[dict] = []
+
+    async def group_send(self, group: str, message: dict) -> None:
+        self.sent.append(message)
+
+
+class SlowEngine:
+    """An engine whose reads take ``delay`` seconds (a long step holding its process), or fail."""
+
+    name = "slow"
+    is_alive = True
+    process = True
+    tracing_enabled = False
+    backend_name = "cpu"
+    dtype = "float32"
+
+    def __init__(self, delay: float, error: BaseException | None = None) -> None:
+        self.delay, self.error = delay, error
+        from engines.runtime.frontend.supervision import EngineState, EngineStatus
+
+        self.status = EngineStatus(EngineState.RUNNING, None, 0)
+
+    async def metrics(self) -> dict:
+        await asyncio.sleep(self.delay)
+        if self.error is not None:
+            raise self.error
+        return {"num_running_requests": 0}
+
+    async def recent_requests(self) -> list:
+        await asyncio.sleep(self.delay / 2)
+        if self.error is not None:
+            raise self.error
+        return []
+
+
+@pytest.fixture
+def quick_timeout(monkeypatch):
+    monkeypatch.setattr(sampler_module, "READ_TIMEOUT_S", 0.05)
+
+
+@pytest.fixture
+async def loop_errors():
+    """What the event loop's exception handler is handed (unretrieved task exceptions)."""
+    caught: list[dict] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _, context: caught.append(context))
+    yield caught
+    loop.set_exception_handler(None)
+
+
+@pytest.mark.parametrize("error", [None, EngineDeadError("gone")], ids=["slow", "slow-then-dead"])
+async def test_a_slow_engine_gives_a_slow_snapshot_and_leaves_nothing_unretrieved(quick_timeout, loop_errors,
+                                                                                 error) -> None:
+    sampler = EngineSampler(SlowEngine(delay=0.5, error=error), Layer())
+    for _ in range(3):
+        snap = await sampler.snapshot()
+        assert snap.slow and snap.metrics is None and snap.recent_requests is None and snap.state == "running"
+    await asyncio.sleep(0.6)  # any read left running would have ended by now
+    gc.collect()  # unretrieved exceptions are reported when their futures are collected
+    await asyncio.sleep(0)
+    assert loop_errors == []
+
+
+async def test_an_engine_that_answers_in_time_is_not_slow(quick_timeout) -> None:
+    sampler_module.READ_TIMEOUT_S = 1.0
+    snap = await EngineSampler(SlowEngine(delay=0.01), Layer()).snapshot()
+    assert not snap.slow and snap.metrics == {"num_running_requests": 0} and snap.recent_requests == []
+
+
+async def test_an_engine_that_died_mid_read_is_not_slow(quick_timeout) -> None:
+    sampler_module.READ_TIMEOUT_S = 1.0
+    snap = await EngineSampler(SlowEngine(delay=0.01, error=EngineDeadError("gone")), Layer()).snapshot()
+    assert not snap.slow and snap.metrics is None
