@@ -34,7 +34,6 @@ django_asgi_app = get_asgi_application()
 from asgiref.sync import ThreadSensitiveContext  # noqa: E402
 from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
-from channels.security.websocket import AllowedHostsOriginValidator  # noqa: E402
 from django.core.exceptions import DisallowedHost  # noqa: E402
 from django.core.handlers.asgi import ASGIHandler  # noqa: E402
 from django.contrib.staticfiles.handlers import ASGIStaticFilesHandler  # noqa: E402
@@ -44,6 +43,7 @@ from django.http.request import split_domain_port  # noqa: E402
 
 from engines import registry as engine_registry  # noqa: E402
 from engines.auth import APIKeyMiddleware, routed_path  # noqa: E402
+from engines.dashboard.same_origin import SameOriginValidator  # noqa: E402
 from engines.protocol.errors import ProtocolError  # noqa: E402
 from engines.routing import websocket_urlpatterns  # noqa: E402
 from engines.views.errors import error_response  # noqa: E402
@@ -119,6 +119,7 @@ application = ProtocolTypeRouter({
     # under serve and a bare Daphne alike, DEBUG on or off: no collectstatic, no CDN.
     "http": APIKeyMiddleware(PathRouter(APIHandler(), ASGIStaticFilesHandler(django_asgi_app))),
     # The dashboard's sockets: the browser's session (staff only, checked by the consumer), and
-    # only from a page of an allowed host, so another site cannot open one with the user's cookie.
-    "websocket": AllowedHostsOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
+    # only from this server's own pages (scheme, host and port), so that no other site, nor a page
+    # on another port of this machine, can open one with the user's cookie.
+    "websocket": SameOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
 })

@@ -85,9 +85,22 @@ async def test_anonymous_and_non_staff_sockets_are_closed_with_a_clear_code(dash
         await socket.disconnect()
 
 
-async def test_a_socket_from_a_foreign_origin_is_refused(dashboard) -> None:
-    socket = await open_socket("/ws/engines/", await session_cookie(), origin=(b"origin", b"https://evil.example"))
+@pytest.mark.parametrize("origin", [b"https://evil.example", b"http://127.0.0.1:9999", b"http://127.0.0.1",
+                                    b"https://127.0.0.1:8000", b"http://localhost:8000", b"null", b"http://127.0.0.1:99999"],
+                         ids=["another-site", "another-port", "default-port", "another-scheme", "another-name", "null",
+                              "bad-port"])
+async def test_a_socket_from_anywhere_but_this_server_is_refused(dashboard, origin: bytes) -> None:
+    """Another site, and another port of this very machine (a browser sends the session cookie
+    there too): no socket, so no reset or trace save in the user's name."""
+    socket = await open_socket("/ws/engines/", await session_cookie(), origin=(b"origin", origin))
     assert not (await socket.connect(timeout=10))[0]
+    await socket.disconnect()
+
+
+async def test_a_socket_from_a_trusted_origin_is_accepted(dashboard, settings) -> None:
+    settings.CSRF_TRUSTED_ORIGINS = ["https://dashboard.example"]
+    socket = await open_socket("/ws/engines/", await session_cookie(), origin=(b"origin", b"https://dashboard.example"))
+    assert (await socket.connect(timeout=10))[0]
     await socket.disconnect()
 
 
