@@ -7,12 +7,17 @@ layer; this consumer only forwards them. Actions (``reset``, ``save_trace``, ``c
 ``profile_start``, ``profile_stop``) run as tasks of their own, so a slow one (saving a
 million-event trace) never blocks the socket, and report back with ``ack``, ``progress``,
 ``done`` or ``error`` events carrying the request's ``id``. A message that cannot be read gets
-an ``error`` event and the socket stays open.
+an ``error`` event (with its ``id`` when that much could be read) and the socket stays open.
+
+An action acknowledged is carried out even if its socket closes meanwhile (a page reloaded
+right after "Save trace"): its outcome waits for that user's next socket on the engine, which
+gets it as an ``earlier`` event.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
 from typing import Any
 
 import orjson
@@ -23,13 +28,18 @@ from pydantic import ValidationError
 from engines.dashboard.messages import SERVER_ID, ActionEvent, ActionRequest, engine_group
 from engines.dashboard.sampler import hub_for
 from engines.dashboard.timeline_messages import TimelineError, TimelineHello, TimelineRequest, TraceDeltaHeader
-from engines.history import TraceUnavailableError, asave_engine_trace
+from engines.history import EmptyTraceError, TraceUnavailableError, asave_engine_trace
 from engines.protocol.json_body import JSONTooDeepError, loads_bounded
 from engines.registry import registry
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["CLOSE_FORBIDDEN", "CLOSE_NOT_FOUND", "DashboardConsumer", "RefusedSocket", "TimelineConsumer"]
+
+#: Outcomes of actions whose socket closed before they ended, per user and engine, for their
+#: next socket (this server process; the newest few).
+_UNDELIVERED_MAX = 20
+_undelivered: dict[tuple[int, str], deque[str]] = {}
 
 #: Close codes (the 4000s are the application's): not a staff user; no such engine or route.
 CLOSE_FORBIDDEN = 4403
@@ -52,6 +62,7 @@ class DashboardConsumer(AsyncWebsocketConsumer):
         self.engine_name: str | None = name
         self.watched: list[str] = [engine.name for engine in engines]
         self.tasks: set[asyncio.Task[None]] = set()
+        self.closed = False
         hub = hub_for(registry)
         await self.accept()
         for engine_name in self.watched:
@@ -61,6 +72,10 @@ class DashboardConsumer(AsyncWebsocketConsumer):
                 sampler.watch()
                 if sampler.latest_text is not None:  # the page shows something at once
                     await self.send(text_data=sampler.latest_text)
+        if name is not None:  # an engine's page: what its actions asked on an earlier page came to
+            waiting = _undelivered.pop((user.pk, name), None)
+            for text in waiting or ():
+                await self.send(text_data=text)
 
     async def _refuse(self, code: int) -> None:
         # Accepted, then closed: a browser sees the close code (a refused handshake shows none).
@@ -68,14 +83,14 @@ class DashboardConsumer(AsyncWebsocketConsumer):
         await self.close(code=code)
 
     async def disconnect(self, code: int) -> None:
+        # The actions under way go on (they were acknowledged); their outcome waits for the next socket.
+        self.closed = True
         hub = hub_for(registry)
         for engine_name in getattr(self, "watched", []):
             await self.channel_layer.group_discard(engine_group(engine_name), self.channel_name)
             sampler = hub.samplers.get(engine_name)
             if sampler is not None:
                 sampler.unwatch()
-        for task in getattr(self, "tasks", ()):
-            task.cancel()
 
     # ---------------------------------------------------------------- from the layer
 
@@ -87,15 +102,20 @@ class DashboardConsumer(AsyncWebsocketConsumer):
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
         try:
-            request = ActionRequest.model_validate(loads_bounded(text_data if text_data is not None else bytes_data))
+            raw = loads_bounded(text_data if text_data is not None else bytes_data)
         except (orjson.JSONDecodeError, JSONTooDeepError):
             await self._event("error", message="not a JSON message: send an object such as "
                                                '{"action": "reset", "id": 1}')
             return
+        try:
+            request = ActionRequest.model_validate(raw)
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(part) for part in first["loc"]) or "message"
-            await self._event("error", message=f"{where}: {first['msg']}")
+            # The id, when it is a valid one, so that the page can tell which of its actions failed.
+            given = raw.get("id") if isinstance(raw, dict) else None
+            valid_id = given if isinstance(given, (str, int)) and not isinstance(given, bool) else None
+            await self._event("error", message=f"{where}: {first['msg']}", event_id=valid_id)
             return
         name = request.engine or self.engine_name
         engine = registry.get(name) if name is not None else None
@@ -116,7 +136,7 @@ class DashboardConsumer(AsyncWebsocketConsumer):
             result = await self._action(request, engine)
         except asyncio.CancelledError:
             raise
-        except (EngineDeadError, TraceUnavailableError, ProfilerStateError, ValueError) as exc:
+        except (EngineDeadError, TraceUnavailableError, EmptyTraceError, ProfilerStateError, ValueError) as exc:
             await self._event("error", request, engine=engine.name, message=str(exc))
         except Exception as exc:  # noqa: BLE001 - said to the user, logged for the operator
             logger.exception("dashboard action %s on %s failed", request.action, engine.name)
@@ -157,10 +177,17 @@ class DashboardConsumer(AsyncWebsocketConsumer):
                         "message": f"profile #{saved.id} saved ({saved.steps} steps)"}
         raise AssertionError(request.action)  # ActionRequest admits no other action
 
-    async def _event(self, kind: str, request: ActionRequest | None = None, **fields: Any) -> None:
-        event = ActionEvent(type=kind, id=request.id if request else None,
+    async def _event(self, kind: str, request: ActionRequest | None = None, *,
+                     event_id: str | int | None = None, **fields: Any) -> None:
+        event = ActionEvent(type=kind, id=request.id if request else event_id,
                             action=request.action if request else None, **fields)
-        await self._send(event.model_dump(mode="json", exclude_none=True))
+        if not self.closed:
+            await self._send(event.model_dump(mode="json", exclude_none=True))
+        elif request is not None and kind in ("done", "error"):  # its socket closed while it ran
+            user, engine = self.scope["user"].pk, fields.get("engine") or self.engine_name
+            late = event.model_copy(update={"earlier": True}).model_dump(mode="json", exclude_none=True)
+            queue = _undelivered.setdefault((user, engine), deque(maxlen=_UNDELIVERED_MAX))
+            queue.append(orjson.dumps(late).decode())
 
     async def _send(self, message: dict[str, Any]) -> None:
         await self.send(text_data=orjson.dumps(message).decode())

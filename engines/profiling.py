@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from django.urls import reverse
 
 from engines.dashboard.messages import ProfileState
-from engines.history.profiles import asave_profile
+from engines.history.profiles import asave_profile, aset_profile_note
 from engines.runtime import AsyncEngine, ProfilerStateError, ProfileStatus
 
 __all__ = ["ProfileSaved", "profile_state", "start_profile", "stop_profile"]
@@ -91,8 +91,10 @@ async def stop_profile(engine: AsyncEngine, *, note: str = "", source: str | Non
         if watcher is None or watcher.done():
             if state.last is not None and watcher is not None and state.status.finished:
                 state.watcher = None
-                return state.last  # it ended by itself and was saved meanwhile
-            raise ProfilerStateError(f"no profile is running on engine {engine.name}: start one first")
+                if note:  # it ended by itself and was saved meanwhile: the note goes on that record
+                    await aset_profile_note(state.last.id, note)
+                return state.last
+            raise ProfilerStateError("no profile is running: start one first")
         watcher.cancel()
         state.watcher = None
         return await _save(engine, state, note=note, source=source or state.source)
@@ -114,12 +116,18 @@ async def _watch(engine: AsyncEngine, state: _EngineProfiles) -> None:
         if state.watcher is asyncio.current_task():
             try:
                 await _save(engine, state, note="", source=state.source)
+            except ProfilerStateError as exc:  # it saw no step: nothing to keep
+                logger.info("engine %s: %s", engine.name, exc)
             except Exception:  # noqa: BLE001 - logged; the next start begins afresh
                 logger.exception("engine %s: the profile that stopped by itself could not be saved", engine.name)
 
 
 async def _save(engine: AsyncEngine, state: _EngineProfiles, *, note: str, source: str) -> ProfileSaved:
     result = await engine.profile_stop()
+    if not result.steps:
+        state.status = ProfileStatus(running=False)
+        raise ProfilerStateError("the profile saw no engine step (no request ran while it was on), so nothing "
+                                 "was saved: start it again and send requests")
     record = await asave_profile(result.to_json(), engine=engine.name, source=source, note=note)
     state.last = ProfileSaved(record.pk, reverse("dashboard-profile", args=[record.pk]), record.steps,
                               record.kernel_calls)

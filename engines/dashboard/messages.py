@@ -96,3 +96,5 @@ class ActionEvent(BaseModel):
     engine: str | None = None
     message: str | None = None
     result: dict[str, Any] | None = None
+    #: The outcome of an action asked on an earlier socket of this user, which closed before it ended.
+    earlier: bool | None = None

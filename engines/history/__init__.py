@@ -19,6 +19,7 @@ snapshots of ``manage.py serve``).
 """
 from engines.history.analysis import TraceAnalysis, TraceFormatError, analyze_trace
 from engines.history.capture import (
+    EmptyTraceError,
     TraceUnavailableError,
     asave_engine_trace,
     asave_metrics_snapshot,
@@ -37,6 +38,7 @@ from engines.history.report import TraceComparison, compare_records, trace_repor
 from engines.history.retention import RetentionResult, apply_retention, prune_metrics_snapshots
 
 __all__ = [
+    "EmptyTraceError",
     "PayloadError",
     "RetentionResult",
     "TraceAnalysis",

@@ -164,6 +164,11 @@ class TraceUnavailableError(Exception):
     """
 
 
+class EmptyTraceError(Exception):
+    """The engine recorded no event since its trace was last cleared or saved: a record of it
+    would be empty (the views answer a 409)."""
+
+
 def traced_engine(engine: "AsyncEngine | str") -> "AsyncEngine":
     """``engine`` itself, or the served engine of that name, provided it records a trace.
 
@@ -212,17 +217,21 @@ async def asave_engine_trace(
     source: str = TraceRecord.Source.API,
     skip_empty: bool = False,
 ) -> TraceRecord | None:
-    """:func:`save_engine_trace` for async callers: ``POST /debug/save_event_trace`` and the
-    autosave loop.
+    """:func:`save_engine_trace` for async callers: ``POST /debug/save_event_trace``, the
+    dashboard's "Save trace" and the autosave loop.
 
     The engine exports the trace between two steps (``AsyncEngine.dump_trace``) and the save
     runs on a worker thread (:func:`asave_trace`), so the event loop keeps serving meanwhile.
-    With ``skip_empty`` nothing is saved, and None returned, when the engine recorded nothing.
+    When the engine recorded nothing, no record is made: with ``skip_empty`` None is returned
+    (the autosave's quiet windows), else :class:`EmptyTraceError` says so.
     """
     engine, metadata = _engine_trace_metadata(engine, note=note, tags=tags, source=source)
-    raw = await engine.dump_trace(clear, skip_empty)
+    raw = await engine.dump_trace(clear, skip_empty=True)
     if raw is None:
-        return None
+        if skip_empty:
+            return None
+        raise EmptyTraceError(f"engine {engine.name} has recorded no event since its trace was last cleared or "
+                              "saved: nothing to save (send it a request first)")
     return await asave_trace(raw, **metadata)
 
 

@@ -17,7 +17,7 @@ from engines.history.payload import compress_json
 from engines.history.retention import apply_profile_retention
 from engines.models import ProfileRecord
 
-__all__ = ["asave_profile", "save_profile"]
+__all__ = ["asave_profile", "aset_profile_note", "save_profile"]
 
 
 def save_profile(profile: dict[str, Any], *, engine: str, source: str = ProfileRecord.Source.API, note: str = "",
@@ -52,3 +52,10 @@ async def asave_profile(profile: dict[str, Any], *, engine: str, source: str = P
     """:func:`save_profile` on a worker thread with its own database connection."""
     save = sync_to_async(_closing_connections(save_profile), thread_sensitive=False)
     return await save(profile, engine=engine, source=source, note=note, retention=retention)
+
+
+async def aset_profile_note(pk: int, note: str) -> None:
+    """Put ``note`` on profile record ``pk`` (a profile that stopped by itself and was saved before
+    its stop asked for the note)."""
+    note = validate_note(note)
+    await ProfileRecord.objects.filter(pk=pk).aupdate(note=note)

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from engines.history import (
     MAX_NOTE_CHARS,
+    EmptyTraceError,
     MAX_TAGS,
     TraceUnavailableError,
     asave_engine_trace,
@@ -168,8 +169,11 @@ async def save_event_trace(request: HttpRequest) -> HttpResponse:
     except TraceUnavailableError as exc:
         raise ProtocolError(400, str(exc)) from None
     options = parse_save_options(request)
-    record = await asave_engine_trace(engine, note=options.note, tags=options.tags, clear=options.clear,
-                                      source=TraceRecord.Source.API)
+    try:
+        record = await asave_engine_trace(engine, note=options.note, tags=options.tags, clear=options.clear,
+                                          source=TraceRecord.Source.API)
+    except EmptyTraceError as exc:
+        raise ProtocolError(409, f"{exc}.") from None
     return json_response({
         "id": record.pk,
         "admin_url": reverse("admin:engines_tracerecord_change", args=[record.pk]),

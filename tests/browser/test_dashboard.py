@@ -264,9 +264,16 @@ async def test_a_killed_engine_shows_restarting_then_running(page, dashboard_ser
     await page.wait_for_selector('h1 [data-field="state"][data-state="running"]', timeout=15000)
     os.kill(dashboard_server.engine_pid(), signal.SIGKILL)
     await page.wait_for_selector('h1 [data-field="state"][data-state="restarting"]', timeout=15000)
+    # The controls wait for the engine, and say why.
+    for button in ("#reset", "#save-trace-button", "#clear-trace", "#profile-start"):
+        assert await page.is_disabled(button), button
+    assert "Unavailable: the engine is restarting" in (await page.get_attribute("#reset", "title"))
+    assert "The controls wait: the engine is restarting" in await page.text_content("#controls-reason")
     await page.screenshot(path=str(SHOTS / "engine-restarting.png"), full_page=True)
     await page.wait_for_selector('h1 [data-field="state"][data-state="running"]', timeout=60000)
     assert "restarts 1" in (await page.text_content('h1 [data-field="state"]'))
+    assert await page.is_enabled("#reset") and await page.is_enabled("#profile-start")
+    assert await page.is_hidden("#controls-reason")
 
 
 async def test_playground_opens_on_the_real_model_and_it_answers(page, dashboard_server: LiveServer) -> None:

@@ -225,6 +225,51 @@ async def test_a_bad_message_gets_an_error_event_and_the_socket_stays_open(dashb
     await socket.disconnect()
 
 
+async def test_an_error_event_names_the_id_when_the_message_had_a_valid_one(dashboard) -> None:
+    socket = await connected(f"/ws/engines/{TRACED}/")
+    await socket.send_to(text_data=json.dumps({"action": "explode", "id": "mine"}))
+    assert (await next_message(socket, of_type("error")))["id"] == "mine"
+    await socket.send_to(text_data=json.dumps({"action": "explode", "id": True}))  # not a valid id: none named
+    assert "id" not in (await next_message(socket, of_type("error")))
+    await socket.disconnect()
+
+
+async def test_saving_an_empty_trace_is_an_error_and_no_record(dashboard) -> None:
+    socket = await connected(f"/ws/engines/{TRACED}/")
+    await socket.send_to(text_data=json.dumps({"action": "save_trace", "id": "e"}))
+    assert "recorded no event" in (await next_message(socket, of_type("error", id="e")))["message"]
+    assert not await TraceRecord.objects.aexists()
+    await socket.disconnect()
+
+
+async def test_an_acknowledged_save_completes_after_its_socket_closes_and_the_next_socket_hears_of_it(
+        dashboard, client) -> None:
+    assert (await client.post("/v1/completions", json={"model": TRACED, "prompt": "Hi", "max_tokens": 3})).status_code == 200
+    cookie = await session_cookie()
+    first = await open_socket(f"/ws/engines/{TRACED}/", cookie)
+    assert (await first.connect(timeout=10))[0]
+    await first.send_to(text_data=json.dumps({"action": "save_trace", "id": "late", "note": "reloaded"}))
+    await next_message(first, of_type("ack", id="late"))
+    await first.disconnect()  # the page reloaded right after the click
+    for _ in range(100):
+        if await TraceRecord.objects.filter(note="reloaded").aexists():
+            break
+        await asyncio.sleep(0.05)
+    record = await TraceRecord.objects.aget(note="reloaded")
+    second = await open_socket(f"/ws/engines/{TRACED}/", cookie)  # the same user's next page
+    assert (await second.connect(timeout=10))[0]
+    late = await next_message(second, of_type("done", id="late"))
+    assert late["earlier"] is True and late["result"]["record_id"] == record.pk
+    await second.disconnect()
+    third = await open_socket(f"/ws/engines/{TRACED}/", cookie)  # told once
+    assert (await third.connect(timeout=10))[0]
+    deadline = asyncio.get_running_loop().time() + 1
+    while asyncio.get_running_loop().time() < deadline:
+        if not await third.receive_nothing(timeout=0.1):
+            assert not json.loads(await third.receive_from()).get("earlier")
+    await third.disconnect()
+
+
 async def test_the_overview_socket_needs_the_engine_named(dashboard) -> None:
     socket = await connected("/ws/engines/")
     await socket.send_to(text_data=json.dumps({"action": "clear_trace", "id": 1}))

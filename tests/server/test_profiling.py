@@ -9,6 +9,8 @@ import pytest
 from asgiref.sync import sync_to_async
 
 from engines.models import ProfileRecord
+from engines.profiling import profile_state
+from engines.registry import registry
 from tests.server.conftest import TRACED, UNTRACED, assert_error
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -55,8 +57,28 @@ async def test_wrong_states_and_bodies_are_clear_4xx(client: httpx.AsyncClient) 
         assert "already running" in error["message"]
         assert_error(await client.post("/debug/profile_start", json={"model": "nope"}), 400)
     finally:
-        assert (await client.post("/debug/profile_stop", json={"model": TRACED})).status_code == 200
-    assert_error(await client.post("/debug/profile_stop", json={"model": TRACED}), 409)
+        # It saw no step (no request ran): nothing to save, and it says so rather than keep an empty record.
+        before = await ProfileRecord.objects.acount()
+        error = assert_error(await client.post("/debug/profile_stop", json={"model": TRACED}), 409)
+        assert error["message"] == (f"Engine {TRACED}: the profile saw no engine step (no request ran while it was "
+                                    "on), so nothing was saved: start it again and send requests "
+                                    "(POST /debug/profile_start).")
+        assert await ProfileRecord.objects.acount() == before
+    error = assert_error(await client.post("/debug/profile_stop", json={"model": TRACED}), 409)
+    assert error["message"] == f"Engine {TRACED}: no profile is running: start one first (POST /debug/profile_start)."
+
+
+async def test_a_note_sent_after_the_profile_stopped_by_itself_goes_on_its_record(client: httpx.AsyncClient) -> None:
+    assert (await client.post("/debug/profile_start", json={"model": UNTRACED, "max_steps": 2})).status_code == 200
+    await load(client, model=UNTRACED)
+    for _ in range(100):  # saved by the watcher, which looks twice a second
+        if profile_state(registry.get(UNTRACED)).last_id and not profile_state(registry.get(UNTRACED)).running:
+            break
+        await asyncio.sleep(0.1)
+    stopped = await client.post("/debug/profile_stop", json={"model": UNTRACED, "note": "late note"})
+    assert stopped.status_code == 200
+    record = await ProfileRecord.objects.aget(pk=stopped.json()["profile_id"])
+    assert record.note == "late note" and record.stopped_by == "max_steps"
 
 
 async def test_a_profile_that_stops_by_itself_is_saved(client: httpx.AsyncClient) -> None:

@@ -85,8 +85,10 @@ async def test_save_needs_the_api_key_when_one_is_set(serve, engines) -> None:
         assert_error(await http.post("/debug/save_event_trace", json={"model": TRACED},
                                      headers={"Authorization": "Bearer wrong"}), 401)
         assert not await TraceRecord.objects.aexists()
-        response = await http.post("/debug/save_event_trace", json={"model": TRACED},
-                                   headers={"Authorization": f"Bearer {KEY}"})
+        auth = {"Authorization": f"Bearer {KEY}"}
+        assert (await http.post("/v1/completions", json={"model": TRACED, "prompt": "hi", "max_tokens": 2},
+                                headers=auth)).status_code == 200
+        response = await http.post("/debug/save_event_trace", json={"model": TRACED}, headers=auth)
     assert response.status_code == 200, response.text
     assert await TraceRecord.objects.filter(pk=response.json()["id"]).aexists()
 
@@ -99,6 +101,17 @@ async def test_save_is_absent_without_enable_debug(serve) -> None:
 
 
 # ------------------------------------------------------------------------------- errors
+
+
+async def test_an_empty_trace_is_not_saved_and_the_answer_says_why(client: httpx.AsyncClient) -> None:
+    """Right after a reset (the fixture's) the engine has recorded nothing: no empty record."""
+    error = assert_error(await client.post("/debug/save_event_trace", json={"model": TRACED}), 409)
+    assert error["message"] == (f"engine {TRACED} has recorded no event since its trace was last cleared or saved: "
+                                "nothing to save (send it a request first).")
+    assert not await TraceRecord.objects.aexists()
+    await generate(client, "then-one")
+    assert (await client.post("/debug/save_event_trace", json={"model": TRACED})).status_code == 200
+
 
 
 @pytest.mark.parametrize("raw", [b"", b"{oops", b"[]", b'{"note": "x"}', b'{"model": 7}'])

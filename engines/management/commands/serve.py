@@ -52,8 +52,13 @@ from engines.registry import (
 
 logger = logging.getLogger("engines.serve")
 
-DEBUG_ROUTES = ("dump_event_trace", "save_event_trace", "dump_engine_metrics", "reset_engine",
-                "cuda_profiler_start", "cuda_profiler_stop")
+
+def debug_routes() -> list[str]:
+    """The ``/debug/`` routes, as the URLconf routes them (the one list of them)."""
+    from django.urls import get_resolver
+
+    routes = (str(pattern.pattern) for pattern in get_resolver().url_patterns)
+    return [route[len("debug/"):] for route in routes if route.startswith("debug/")]
 
 
 def is_loopback(host: str) -> bool:
@@ -308,7 +313,7 @@ class Command(BaseCommand):
             f"History      {base}/admin/engines/tracerecord/  ({_describe_autosave(autosave)})",
         ]
         if enable_debug:
-            lines.insert(1, f"Debug        {base}/debug/  ({', '.join(DEBUG_ROUTES)})")
+            lines.insert(1, f"Debug        {base}/debug/  ({', '.join(debug_routes())})")
         if api_key:
             lines.append("API key required: send 'Authorization: Bearer <key>'.")
         lines.append("Quit with CONTROL-C.")

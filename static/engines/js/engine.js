@@ -154,6 +154,29 @@ function showState(snap) {
   if (healthy) reason.textContent = "";
   else if (snap.state === "running") reason.textContent = "The engine runs but did not answer the last read in 2 s (a long step or compilation holds it); its numbers are back as soon as it answers.";
   else reason.textContent = `The engine is ${fmt.state(snap)}; its requests answer 503 meanwhile.`;
+  controls.engineDown = snap.state === "running" ? null : `the engine is ${fmt.state(snap)}`;
+  applyControls();
+}
+
+// Which controls can be used: none while the engine is not running (with the reason on them), the
+// trace's only while it records one, the profiler's start or stop as it runs or not.
+const controls = { engineDown: null, profiling: false, tracing: page.dataset.tracing === "true" };
+
+function applyControls() {
+  const down = controls.engineDown;
+  const set = (id, off, why) => {
+    const button = document.getElementById(id);
+    button.disabled = Boolean(down) || off;
+    button.title = down ? `Unavailable: ${down}.` : (off ? why : "");
+  };
+  set("reset", false, "");
+  set("save-trace-button", !controls.tracing, "Tracing is off for this engine.");
+  set("clear-trace", !controls.tracing, "Tracing is off for this engine.");
+  set("profile-start", controls.profiling, "A profile is running.");
+  set("profile-stop", !controls.profiling, "No profile is running.");
+  const note = document.getElementById("controls-reason");
+  note.hidden = !down;
+  note.textContent = down ? `The controls wait: ${down}.` : "";
 }
 
 // The built-in profiler's state: live from the snapshots, and at once from an action's answer.
@@ -161,8 +184,8 @@ function showProfile(profile) {
   if (!profile) return;
   const steps = profile.max_steps ? `${profile.steps} of ${profile.max_steps} steps` : `${profile.steps} steps`;
   document.getElementById("profile-state").textContent = profile.running ? `profiling: ${steps}` : "not profiling";
-  document.getElementById("profile-start").disabled = profile.running;
-  document.getElementById("profile-stop").disabled = !profile.running;
+  controls.profiling = profile.running;
+  applyControls();
   const last = document.getElementById("profile-last");
   if (profile.last_url) {
     last.href = profile.last_url;
@@ -221,6 +244,12 @@ function act(action, fields = {}) {
 }
 
 function onActionEvent(event) {
+  if (event.earlier) { // asked on an earlier page, which closed before it ended
+    const what = `${event.action} (asked on an earlier page)`;
+    const text = event.type === "done" ? (event.result?.message || "done") : event.message;
+    log(`${what}: ${text}`, event.type === "done" ? "success" : "error", event.result?.url || null);
+    return;
+  }
   const entry = pending.get(event.id);
   if (!entry) {
     if (event.type === "error") log(event.message, "error");
