@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -166,6 +167,9 @@ async def test_cuda_profiler_on_cpu_is_a_clear_400(client: httpx.AsyncClient, ro
     assert "cpu backend" in error["message"]
     if route == "cuda_profiler_start":  # the built-in profiler started all the same
         assert "built-in profiler started" in error["message"]
+        model = json.loads(content)["model"] if content else TRACED
+        body = {"model": model, "prompt": "Hi", "max_tokens": 2}
+        assert (await client.post("/v1/completions", json=body)).status_code == 200  # a step to keep
         stopped = await client.post("/debug/profile_stop", content=content)
         assert stopped.status_code == 200 and stopped.json()["profile_id"] > 0
     else:
