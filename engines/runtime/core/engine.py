@@ -637,6 +637,7 @@ class Engine:
         now = time.perf_counter()
         if state.first_token_time is None:
             state.first_token_time = now
+            self.metrics.on_first_token(now - state.arrival_time)
             if self.tracer is not None:
                 self.tracer.add_event(state.request_id, "first token")
         if self._accept_token(seq, token, logprob) or seq.grammar is None:

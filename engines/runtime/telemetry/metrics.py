@@ -23,8 +23,12 @@ Fixed: a reset zeroes every field of ``last_finished_request`` (MLC left some st
 Latency distributions (TTFT, inter-token latency, end-to-end, queue time) take bounded memory:
 count, sum, min and max are exact since the last reset; p50/p90/p99 are over the most recent
 ``latency_window`` requests (a ring buffer: a live server's "now" matters more than its first
-hour); and bucket counts with vLLM's boundaries (:data:`TTFT_BUCKETS`, ...) are exact since the
-reset, so the server can expose real Prometheus histograms (:meth:`EngineMetrics.histograms`).
+hour), and ``last_60s`` / ``last_300s`` over those of them observed in the last minute and five
+minutes (what the dashboard shows: an outage an hour ago no longer holds a p99 up); and bucket
+counts with vLLM's boundaries (:data:`TTFT_BUCKETS`, ...) are exact since the reset, so the server
+can expose real Prometheus histograms (:meth:`EngineMetrics.histograms`). A request's TTFT is
+observed when its first token comes (:meth:`EngineMetrics.on_first_token`), as vLLM's histogram
+is, not when it finishes: a burst's TTFTs count while its streams still run.
 
 Times are ``time.perf_counter()`` seconds. Updates come from the engine thread and reads from
 server threads; one lock, held for a few attribute updates, makes that safe.
@@ -34,6 +38,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
+import time
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Sequence
@@ -250,7 +255,7 @@ class LatencyDistribution:
     on its own: :class:`EngineMetrics` guards it with its lock.
     """
 
-    __slots__ = ("bounds", "window", "count", "sum", "min", "max", "_buckets", "_recent")
+    __slots__ = ("bounds", "window", "count", "sum", "min", "max", "_buckets", "_recent", "_recent_at")
 
     def __init__(self, bounds: Sequence[float], window: int = DEFAULT_LATENCY_WINDOW) -> None:
         if list(bounds) != sorted(bounds) or not all(math.isfinite(b) for b in bounds):
@@ -260,6 +265,7 @@ class LatencyDistribution:
         self.bounds = tuple(float(b) for b in bounds)
         self.window = window
         self._recent = np.zeros(window, np.float64)
+        self._recent_at = np.zeros(window, np.float64)  # when each was observed (perf_counter seconds)
         self.reset()
 
     def reset(self) -> None:
@@ -269,8 +275,9 @@ class LatencyDistribution:
         self.max = 0.0
         self._buckets = [0] * (len(self.bounds) + 1)
 
-    def observe(self, seconds: float) -> None:
-        """Add one observation; non-finite values are ignored (they'd poison every statistic)."""
+    def observe(self, seconds: float, at: float | None = None) -> None:
+        """Add one observation, made at ``at`` (``time.perf_counter()``, default now); non-finite
+        values are ignored (they'd poison every statistic)."""
         if not math.isfinite(seconds):
             return
         if self.count == 0 or seconds < self.min:
@@ -278,32 +285,46 @@ class LatencyDistribution:
         if self.count == 0 or seconds > self.max:
             self.max = seconds
         self._recent[self.count % self.window] = seconds
+        self._recent_at[self.count % self.window] = time.perf_counter() if at is None else at
         self.count += 1
         self.sum += seconds
         self._buckets[bisect_left(self.bounds, seconds)] += 1
 
-    def snapshot(self) -> tuple[int, float, float, float, np.ndarray]:
-        """``(count, sum, min, max, recent)``, ``recent`` a copy of the (at most ``window``)
-        observations the percentiles are over: cheap, to take under a lock."""
-        recent = self._recent[:min(self.count, self.window)].copy()
-        return self.count, self.sum, self.min, self.max, recent
+    def snapshot(self) -> tuple[int, float, float, float, np.ndarray, np.ndarray]:
+        """``(count, sum, min, max, recent, recent_at)``, copies of the (at most ``window``)
+        observations the percentiles are over and of when each was made: cheap, under a lock."""
+        held = min(self.count, self.window)
+        return self.count, self.sum, self.min, self.max, self._recent[:held].copy(), self._recent_at[:held].copy()
 
-    def summary(self) -> dict[str, Any]:
-        """``count``, ``sum``, ``mean``, ``min``, ``max`` (since reset) and ``p50``/``p90``/``p99``
-        (numpy's linear interpolation over the recent window); 0.0 when empty."""
-        return _summary(*self.snapshot())
+    def summary(self, now: float | None = None) -> dict[str, Any]:
+        """``count``, ``sum``, ``mean``, ``min``, ``max`` (since reset), ``p50``/``p90``/``p99``
+        (numpy's linear interpolation over the recent window; 0.0 when empty), and ``last_60s`` /
+        ``last_300s``: ``count``, ``p50``, ``p99`` of the observations made in the last minute and
+        five minutes before ``now`` (``time.perf_counter()``, default now)."""
+        return _summary(*self.snapshot(), now=now)
 
     def histogram(self) -> HistogramSnapshot:
         return HistogramSnapshot(self.bounds, tuple(self._buckets), self.sum, self.count)
 
 
-def _summary(count: int, total: float, lo: float, hi: float, recent: np.ndarray) -> dict[str, Any]:
+#: The recent windows a distribution's summary gives percentiles over (seconds).
+RECENT_WINDOWS_S = (60, 300)
+
+
+def _summary(count: int, total: float, lo: float, hi: float, recent: np.ndarray, recent_at: np.ndarray,
+             now: float | None = None) -> dict[str, Any]:
     if recent.size:
         p50, p90, p99 = (float(v) for v in np.percentile(recent, (50.0, 90.0, 99.0)))
     else:
         p50 = p90 = p99 = 0.0
-    return {"count": count, "sum": total, "mean": total / count if count else 0.0,
-            "min": lo, "max": hi, "p50": p50, "p90": p90, "p99": p99}
+    out: dict[str, Any] = {"count": count, "sum": total, "mean": total / count if count else 0.0,
+                           "min": lo, "max": hi, "p50": p50, "p90": p90, "p99": p99}
+    now = time.perf_counter() if now is None else now
+    for seconds in RECENT_WINDOWS_S:
+        window = recent[recent_at >= now - seconds]
+        p50_w, p99_w = (float(v) for v in np.percentile(window, (50.0, 99.0))) if window.size else (0.0, 0.0)
+        out[f"last_{seconds}s"] = {"count": int(window.size), "p50": p50_w, "p99": p99_w}
+    return out
 
 
 # ---------------------------------------------------------------------- engine-wide
@@ -417,6 +438,11 @@ class EngineMetrics:
             for gap in gaps:
                 dist.observe(gap)
 
+    def on_first_token(self, ttft_s: float) -> None:
+        """A request's first token came ``ttft_s`` after it arrived: its TTFT counts now."""
+        with self._lock:
+            self._distributions["ttft_s"].observe(ttft_s)
+
     def on_preemption(self, count: int = 1) -> None:
         with self._lock:
             self.num_preemptions += count
@@ -435,8 +461,6 @@ class EngineMetrics:
             self.num_finished_requests += 1
             if request.add_time is not None and request.finish_time is not None:
                 dist["end_to_end_latency_s"].observe(snapshot.end_to_end_latency_s)
-            if request.add_time is not None and request.first_token_time is not None:
-                dist["ttft_s"].observe(snapshot.ttft_s)
             if request.completion_tokens > 1 and request.first_token_time is not None \
                     and request.finish_time is not None:
                 dist["inter_token_latency_s"].observe(snapshot.inter_token_latency_standard_s)

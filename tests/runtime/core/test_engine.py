@@ -585,3 +585,14 @@ def test_ended_requests_are_remembered_newest_first_aborts_included(make_engine,
     assert len(recent) == RECENT_REQUESTS and recent[0]["request_id"] == f"r{RECENT_REQUESTS + 2}"
     engine.reset()
     assert engine.metrics.recent_requests() == []
+
+
+def test_ttft_counts_when_the_first_token_comes_not_when_the_request_ends(make_engine, demo):
+    engine = make_engine()
+    for i, p in enumerate(prompts(demo, 3)):
+        engine.add_request(request(f"t{i}", p, max_tokens=20, ignore_eos=True))
+    while engine.metrics.as_dict()["ttft_s"]["count"] < 3:
+        engine.step()
+    m = engine.metrics.as_dict()
+    assert m["num_finished_requests"] == 0 and m["num_running_requests"] == 3  # all still streaming
+    assert m["ttft_s"]["last_60s"]["count"] == 3 and m["ttft_s"]["last_60s"]["p99"] > 0

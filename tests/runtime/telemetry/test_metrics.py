@@ -190,7 +190,11 @@ def test_gauges_and_preemptions():
 
 def test_latency_distributions_from_finished_requests():
     m = EngineMetrics()
+    # TTFT counts when the first token comes, the rest when the request finishes.
+    m.on_first_token(1.0)
     m.on_request_finished(request(add=0.0, scheduled=0.25, first=1.0, finish=3.0, completion=5))
+    m.on_first_token(2.0)
+    assert m.as_dict()["ttft_s"]["count"] == 2 and m.as_dict()["end_to_end_latency_s"]["count"] == 1
     m.on_request_finished(request(add=10.0, scheduled=10.75, first=12.0, finish=13.0, completion=3))
     # aborted before its first token: only end-to-end and queue time are known
     m.on_request_finished(request(add=20.0, scheduled=None, first=None, finish=21.0, completion=0))
@@ -204,7 +208,22 @@ def test_latency_distributions_from_finished_requests():
     assert d["inter_token_latency_s"]["min"] == pytest.approx(0.5)   # (3 - 1) / 4
     assert d["inter_token_latency_s"]["max"] == pytest.approx(0.5)   # (3 - 2) / 2
     for key in ("ttft_s", "inter_token_latency_s", "end_to_end_latency_s", "queue_time_s"):
-        assert set(d[key]) == {"count", "sum", "mean", "min", "max", "p50", "p90", "p99"}
+        assert set(d[key]) == {"count", "sum", "mean", "min", "max", "p50", "p90", "p99", "last_60s", "last_300s"}
+
+
+def test_recent_windows_hold_only_the_last_minute_and_five_minutes():
+    dist = LatencyDistribution(TTFT_BUCKETS, window=1000)
+    now = 10_000.0
+    dist.observe(24.0, at=now - 600)          # the stall of a first load, ten minutes ago
+    for i in range(10):
+        dist.observe(0.2 + i / 100, at=now - 200)  # four minutes ago
+    for i in range(5):
+        dist.observe(0.1, at=now - 10)        # just now
+    s = dist.summary(now=now)
+    assert s["p99"] > 20  # the whole recent window still holds the stall
+    assert s["last_60s"] == {"count": 5, "p50": pytest.approx(0.1), "p99": pytest.approx(0.1)}
+    assert s["last_300s"]["count"] == 15 and s["last_300s"]["p99"] < 0.3
+    assert dist.summary(now=now + 1000)["last_300s"] == {"count": 0, "p50": 0.0, "p99": 0.0}
 
 
 def test_percentiles_on_known_data():
@@ -250,6 +269,7 @@ def test_histogram_buckets_use_prometheus_le_semantics():
 
 def test_engine_histograms_have_vllm_families():
     m = EngineMetrics()
+    m.on_first_token(1.0)
     m.on_request_finished(request())
     hists = m.histograms()
     assert set(hists) == {"time_to_first_token_seconds", "request_time_per_output_token_seconds",
@@ -299,6 +319,7 @@ def test_concurrent_updates_and_reads():
         try:
             for i in range(n):
                 m.on_step(0.001, prefill_tokens=0, decode_seqs=1 + i % 4)
+                m.on_first_token(0.2)
                 m.on_request_finished(request(add=float(i), scheduled=i + 0.1, first=i + 0.2, finish=i + 1.0))
                 m.set_gauges(num_running_requests=i % 7)
         except BaseException as exc:  # noqa: BLE001 - reported below
