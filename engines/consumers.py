@@ -70,7 +70,8 @@ class DashboardConsumer(AsyncWebsocketConsumer):
             sampler = hub.get(engine_name)
             if sampler is not None:
                 sampler.watch()
-                if sampler.latest_text is not None:  # the page shows something at once
+                if sampler.latest_text is not None:  # the page shows something at once: charts full
+                    await self.send(text_data=sampler.history_text())
                     await self.send(text_data=sampler.latest_text)
         if name is not None:  # an engine's page: what its actions asked on an earlier page came to
             waiting = _undelivered.pop((user.pk, name), None)

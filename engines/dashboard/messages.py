@@ -3,6 +3,8 @@
 Server to browser, each a JSON object with a ``type``:
 
 * ``snapshot``: :class:`EngineSnapshot`, an engine's state and metrics, several times a second.
+* ``history``: :class:`EngineHistory`, the last five minutes of an engine's chart fields, once when
+  a socket opens (so a page's charts start full, not empty).
 * ``ack``, ``progress``, ``done``, ``error``: :class:`ActionEvent`, about the action the browser
   sent with that ``id`` (``error`` without an ``id``: a message that could not be read at all).
 
@@ -21,7 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from engines.history import MAX_NOTE_CHARS, MAX_TAGS
 
-__all__ = ["SERVER_ID", "ActionEvent", "ActionRequest", "EngineSnapshot", "ProfileState", "engine_group"]
+__all__ = ["CHART_FIELDS", "SERVER_ID", "ActionEvent", "ActionRequest", "EngineHistory", "EngineSnapshot",
+           "ProfileState", "engine_group", "chart_values"]
 
 #: This server process, as snapshots name it: host and process id.
 SERVER_ID = f"{socket.gethostname()}:{os.getpid()}"
@@ -65,6 +68,10 @@ class EngineSnapshot(BaseModel):
     metrics: dict[str, Any] | None = None
     #: The last requests that ended, newest first (``RecentRequest`` fields); None while not running.
     recent_requests: list[dict[str, Any]] | None = None
+    #: The requests in the engine now, oldest first (``Engine.live_requests`` fields); None while not running.
+    live_requests: list[dict[str, Any]] | None = None
+    #: The server is shutting down: it refuses new requests while those in flight finish.
+    draining: bool = False
     #: Running, but its metrics read went unanswered (a long step or compilation holds it): the
     #: numbers are left out, the page says "slow to answer".
     slow: bool = False
@@ -98,3 +105,37 @@ class ActionEvent(BaseModel):
     result: dict[str, Any] | None = None
     #: The outcome of an action asked on an earlier socket of this user, which closed before it ended.
     earlier: bool | None = None
+
+
+#: The metrics the engine page's and the overview's charts draw, as paths into a snapshot's
+#: ``metrics`` (counters the pages turn into rates, gauges, and the last minute's percentiles).
+CHART_FIELDS: tuple[str, ...] = (
+    "prefill_tokens_processed", "decode_tokens_processed", "num_decode_steps", "num_running_requests",
+    "num_waiting_requests", "kv_cache_usage", "num_preemptions", "num_finished_requests", "num_aborted_requests",
+    "num_failed_requests", "ttft_s.last_60s.p50", "ttft_s.last_60s.p99", "token_gap_s.last_60s.p50",
+    "token_gap_s.last_60s.p99",
+)
+
+
+def chart_values(metrics: dict[str, Any] | None) -> tuple[float | None, ...]:
+    """:data:`CHART_FIELDS` of one snapshot's metrics (all None while the engine gave none)."""
+    if metrics is None:
+        return (None,) * len(CHART_FIELDS)
+    values: list[float | None] = []
+    for path in CHART_FIELDS:
+        value: Any = metrics
+        for key in path.split("."):
+            value = value.get(key) if isinstance(value, dict) else None
+        values.append(float(value) if isinstance(value, (int, float)) else None)
+    return tuple(values)
+
+
+class EngineHistory(BaseModel):
+    """An engine's last five minutes as this server process sampled them: each sample's time and
+    :data:`CHART_FIELDS` (null where the engine was down or slow to answer: a gap in the charts)."""
+
+    type: Literal["history"] = "history"
+    engine: str
+    fields: list[str] = list(CHART_FIELDS)
+    at: list[float]
+    values: list[list[float | None]]  # one row a sample, in ``fields`` order

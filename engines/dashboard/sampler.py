@@ -12,11 +12,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from typing import TYPE_CHECKING, Any
 
 from channels.layers import get_channel_layer
 
-from engines.dashboard.messages import SERVER_ID, EngineSnapshot, engine_group
+from engines.dashboard.messages import SERVER_ID, EngineHistory, EngineSnapshot, chart_values, engine_group
 
 if TYPE_CHECKING:
     from engines.registry import EngineRegistry
@@ -32,6 +33,8 @@ WATCHED_INTERVAL_S = 0.25
 IDLE_INTERVAL_S = 5.0
 #: A metrics read the engine does not answer in this long is skipped (a wedged engine).
 READ_TIMEOUT_S = 2.0
+#: Seconds of samples kept for a page that opens (its charts' window).
+HISTORY_S = 300.0
 
 
 class EngineSampler:
@@ -44,6 +47,8 @@ class EngineSampler:
         self.viewers = 0
         self.latest: EngineSnapshot | None = None
         self.latest_text: str | None = None  # ``latest`` as JSON, what the sockets are sent
+        #: The last :data:`HISTORY_S` of samples: (time, ``chart_values``), oldest first.
+        self.history: deque[tuple[float, tuple[float | None, ...]]] = deque()
         self._wake = asyncio.Event()
 
     def watch(self) -> None:
@@ -58,23 +63,33 @@ class EngineSampler:
         """The engine as of now: metrics left out while it does not run, or (``slow``) while it
         does not answer within :data:`READ_TIMEOUT_S`."""
         engine = self.engine
-        metrics = recent = None
+        metrics = view = None
         slow = False
         if engine.is_alive:
-            metrics, recent, slow = await _read_engine(engine)
+            metrics, view, slow = await _read_engine(engine)
         from engines.profiling import profile_state
+        from engines.registry import registry
 
         status = engine.status
         return EngineSnapshot(
             server=SERVER_ID, engine=engine.name, at=time.time(), state=status.state.value,
             reason=status.reason, restarts=status.restarts, backend=engine.backend_name, dtype=engine.dtype,
             mode="process" if engine.process else "thread", tracing=engine.tracing_enabled, metrics=metrics,
-            recent_requests=recent, slow=slow, profile=profile_state(engine))
+            recent_requests=view.ended if view else None, live_requests=view.live if view else None, slow=slow,
+            draining=registry.draining, profile=profile_state(engine))
+
+    def history_text(self) -> str:
+        """The last :data:`HISTORY_S` of samples as an :class:`EngineHistory` message (JSON)."""
+        return EngineHistory(engine=self.engine.name, at=[at for at, _ in self.history],
+                             values=[list(values) for _, values in self.history]).model_dump_json()
 
     async def publish(self) -> EngineSnapshot:
         """Take a snapshot and send it to the engine's group."""
         snap = await self.snapshot()
         self.latest = snap
+        self.history.append((snap.at, chart_values(snap.metrics)))
+        while self.history and self.history[0][0] < snap.at - HISTORY_S:
+            self.history.popleft()
         # Serialised once here, not once per viewer: the layer copies (in memory) or packs (Redis)
         # a string for each socket far more cheaply than a nested dict, and the consumer forwards it.
         self.latest_text = snap.model_dump_json()
@@ -98,13 +113,13 @@ class EngineSampler:
 
 
 async def _read_engine(engine: AsyncEngine) -> tuple[Any, Any, bool]:
-    """``(metrics, recent requests, slow)``: both reads, or none and ``slow`` when the engine does
+    """``(metrics, requests view, slow)``: both reads, or none and ``slow`` when the engine does
     not answer both in :data:`READ_TIMEOUT_S` (a long compile or step holding its process), or
     none when it died meanwhile. A read left behind is cancelled and awaited here, its outcome
     taken: nothing is left to log "exception was never retrieved" later."""
     from engines.runtime import EngineDeadError
 
-    reads = [asyncio.ensure_future(engine.metrics()), asyncio.ensure_future(engine.recent_requests())]
+    reads = [asyncio.ensure_future(engine.metrics()), asyncio.ensure_future(engine.requests_view())]
     done, pending = await asyncio.wait(reads, timeout=READ_TIMEOUT_S)
     for read in pending:
         read.cancel()

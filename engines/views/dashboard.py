@@ -30,6 +30,8 @@ def engine_facts(engine: Any) -> dict[str, Any]:
     return {
         "name": engine.name,
         "checkpoint": str(checkpoint.path),
+        # What the engine runs, in a few words: the checkpoint's own name and its weights' format.
+        "model_name": f"{checkpoint.name} · {engine.source_format.split(' ')[0]}",
         "url": reverse("dashboard-engine", args=[engine.name]),
         "ws": "/ws/engines/" + quote(engine.name, safe="") + "/",
         "backend": engine.backend_name,
@@ -97,7 +99,9 @@ def local_login(request: HttpRequest, uid: str, token: str) -> HttpResponse:
 def playground(request: HttpRequest) -> HttpResponse:
     """``/dashboard/playground/``: send a chat or completion request to an engine and watch it stream."""
     context = page_context(request, "Playground", engines=[engine_facts(engine) for engine in registry],
-                           debug_enabled=registry.options.enable_debug)
+                           debug_enabled=registry.options.enable_debug,
+                           # Only whether a key is set, never the key: its "Copy as curl" then adds the header.
+                           api_key_required=registry.options.api_key is not None)
     return render(request, "dashboard/playground.html", context)
 
 

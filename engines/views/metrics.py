@@ -246,12 +246,16 @@ async def prometheus_metrics(request: HttpRequest) -> HttpResponse:
 
 @api_view("GET")
 async def health(request: HttpRequest) -> HttpResponse:
-    """200 ``{"status": "ok"}`` while every engine runs; 503 naming the others (vLLM's contract).
+    """200 ``{"status": "ok"}`` while every engine runs; 503 naming the others (vLLM's contract),
+    or ``{"status": "draining"}`` while a shutdown lets the requests in flight finish (new ones
+    are refused then: a load balancer should stop sending them here).
 
     ``engines`` gives each engine's state (``running``, ``restarting``, ``dead``), the reason
     it is not running, and its restart count.
     """
     statuses = {engine.name: engine.status.as_dict() for engine in registry}
+    if registry.draining:
+        return json_response({"status": "draining", "engines": statuses}, status=503)
     dead = [engine.name for engine in registry if not engine.is_alive]
     if dead:
         return json_response({"status": "unhealthy", "dead_engines": dead, "engines": statuses}, status=503)

@@ -210,6 +210,50 @@ async def test_engine_page_charts_controls_and_history_link(page, dashboard_serv
     await page.screenshot(path=str(SHOTS / "engine-after-reset.png"), full_page=True)
 
 
+async def test_the_engine_page_opens_with_its_last_minutes_and_lists_the_requests_running_now(
+        page, dashboard_server: LiveServer) -> None:
+    """The charts start full from the server's history (not an empty window filling from the right),
+    and the table of requests in the engine shows a stream while it runs. In the dark theme too."""
+    await page.goto(f"{dashboard_server.base}/dashboard/engines/demo/")  # the server samples while watched
+    await page.wait_for_function("() => Number(document.getElementById('charts').dataset.samples) > 12",
+                                 timeout=30000)
+    await page.goto(f"{dashboard_server.base}/dashboard/")
+    await page.goto(f"{dashboard_server.base}/dashboard/engines/demo/")
+    # Within a few snapshots of opening, the charts hold the history the server kept.
+    await page.wait_for_selector("#charts[data-samples]", timeout=10000)
+    assert int(await page.get_attribute("#charts", "data-samples")) > 12
+    body = {"model": "demo", "messages": [{"role": "user", "content": "A long story, please."}],
+            "max_tokens": 400, "stream": True, "debug_config": {"ignore_eos": True}}
+    stop = threading.Event()
+
+    def stream() -> None:
+        with httpx.Client(base_url=dashboard_server.base, timeout=60) as http:
+            with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                for _ in response.iter_lines():
+                    if stop.is_set():
+                        break
+
+    worker = threading.Thread(target=stream, daemon=True)
+    worker.start()
+    try:
+        await page.wait_for_selector("#live tbody tr:not(.empty) >> text=decode", timeout=30000)
+        assert "(1)" in await page.text_content("#live-count")
+        await page.screenshot(path=str(SHOTS / "engine-live-requests.png"), full_page=True)
+        await page.click(".theme-toggle")  # the admin's theme button: auto -> dark (or light -> dark)
+        if await page.evaluate("document.documentElement.dataset.theme") != "dark":
+            await page.click(".theme-toggle")
+        await page.wait_for_timeout(500)
+        await page.screenshot(path=str(SHOTS / "engine-dark.png"), full_page=False)
+        await page.set_viewport_size({"width": 900, "height": 1000})
+        await page.wait_for_timeout(300)
+        await page.screenshot(path=str(SHOTS / "engine-900.png"), full_page=True)
+    finally:
+        stop.set()
+        worker.join(30)
+        await page.set_viewport_size({"width": 1400, "height": 1000})
+    await page.wait_for_selector("#live tbody tr.empty", timeout=30000)
+
+
 async def test_profiling_from_the_engine_page_saves_a_profile_to_open(page, dashboard_server: LiveServer) -> None:
     await page.goto(f"{dashboard_server.base}/dashboard/engines/demo/")
     await page.wait_for_selector('#connection[data-state="open"]')

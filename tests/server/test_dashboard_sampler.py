@@ -10,6 +10,7 @@ import pytest
 from engines.dashboard import sampler as sampler_module
 from engines.dashboard.sampler import EngineSampler
 from engines.runtime import EngineDeadError
+from engines.runtime.frontend.messages import RequestsView
 
 
 class Layer:
@@ -42,11 +43,11 @@ class SlowEngine:
             raise self.error
         return {"num_running_requests": 0}
 
-    async def recent_requests(self) -> list:
+    async def requests_view(self) -> RequestsView:
         await asyncio.sleep(self.delay / 2)
         if self.error is not None:
             raise self.error
-        return []
+        return RequestsView(live=[], ended=[])
 
 
 @pytest.fixture
@@ -81,9 +82,28 @@ async def test_an_engine_that_answers_in_time_is_not_slow(quick_timeout) -> None
     sampler_module.READ_TIMEOUT_S = 1.0
     snap = await EngineSampler(SlowEngine(delay=0.01), Layer()).snapshot()
     assert not snap.slow and snap.metrics == {"num_running_requests": 0} and snap.recent_requests == []
+    assert snap.live_requests == []
 
 
 async def test_an_engine_that_died_mid_read_is_not_slow(quick_timeout) -> None:
     sampler_module.READ_TIMEOUT_S = 1.0
     snap = await EngineSampler(SlowEngine(delay=0.01, error=EngineDeadError("gone")), Layer()).snapshot()
     assert not snap.slow and snap.metrics is None
+
+
+async def test_a_snapshot_says_when_the_server_drains_and_history_keeps_five_minutes(monkeypatch) -> None:
+    from engines.dashboard.messages import CHART_FIELDS, EngineHistory
+    from engines.registry import registry
+
+    sampler = EngineSampler(SlowEngine(delay=0.0), Layer())
+    monkeypatch.setattr(registry, "draining", True)
+    snap = await sampler.publish()
+    assert snap.draining
+    monkeypatch.setattr(registry, "draining", False)
+    # Samples older than the history's window fall off; the message lists the chart fields.
+    sampler.history.appendleft((snap.at - 400, (1.0,) * len(CHART_FIELDS)))
+    await sampler.publish()
+    history = EngineHistory.model_validate_json(sampler.history_text())
+    assert history.engine == "slow" and len(history.at) == 2 and history.fields == list(CHART_FIELDS)
+    assert history.values[0][CHART_FIELDS.index("num_running_requests")] == 0.0
+    assert history.values[0][CHART_FIELDS.index("ttft_s.last_60s.p50")] is None  # not in this engine's metrics

@@ -139,3 +139,17 @@ async def test_debug_routes_on_a_dead_engine_are_503_not_500(serve, stopped_engi
         assert 'engine_up{model="stopped",state="stopped"} 0.0' in exposition
         assert 'engine_restarts_total{model="stopped"} 0.0' in exposition
         assert [line for line in exposition.splitlines() if 'model="stopped"' in line and "engine_" not in line] == []
+
+
+async def test_health_says_draining_during_a_shutdown(serve, engines) -> None:
+    """New requests get 503 while a shutdown drains: a load balancer must hear it from /health too."""
+    from engines.registry import registry
+
+    async with serve() as http:
+        registry.draining = True
+        try:
+            response = await http.get("/health")
+        finally:
+            registry.draining = False
+    assert response.status_code == 503 and response.json()["status"] == "draining"
+    assert set(response.json()["engines"]) == set(engines)

@@ -317,6 +317,24 @@ class Engine:
         self._update_gauges()
         return outputs
 
+    def live_requests(self) -> list[dict[str, Any]]:
+        """The requests in the engine now, oldest first: waiting for their first step, in their
+        prefill, or decoding (JSON-ready). Safe from any thread, mid-step included (a reader of
+        plain fields; a request that ends meanwhile may still show)."""
+        now = time.perf_counter()
+        out = []
+        for state in list(self.requests.values()):  # a copy taken in one go under the GIL
+            phase = ("waiting" if state.first_scheduled_time is None
+                     else "prefill" if state.first_token_time is None else "decode")
+            out.append({
+                "request_id": state.request_id, "phase": phase, "prompt_tokens": len(state.request.prompt),
+                "output_tokens": sum(seq.num_output_tokens for seq in state.sequences), "n": len(state.sequences),
+                "age_s": now - state.arrival_time,
+                "ttft_s": None if state.first_token_time is None else state.first_token_time - state.arrival_time,
+                "disagg": _disagg_half(state.request),
+            })
+        return out
+
     @property
     def has_work(self) -> bool:
         """Whether any request is waiting or running (``step`` has something to do)."""
@@ -708,6 +726,8 @@ class Engine:
         if self.tracer is not None:
             self.tracer.add_event(rid, "request error", {"error": f"{type(error).__name__}: {error}"})
         # No flush: the detokenizer or stop checker may be what failed.
+        if not any(s.finished for s in seq.request.sequences):  # a request fails once, whatever its choices
+            self.metrics.on_request_failed()
         self._finish_sequence(seq, FinishReason.ABORT, flush=False)
 
     def _finish_sequence(self, seq: Sequence, reason: FinishReason, flush: bool = True) -> None:

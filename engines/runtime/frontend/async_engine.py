@@ -49,6 +49,7 @@ from engines.runtime.frontend.messages import (
     ReleaseReceiveCall,
     RecentRequestsCall,
     Rejected,
+    RequestsView,
     Reply,
     ResetCall,
     ServerTraceEvent,
@@ -346,8 +347,8 @@ class AsyncEngine:
         """MLC's engine metrics plus our gauges and latency distributions (JSON-ready), as of now."""
         return await self._acall(MetricsCall())
 
-    async def recent_requests(self) -> list[dict[str, Any]]:
-        """The last requests that ended (``EngineMetrics.recent_requests``), newest first; answered
+    async def requests_view(self) -> RequestsView:
+        """The requests in the engine now and the last that ended (``RequestsView``); answered
         even mid-step."""
         return await self._acall(RecentRequestsCall())
 

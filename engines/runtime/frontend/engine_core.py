@@ -50,6 +50,7 @@ from engines.runtime.frontend.messages import (
     Ready,
     RecentRequestsCall,
     Rejected,
+    RequestsView,
     Reply,
     ResetCall,
     ServerTraceEvents,
@@ -208,7 +209,7 @@ class EngineCore:
                 metrics = engine.metrics.as_dict()
                 return (metrics, engine.metrics.histograms()) if with_histograms else metrics
             case RecentRequestsCall():
-                return engine.metrics.recent_requests()
+                return RequestsView(live=engine.live_requests(), ended=engine.metrics.recent_requests())
             case DumpTraceCall(clear, skip_empty):
                 tracer = engine.tracer
                 if tracer is None:

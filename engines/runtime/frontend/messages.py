@@ -43,7 +43,7 @@ __all__ = [
     "DumpTraceCall", "TraceSinceCall", "ProfileCall", "EngineCall", "EngineInfo", "EngineSpec", "Failed", "KVListenSpec",
     "LocalCall", "MessageConnection",
     "MetricsCall", "Ready", "Rejected",
-    "PrepareReceiveCall", "ReceiveKVCall", "RecentRequestsCall", "ReleaseReceiveCall", "Reply", "ResetCall", "ServerTraceEvent", "ServerTraceEvents", "Shutdown", "StepOutputs",
+    "PrepareReceiveCall", "ReceiveKVCall", "RecentRequestsCall", "ReleaseReceiveCall", "RequestsView", "Reply", "ResetCall", "ServerTraceEvent", "ServerTraceEvents", "Shutdown", "StepOutputs",
 ]
 
 
@@ -115,8 +115,18 @@ class MetricsCall:
 
 @dataclass(frozen=True)
 class RecentRequestsCall:
-    """The last requests that ended, newest first (``EngineMetrics.recent_requests``). Answered
-    at once, even mid-step."""
+    """The requests in the engine now (``Engine.live_requests``) and the last that ended, newest
+    first (``EngineMetrics.recent_requests``), as a :class:`RequestsView`. Answered at once, even
+    mid-step."""
+
+
+@dataclass(frozen=True)
+class RequestsView:
+    """What the dashboard's request tables show: ``live`` (in the engine now, oldest first) and
+    ``ended`` (the last that ended, newest first), each a list of JSON-ready dicts."""
+
+    live: list[dict[str, Any]]
+    ended: list[dict[str, Any]]
 
 
 @dataclass(frozen=True)

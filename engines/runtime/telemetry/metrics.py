@@ -380,6 +380,8 @@ class EngineMetrics:
         self.decode_tokens_processed = 0
         self.jump_forward_tokens_processed = 0
         self.num_finished_requests = 0
+        self.num_aborted_requests = 0  # ended by an abort (a client gone, a reset, a failure)
+        self.num_failed_requests = 0   # of those, ended by a failure of their own (grammar, tokenizer)
         self.num_preemptions = 0
         self.num_running_requests = 0
         self.num_waiting_requests = 0
@@ -471,6 +473,13 @@ class EngineMetrics:
         """Remember a request that ended (aborted ones too) for :meth:`recent_requests`."""
         with self._lock:
             self._recent.append(request)
+            if "abort" in request.finish_reason.split(","):
+                self.num_aborted_requests += 1
+
+    def on_request_failed(self) -> None:
+        """A request failed on its own (its grammar or its detokenizer raised) and is aborted."""
+        with self._lock:
+            self.num_failed_requests += 1
 
     def recent_requests(self) -> list[dict[str, Any]]:
         """The last :data:`RECENT_REQUESTS` requests that ended, newest first (JSON-ready)."""
@@ -543,6 +552,8 @@ class EngineMetrics:
                 "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
                 "num_preemptions": self.num_preemptions,
                 "num_finished_requests": self.num_finished_requests,
+                "num_aborted_requests": self.num_aborted_requests,
+                "num_failed_requests": self.num_failed_requests,
                 "num_prefill_steps": self.num_prefill_steps,
                 "num_decode_steps": self.num_decode_steps,
                 "prefill_tokens_processed": self.prefill_tokens_processed,

@@ -1,47 +1,46 @@
 // One engine's page: live charts of the last five minutes, its metrics, and its controls.
+import { Derivation, historyRows, TimeChart } from "./charts.js";
 import * as fmt from "./format.js";
-import { connect, Rate } from "./live.js";
+import { connect } from "./live.js";
 
 const page = document.querySelector(".engine-page");
-const WINDOW_SECONDS = 300;
 
 // ---------------------------------------------------------------------------- charts
 
+// Each chart: its series ([label, colour, field of Derivation.next's result]) and its axis kind.
 const CHARTS = {
-  rates: [["prefill tok/s", "#417690"], ["decode tok/s", "#d46a00"]],
-  requests: [["running", "#417690"], ["waiting", "#ba2121"]],
-  kv: [["KV cache %", "#417690"]],
-  latency: [["TTFT p50", "#417690"], ["TTFT p99", "#79aec8"], ["ITL p50", "#d46a00"], ["ITL p99", "#f0a35e"]],
-  preemptions: [["preemptions", "#ba2121"]],
+  rates: { kind: "rate", series: [["prefill tok/s", "#417690", "prefill"], ["decode tok/s", "#d46a00", "decode"]] },
+  requests: { kind: "count", series: [["running", "#417690", "running"], ["waiting", "#ba2121", "waiting"]] },
+  batch: { kind: "count", series: [["decode batch", "#417690", "batch"]] },
+  kv: { kind: "percent", series: [["KV cache", "#417690", "kv"]] },
+  ttft: { kind: "ms", series: [["p50", "#417690", "ttft50"], ["p99", "#79aec8", "ttft99"]] },
+  itl: { kind: "ms", series: [["p50", "#d46a00", "itl50"], ["p99", "#f0a35e", "itl99"]] },
+  outcomes: { kind: "rate", series: [["finished/s", "#417690", "finished"], ["aborted/s", "#d46a00", "aborted"],
+                                     ["failed/s", "#ba2121", "failed"]] },
+  preemptions: { kind: "rate", series: [["preemptions/s", "#ba2121", "preemptions"]] },
 };
-const series = {}; // chart name -> [xs, ys...]
-const plots = {};
-for (const name of Object.keys(CHARTS)) series[name] = [[], ...CHARTS[name].map(() => [])];
+const charts = {};
+for (const [name, spec] of Object.entries(CHARTS)) {
+  charts[name] = new TimeChart(page.querySelector(`[data-chart="${name}"]`), spec);
+}
+let derivation = new Derivation();
 
-function plotFor(name) {
-  if (plots[name] || !window.uPlot) return plots[name];
-  const box = page.querySelector(`[data-chart="${name}"]`);
-  plots[name] = new uPlot({
-    width: Math.max(280, box.clientWidth - 8), height: 170,
-    // The x axis always spans the window, however few points have come yet.
-    scales: { x: { time: true, range: (u, min, max) => {
-                const end = Number.isFinite(max) ? max : Date.now() / 1000;
-                return [end - WINDOW_SECONDS, end];
-              } },
-              y: { range: (u, min, max) => [0, Math.max(max, 1)] } },
-    series: [{}, ...CHARTS[name].map(([label, stroke]) => ({ label, stroke, width: 1.5, points: { show: false } }))],
-    axes: [{}, { size: 52 }],
-  }, series[name], box);
-  return plots[name];
+/** One sample into every chart (a gap in each while the engine gave no numbers). */
+function plotSample(at, metrics, draw = true) {
+  const d = derivation.next(at, metrics);
+  for (const [name, spec] of Object.entries(CHARTS)) {
+    charts[name].push(at, spec.series.map(([, , key]) => (d.empty ? null : d[key])), draw);
+  }
+  // How many samples the charts hold (for a reader of the page, and its tests).
+  document.getElementById("charts").dataset.samples = String(charts.rates.data[0].length);
 }
 
-function push(name, at, values) {
-  const data = series[name];
-  data[0].push(at);
-  values.forEach((v, i) => data[i + 1].push(v));
-  while (data[0].length && data[0][0] < at - WINDOW_SECONDS) data.forEach((column) => column.shift());
-  const plot = plotFor(name);
-  if (plot) plot.setData(data);
+/** The last five minutes the server sampled: the charts start full when the page opens. */
+function onHistory(history) {
+  derivation = new Derivation();
+  Object.values(charts).forEach((chart) => chart.clear());
+  for (const row of historyRows(history)) plotSample(row.at, row.metrics, false);
+  Object.values(charts).forEach((chart) => chart.draw());
 }
 
 // --------------------------------------------------------------------------- metrics
@@ -49,7 +48,8 @@ function push(name, at, values) {
 const GROUPS = [
   ["Now", ["num_running_requests", "num_waiting_requests", "kv_pages_used", "kv_pages_total", "kv_cache_usage",
            "prefix_cache_hit_rate"]],
-  ["Counters", ["num_finished_requests", "num_prefill_steps", "num_decode_steps", "num_preemptions",
+  ["Counters", ["num_finished_requests", "num_aborted_requests", "num_failed_requests", "num_prefill_steps",
+                "num_decode_steps", "num_preemptions",
                 "prefill_tokens_processed", "decode_tokens_processed", "jump_forward_tokens_processed"]],
   ["MLC sums (move when a request finishes)", ["prompt_tokens_sum", "completion_tokens_sum", "prefill_tokens_sum",
            "decode_tokens_sum", "jump_forward_tokens_sum", "engine_prefill_time_sum", "engine_decode_time_sum",
@@ -74,17 +74,27 @@ function row(label, value, header = false) {
   return tr;
 }
 
+// MLC's rates are averages over the time the engine spent in those steps since its last reset, not
+// the live rate the charts and the overview show: said beside them.
+const EXPLAINED = {
+  prefill_tokens_per_s: "prefill_tokens_per_s (prefill tokens ÷ prefill step time, since reset)",
+  decode_tokens_per_s: "decode_tokens_per_s (decode tokens ÷ decode step time, since reset)",
+};
+
 function renderMetrics(m) {
   const body = document.querySelector("#metrics tbody");
   const rows = [];
   for (const [title, keys] of GROUPS) {
     rows.push(row(title, null, true));
-    for (const key of keys) if (key in m) rows.push(row(key, fmt.metric(key, m[key])));
+    for (const key of keys) if (key in m) rows.push(row(EXPLAINED[key] || key, fmt.metric(key, m[key])));
   }
-  rows.push(row("Latency (p50 / p90 / p99, count)", null, true));
+  const window = (d, name) => (d[name] && d[name].count
+    ? `${fmt.seconds(d[name].p50)} / ${fmt.seconds(d[name].p99)}, ${fmt.count(d[name].count)}` : "none");
+  rows.push(row("Latency (p50 / p99, count): last minute; last 5 minutes; last 4,096 (p50 / p90 / p99)", null, true));
   for (const key of DISTRIBUTIONS) {
     const d = m[key];
-    if (d) rows.push(row(key, `${fmt.seconds(d.p50)} / ${fmt.seconds(d.p90)} / ${fmt.seconds(d.p99)}, ${fmt.count(d.count)}`));
+    if (d) rows.push(row(key, `${window(d, "last_60s")}; ${window(d, "last_300s")}; ` +
+                              `${fmt.seconds(d.p50)} / ${fmt.seconds(d.p90)} / ${fmt.seconds(d.p99)}`));
   }
   const last = m.last_finished_request || {};
   rows.push(row("Last finished request", null, true));
@@ -101,57 +111,71 @@ function renderMetrics(m) {
 
 const historyUrl = document.getElementById("recent-module").dataset.history;
 
-function renderRecent(recent) {
-  const body = document.querySelector("#recent tbody");
-  if (!recent.length) {
+/** A table body of one row per item (`cells(item)`: texts, never HTML), or one row saying it is empty. */
+function fillTable(body, items, cells, emptyText, decorate = null) {
+  if (!items.length) {
     const tr = document.createElement("tr");
     tr.className = "empty";
     const td = document.createElement("td");
-    td.colSpan = 9;
-    td.textContent = "No request has ended since the engine started or was reset.";
+    td.colSpan = body.closest("table").querySelectorAll("thead th").length;
+    td.textContent = emptyText;
     tr.append(td);
     body.replaceChildren(tr);
     return;
   }
-  body.replaceChildren(...recent.map((r) => {
+  body.replaceChildren(...items.map((item) => {
     const tr = document.createElement("tr");
-    const cells = [r.request_id, fmt.count(r.prompt_tokens), fmt.count(r.completion_tokens), fmt.seconds(r.queue_s),
-      fmt.seconds(r.ttft_s), fmt.rate(r.decode_tokens_per_s), fmt.seconds(r.end_to_end_s), r.finish_reason];
-    for (const value of cells) {
+    for (const value of cells(item)) {
       const td = document.createElement("td");
       td.textContent = value;  // ids and reasons come from clients: text, never HTML
       tr.append(td);
     }
-    if (r.disagg) {  // one half of a disaggregated request: the other has the same id on its engine
+    if (item.disagg) {  // one half of a disaggregated request: the other has the same id on its engine
       const tag = document.createElement("span");
       tag.className = "disagg-tag";
-      tag.textContent = r.disagg;
+      tag.textContent = item.disagg;
       tag.title = "Disaggregated serving: the other half ran on another engine under the same request id";
       tr.firstChild.append(tag);
     }
-    const link = document.createElement("a");
-    link.href = `${historyUrl}?q=${encodeURIComponent(r.request_id)}`;
-    link.textContent = "history";
-    const td = document.createElement("td");
-    td.append(link);
-    tr.append(td);
+    if (decorate) decorate(item, tr);
     return tr;
   }));
 }
 
-// ---------------------------------------------------------------------------- state
+function renderRecent(recent) {
+  fillTable(document.querySelector("#recent tbody"), recent,
+    (r) => [r.request_id, fmt.count(r.prompt_tokens), fmt.count(r.completion_tokens), fmt.seconds(r.queue_s),
+      fmt.seconds(r.ttft_s), fmt.rate(r.decode_tokens_per_s), fmt.seconds(r.end_to_end_s), r.finish_reason],
+    "No request has ended since the engine started or was reset.",
+    (r, tr) => {
+      const link = document.createElement("a");
+      link.href = `${historyUrl}?q=${encodeURIComponent(r.request_id)}`;
+      link.textContent = "history";
+      const td = document.createElement("td");
+      td.append(link);
+      tr.append(td);
+    });
+}
 
-const prefillRate = new Rate();
-const decodeRate = new Rate();
+function renderLive(live) {
+  fillTable(document.querySelector("#live tbody"), live,
+    (r) => [r.request_id, r.phase, fmt.count(r.prompt_tokens), fmt.count(r.output_tokens), fmt.count(r.n),
+      fmt.seconds(r.age_s), fmt.seconds(r.ttft_s)],
+    "No request is in the engine now.");
+  document.getElementById("live-count").textContent = live.length ? `(${live.length})` : "";
+}
+
+// ---------------------------------------------------------------------------- state
 
 function showState(snap) {
   const el = document.querySelector('h1 [data-field="state"]');
   el.textContent = fmt.state(snap);
   el.dataset.state = fmt.stateKind(snap);
   const reason = document.getElementById("engine-reason");
-  const healthy = snap.state === "running" && !snap.slow;
+  const healthy = snap.state === "running" && !snap.slow && !snap.draining;
   reason.hidden = healthy;
   if (healthy) reason.textContent = "";
+  else if (snap.draining) reason.textContent = "The server is shutting down: it refuses new requests (503) while those in flight finish.";
   else if (snap.state === "running") reason.textContent = "The engine runs but did not answer the last read in 2 s (a long step or compilation holds it); its numbers are back as soon as it answers.";
   else reason.textContent = `The engine is ${fmt.state(snap)}; its requests answer 503 meanwhile.`;
   controls.engineDown = snap.state === "running" ? null : `the engine is ${fmt.state(snap)}`;
@@ -199,18 +223,11 @@ function onSnapshot(snap) {
   showProfile(snap.profile);
   const m = snap.metrics;
   document.getElementById("metrics-module").classList.toggle("stale", !m);
+  plotSample(snap.at, m);
   if (!m) return;
-  const at = snap.at;
-  const prefill = prefillRate.update(m.prefill_tokens_processed, at);
-  const decode = decodeRate.update(m.decode_tokens_processed, at);
-  if (prefill != null && decode != null) push("rates", at, [prefill, decode]);
-  push("requests", at, [m.num_running_requests, m.num_waiting_requests]);
-  push("kv", at, [m.kv_cache_usage * 100]);
-  push("latency", at, [m.ttft_s.p50, m.ttft_s.p99, m.inter_token_latency_s.p50, m.inter_token_latency_s.p99]
-    .map((s) => s * 1000));
-  push("preemptions", at, [m.num_preemptions]);
   renderMetrics(m);
   if (snap.recent_requests) renderRecent(snap.recent_requests);
+  if (snap.live_requests) renderLive(snap.live_requests);
 }
 
 // -------------------------------------------------------------------------- controls
@@ -276,6 +293,7 @@ function onActionEvent(event) {
 
 const socket = connect(page.dataset.ws, (message) => {
   if (message.type === "snapshot") onSnapshot(message);
+  else if (message.type === "history") onHistory(message);
   else onActionEvent(message);
 });
 

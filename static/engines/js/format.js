@@ -18,6 +18,16 @@ export function seconds(value) {
   return `${value.toPrecision(3)} s`;
 }
 
+const short = new Intl.NumberFormat(undefined, { notation: "compact", maximumFractionDigits: 1 });
+
+/** An axis label: "950", "1.2K", "20K", "0.25" (a few characters, whatever the magnitude). */
+export function compact(value) {
+  if (value == null || Number.isNaN(value)) return "–";
+  if (Math.abs(value) >= 1000) return short.format(value);
+  if (Number.isInteger(value)) return String(value);
+  return Math.abs(value) >= 10 ? value.toFixed(0) : String(Number(value.toPrecision(2)));
+}
+
 export function percent(fraction) {
   return fraction == null || Number.isNaN(fraction) ? "–" : `${(fraction * 100).toFixed(1)} %`;
 }
@@ -33,6 +43,7 @@ export function metric(key, value) {
 
 /** Engine state as shown: "running", "running, slow to answer", "restarting (why)", "dead (why, restarts N)". */
 export function state(snapshot) {
+  if (snapshot.draining) return "draining (the server is shutting down)";
   const s = snapshot.state;
   if (s === "dead") return `dead (${snapshot.reason || "unknown"}, restarts ${snapshot.restarts})`;
   if (s === "restarting") return `restarting (${snapshot.reason || "unknown"})`;
@@ -42,5 +53,6 @@ export function state(snapshot) {
 
 /** The state a badge is coloured by: the engine's, or "slow" while it runs but does not answer. */
 export function stateKind(snapshot) {
+  if (snapshot.draining) return "draining";
   return snapshot.state === "running" && snapshot.slow ? "slow" : snapshot.state;
 }

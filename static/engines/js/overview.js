@@ -1,30 +1,38 @@
-// The engines overview: one row per engine, updated from the overview socket's snapshots.
+// The engines overview: one row per engine, updated from the overview socket's snapshots, its
+// sparkline of the last minute's decode tokens/s starting full from the server's history.
+import { Derivation, historyRows, TimeChart } from "./charts.js";
 import * as fmt from "./format.js";
-import { connect, Rate } from "./live.js";
+import { connect } from "./live.js";
 
 const SPARK_SECONDS = 60;
-const rows = new Map(); // engine name -> {el, prefill, decode, history, plot}
-
-for (const el of document.querySelectorAll("tr.engine-row")) {
-  rows.set(el.dataset.engine, { el, prefill: new Rate(), decode: new Rate(), history: [[], []], plot: null });
-}
+const rows = new Map(); // engine name -> {el, derivation, spark}
 
 function field(row, name) {
   return row.el.querySelector(`[data-field="${name}"]`);
 }
 
-function sparkline(row) {
-  const box = field(row, "sparkline");
-  if (!row.plot && window.uPlot && box) {
-    row.plot = new uPlot({
-      width: 160, height: 36, legend: { show: false }, cursor: { show: false },
-      axes: [{ show: false }, { show: false }],
-      scales: { x: { time: false, range: (u, min, max) => [max - SPARK_SECONDS, max] },
-                y: { range: (u, min, max) => [0, Math.max(max, 1)] } },
-      series: [{}, { stroke: "#417690", fill: "rgba(65,118,144,0.15)", width: 1.5, points: { show: false } }],
-    }, row.history, box);
-  }
-  if (row.plot) row.plot.setData(row.history);
+for (const el of document.querySelectorAll("tr.engine-row")) {
+  const row = { el, derivation: new Derivation(), spark: null };
+  row.spark = new TimeChart(field(row, "sparkline"), {
+    series: [["decode tok/s", "#417690"]], kind: "rate", height: 36, window: SPARK_SECONDS, compact: true,
+  });
+  rows.set(el.dataset.engine, row);
+}
+
+/** The rates of one sample (a snapshot or a history row), into the row's sparkline. */
+function plot(row, at, metrics, draw = true) {
+  const d = row.derivation.next(at, metrics);
+  row.spark.push(at, [d.empty ? null : d.decode], draw);
+  return d;
+}
+
+function onHistory(history) {
+  const row = rows.get(history.engine);
+  if (!row) return;
+  row.derivation = new Derivation();
+  row.spark.clear();
+  for (const sample of historyRows(history)) plot(row, sample.at, sample.metrics, false);
+  row.spark.draw();
 }
 
 function update(snap) {
@@ -36,6 +44,7 @@ function update(snap) {
   stateEl.dataset.state = fmt.stateKind(snap);
   field(row, "backend").textContent = snap.backend;
   field(row, "dtype").textContent = snap.dtype;
+  const d = plot(row, snap.at, m);
   if (!m) {
     for (const name of ["running", "waiting", "kv", "prefill-rate", "decode-rate", "ttft-p50", "ttft-p99"]) {
       field(row, name).textContent = "–";
@@ -46,26 +55,17 @@ function update(snap) {
   field(row, "waiting").textContent = fmt.count(m.num_waiting_requests);
   field(row, "kv").textContent = fmt.percent(m.kv_cache_usage);
   field(row, "kv-bar").style.width = `${Math.min(100, m.kv_cache_usage * 100)}%`;
-  const prefill = row.prefill.update(m.prefill_tokens_processed, snap.at);
-  const decode = row.decode.update(m.decode_tokens_processed, snap.at);
-  if (prefill != null) field(row, "prefill-rate").textContent = fmt.rate(prefill);
-  if (decode != null) {
-    field(row, "decode-rate").textContent = fmt.rate(decode);
-    const [xs, ys] = row.history;
-    xs.push(snap.at);
-    ys.push(decode);
-    while (xs.length && xs[0] < snap.at - SPARK_SECONDS) {
-      xs.shift();
-      ys.shift();
-    }
-    sparkline(row);
-  }
-  field(row, "ttft-p50").textContent = fmt.seconds(m.ttft_s.p50);
-  field(row, "ttft-p99").textContent = fmt.seconds(m.ttft_s.p99);
+  if (d.prefill != null) field(row, "prefill-rate").textContent = fmt.rate(d.prefill);
+  if (d.decode != null) field(row, "decode-rate").textContent = fmt.rate(d.decode);
+  // The last minute's TTFT: a stall ten minutes ago no longer holds the p99 up.
+  const recent = m.ttft_s.last_60s;
+  field(row, "ttft-p50").textContent = recent.count ? fmt.seconds(recent.p50) : "–";
+  field(row, "ttft-p99").textContent = recent.count ? fmt.seconds(recent.p99) : "–";
 }
 
 if (rows.size) {
   connect("/ws/engines/", (message) => {
     if (message.type === "snapshot") update(message);
+    else if (message.type === "history") onHistory(message);
   });
 }

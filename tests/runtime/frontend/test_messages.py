@@ -38,6 +38,7 @@ SAMPLES = [
     m.StepOutputs([RequestOutput("r1", [ChoiceDelta(0, "hi", [5], None, FinishReason.STOP)], {"prompt_tokens": 3})]),
     m.Aborted("r1"),
     m.Reply(7, True, {"ttft_s": 0.1}),
+    m.Reply(11, True, m.RequestsView(live=[{"request_id": "r2", "phase": "decode"}], ended=[{"request_id": "r1"}])),
     m.Dead("RuntimeError('boom')"),
     m.EngineSpec(Path("/tmp/model"), "demo", EngineConfig(max_num_seqs=4)),
     m.EngineSpec(Path("/tmp/model"), "demo", EngineConfig(max_num_seqs=4),
@@ -58,10 +59,11 @@ def test_every_message_class_is_covered_by_the_samples() -> None:
     classes = {getattr(m, name) for name in m.__all__ if dataclasses.is_dataclass(getattr(m, name))}
     covered = {type(s) for s in SAMPLES} | {type(s.call) for s in SAMPLES if isinstance(s, m.Call)}
     # Failed and Rejected carry an exception, which compares by identity: checked below;
-    # ServerTraceEvent, EngineInfo and KVListenSpec travel inside ServerTraceEvents, Ready and
-    # EngineSpec; LocalCall never leaves its process (tests/runtime/frontend/test_kv_http.py).
+    # ServerTraceEvent, EngineInfo, KVListenSpec and RequestsView travel inside ServerTraceEvents,
+    # Ready, EngineSpec and a Reply (sampled above); LocalCall never leaves its process
+    # (tests/runtime/frontend/test_kv_http.py).
     assert classes - covered == {m.Failed, m.Rejected, m.ServerTraceEvent, m.EngineInfo, m.KVListenSpec,
-                                 m.LocalCall}
+                                 m.LocalCall, m.RequestsView}
 
 
 def test_error_messages_keep_their_exception() -> None:

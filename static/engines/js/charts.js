@@ -1,0 +1,182 @@
+// Live time-series charts on uPlot for the engine page and the overview: the last five minutes,
+// in the admin's colours (light or dark, redrawn when the theme changes), y labels sized to fit,
+// whole numbers on count axes, each legend showing the newest values until the cursor points at
+// others, and a gap (not a line) where the engine gave no numbers.
+import * as fmt from "./format.js";
+
+export const WINDOW_SECONDS = 300;
+
+// What each kind of axis shows, and the steps its ticks may take.
+const KINDS = {
+  count: { format: (v) => fmt.compact(v), incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1e3, 2e3, 5e3, 1e4, 2e4, 5e4, 1e5, 2e5, 5e5, 1e6] },
+  rate: { format: (v) => fmt.compact(v) },
+  percent: { format: (v) => `${Math.round(v)} %`, max: 100 },
+  ms: { format: (v) => fmt.compact(v) },
+};
+
+function colors() {
+  const css = getComputedStyle(document.documentElement);
+  const read = (name, fallback) => css.getPropertyValue(name).trim() || fallback;
+  return { text: read("--body-quiet-color", "#666"), grid: read("--hairline-color", "#e8e8e8") };
+}
+
+// Charts to redraw when the admin's theme toggle or the system's colour scheme changes.
+const live = new Set();
+const redrawAll = () => live.forEach((chart) => chart.rebuild());
+new MutationObserver(redrawAll).observe(document.documentElement, { attributes: true, attributeFilter: ["data-theme"] });
+window.matchMedia?.("(prefers-color-scheme: dark)").addEventListener?.("change", redrawAll);
+// A window made narrower or wider: each chart takes its box's new width (after the resizing settles).
+let resizing = null;
+window.addEventListener("resize", () => {
+  clearTimeout(resizing);
+  resizing = setTimeout(redrawAll, 200);
+});
+
+// The y axis as wide as its longest label (uPlot's fixed default clipped "20,000" to "ɛ0,000").
+function axisSize(u, values, axisIdx, cycleNum) {
+  const axis = u.axes[axisIdx];
+  if (cycleNum > 1) return axis._size;
+  let size = axis.ticks.size + axis.gap;
+  const longest = (values || []).reduce((a, v) => (String(v).length > a.length ? String(v) : a), "");
+  if (longest) {
+    u.ctx.font = axis.font[0];
+    size += u.ctx.measureText(longest).width / devicePixelRatio;
+  }
+  return Math.ceil(size) + 4;
+}
+
+export class TimeChart {
+  /**
+   * box: the element to draw in; series: [[label, colour], ...]; kind: count | rate | percent | ms.
+   * window: seconds shown (the x axis always spans it, however few points have come).
+   */
+  constructor(box, { series, kind = "rate", height = 170, window = WINDOW_SECONDS, compact = false }) {
+    this.box = box;
+    this.series = series;
+    this.kind = KINDS[kind];
+    this.height = height;
+    this.window = window;
+    this.compact = compact; // a sparkline: no axes, no legend
+    this.data = [[], ...series.map(() => [])];
+    this.plot = null;
+    live.add(this);
+    this.rebuild();
+  }
+
+  rebuild() {
+    if (!window.uPlot || !this.box) return;
+    if (this.plot) this.plot.destroy();
+    const c = colors();
+    const kind = this.kind;
+    const axisY = {
+      stroke: c.text, grid: { stroke: c.grid, width: 1 }, ticks: { stroke: c.grid, width: 1 },
+      size: axisSize, values: (u, splits) => splits.map(kind.format),
+      ...(kind.incrs ? { incrs: kind.incrs } : {}),
+    };
+    const windowed = (u, min, max) => {
+      const end = Number.isFinite(max) ? max : Date.now() / 1000;
+      return [end - this.window, end];
+    };
+    this.plot = new uPlot({
+      width: this.compact ? this.box.clientWidth || 160 : Math.max(280, this.box.clientWidth - 8),
+      height: this.height,
+      legend: { show: !this.compact, live: true },
+      cursor: { show: !this.compact },
+      scales: {
+        x: { time: !this.compact, range: windowed },
+        // From zero, a little above the highest value, never below 1 (an idle chart reads 0 to 1).
+        y: { range: (u, min, max) => [0, kind.max ?? Math.max(Number.isFinite(max) ? max * 1.1 : 1, 1)] },
+      },
+      series: [{}, ...this.series.map(([label, stroke]) => ({
+        label, stroke, width: 1.5, points: { show: false }, value: (u, v) => (v == null ? "–" : kind.format(v)),
+        ...(this.compact ? { fill: `${stroke}26` } : {}),
+      }))],
+      axes: this.compact ? [{ show: false }, { show: false }]
+        : [{ stroke: c.text, grid: { stroke: c.grid, width: 1 }, ticks: { stroke: c.grid, width: 1 } }, axisY],
+      hooks: { setCursor: [(u) => { if (u.cursor.left == null || u.cursor.left < 0) this.showLatest(); }] },
+    }, this.data, this.box);
+    this.showLatest();
+  }
+
+  /** The legend shows the newest values while the cursor is off the chart. */
+  showLatest() {
+    const n = this.data[0].length;
+    if (this.plot && n && !this.compact) this.plot.setLegend({ idx: n - 1 });
+  }
+
+  /** Add one sample (values in series order; null: no value, drawn as a gap). */
+  push(at, values, draw = true) {
+    const xs = this.data[0];
+    if (xs.length && at <= xs[xs.length - 1]) return; // the history's last sample again
+    xs.push(at);
+    values.forEach((v, i) => this.data[i + 1].push(v == null || !Number.isFinite(v) ? null : v));
+    while (xs.length && xs[0] < at - this.window) this.data.forEach((column) => column.shift());
+    if (draw) this.draw();
+  }
+
+  /** Drop every sample (a page that gets the history again after a reconnection). */
+  clear() {
+    this.data = [[], ...this.series.map(() => [])];
+  }
+
+  draw() {
+    if (!this.plot) return this.rebuild();
+    this.plot.setData(this.data);
+    this.showLatest();
+  }
+}
+
+/**
+ * The engine's numbers a chart draws, from one sample (a snapshot, or a row of the history):
+ * gauges as they are, counters turned into per-second rates against the previous sample (null
+ * after a gap or a reset), percentiles in milliseconds. `metrics` null: the engine gave none.
+ */
+export class Derivation {
+  constructor() {
+    this.last = null;
+  }
+
+  next(at, m) {
+    const last = this.last;
+    this.last = m ? { at, m } : null;
+    const rate = (key) => {
+      if (!m || !last || at <= last.at || m[key] < last.m[key]) return null;
+      return (m[key] - last.m[key]) / (at - last.at);
+    };
+    if (!m) return { empty: true };
+    const steps = last && m.num_decode_steps >= last.m.num_decode_steps ? m.num_decode_steps - last.m.num_decode_steps : 0;
+    const tokens = last ? m.decode_tokens_processed - last.m.decode_tokens_processed : 0;
+    const ms = (d, p) => (d && d.last_60s && d.last_60s.count ? d.last_60s[p] * 1000 : null);
+    return {
+      prefill: rate("prefill_tokens_processed"),
+      decode: rate("decode_tokens_processed"),
+      running: m.num_running_requests,
+      waiting: m.num_waiting_requests,
+      batch: steps > 0 && tokens >= 0 ? tokens / steps : null,
+      kv: m.kv_cache_usage * 100,
+      ttft50: ms(m.ttft_s, "p50"),
+      ttft99: ms(m.ttft_s, "p99"),
+      itl50: ms(m.token_gap_s, "p50"),
+      itl99: ms(m.token_gap_s, "p99"),
+      finished: rate("num_finished_requests"),
+      aborted: rate("num_aborted_requests"),
+      failed: rate("num_failed_requests"),
+      preemptions: rate("num_preemptions"),
+    };
+  }
+}
+
+/** An EngineHistory message's rows, each as {at, metrics} (metrics nested as a snapshot's, or null). */
+export function historyRows(history) {
+  return history.values.map((row, i) => {
+    if (row.every((v) => v == null)) return { at: history.at[i], metrics: null };
+    const m = {};
+    history.fields.forEach((path, j) => {
+      const keys = path.split(".");
+      let node = m;
+      keys.slice(0, -1).forEach((k) => { node = node[k] ??= {}; });
+      node[keys[keys.length - 1]] = row[j];
+    });
+    return { at: history.at[i], metrics: m };
+  });
+}
