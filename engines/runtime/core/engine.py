@@ -526,16 +526,23 @@ class Engine:
                          or c.seq.request.params.logprobs or c.seq.sampling.modifies_logits for c in sampled)
         tracer, prof = self.tracer, self.profiler
         if tracer is not None:
+            # Each request's lane gets its own chunk's phase (a decode riding along a prefill step is
+            # a decode there); the engine lane gets the step's (prefill if any chunk prefills).
             kind = "prefill" if sched.num_prefill_tokens else "decode"
-            lane_ids = [c.seq.request.request_id for c in chunks]
-            tracer.add_event(lane_ids, f"start {kind}", {"batch_size": len(chunks)}, engine_lane=True)
+            prefill_ids = [c.seq.request.request_id for c in chunks if c.prefills]
+            decode_ids = [c.seq.request.request_id for c in chunks if not c.prefills]
+            step_args = {"batch_size": len(chunks)}
+            tracer.add_event(prefill_ids, "start prefill", step_args, engine_lane=kind == "prefill")
+            tracer.add_event(decode_ids, "start decode", step_args, engine_lane=kind == "decode")
         if prof is not None:
             prof.lap("prepare")
         result = (self.model.forward_greedy if greedy else self.model.forward)(batch, self.kv)
         if prof is not None:
             prof.lap("forward")
         if tracer is not None:
-            tracer.add_event(lane_ids, f"finish {kind}", {"tokens": sched.num_tokens}, engine_lane=True)
+            step_args = {"tokens": sched.num_tokens}
+            tracer.add_event(prefill_ids, "finish prefill", step_args, engine_lane=kind == "prefill")
+            tracer.add_event(decode_ids, "finish decode", step_args, engine_lane=kind == "decode")
         if len(rows) < len(chunks):  # some chunks end mid-prompt: keep the sampling rows
             result = result[rows]
         if greedy:

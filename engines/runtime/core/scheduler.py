@@ -48,6 +48,12 @@ class ScheduledChunk:
         return self.start + self.num_tokens == len(self.seq.token_ids)
 
     @property
+    def prefills(self) -> bool:
+        """Whether this chunk computes prompt tokens (a prefill chunk; else a decode: the token
+        sampled last step, or tokens a grammar forced)."""
+        return self.start < self.seq.num_prompt_tokens
+
+    @property
     def samples(self) -> bool:
         """Whether a new token is sampled after this chunk: it completes the sequence, which is not
         one that only prefills to send its K/V to another engine."""

@@ -596,3 +596,24 @@ def test_ttft_counts_when_the_first_token_comes_not_when_the_request_ends(make_e
     m = engine.metrics.as_dict()
     assert m["num_finished_requests"] == 0 and m["num_running_requests"] == 3  # all still streaming
     assert m["ttft_s"]["last_60s"]["count"] == 3 and m["ttft_s"]["last_60s"]["p99"] > 0
+
+
+def test_a_decode_in_a_step_that_prefills_another_request_is_a_decode_on_its_lane(make_engine, demo):
+    """A step carries one request's prefill chunk and another's decode: each lane shows its own
+    phase (the engine lane the step's), so the decoding request is not charged the prefill."""
+    from tests.runtime.demo_engine import lane_events
+
+    engine = make_engine(tracing=True, prefill_chunk_size=64)
+    engine.add_request(request("early", prompts(demo, 1)[0], max_tokens=30, ignore_eos=True))
+    for _ in range(3):
+        engine.step()  # its prefill, then decodes
+    engine.add_request(request("late", prompts(demo, 1, length=150, seed=1)[0], max_tokens=2, ignore_eos=True))
+    while engine.has_work:
+        engine.step()
+    trace = engine.tracer.dump()
+    early = [e["name"] for e in lane_events(trace, "early") if e["ph"] in ("B", "X")]
+    late = [e["name"] for e in lane_events(trace, "late") if e["ph"] in ("B", "X")]
+    assert sum(name.startswith("prefill") for name in early) == 1  # its own, once
+    assert sum(name.startswith("prefill") for name in late) == 3   # 150 tokens in chunks of at most 64
+    engine_lane = [e for e in trace["traceEvents"] if e.get("tid") == 0 and e["ph"] in ("B", "X")]
+    assert sum(e["name"].startswith("prefill") for e in engine_lane) == 4  # every step with a prefill in it
