@@ -126,6 +126,42 @@ async def test_live_timeline_follows_the_engine_and_matches_its_dump(page, dashb
     assert after[1] - after[0] < (before[1] - before[0]) / 2
     assert after[2] != before[2]
 
+    # A lane's label, cut short in the gutter, shows its whole id on hover.
+    label = await page.evaluate("""() => {
+      const v = window.timeline.view; const i = v.lanes.indexOf(v.highlight);
+      return {x: 40, y: 24 + v.laneTops[i] - v.scroller.scrollTop + 7};
+    }""")
+    await page.mouse.move(box["x"] + label["x"], box["y"] + label["y"])
+    await page.wait_for_selector("#timeline-tooltip:not([hidden])")
+    assert (await page.text_content("#timeline-tooltip .tip-title")) == HOSTILE_ID
+
+
+async def test_after_an_engine_restart_the_live_ruler_counts_from_zero_again(page, dashboard_server: LiveServer) -> None:
+    import os
+    import signal
+
+    base = dashboard_server.base
+    await page.goto(f"{base}/dashboard/engines/demo/timeline/")
+    with httpx.Client(base_url=base, timeout=60) as http:
+        http.post("/v1/completions", json={"model": "demo", "prompt": "before", "max_tokens": 4})
+    await wait_for(page, "window.timeline.model.lanes.length >= 2")
+    os.kill(dashboard_server.engine_pid(), signal.SIGKILL)
+    await page.wait_for_selector("#timeline-notice >> text=restarted", timeout=60000)
+    await asyncio.sleep(1)
+    # Nothing recorded yet by the new engine: the ruler reads from the restart (seconds), not from
+    # the epoch ("+1795756606.0 s").
+    offsets = await page.evaluate("() => window.timeline.view.ticks.map(t => t - window.timeline.model.origin)")
+    assert offsets and all(abs(t) < 600e6 for t in offsets), offsets
+    await page.screenshot(path=str(SHOTS / "timeline-after-restart.png"), full_page=True)
+    with httpx.Client(base_url=base, timeout=60) as http:   # back: the new trace's events from zero
+        for _ in range(60):
+            if http.post("/v1/completions", json={"model": "demo", "prompt": "after", "max_tokens": 4}).status_code == 200:
+                break
+            await asyncio.sleep(1)
+    await wait_for(page, "window.timeline.model.lanes.length >= 2")
+    offsets = await page.evaluate("() => window.timeline.view.ticks.map(t => t - window.timeline.model.origin)")
+    assert all(abs(t) < 600e6 for t in offsets)
+
 
 async def test_saved_timeline_shows_the_record_its_summaries_and_downloads(page, dashboard_server: LiveServer) -> None:
     base = dashboard_server.base

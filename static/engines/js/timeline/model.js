@@ -155,11 +155,18 @@ export class TraceModel {
     this.version = 0; // bumped on every change: views redraw and re-index when it moves
   }
 
-  /** Forget everything (the engine restarted with a new recorder); views see a new version. */
-  reset() {
+  /** Forget everything (the engine restarted with a new recorder); views see a new version.
+   * `epoch` (trace µs, optional): when that happened, the ruler's zero until an event comes. */
+  reset(epoch = null) {
     const version = this.version;
     Object.assign(this, new TraceModel());
     this.version = version + 1;
+    this.epoch = epoch;
+  }
+
+  /** The ruler's zero: the first event, or the restart before any came. */
+  get origin() {
+    return Number.isFinite(this.first) ? this.first : (this.epoch ?? null);
   }
 
   nameId(base) {

@@ -74,34 +74,52 @@ function updateLegend() {
 
 // ----------------------------------------------------------------------------- tooltip
 
-function showTooltip(found, clientX, clientY) {
-  const tip = $("timeline-tooltip");
-  if (!found || !found.kind) {
-    tip.hidden = true;
-    return;
-  }
+// What "(n)" after a span's name means, said in every tooltip that shows one.
+const COUNTER_NOTE = "the nth span of that name on this lane, e.g. prefill (2): the request's second prefill chunk";
+
+function tooltipLines(found) {
   const { row, index, lane } = found;
+  if (!found.kind) { // a lane's label, cut short in the gutter: its whole id
+    const lines = [[lane.label, ""], ["lane", lane.kind === "engine" ? "the engine's steps" : "a request's events"]];
+    if (lane.kind === "request") lines.push(["", "click to see its summary"]);
+    return lines;
+  }
   const start = row.start.data[index];
-  const name = found.kind === "span" ? model.spanName(row.name.data[index], row.counter.data[index]) : model.names[row.name.data[index]];
+  const counter = found.kind === "span" ? row.counter.data[index] : 0;
+  const name = found.kind === "span" ? model.spanName(row.name.data[index], counter) : model.names[row.name.data[index]];
   const lines = [[name, ""], ["lane", lane.label], ["start", `+${formatUs(start - model.first)}`]];
   if (found.kind === "span") {
     const open = row.end.data[index] === Infinity;
     lines.push(["duration", `${formatUs(found.end - start)}${open ? " (still open)" : ""}`]);
+    if (name !== model.names[row.name.data[index]]) lines.push(["(n)", COUNTER_NOTE]);
   }
   const args = model.argsOf(row.arg.data[index]);
   for (const [key, value] of Object.entries(args)) {
     lines.push([key, typeof value === "string" ? value : JSON.stringify(value)]);
   }
+  return lines;
+}
+
+function showTooltip(found, clientX, clientY) {
+  const tip = $("timeline-tooltip");
+  if (!found || !found.lane) {
+    tip.hidden = true;
+    return;
+  }
+  const lines = tooltipLines(found);
   tip.replaceChildren(...lines.map(([key, value], i) => {
     const line = document.createElement("div");
     if (i === 0) {
       line.className = "tip-title";
       line.textContent = key;
     } else {
-      const k = document.createElement("span");
-      k.className = "tip-key";
-      k.textContent = `${key}: `;
-      line.append(k, document.createTextNode(value.length > 300 ? `${value.slice(0, 300)}…` : value));
+      if (key) {
+        const k = document.createElement("span");
+        k.className = "tip-key";
+        k.textContent = `${key}: `;
+        line.append(k);
+      }
+      line.append(document.createTextNode(value.length > 300 ? `${value.slice(0, 300)}…` : value));
     }
     return line;
   }));
@@ -408,7 +426,8 @@ function startLive() {
       setText("timeline-notice", "The engine restarted: its trace starts again.");
       cursor = 0;
       held.length = 0;
-      model.reset();
+      // The ruler counts from the restart until the new trace's first event comes.
+      model.reset(clockOffset === null ? null : performance.now() * 1000 + clockOffset);
       stats.missed = 0;
       legendSize = 0;
       $("timeline-legend").replaceChildren();

@@ -41,6 +41,18 @@ export function formatUs(us) {
   return `${us.toFixed(a >= 100 ? 0 : 1)} µs`;
 }
 
+/** The canvas's colours from the admin's CSS variables: light or dark, as the page is. */
+function themeColours() {
+  const css = getComputedStyle(document.documentElement);
+  const read = (name, fallback) => css.getPropertyValue(name).trim() || fallback;
+  return {
+    bg: read("--body-bg", "#fff"), fg: read("--body-fg", "#333"), quiet: read("--body-quiet-color", "#555"),
+    panel: read("--darkened-bg", "#f8f8f8"), line: read("--hairline-color", "#eee"),
+    border: read("--border-color", "#ddd"), accent: read("--link-fg", "#417690"),
+    selected: read("--selected-row", "#eaf2fb"), found: read("--message-warning-bg", "#fff5c2"),
+  };
+}
+
 export class TimelineView {
   /**
    * `root` holds a `.tl-minimap` canvas and a `.tl-scroll` div (with a `.tl-canvas` canvas and a
@@ -73,6 +85,13 @@ export class TimelineView {
     this.density = null;
     this.densityVersion = -1;
     this.colours = []; // by name id
+    this.theme = themeColours();
+    const retheme = () => {
+      this.theme = themeColours();
+      this.invalidate();
+    };
+    new MutationObserver(retheme).observe(document.documentElement, { attributes: true, attributeFilter: ["data-theme"] });
+    window.matchMedia?.("(prefers-color-scheme: dark)").addEventListener?.("change", retheme);
     this.bind();
     this.resize();
   }
@@ -190,7 +209,7 @@ export class TimelineView {
     const ctx = this.ctx;
     const dpr = this.dpr;
     ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
-    ctx.fillStyle = "#fff";
+    ctx.fillStyle = this.theme.bg;
     ctx.fillRect(0, 0, this.width, this.height);
     ctx.font = "11px system-ui, sans-serif";
     ctx.textBaseline = "middle";
@@ -217,7 +236,7 @@ export class TimelineView {
       if (y0 > this.height) break;
       const lane = this.lanes[li];
       if (lane === this.selectedLane || lane === this.highlight) {
-        ctx.fillStyle = lane === this.highlight ? "#fff5c2" : "#eaf2fb";
+        ctx.fillStyle = lane === this.highlight ? this.theme.found : this.theme.selected;
         ctx.fillRect(0, y0, this.width, tops[li + 1] - tops[li]);
       }
       for (let depth = 0; depth < lane.rows.length; depth++) {
@@ -324,37 +343,37 @@ export class TimelineView {
 
   drawGutter(lo, top, scrollTop) {
     const ctx = this.ctx;
-    ctx.fillStyle = "#f8f8f8";
+    ctx.fillStyle = this.theme.panel;
     ctx.fillRect(0, top, GUTTER, this.height - top);
-    ctx.fillStyle = "#ddd";
+    ctx.fillStyle = this.theme.border;
     ctx.fillRect(GUTTER - 1, top, 1, this.height - top);
     const tops = this.laneTops;
     for (let li = lo; li < this.lanes.length; li++) {
       const y0 = top + tops[li] - scrollTop;
       if (y0 > this.height) break;
       const lane = this.lanes[li];
-      ctx.fillStyle = lane.kind === "engine" ? "#417690" : "#333";
+      ctx.fillStyle = lane.kind === "engine" ? this.theme.accent : this.theme.fg;
       ctx.save();
       ctx.beginPath();
       ctx.rect(0, y0, GUTTER - 6, ROW_H);
       ctx.clip();
       ctx.fillText(lane.label, 6, y0 + ROW_H / 2);
       ctx.restore();
-      ctx.fillStyle = "#eee";
+      ctx.fillStyle = this.theme.line;
       ctx.fillRect(0, top + tops[li + 1] - scrollTop - 1, this.width, 1);
     }
   }
 
   drawRuler() {
     const ctx = this.ctx;
-    ctx.fillStyle = "#f0f3f5";
+    ctx.fillStyle = this.theme.panel;
     ctx.fillRect(0, 0, this.width, RULER_H);
-    ctx.fillStyle = "#ccc";
+    ctx.fillStyle = this.theme.border;
     ctx.fillRect(0, RULER_H - 1, this.width, 1);
-    const origin = Number.isFinite(this.model.first) ? this.model.first : 0;
+    const origin = this.model.origin ?? this.t0;
     const step = niceStep(this.t1 - this.t0);
     const first = Math.ceil((this.t0 - origin) / step) * step + origin;
-    ctx.fillStyle = "#555";
+    ctx.fillStyle = this.theme.quiet;
     ctx.textBaseline = "middle";
     const ticks = [];
     for (let t = first; t <= this.t1; t += step) {
@@ -378,7 +397,7 @@ export class TimelineView {
     const ctx = this.mctx;
     const dpr = this.dpr;
     ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
-    ctx.fillStyle = "#f8f8f8";
+    ctx.fillStyle = this.theme.panel;
     ctx.fillRect(0, 0, this.width, MINIMAP_H);
     const { first } = this.model;
     if (!Number.isFinite(first)) return;
