@@ -97,7 +97,8 @@ def local_login(request: HttpRequest, uid: str, token: str) -> HttpResponse:
 
 @staff_member_required
 def playground(request: HttpRequest) -> HttpResponse:
-    """``/dashboard/playground/``: send a chat or completion request to an engine and watch it stream."""
+    """``/dashboard/playground/``: chat with an engine (or complete a prompt), watch the answer stream
+    with its logprobs and metrics, and take the request away as curl."""
     context = page_context(request, "Playground", engines=[engine_facts(engine) for engine in registry],
                            debug_enabled=registry.options.enable_debug,
                            # Only whether a key is set, never the key: its "Copy as curl" then adds the header.
