@@ -164,9 +164,19 @@ async def test_overview_shows_the_demo_engine_live_and_load_moves_it(page, dashb
                }""", timeout=30000)
         await asyncio.sleep(2)  # a few sparkline points
         await page.screenshot(path=str(SHOTS / "overview-load.png"), full_page=True)
+        # The engine's cell names the model it runs, the checkpoint's path on hover.
+        model = page.locator('tr.engine-row[data-engine="smollm2"] .model-name')
+        assert (await model.text_content()).strip() == "SmolLM2-135M-Instruct.Q4_1 · GGUF"
+        assert (await model.get_attribute("title")).endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+        await page.set_viewport_size({"width": 900, "height": 1000})
+        await asyncio.sleep(0.5)
+        await page.screenshot(path=str(SHOTS / "overview-900.png"), full_page=True)
+        assert await page.evaluate("document.documentElement.scrollWidth <= window.innerWidth"), \
+            "the overview overflows a 900 px window"
     finally:
         stop.set()
         worker.join(30)
+        await page.set_viewport_size({"width": 1400, "height": 1000})
 
 
 async def test_engine_page_charts_controls_and_history_link(page, dashboard_server: LiveServer) -> None:
