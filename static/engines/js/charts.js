@@ -14,23 +14,33 @@ const KINDS = {
   ms: { format: (v) => fmt.compact(v) },
 };
 
-function colors() {
+/** The admin's colours for a chart's text and grid, light or dark as the page is now. */
+export function themeColours() {
   const css = getComputedStyle(document.documentElement);
   const read = (name, fallback) => css.getPropertyValue(name).trim() || fallback;
   return { text: read("--body-quiet-color", "#666"), grid: read("--hairline-color", "#e8e8e8") };
 }
 
-// Charts to redraw when the admin's theme toggle or the system's colour scheme changes.
+/** uPlot axes in those colours. */
+export function themedAxis(extra = {}) {
+  const c = themeColours();
+  return { stroke: c.text, grid: { stroke: c.grid, width: 1 }, ticks: { stroke: c.grid, width: 1 }, ...extra };
+}
+
+/** Call `redraw` when the admin's theme toggle or the system's colour scheme changes, and (after
+ * the resizing settles) when the window is made narrower or wider. */
+export function onRestyle(redraw) {
+  new MutationObserver(redraw).observe(document.documentElement, { attributes: true, attributeFilter: ["data-theme"] });
+  window.matchMedia?.("(prefers-color-scheme: dark)").addEventListener?.("change", redraw);
+  let resizing = null;
+  window.addEventListener("resize", () => {
+    clearTimeout(resizing);
+    resizing = setTimeout(redraw, 200);
+  });
+}
+
 const live = new Set();
-const redrawAll = () => live.forEach((chart) => chart.rebuild());
-new MutationObserver(redrawAll).observe(document.documentElement, { attributes: true, attributeFilter: ["data-theme"] });
-window.matchMedia?.("(prefers-color-scheme: dark)").addEventListener?.("change", redrawAll);
-// A window made narrower or wider: each chart takes its box's new width (after the resizing settles).
-let resizing = null;
-window.addEventListener("resize", () => {
-  clearTimeout(resizing);
-  resizing = setTimeout(redrawAll, 200);
-});
+onRestyle(() => live.forEach((chart) => chart.rebuild()));
 
 // The y axis as wide as its longest label (uPlot's fixed default clipped "20,000" to "ɛ0,000").
 function axisSize(u, values, axisIdx, cycleNum) {
@@ -66,13 +76,9 @@ export class TimeChart {
   rebuild() {
     if (!window.uPlot || !this.box) return;
     if (this.plot) this.plot.destroy();
-    const c = colors();
     const kind = this.kind;
-    const axisY = {
-      stroke: c.text, grid: { stroke: c.grid, width: 1 }, ticks: { stroke: c.grid, width: 1 },
-      size: axisSize, values: (u, splits) => splits.map(kind.format),
-      ...(kind.incrs ? { incrs: kind.incrs } : {}),
-    };
+    const axisY = themedAxis({ size: axisSize, values: (u, splits) => splits.map(kind.format),
+                               ...(kind.incrs ? { incrs: kind.incrs } : {}) });
     const windowed = (u, min, max) => {
       const end = Number.isFinite(max) ? max : Date.now() / 1000;
       return [end - this.window, end];
@@ -91,8 +97,7 @@ export class TimeChart {
         label, stroke, width: 1.5, points: { show: false }, value: (u, v) => (v == null ? "–" : kind.format(v)),
         ...(this.compact ? { fill: `${stroke}26` } : {}),
       }))],
-      axes: this.compact ? [{ show: false }, { show: false }]
-        : [{ stroke: c.text, grid: { stroke: c.grid, width: 1 }, ticks: { stroke: c.grid, width: 1 } }, axisY],
+      axes: this.compact ? [{ show: false }, { show: false }] : [themedAxis(), axisY],
       hooks: { setCursor: [(u) => { if (u.cursor.left == null || u.cursor.left < 0) this.showLatest(); }] },
     }, this.data, this.box);
     this.showLatest();

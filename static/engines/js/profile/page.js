@@ -2,6 +2,7 @@
 // engine thread's Python stacks as a flame graph, and the configuration. User text (frame
 // names, config values) only ever goes through textContent or canvas text.
 
+import { onRestyle, themedAxis } from "../charts.js";
 import { count } from "../format.js";
 import { FlameGraph } from "./flame.js";
 
@@ -57,6 +58,7 @@ function stepChart(profile) {
     box.textContent = "No step was profiled.";
     return;
   }
+  if (state.stepChart) state.stepChart.destroy(); // drawn again: another theme or width
   const col = (name) => fields.indexOf(name);
   const xs = rows.map((r) => r[col("index")]);
   const phases = profile.phases.filter((p) => rows.some((r) => r[col(p)] > 0));
@@ -71,7 +73,7 @@ function stepChart(profile) {
   const plot = new uPlot({
     width: Math.max(320, box.clientWidth - 8), height: 260,
     scales: { x: { time: false }, y: { range: (u, min, max) => [0, Math.max(max, 0.001) * 1.05] } },
-    axes: [{ label: "step", size: 36 }, { label: "ms", size: 56 }],
+    axes: [themedAxis({ label: "step", size: 36 }), themedAxis({ label: "ms", size: 56 })],
     legend: { live: true },
     series: [
       // The hovered step's number and its whole time, beside each phase's share of it.
@@ -119,6 +121,7 @@ async function load() {
     ? `${peak.bandwidth_gbs.toFixed(1)} GB/s (${peak.source === "device" ? "the device's" : "measured on this host"})`
     : "unknown";
   stepChart(profile);
+  onRestyle(() => stepChart(profile));
   if (profile.stacks && profile.stacks.samples) {
     state.flame = new FlameGraph($("flame"), $("flame-tip"), profile.stacks);
   }
