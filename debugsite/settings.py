@@ -37,6 +37,9 @@ def _secret_key() -> str:
 SECRET_KEY = _secret_key()
 DEBUG = _env_bool("DEBUG", False)
 ALLOWED_HOSTS = [h.strip() for h in os.environ.get("ALLOWED_HOSTS", "127.0.0.1,localhost,[::1]").split(",") if h.strip()]
+# Origins other than the server's own whose pages may post forms and open the dashboard's
+# websockets (a proxy's https name, say): "https://dash.example.com,https://other.example".
+CSRF_TRUSTED_ORIGINS = [o.strip() for o in os.environ.get("CSRF_TRUSTED_ORIGINS", "").split(",") if o.strip()]
 
 INSTALLED_APPS = [
     "daphne",

@@ -2,8 +2,9 @@
 
 Pages: the trace list (filter, search, compare, retention, delete), the trace detail
 (metadata, statistics, the request table, ``.json`` / ``.json.gz`` downloads), the
-request summary list across all history, and metrics snapshots. Staff only; what a
-user may do follows Django's view / change / delete permissions.
+request summary list across all history, metrics snapshots (charted per engine above their
+list: ``engines.history.metrics_charts``) and profiles. Staff only; what a user may do follows
+Django's view / change / delete permissions.
 
 Lists never load the payload column (``defer``), and nothing on a list page issues a
 query per row: these pages stay fast with 100,000 records and 1,000,000 summaries
@@ -12,6 +13,7 @@ query per row: these pages stay fast with 100,000 records and 1,000,000 summarie
 from __future__ import annotations
 
 import re
+from datetime import datetime, timezone as dt_timezone
 from typing import Any, AsyncIterator, Callable, Iterator
 
 import orjson
@@ -29,12 +31,16 @@ from django.http import HttpRequest, HttpResponse, HttpResponseRedirect, Streami
 from django.template.defaultfilters import filesizeformat
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
+from django.utils import timezone
 from django.utils.functional import cached_property
-from django.utils.html import format_html
+from django.utils.html import format_html, format_html_join
 from django.utils.http import content_disposition_header, urlencode
+from django.utils.text import Truncator
 
+from engines.history.autosave import METRICS_HEARTBEAT_S
 from engines.history.capture import MAX_NOTE_CHARS, normalize_tags
 from engines.history.columns import REQUEST_COLUMNS, RequestColumn
+from engines.history.metrics_charts import snapshot_charts
 from engines.history.payload import iter_json_chunks, payload_problem
 from engines.history.report import PHASE_STATS, REQUEST_STATS, compare_records, trace_report
 from engines.history.retention import apply_retention
@@ -121,6 +127,55 @@ def _ms(value_us: int | None) -> str:
     return "—" if value_us is None else f"{value_us / 1000:,.1f}"
 
 
+#: How much of a note a list row shows (the whole note is the cell's tooltip and on the record).
+LIST_NOTE_CHARS = 90
+
+
+def _note_cell(note: str, tags: list[str] | None = None) -> str:
+    """A list cell with the start of ``note`` (whole in its tooltip) and ``tags`` as labels."""
+    text = format_html('<span class="engines-note" title="{}">{}</span>', note,
+                       Truncator(note).chars(LIST_NOTE_CHARS)) if note else ""
+    labels = format_html_join("", '<span class="engines-tag">{}</span>', ((tag,) for tag in tags or ()))
+    return format_html("{}{}", text, format_html('<span class="engines-tags">{}</span>', labels) if labels else "")
+
+
+def _when_cell(moment: datetime, below: str = "") -> str:
+    """A list cell with a date and time to the second in the site's time zone (the admin's own
+    format has no seconds, and snapshots come seconds apart), and ``below`` under it."""
+    local = timezone.localtime(moment)
+    under = format_html('<span class="engines-quiet">{}</span>', below) if below else ""
+    return format_html('<span class="engines-when">{} <span>{}</span></span>{}', f"{local:%Y-%m-%d}",
+                       f"{local:%H:%M:%S}", under)
+
+
+def _local_time(us: int) -> datetime:
+    return timezone.localtime(datetime.fromtimestamp(us / 1e6, tz=dt_timezone.utc))
+
+
+def _seconds_text(us: float) -> str:
+    """A duration as a person reads it: 850 µs, 12.3 ms, 7.23 s, 3 min 20 s."""
+    if us < 1000:
+        return f"{us:.0f} µs"
+    if us < 1e6:
+        return f"{us / 1000:.3g} ms"
+    if us < 60e6:
+        return f"{us / 1e6:.3g} s"
+    minutes, seconds = divmod(round(us / 1e6), 60)
+    return f"{minutes} min {seconds} s" if minutes < 60 else f"{minutes // 60} h {minutes % 60} min"
+
+
+def capture_window_text(first_us: int | None, last_us: int | None) -> str:
+    """A trace's window (µs since the epoch) in the site's time zone, to the millisecond, and its
+    length: ``2026-11-27 08:41:36.398 – 08:41:43.631 UTC (7.23 s)``."""
+    if first_us is None or last_us is None:
+        return "no events"
+    first, last = _local_time(first_us), _local_time(last_us)
+    end_format = "%H:%M:%S" if first.date() == last.date() else "%Y-%m-%d %H:%M:%S"
+    return (f"{first:%Y-%m-%d %H:%M:%S}.{first.microsecond // 1000:03d} – "
+            f"{last.strftime(end_format)}.{last.microsecond // 1000:03d} {first.tzname()} "
+            f"({_seconds_text(last_us - first_us)})")
+
+
 def _record_id(value: str | None) -> int | None:
     """A trace record id from a query string, or None: ASCII digits only (``str.isdigit`` also
     accepts ``"²"``, which ``int`` refuses) and within a 64-bit column (SQLite overflows past it)."""
@@ -136,8 +191,8 @@ def _safe_filename_part(text: str) -> str:
 
 @admin.register(TraceRecord)
 class TraceRecordAdmin(admin.ModelAdmin):
-    list_display = ("trace_label", "engine", "model", "captured_at", "duration_ms", "event_count",
-                    "request_count", "size")
+    list_display = ("trace_label", "engine_and_model", "captured", "duration_ms", "event_count",
+                    "request_count", "size", "note_and_tags", "timeline_link")
     list_display_links = ("trace_label",)
     list_filter = (("engine", IndexedValuesFilter), ("model", IndexedValuesFilter),
                    ("backend", IndexedValuesFilter), "source", "captured_at")
@@ -185,13 +240,29 @@ class TraceRecordAdmin(admin.ModelAdmin):
     def size(self, obj: TraceRecord) -> str:
         return filesizeformat(obj.compressed_bytes)
 
+    @admin.display(description="engine", ordering="engine")
+    def engine_and_model(self, obj: TraceRecord) -> str:
+        if obj.model == obj.engine:
+            return obj.engine
+        return format_html('{}<span class="engines-quiet">{}</span>', obj.engine, obj.model)
+
+    @admin.display(description="captured, source", ordering="captured_at")
+    def captured(self, obj: TraceRecord) -> str:
+        return _when_cell(obj.captured_at, obj.get_source_display())
+
+    @admin.display(description="note and tags")
+    def note_and_tags(self, obj: TraceRecord) -> str:
+        return _note_cell(obj.note, obj.tag_list)
+
+    @admin.display(description="timeline")
+    def timeline_link(self, obj: TraceRecord) -> str:
+        return format_html('<a href="{}">open</a>', reverse("dashboard-trace-timeline", args=[obj.pk]))
+
     # --- detail fields ------------------------------------------------------------
 
-    @admin.display(description="window (µs since epoch)")
+    @admin.display(description="window")
     def window(self, obj: TraceRecord) -> str:
-        if obj.first_event_ts is None:
-            return "no events"
-        return f"{obj.first_event_ts} – {obj.last_event_ts}"
+        return capture_window_text(obj.first_event_ts, obj.last_event_ts)
 
     @admin.display(description="payload size")
     def payload_size(self, obj: TraceRecord) -> str:
@@ -443,8 +514,8 @@ class TraceRecordAdmin(admin.ModelAdmin):
             params = request.GET.copy()
             params["requests_sort"] = next_sort
             headers.append({"label": column.header, "url": "?" + params.urlencode(), "sorted": field == key,
-                            "descending": descending})
-        display = [[_ms(v) if c.is_duration else ("—" if v is None else v)
+                            "descending": descending, "field": field})
+        display = [[(c.field, _ms(v) if c.is_duration else ("—" if v is None else v))
                     for c, v in zip(REQUEST_COLUMNS, row, strict=True)] for row in rows]
         all_url = (reverse("admin:engines_requestsummary_changelist")
                    + "?" + urlencode({"trace__id__exact": record.pk}))
@@ -567,9 +638,35 @@ class RequestSummaryAdmin(admin.ModelAdmin):
         return False
 
 
+def _metric_column(path: str, description: str, shown: Callable[[Any], str]) -> Callable[[MetricsSnapshot], str]:
+    """A snapshot list column: one metric (``path``: keys into the metrics, ``__``-separated) as
+    ``shown`` prints it, or a dash where the snapshot has none."""
+    def value(snapshot: MetricsSnapshot) -> str:
+        found: Any = snapshot.metrics
+        for key in path.split("__"):
+            found = found.get(key) if isinstance(found, dict) else None
+        return "—" if not isinstance(found, (int, float)) or isinstance(found, bool) else shown(found)
+
+    # The list's CSS class is column-<name>; a name with "__" would read as a sortable lookup.
+    value.__name__ = path.replace("__", "_")
+    return admin.display(description=description)(value)
+
+
+_SNAPSHOT_COLUMNS = (
+    _metric_column("num_running_requests", "running", lambda v: f"{v:,}"),
+    _metric_column("num_waiting_requests", "waiting", lambda v: f"{v:,}"),
+    _metric_column("kv_cache_usage", "KV cache", lambda v: f"{100 * v:.1f} %"),
+    _metric_column("ttft_s__p99", "TTFT p99 (ms)", lambda v: f"{1000 * v:,.1f}"),
+    _metric_column("num_finished_requests", "finished", lambda v: f"{v:,}"),
+)
+
+
 @admin.register(MetricsSnapshot)
 class MetricsSnapshotAdmin(admin.ModelAdmin):
-    list_display = ("engine", "model", "taken_at")
+    """Snapshots of the engines' metrics; filtered to one engine, charted above the list."""
+
+    list_display = ("taken", "engine", "model", *_SNAPSHOT_COLUMNS)
+    list_display_links = ("taken",)
     list_filter = (("engine", IndexedValuesFilter), "taken_at")
     ordering = ("-taken_at", "-id")
     show_facets = admin.ShowFacets.NEVER
@@ -577,6 +674,31 @@ class MetricsSnapshotAdmin(admin.ModelAdmin):
     paginator = EstimatedCountPaginator
     fields = ("engine", "engine_dashboard", "model", "taken_at", "metrics_json")
     readonly_fields = fields
+    # The engine filter's parameter, and the one the dashboard's links use (a plain lookup).
+    ENGINE_PARAMETERS = ("engine", "engine__exact")
+
+    def changelist_view(self, request: HttpRequest, extra_context: dict | None = None) -> HttpResponse:
+        """The list, with one engine's snapshots charted above it (the engine filter picks it;
+        the date filter narrows it) or, unfiltered, links to chart each engine."""
+        response = super().changelist_view(request, extra_context)
+        context = getattr(response, "context_data", None)
+        if context is None or "cl" not in context:  # a redirect, or an action's answer
+            return response
+        engine = next((request.GET[p] for p in self.ENGINE_PARAMETERS if request.GET.get(p)), None)
+        if engine:
+            context.update(snapshot_charts=snapshot_charts(context["cl"].queryset), snapshot_charts_engine=engine,
+                           snapshot_charts_time_zone=settings.TIME_ZONE,
+                           snapshot_heartbeat_minutes=round(METRICS_HEARTBEAT_S / 60))
+        else:
+            engines = next((spec.lookup_choices for spec in context["cl"].filter_specs
+                            if isinstance(spec, IndexedValuesFilter)), [])
+            context["snapshot_chart_links"] = [(name, "?" + urlencode({self.ENGINE_PARAMETERS[0]: name}))
+                                               for name in engines]
+        return response
+
+    @admin.display(description="taken at", ordering="taken_at")
+    def taken(self, obj: MetricsSnapshot) -> str:
+        return _when_cell(obj.taken_at)
 
     @admin.display(description="dashboard")
     def engine_dashboard(self, obj: MetricsSnapshot) -> str:
@@ -598,8 +720,9 @@ class MetricsSnapshotAdmin(admin.ModelAdmin):
 class ProfileRecordAdmin(admin.ModelAdmin):
     """Saved profiles: filter by engine, backend and date; open one's page, download it, compare two."""
 
-    list_display = ("__str__", "engine", "backend", "captured_at", "steps", "kernel_calls", "duration",
-                    "stopped_by", "source", "page", "download")
+    list_display = ("profile_label", "engine_and_backend", "captured", "duration", "steps", "kernel_calls",
+                    "stopped_by", "note_start", "links")
+    list_display_links = ("profile_label",)
     list_filter = (("engine", IndexedValuesFilter), "backend", "captured_at", "source")
     search_fields = ("engine", "model", "note")
     ordering = ("-captured_at", "-id")
@@ -610,11 +733,35 @@ class ProfileRecordAdmin(admin.ModelAdmin):
     readonly_fields = tuple(f for f in fields if f != "note")
 
     def get_queryset(self, request: HttpRequest) -> QuerySet[ProfileRecord]:
-        return super().get_queryset(request).defer("payload")  # lists and detail never read the profile
+        # Lists and the detail page never read the profile, nor its kernel table.
+        return super().get_queryset(request).defer("payload", "kernels")
 
     @admin.display(description="duration", ordering="duration_us")
     def duration(self, obj: ProfileRecord) -> str:
         return f"{obj.duration_us / 1e6:.2f} s"
+
+    @admin.display(description="profile", ordering="id")
+    def profile_label(self, obj: ProfileRecord) -> str:
+        return f"#{obj.pk}"
+
+    @admin.display(description="engine", ordering="engine")
+    def engine_and_backend(self, obj: ProfileRecord) -> str:
+        return format_html('{}<span class="engines-quiet">{}</span>', obj.engine, obj.backend) if obj.backend \
+            else obj.engine
+
+    @admin.display(description="started, source", ordering="captured_at")
+    def captured(self, obj: ProfileRecord) -> str:
+        return _when_cell(obj.captured_at, obj.get_source_display())
+
+    @admin.display(description="note")
+    def note_start(self, obj: ProfileRecord) -> str:
+        return _note_cell(obj.note)
+
+    @admin.display(description="open")
+    def links(self, obj: ProfileRecord) -> str:
+        return format_html('<a href="{}">profile</a> <a href="{}">.json.gz</a>',
+                           reverse("dashboard-profile", args=[obj.pk]),
+                           reverse("dashboard-profile-download", args=[obj.pk]))
 
     @admin.display(description="stored")
     def size(self, obj: ProfileRecord) -> str:

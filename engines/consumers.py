@@ -40,6 +40,8 @@ __all__ = ["CLOSE_FORBIDDEN", "CLOSE_NOT_FOUND", "DashboardConsumer", "RefusedSo
 #: next socket (this server process; the newest few).
 _UNDELIVERED_MAX = 20
 _undelivered: dict[tuple[int, str], deque[str]] = {}
+#: The engine pages open now, per user and engine: a late outcome goes to one of them at once.
+_open_pages: dict[tuple[int, str], set["DashboardConsumer"]] = {}
 
 #: Close codes (the 4000s are the application's): not a staff user; no such engine or route.
 CLOSE_FORBIDDEN = 4403
@@ -74,6 +76,7 @@ class DashboardConsumer(AsyncWebsocketConsumer):
                     await self.send(text_data=sampler.history_text())
                     await self.send(text_data=sampler.latest_text)
         if name is not None:  # an engine's page: what its actions asked on an earlier page came to
+            _open_pages.setdefault((user.pk, name), set()).add(self)
             waiting = _undelivered.pop((user.pk, name), None)
             for text in waiting or ():
                 await self.send(text_data=text)
@@ -86,6 +89,13 @@ class DashboardConsumer(AsyncWebsocketConsumer):
     async def disconnect(self, code: int) -> None:
         # The actions under way go on (they were acknowledged); their outcome waits for the next socket.
         self.closed = True
+        user = self.scope.get("user")
+        if getattr(self, "engine_name", None) is not None and user is not None:
+            pages = _open_pages.get((user.pk, self.engine_name))
+            if pages is not None:
+                pages.discard(self)
+                if not pages:
+                    del _open_pages[(user.pk, self.engine_name)]
         hub = hub_for(registry)
         for engine_name in getattr(self, "watched", []):
             await self.channel_layer.group_discard(engine_group(engine_name), self.channel_name)
@@ -186,9 +196,13 @@ class DashboardConsumer(AsyncWebsocketConsumer):
             await self._send(event.model_dump(mode="json", exclude_none=True))
         elif request is not None and kind in ("done", "error"):  # its socket closed while it ran
             user, engine = self.scope["user"].pk, fields.get("engine") or self.engine_name
-            late = event.model_copy(update={"earlier": True}).model_dump(mode="json", exclude_none=True)
-            queue = _undelivered.setdefault((user, engine), deque(maxlen=_UNDELIVERED_MAX))
-            queue.append(orjson.dumps(late).decode())
+            late = orjson.dumps(event.model_copy(update={"earlier": True}).model_dump(mode="json", exclude_none=True))
+            page = next(iter(_open_pages.get((user, engine), ())), None)
+            if page is not None:  # the user's next page on this engine is open already: it hears now
+                await page.send(text_data=late.decode())
+            else:
+                queue = _undelivered.setdefault((user, engine), deque(maxlen=_UNDELIVERED_MAX))
+                queue.append(late.decode())
 
     async def _send(self, message: dict[str, Any]) -> None:
         await self.send(text_data=orjson.dumps(message).decode())

@@ -10,8 +10,15 @@ Trace windows: every interval, each tracing engine's trace is taken and emptied 
 records tile a long run without gaps or overlap. A window in which the engine recorded nothing
 is skipped rather than saved as an empty record. Stopping saves the last, partial window.
 
-Metrics: every interval, one :class:`~engines.models.MetricsSnapshot` per engine, idle or not,
-so a chart of the history has evenly spaced samples.
+Metrics: every interval, each engine's metrics are read and saved as a
+:class:`~engines.models.MetricsSnapshot`, unless they equal the last snapshot this autosave saved
+for that engine, fields that are timestamps aside (keys named ``timestamp``, ``time`` or ``now``,
+or ending in ``_ts``, ``_at`` or ``_timestamp``, at any depth: they move while nothing else
+does). An idle engine so adds no row per interval, yet one is still saved at least every
+``metrics_heartbeat_s`` (:data:`METRICS_HEARTBEAT_S`, 10 minutes), so a chart of the history
+shows the idle stretch and a gap longer than that means the server was not taking snapshots.
+Read the other way: between two saved snapshots the metrics stayed those of the first until,
+at most, one interval before the second (``engines.history.metrics_charts`` draws them so).
 
 Dumping, saving and the database all run on worker threads (see
 :func:`engines.history.capture.asave_engine_trace`): the event loop keeps serving, and the
@@ -24,8 +31,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import Awaitable, Callable, Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from engines.history.capture import asave_engine_trace, asave_metrics_snapshot
 from engines.models import MetricsSnapshot, TraceRecord
@@ -37,6 +44,47 @@ logger = logging.getLogger(__name__)
 
 Action = Callable[["AsyncEngine"], Awaitable[object]]
 
+#: The longest an engine goes without a metrics snapshot while its metrics stay the same.
+METRICS_HEARTBEAT_S = 600.0
+
+_TIMESTAMP_KEYS = frozenset({"timestamp", "time", "now"})
+_TIMESTAMP_SUFFIXES = ("_ts", "_at", "_timestamp")
+
+
+def is_timestamp_key(key: str) -> bool:
+    """Whether a metrics field names a moment (which moves while the engine does nothing), not a
+    measurement: ``engine_decode_time_sum`` is a measurement, ``sampled_at`` a moment."""
+    return key in _TIMESTAMP_KEYS or key.endswith(_TIMESTAMP_SUFFIXES)
+
+
+def comparable_metrics(metrics: Any) -> Any:
+    """``metrics`` as stored (non-finite floats as ``None``), without its timestamp fields: two
+    samples with equal comparable metrics say the same about the engine."""
+    if isinstance(metrics, Mapping):
+        return {str(k): comparable_metrics(v) for k, v in metrics.items() if not is_timestamp_key(str(k))}
+    if isinstance(metrics, (list, tuple)):
+        return [comparable_metrics(v) for v in metrics]
+    if isinstance(metrics, float) and not math.isfinite(metrics):
+        return None  # as the snapshot stores it (jsonb has no NaN), and NaN != NaN
+    return metrics
+
+
+class UnchangedMetricsGate:
+    """Per engine, whether a metrics sample is worth a snapshot: it differs from the last one
+    saved (timestamps aside), or that one is ``heartbeat_s`` old. Times are ``loop.time()``."""
+
+    def __init__(self, heartbeat_s: float = METRICS_HEARTBEAT_S) -> None:
+        self.heartbeat_s = heartbeat_s
+        self._last: dict[str, tuple[Any, float]] = {}  # engine -> (comparable metrics, saved at)
+
+    def wanted(self, engine: str, metrics: Mapping[str, Any], now: float) -> bool:
+        last = self._last.get(engine)
+        return last is None or now - last[1] >= self.heartbeat_s or comparable_metrics(metrics) != last[0]
+
+    def saved(self, engine: str, metrics: Mapping[str, Any], now: float) -> None:
+        """Record that ``metrics`` were saved for ``engine`` at ``now`` (a failed save is not)."""
+        self._last[engine] = (comparable_metrics(metrics), now)
+
 
 class HistoryAutosave:
     """Periodic trace windows and metrics snapshots of a fixed set of engines.
@@ -46,13 +94,16 @@ class HistoryAutosave:
     """
 
     def __init__(self, engines: Iterable["AsyncEngine"], *, trace_interval_s: float = 0,
-                 metrics_interval_s: float = 0) -> None:
-        for name, value in (("trace_interval_s", trace_interval_s), ("metrics_interval_s", metrics_interval_s)):
+                 metrics_interval_s: float = 0, metrics_heartbeat_s: float = METRICS_HEARTBEAT_S) -> None:
+        for name, value, zero in (("trace_interval_s", trace_interval_s, "off"),
+                                  ("metrics_interval_s", metrics_interval_s, "off"),
+                                  ("metrics_heartbeat_s", metrics_heartbeat_s, "save every snapshot")):
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name} must be a number of seconds >= 0 (0: off), not {value!r}")
+                raise ValueError(f"{name} must be a number of seconds >= 0 (0: {zero}), not {value!r}")
         self.engines = list(engines)
         self.trace_interval_s = float(trace_interval_s)
         self.metrics_interval_s = float(metrics_interval_s)
+        self.metrics_gate = UnchangedMetricsGate(float(metrics_heartbeat_s))
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping: asyncio.Event | None = None
 
@@ -112,9 +163,16 @@ class HistoryAutosave:
             return None
         return await asave_engine_trace(engine, clear=True, source=TraceRecord.Source.AUTOMATIC, skip_empty=True)
 
-    async def save_metrics_snapshot(self, engine: "AsyncEngine") -> MetricsSnapshot:
-        """Save one sample of ``engine``'s metrics."""
-        return await asave_metrics_snapshot(engine.name, engine.checkpoint.name, await engine.metrics())
+    async def save_metrics_snapshot(self, engine: "AsyncEngine") -> MetricsSnapshot | None:
+        """Save one sample of ``engine``'s metrics; ``None`` (and nothing saved) when they equal the
+        last one saved and that is younger than the heartbeat (see the module's docstring)."""
+        metrics = await engine.metrics()
+        now = asyncio.get_running_loop().time()
+        if not self.metrics_gate.wanted(engine.name, metrics, now):
+            return None
+        snapshot = await asave_metrics_snapshot(engine.name, engine.checkpoint.name, metrics)
+        self.metrics_gate.saved(engine.name, metrics, now)
+        return snapshot
 
 
 async def _every(interval_s: float, action: Action, engine: "AsyncEngine", stopping: asyncio.Event) -> None:

@@ -159,9 +159,14 @@ def profile_timeline(request: HttpRequest, pk: int) -> HttpResponse:
                   page_context(request, f"Timeline of profile #{record.pk}", source=source, record=record))
 
 
+#: A side's columns on the compare page: (key, header).
+COMPARE_COLUMNS = (("calls", "calls"), ("total", "total"), ("mean", "mean"), ("gbs", "GB/s"))
+
+
 @dataclass(frozen=True)
 class KernelChange:
-    """One kernel name in two profiles (either side may lack it)."""
+    """One kernel name in two profiles (either side may lack it): A is the baseline, B is measured
+    against it, and every change on the compare page is (B − A) / A, as the trace compare's."""
 
     name: str
     a: dict[str, Any] | None
@@ -174,19 +179,20 @@ class KernelChange:
             return None
         return self.b["mean_us"] / self.a["mean_us"] - 1
 
-    def cells(self, side: str) -> list[str]:
-        """Calls, total, mean and GB/s of one side, as printed."""
+    def cells(self, side: str) -> list[tuple[str, str]]:
+        """One side's figures as printed, each with its column's key (:data:`COMPARE_COLUMNS`)."""
         k = self.a if side == "a" else self.b
         if k is None:
-            return ["–"] * 4
-        return [f"{k['calls']:,}", duration(k["total_us"]), duration(k["mean_us"]), _number(k.get("gbs"))]
+            return [(key, "–") for key, _ in COMPARE_COLUMNS]
+        return list(zip((key for key, _ in COMPARE_COLUMNS),
+                        (f"{k['calls']:,}", duration(k["total_us"]), duration(k["mean_us"]), _number(k.get("gbs")))))
 
     @property
-    def cells_a(self) -> list[str]:
+    def cells_a(self) -> list[tuple[str, str]]:
         return self.cells("a")
 
     @property
-    def cells_b(self) -> list[str]:
+    def cells_b(self) -> list[tuple[str, str]]:
         return self.cells("b")
 
     @property
@@ -220,12 +226,14 @@ def profile_compare(request: HttpRequest) -> HttpResponse:
     phases = [(name, duration(phases_a.get(name)), duration(phases_b.get(name)),
                _change_text(phases_a.get(name), phases_b.get(name)))
               for name in dict.fromkeys([*phases_a, *phases_b])]
+    # B measured against A, the baseline: the title names B first, as every change is (B − A) / A.
     return render(request, "dashboard/profile_compare.html", page_context(
-        request, f"Profile #{a.pk} against #{b.pk}", a=a, b=b, rows=rows, phases=phases,
+        request, f"Profile #{b.pk} against #{a.pk}", a=a, b=b, rows=rows, phases=phases, columns=COMPARE_COLUMNS,
         threshold_pct=round(100 * CHANGE_THRESHOLD)))
 
 
 def _change_text(a: float | None, b: float | None) -> str:
+    """(B − A) / A as printed, or a dash without a baseline."""
     return "–" if not a or b is None else f"{100 * (b / a - 1):+.1f} %"
 
 

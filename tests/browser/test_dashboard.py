@@ -192,6 +192,10 @@ async def test_engine_page_charts_controls_and_history_link(page, dashboard_serv
             "() => [...document.querySelectorAll('#metrics th')].some(th => th.textContent === 'num_running_requests'"
             " && Number(th.nextElementSibling.textContent) > 0)", timeout=30000)
         await page.wait_for_selector("#recent tbody tr:not(.empty) a >> text=history", timeout=30000)
+        # MLC's rates are since-reset averages over step time, unlike the live charts: the label says so.
+        headers = await page.locator("#metrics th").all_text_contents()
+        assert "prefill_tokens_per_s (prefill tokens ÷ prefill step time, since reset)" in headers
+        assert "decode_tokens_per_s (decode tokens ÷ decode step time, since reset)" in headers
         await asyncio.sleep(3)
         await page.screenshot(path=str(SHOTS / "engine-load.png"), full_page=True)
     finally:
@@ -249,10 +253,28 @@ async def test_the_engine_page_opens_with_its_last_minutes_and_lists_the_request
         await page.wait_for_selector("#live tbody tr:not(.empty) >> text=decode", timeout=30000)
         assert "(1)" in await page.text_content("#live-count")
         await page.screenshot(path=str(SHOTS / "engine-live-requests.png"), full_page=True)
+        charts = await page.evaluate("""() => {
+          const c = window.enginePage.charts; const ctx = document.createElement("canvas").getContext("2d");
+          const fit = (p) => { const a = p.axes[1]; ctx.font = a.font[0];
+            const widest = Math.max(...a._values.map((v) => ctx.measureText(v).width / devicePixelRatio));
+            return a._size >= widest + a.ticks.size; };
+          const legend = (name) => [...c[name].plot.root.querySelectorAll(".u-legend .u-value")].map((e) => e.textContent);
+          return {requestTicks: c.requests.plot.axes[1]._splits, ratesFit: fit(c.rates.plot), requestsFit: fit(c.requests.plot),
+                  legend: legend("rates"), stroke: c.rates.plot.axes[1].stroke};
+        }""")
+        # Count axes tick at whole numbers; every y label fits its axis; legends show the newest values unhovered.
+        assert charts["requestTicks"] and all(float(t).is_integer() for t in charts["requestTicks"])
+        assert charts["ratesFit"] and charts["requestsFit"]
+        assert all(v not in ("", "--", "–") for v in charts["legend"][1:]), charts["legend"]
+        light_stroke = charts["stroke"]
         await page.click(".theme-toggle")  # the admin's theme button: auto -> dark (or light -> dark)
         if await page.evaluate("document.documentElement.dataset.theme") != "dark":
             await page.click(".theme-toggle")
         await page.wait_for_timeout(500)
+        dark_stroke = await page.evaluate("window.enginePage.charts.rates.plot.axes[1].stroke")
+        assert dark_stroke == await page.evaluate(
+            "getComputedStyle(document.documentElement).getPropertyValue('--body-quiet-color').trim()")
+        assert dark_stroke != light_stroke  # the charts took the dark theme's colours
         await page.screenshot(path=str(SHOTS / "engine-dark.png"), full_page=False)
         await page.set_viewport_size({"width": 900, "height": 1000})
         await page.wait_for_timeout(300)
@@ -318,6 +340,9 @@ async def test_a_killed_engine_shows_restarting_then_running(page, dashboard_ser
     await page.wait_for_selector('h1 [data-field="state"][data-state="running"]', timeout=15000)
     os.kill(dashboard_server.engine_pid(), signal.SIGKILL)
     await page.wait_for_selector('h1 [data-field="state"][data-state="restarting"]', timeout=15000)
+    await page.wait_for_timeout(600)  # a snapshot or two with no numbers
+    # The outage is a gap in the charts, not a line drawn across it.
+    assert await page.evaluate("window.enginePage.charts.requests.data[1].slice(-2).includes(null)")
     # The controls wait for the engine, and say why.
     for button in ("#reset", "#save-trace-button", "#clear-trace", "#profile-start"):
         assert await page.is_disabled(button), button

@@ -111,9 +111,9 @@ def test_detail_request_table_sorts(admin_client, saved_trace):
     record, _ = saved_trace
     url = change_url(record)
     default = admin_client.get(url).context["request_rows"]
-    assert [row[0] for row in default] == ["req-2", "req-1", "req-0"]  # slowest e2e first
+    assert [row[0] for row in default] == [("request_id", f"req-{i}") for i in (2, 1, 0)]  # slowest e2e first
     by_ttft = admin_client.get(url, {"requests_sort": "ttft_us"}).context["request_rows"]
-    assert [row[0] for row in by_ttft] == ["req-0", "req-1", "req-2"]
+    assert [row[0][1] for row in by_ttft] == ["req-0", "req-1", "req-2"]
     bogus = admin_client.get(url, {"requests_sort": "payload"})
     assert bogus.status_code == 200 and len(bogus.context["request_rows"]) == 3
     assert reverse(REQUESTS) + f"?trace__id__exact={record.pk}" in admin_client.get(url).text

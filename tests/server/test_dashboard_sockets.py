@@ -251,8 +251,10 @@ async def test_an_acknowledged_save_completes_after_its_socket_closes_and_the_ne
     await first.send_to(text_data=json.dumps({"action": "save_trace", "id": "late", "note": "reloaded"}))
     await next_message(first, of_type("ack", id="late"))
     await first.disconnect()  # the page reloaded right after the click
-    for _ in range(100):
-        if await TraceRecord.objects.filter(note="reloaded").aexists():
+    from engines import consumers
+
+    for _ in range(200):  # the save ends with no page open: its outcome waits
+        if consumers._undelivered:
             break
         await asyncio.sleep(0.05)
     record = await TraceRecord.objects.aget(note="reloaded")
@@ -268,6 +270,22 @@ async def test_an_acknowledged_save_completes_after_its_socket_closes_and_the_ne
         if not await third.receive_nothing(timeout=0.1):
             assert not json.loads(await third.receive_from()).get("earlier")
     await third.disconnect()
+
+
+async def test_a_late_outcome_goes_to_the_users_page_opened_meanwhile(dashboard, client) -> None:
+    assert (await client.post("/v1/completions", json={"model": TRACED, "prompt": "Hi", "max_tokens": 3})).status_code == 200
+    cookie = await session_cookie()
+    first = await open_socket(f"/ws/engines/{TRACED}/", cookie)
+    assert (await first.connect(timeout=10))[0]
+    await first.send_to(text_data=json.dumps({"action": "save_trace", "id": "soon", "note": "reopened"}))
+    await next_message(first, of_type("ack", id="soon"))
+    await first.disconnect()
+    second = await open_socket(f"/ws/engines/{TRACED}/", cookie)  # reopened before the save ended
+    assert (await second.connect(timeout=10))[0]
+    late = await next_message(second, of_type("done", id="soon"))
+    assert late["earlier"] is True
+    assert late["result"]["record_id"] == (await TraceRecord.objects.aget(note="reopened")).pk
+    await second.disconnect()
 
 
 async def test_the_overview_socket_needs_the_engine_named(dashboard) -> None:

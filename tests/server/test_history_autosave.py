@@ -129,7 +129,9 @@ async def test_stop_saves_the_last_window_and_ends_promptly(client, engines) -> 
 @uses_database
 async def test_metrics_snapshots_are_written_periodically(client, engines) -> None:
     await generate(client, "metered")
-    autosave = HistoryAutosave(engines.values(), metrics_interval_s=0.1)
+    # Heartbeat 0: every sample is saved, changed or not (the skipping of unchanged ones is
+    # tested in tests/history/test_metrics_snapshots.py).
+    autosave = HistoryAutosave(engines.values(), metrics_interval_s=0.1, metrics_heartbeat_s=0)
     assert autosave.traced_engines == []  # trace autosave off
     autosave.start()
     try:
@@ -209,9 +211,11 @@ def test_serve_snapshots_metrics_while_serving_and_saves_the_last_window_on_sigt
                 "model": "demo", "prompt": "The lighthouse", "max_tokens": 3, "user": "e2e-autosave",
                 "debug_config": {"ignore_eos": True}})
             assert response.status_code == 200, response.text
+        # The request changed the metrics, so a snapshot shows it (unchanged ones are skipped).
         deadline = time.monotonic() + 30
-        while rows("SELECT count(*) FROM engines_metricssnapshot")[0][0] < 2:
-            assert time.monotonic() < deadline, "no metrics snapshots while serving"
+        while rows("SELECT count(*) FROM engines_metricssnapshot "
+                   "WHERE json_extract(metrics, '$.completion_tokens_sum') = 3")[0][0] < 1:
+            assert time.monotonic() < deadline, "no metrics snapshot of the request while serving"
             time.sleep(0.1)
         assert rows("SELECT count(*) FROM engines_tracerecord") == [(0,)]
         process.send_signal(signal.SIGTERM)

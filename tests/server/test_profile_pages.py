@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import gzip
+import re
 
 import orjson
 import pytest
@@ -113,6 +114,49 @@ def test_compare_marks_a_kernel_that_got_slower(staff: Client, profile: dict) ->
     assert "<script>alert(1)</script>" not in html
     for phase in profile["phases"]:
         assert f"<td>{phase}</td>" in html
+
+
+def test_the_compare_title_headers_and_every_change_say_b_against_a(staff: Client, profile: dict) -> None:
+    """One direction everywhere, as on the trace compare: B is measured against A, the baseline;
+    the title names B first, the headers say (B − A) / A, and so does every percentage, both ways round."""
+    slower = copy.deepcopy(profile)
+    for i, kernel in enumerate(slower["kernels"]):
+        kernel["mean_us"] *= 1 + 0.2 * (i % 3)  # the same, 20 % and 40 % slower
+    fields = slower["step_rows"]["fields"]
+    timed = [fields.index(name) for name in ["total_us", *slower["phases"]]]
+    for row in slower["step_rows"]["rows"]:
+        for column in timed:
+            row[column] *= 1.5
+    saved = {record.pk: data for record, data in ((save_profile(profile, engine="demo"), profile),
+                                                  (save_profile(slower, engine="demo"), slower))}
+    first, second = saved
+
+    def phase_means(data: dict) -> dict[str, float]:
+        rows = data["step_rows"]["rows"]
+        return {name: sum(r[fields.index(column)] for r in rows) / len(rows)
+                for name, column in [("step", "total_us"), *((p, p) for p in data["phases"])]}
+
+    for a, b in ((first, second), (second, first)):
+        html = staff.get(f"/dashboard/profiles/compare/?a={a}&b={b}").content.decode()
+        measured, baseline = map(int, re.search(r"<h1>Profile #(\d+) against #(\d+)</h1>", html).groups())
+        assert (measured, baseline) == (b, a)
+        assert f'A (baseline): <a href="/dashboard/profiles/{a}/">profile #{a}</a>' in html
+        assert f'B: <a href="/dashboard/profiles/{b}/">profile #{b}</a>' in html
+        assert f'<th class="num">A: #{a}</th><th class="num">B: #{b}</th><th class="num">(B − A) / A</th>' in html
+        assert ">A mean</th>" in html and ">B mean</th>" in html
+        assert "mean, (B − A) / A</th>" in html and "Change is (B − A) / A" in html
+        means = {pk: {k["name"]: k["mean_us"] for k in data["kernels"]} for pk, data in saved.items()}
+        kernels = re.findall(r'data-kernel="([^"]+)">.*?<td class="num change[^"]*">([^<]*)</td>', html, re.S)
+        assert len(kernels) == len(profile["kernels"])
+        for name, shown in kernels:
+            assert shown == f"{100 * (means[measured][name] / means[baseline][name] - 1):+.1f} %", name
+        phases = re.findall(r"<tr><td>([^<]+)</td>(?:<td[^>]*>[^<]*</td>){2}<td class=\"num change\">([^<]*)</td>",
+                            html)
+        steps = {pk: phase_means(data) for pk, data in saved.items()}
+        assert [name for name, _ in phases] == list(steps[a])
+        for name, shown in phases:
+            assert shown == f"{100 * (steps[measured][name] / steps[baseline][name] - 1):+.1f} %", name
+        assert {shown for _, shown in phases} == ({"+50.0 %"} if b == second else {"-33.3 %"})
 
 
 def test_the_admin_lists_profiles_and_compares_two(staff: Client, profile: dict) -> None:

@@ -24,6 +24,7 @@ for (const [name, spec] of Object.entries(CHARTS)) {
   charts[name] = new TimeChart(page.querySelector(`[data-chart="${name}"]`), spec);
 }
 let derivation = new Derivation();
+window.enginePage = { charts }; // for a reader in the console, and the browser tests
 
 /** One sample into every chart (a gap in each while the engine gave no numbers). */
 function plotSample(at, metrics, draw = true) {

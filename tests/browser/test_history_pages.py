@@ -1,0 +1,161 @@
+"""The history pages in a real browser (Debian's chromium, async Playwright) against a live
+``manage.py serve``: after some traffic, a trace saved and two profiles taken through the API, the
+trace list, a trace record, the metrics snapshot charts, the request list, the profile list and
+the profile compare page, each at 1400 and at 900 px wide, with nothing off screen; and the engine
+left idle adds no metrics snapshot while that goes on.
+
+Screenshots go to ``var/screenshots/history-*.png`` (look at them).
+"""
+from __future__ import annotations
+
+import asyncio
+import re
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.browser.test_dashboard import SHOTS, LiveServer, dashboard_server, load, page  # noqa: F401
+
+pytestmark = pytest.mark.slow
+
+WIDTHS = (1400, 900)
+
+# What lies outside the window or outside the box that clips it (a change list's table scrolls
+# inside its .results box): the document's overflow, and each visible cell past either edge.
+OFF_SCREEN = """() => {
+  const out = [];
+  const doc = document.documentElement;
+  if (doc.scrollWidth > innerWidth) out.push(`the page is ${doc.scrollWidth} px wide in a ${innerWidth} px window`);
+  for (const cell of document.querySelectorAll('#content th, #content td')) {
+    const box = cell.getBoundingClientRect();
+    if (!box.width) continue;  // a column the layout hides
+    let clip = innerWidth;
+    for (let el = cell.parentElement; el; el = el.parentElement) {
+      if (getComputedStyle(el).overflowX !== 'visible') clip = Math.min(clip, el.getBoundingClientRect().right);
+    }
+    const text = cell.textContent.trim().slice(0, 30);
+    if (box.right > clip + 1) out.push(`${cell.className}: "${text}" ends at ${box.right} past ${clip}`);
+  }
+  return out.slice(0, 10);
+}"""
+
+
+def take_profile(http: httpx.Client, note: str, max_tokens: int) -> dict:
+    started = http.post("/debug/profile_start", json={"model": "demo"})
+    assert started.status_code == 200, started.text
+    for i in range(2):
+        http.post("/v1/completions", json={"model": "demo", "prompt": f"history page {i}", "max_tokens": max_tokens,
+                                           "debug_config": {"ignore_eos": True}})
+    stopped = http.post("/debug/profile_stop", json={"model": "demo", "note": note})
+    assert stopped.status_code == 200, stopped.text
+    return stopped.json()
+
+
+def snapshot_count(server: LiveServer, engine: str) -> int:
+    db = Path(server.env["DEBUGSITE_VAR_DIR"]) / "db.sqlite3"
+    with sqlite3.connect(db, timeout=30) as conn:
+        return conn.execute("SELECT count(*) FROM engines_metricssnapshot WHERE engine = ?", [engine]).fetchone()[0]
+
+
+async def show(page, url: str, name: str, ready: str = "#content-main") -> None:
+    """``url`` at each width: nothing off screen, and a screenshot ``history-<name>-<width>.png``."""
+    for width in WIDTHS:
+        await page.set_viewport_size({"width": width, "height": 1000})
+        await page.goto(url)
+        await page.wait_for_selector(ready, timeout=15000)
+        await page.wait_for_timeout(300)  # the charts follow their box's new width
+        await page.screenshot(path=str(SHOTS / f"history-{name}-{width}.png"), full_page=True)
+        assert await page.evaluate(OFF_SCREEN) == [], (name, width)
+
+
+async def visible_columns(page) -> list[str]:
+    return await page.eval_on_selector_all(
+        "#result_list thead th", "ths => ths.filter(th => th.getBoundingClientRect().width > 0)"
+                                 ".map(th => (th.querySelector('.text') || th).textContent.trim().toLowerCase())")
+
+
+async def test_the_history_pages_fit_at_1400_and_900_px(page, dashboard_server: LiveServer) -> None:
+    base = dashboard_server.base
+    stop = threading.Event()
+    worker = load(base, stop, clients=3)
+    try:
+        with httpx.Client(base_url=base, timeout=120) as http:
+            deadline = time.monotonic() + 90
+            while http.post("/debug/dump_engine_metrics", json={"model": "demo"}).json()["metrics"][
+                    "num_finished_requests"] < 4:  # a trace with finished requests in it
+                assert time.monotonic() < deadline, "no request finished under load"
+                await asyncio.sleep(1)
+            saved = http.post("/debug/save_event_trace", json={
+                "model": "demo", "note": "history pages: three streaming clients, <b>not bold</b>",
+                "tags": ["browser", "history"]})
+            assert saved.status_code == 200, saved.text
+            trace = saved.json()
+            first = take_profile(http, "before", 16)
+            second = take_profile(http, "after", 8)
+        # Snapshots every 10 s while the load changes the metrics: a few points to chart.
+        deadline = time.monotonic() + 90
+        while snapshot_count(dashboard_server, "demo") < 4:
+            assert time.monotonic() < deadline, "no metrics snapshots while serving"
+            await asyncio.sleep(1)
+    finally:
+        stop.set()
+        worker.join(30)
+    idle_snapshots = snapshot_count(dashboard_server, "smollm2")  # the engine no request went to
+    assert idle_snapshots >= 1
+
+    # The trace list: note, tags, source and the way into the timeline.
+    await show(page, f"{base}/admin/engines/tracerecord/", "traces", "#result_list")
+    timeline = f'a[href="/dashboard/traces/{trace["id"]}/timeline/"]'
+    row = page.locator("#result_list tbody tr", has=page.locator(timeline))
+    assert "history pages: three streaming clients, <b>not bold</b>" in await row.locator(".engines-note").inner_text()
+    assert await row.locator(".engines-tag").all_inner_texts() == ["browser", "history"]
+    assert "API" in await row.locator(".field-captured").inner_text()
+    await page.set_viewport_size({"width": 1400, "height": 1000})
+    assert await visible_columns(page) == ["", "trace", "engine", "captured, source", "duration (ms)", "events",
+                                           "requests", "size", "note and tags", "timeline"]
+
+    # A trace record: its capture window in readable times and a duration.
+    await show(page, f"{base}{trace['admin_url']}", "trace-record", "#requests")
+    window = await page.locator(".field-window .readonly").inner_text()
+    readable = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} – \d\d:\d\d:\d\d\.\d{3} UTC \([\d.]+ (s|ms)\)"
+    assert re.fullmatch(readable, window), window
+
+    # The metrics snapshot charts, above the list.
+    await show(page, f"{base}/admin/engines/metricssnapshot/?engine=demo", "snapshots", "#snapshot-charts canvas")
+    assert await page.locator("#snapshot-charts .uplot").count() == 5
+    data = await page.evaluate("window.snapshotCharts.data")
+    assert len(data["x"]) >= 4
+    decode = next(s["values"] for c in data["charts"] for s in c["series"] if s["label"] == "decode tok/s")
+    assert max(v for v in decode if v is not None) > 0
+    # The pointer on one chart names the moment on all of them.
+    await page.locator("#snapshot-charts .u-over").first.hover(position={"x": 120, "y": 40})
+    moments = await page.locator("#snapshot-charts .u-legend tr:first-child .u-value").all_inner_texts()
+    assert len(moments) == 5 and len(set(moments)) == 1 and re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", moments[0])
+
+    # The request list: the latency columns on screen at both widths.
+    await show(page, f"{base}/admin/engines/requestsummary/", "requests", "#result_list")
+    assert await visible_columns(page) == ["request id", "trace", "finish reason", "prompt tokens",
+                                           "completion tokens", "queue (ms)", "ttft (ms)", "e2e (ms)"]  # at 900 px
+    await page.set_viewport_size({"width": 1400, "height": 1000})
+    assert len(await visible_columns(page)) == 12
+    assert await page.evaluate(OFF_SCREEN) == []
+
+    # The profile list: each profile's page and download on screen.
+    await show(page, f"{base}/admin/engines/profilerecord/", "profiles", "#result_list")
+    for record in (first, second):
+        link = page.locator(f'a[href="/dashboard/profiles/{record["profile_id"]}/profile.json.gz"]')
+        box = await link.bounding_box()
+        assert box and box["x"] + box["width"] <= 900, box
+
+    # Two profiles compared: one direction in the title, the headers and every change.
+    compare = f"/dashboard/profiles/compare/?a={first['profile_id']}&b={second['profile_id']}"
+    await show(page, base + compare, "profile-compare", "#compare-kernels")
+    assert await page.locator("h1").inner_text() == f"Profile #{second['profile_id']} against #{first['profile_id']}"
+    assert "(B − A) / A" in await page.locator("#compare-kernels thead").inner_text()
+
+    # Tens of seconds later the idle engine has added no snapshot: each would equal its last.
+    assert snapshot_count(dashboard_server, "smollm2") == idle_snapshots
