@@ -35,11 +35,14 @@ REPO = Path(__file__).resolve().parents[1]
 # ``kernels`` package transformers looks for.
 sys.path[0] = str(REPO)
 
+from bench.results_file import add_results_option, ResultsFile  # noqa: E402
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--batches", type=int, nargs="*", default=[1, 8, 32], help="decode batches (none: prefill only)")
+    parser.add_argument("--batches", type=int, nargs="*", default=[1, 8, 32],
+                        help="decode batches (none: prefill only)")
     parser.add_argument("--new-tokens", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--prefill", type=int, nargs="*", default=[512, 2048], help="prompt lengths timed alone")
     parser.add_argument("--prompt-len", type=int, default=16)
@@ -54,6 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="also time our whole engine (scheduler, sampler, detokenizer) on the same cells")
     parser.add_argument("--per-kernel", action="store_true",
                         help="also time our model launching kernel by kernel (no compiled CPU step)")
+    add_results_option(parser, "cpu_anchors")
     parser.add_argument("--worker", choices=["ours", "ctranslate2", "transformers"], help=argparse.SUPPRESS)
     parser.add_argument("--worker-threads", type=int, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -91,8 +95,8 @@ def make_checkpoint(args: argparse.Namespace) -> tuple[Path, Path]:
 class Worker:
     """One engine in a process of its own (``--worker NAME``), as a user would run it: numba's,
     torch's and CTranslate2's thread pools never share a process (in one, the compiled CPU step
-    ran 0.74x of its own speed on two threads, measured). Only one worker computes at a time;
-    the others wait on their pipes."""
+    ran well below its own speed on two threads: docs/perf-log/cpu-anchors.md#2026-11-25-compiled-cpu-step).
+    Only one worker computes at a time; the others wait on their pipes."""
 
     def __init__(self, args: argparse.Namespace, name: str, threads: int) -> None:
         command = [sys.executable, __file__, "--worker", name, "--worker-threads", str(threads), *forwarded(args)]
@@ -142,8 +146,9 @@ def worker(args: argparse.Namespace) -> None:
         compiled_step = model.cpu_step
         # A KV cache per batch size, for the longest sequence of any cell, made at the first
         # (untimed, warming) call and kept, as an engine keeps its pool: a fresh one's pages are
-        # mapped as the prefill first writes them (18 ms of a 512-token prefill's 105 here), which
-        # CTranslate2's and torch's allocators, reusing their memory, do not pay either.
+        # mapped as the prefill first writes them (a sizeable share of a prefill's time:
+        # docs/perf-log/cpu-anchors.md#2026-11-26-zen5-full-table-2a8ca35), which CTranslate2's and
+        # torch's allocators, reusing their memory, do not pay either.
         longest = max(args.prompt_len + max(args.new_tokens) + 1, max(args.prefill or [0]) + 2)
         kv_caches: dict[int, Any] = {}
 
@@ -243,11 +248,12 @@ def measure(args: argparse.Namespace, threads: int) -> Iterator[dict]:
             if bandwidths:
                 row["gbs"] = statistics.median(bandwidths)
                 # Each generation's rate against the yardstick read around it, the median of those shares.
-                row["share"] = statistics.median(new / seconds / gbs for seconds, gbs in zip(times["ours"], bandwidths))
+                row["share"] = statistics.median(new / seconds / gbs
+                                                 for seconds, gbs in zip(times["ours"], bandwidths, strict=True))
                 # Its decode steps alone (after the first token): the prefill is bound by arithmetic, not
                 # by memory, and has cells of its own.
                 row["decode_share"] = statistics.median((new - 1) / (seconds - prefill) / gbs for seconds, prefill, gbs
-                                                        in zip(times["ours"], prefills, bandwidths))
+                                                        in zip(times["ours"], prefills, bandwidths, strict=True))
             for name, values in times.items():
                 row[name] = batch * (new if kind == "decode" else prompt_len) / statistics.median(values)
             return row
@@ -280,7 +286,8 @@ def whole_engine(args: argparse.Namespace, model: Any, checkpoint: Any) -> Calla
     pages = max(args.batches or [1]) * -(-(args.prompt_len + max(args.new_tokens) + 1) // 16)
     pages = max(pages, -(-(max(args.prefill or [0]) + 2) // 16)) + 8
     engine = Engine(model, checkpoint, EngineConfig(max_num_seqs=max(args.batches or [1]), num_pages=pages,
-                                                    prefill_chunk_size=max([2048, *args.prefill]), enable_prefix_cache=False))
+                                                    prefill_chunk_size=max([2048, *args.prefill]),
+                                                    enable_prefix_cache=False))
     runs = iter(range(1 << 62))
 
     def generate(prompts: Any, new: int) -> None:
@@ -322,12 +329,13 @@ def bandwidth_note(args: argparse.Namespace, row: dict) -> str:
             f"medians' {100 * row['ours'] * weights / 1e9 / row['gbs']:.0f}%)")
 
 
-def decay_lines(args: argparse.Namespace, rows: list[dict]) -> list[str]:
+def decay_lines(args: argparse.Namespace, rows: list[dict], results: ResultsFile | None = None) -> list[str]:
     """Each batch's tokens/s over its longest generation against its shortest one's, for each
     engine (the goal: ours no lower than CTranslate2's), and the ratio a step bound by its bytes
     alone would have: the weights once a step and each sequence's keys and values, read at one rate.
     At batch 1, ours again with each generation against the host's rate read around it, as if
-    the host's memory had kept one speed (it drifts by up to ~10% between two cells here)."""
+    the host's memory had kept one speed (it drifts between two cells:
+    docs/perf-log/cpu-anchors.md#2026-11-26-xeon-amx-decay)."""
     lines = []
     weights = weight_bytes(args)
     for batch in sorted({row["batch"] for row in rows if row["kind"] == "decode"}):
@@ -341,6 +349,15 @@ def decay_lines(args: argparse.Namespace, rows: list[dict]) -> list[str]:
         # Batch 1 has the host's rate read around each of our generations: our decay at one rate.
         steady = (f"; ours at the host's rate around each generation {long['share'] / short['share']:.3f}"
                   if "share" in long and "share" in short else "")
+        if results is not None:
+            decays = {name: long[key] / short[key] for name, key in
+                      (("ours", "ours"), ("CTranslate2", "ctranslate2"), ("transformers", "transformers"))}
+            decays["bound by bytes"] = bound
+            if steady:
+                decays["ours at one host rate"] = long["share"] / short["share"]
+            for name, value in decays.items():
+                results.add("decay", value, "ratio", threads=long["threads"], batch=batch,
+                            new=f"{long['new']}/{short['new']}", engine=name)
         lines.append(f"  batch {batch}, {long['new']} new over {short['new']} new (tok/s): {engines}; "
                      f"bound by bytes {bound:.3f}{steady}")
     return lines
@@ -369,10 +386,12 @@ def main() -> None:
     print(f"checkpoint: hidden {args.hidden}, {args.layers} layers, {args.heads} heads / {args.kv_heads} KV heads, "
           f"vocab {args.vocab}, fp32; prompt {args.prompt_len}; medians of {args.rounds} alternated rounds")
     print(blas_note())
+    results = ResultsFile(args.results, "cpu_anchors")
     for threads in args.threads:
         rows: list[dict] = []
         for row in measure(args, threads):
             rows.append(row)
+            record(args, results, row)
             if row["kind"] == "bandwidth":
                 print(f"\n{threads} thread(s): host memory bandwidth {row['gbs']:.1f} GB/s")
                 print(f"{'':9}{'batch':>6}{'prompt':>7}{'new':>5}{'ours':>10}{'CT2':>10}{'HF':>10}"
@@ -387,8 +406,37 @@ def main() -> None:
                      else "")
                   + (f"  kernel by kernel {row['per-kernel']:.0f}: ours {row['ours'] / row['per-kernel']:.2f}x"
                      if "per-kernel" in row else ""), flush=True)
-        for line in decay_lines(args, rows):
+        for line in decay_lines(args, rows, results):
             print(line, flush=True)
+
+
+def record(args: argparse.Namespace, results: ResultsFile, row: dict) -> None:
+    """One printed row's figures into the results file: tokens/s of each engine, ours against the
+    others, and batch 1's read rate against the host's."""
+    if row["kind"] == "bandwidth":
+        results.add("host read rate", row["gbs"], "GB/s", threads=row["threads"])
+        return
+    cell = f"batch {row['batch']}, {row['new']} new" if row["kind"] == "decode" else f"prefill {row['prompt']}"
+    where = {"threads": row["threads"], "cell": cell}
+    for name, key in (("ours", "ours"), ("CTranslate2", "ctranslate2"), ("transformers", "transformers"),
+                      ("engine", "engine"), ("per-kernel", "per-kernel")):
+        if key in row:
+            results.add(name, row[key], "tok/s", **where)
+    ratios = {"ours/CT2": row["ours"] / row["ctranslate2"], "ours/HF": row["ours"] / row["transformers"]}
+    if "engine" in row:
+        ratios["engine/ours"] = row["engine"] / row["ours"]
+    if "per-kernel" in row:
+        ratios["ours/per-kernel"] = row["ours"] / row["per-kernel"]
+    for name, value in ratios.items():
+        results.add(name, value, "ratio", **where)
+    if "gbs" in row:
+        weights, both = weight_bytes(args), weight_bytes(args) + kv_bytes(args, row["new"])
+        results.add("host read rate", row["gbs"], "GB/s", **where)
+        for name, share, size in (("weights, per generation", "share", weights),
+                                  ("weights + KV, per generation", "share", both),
+                                  ("weights, decode steps", "decode_share", weights),
+                                  ("weights + KV, decode steps", "decode_share", both)):
+            results.add(f"share of the host's read rate: {name}", 100 * row[share] * size / 1e9, "%", **where)
 
 
 if __name__ == "__main__":

@@ -16,12 +16,15 @@ round (``measure_host_bandwidth``).
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from bench.results_file import add_results_option, ResultsFile  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -32,6 +35,7 @@ def parse_args() -> argparse.Namespace:
                              "a 512-token generation after a 16-token prompt)")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--steps", type=int, default=10, help="steps of each form a round, alternated")
+    add_results_option(parser, "cpu_step_overhead")
     return parser.parse_args()
 
 
@@ -53,6 +57,7 @@ def main() -> None:
                                           w.gate_up_w, w.down_w, model.norm, model.lm_head_w))
     config = model.config
     kv_per_token = 2 * 4 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+    results = ResultsFile(args.results, "cpu_step_overhead")
     print(f"{args.threads} thread(s); weights read a step {weight_bytes / 1e6:.1f} MB; medians of {args.rounds} rounds "
           f"of {args.steps} alternated steps each")
     for context in args.contexts:
@@ -63,8 +68,8 @@ def main() -> None:
                              decoder.page_table)
         # The step's buffers, found once: what forward_greedy finds before its one call.
         act = model.workspace.activations(1, 1)
-        forms = {"through forward_greedy": lambda: model.forward_greedy(batch, decoder.kv),
-                 "compiled step alone": lambda: model.cpu_step.run(batch, act, decoder.kv, True)}
+        forms = {"through forward_greedy": functools.partial(model.forward_greedy, batch, decoder.kv),
+                 "compiled step alone": functools.partial(model.cpu_step.run, batch, act, decoder.kv, True)}
         times: dict[str, list[float]] = {name: [] for name in forms}
         host: list[float] = []
         for round_ in range(args.rounds):
@@ -79,11 +84,16 @@ def main() -> None:
         print(f"\ncontext {context}: host read rate {gbs:.1f} GB/s (median of the rounds); a step reads "
               f"{step_bytes / 1e6:.1f} MB (weights and KV)")
         medians = {name: statistics.median(values) for name, values in times.items()}
+        where = {"threads": args.threads, "context": context}
+        results.add("host read rate", gbs, "GB/s", **where)
         for name, seconds in medians.items():
             rate = step_bytes / seconds / 1e9
             print(f"  {name:24s} {seconds * 1e3:6.3f} ms  {rate:5.1f} GB/s  {100 * rate / gbs:4.0f}% of the host's")
+            results.add(f"step {name}", seconds * 1e3, "ms", **where)
+            results.add(f"step {name}, share of the host's read rate", 100 * rate / gbs, "%", **where)
         around = medians["through forward_greedy"] - medians["compiled step alone"]
         print(f"  Python around the step: {1e3 * around:.3f} ms")
+        results.add("Python around the step", 1e3 * around, "ms", **where)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from results_file import add_results_option, ResultsFile  # bench/ is the script's folder, first on sys.path
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -35,6 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--torch-device", default="cpu", help="torch device for transformers (cpu, cuda)")
     parser.add_argument("--peak-gbs", type=float, default=3350.0,
                         help="device memory bandwidth peak in GB/s for the cuda report (default: H100 SXM)")
+    add_results_option(parser, "decode")
     return parser.parse_args(argv)
 
 
@@ -56,7 +59,8 @@ class OurDecoder:
 
     ``kv``: the cache to write, as an engine keeps one for its life (at least the pages the batch
     needs, of ``page_size`` tokens); none: a new one. A new cache's pages are mapped as the prefill
-    first writes them, which on this machine took 18 ms of a 512-token prefill's 105 ms."""
+    first writes them, a sizeable share of a prefill's time
+    (docs/perf-log/cpu-anchors.md#2026-11-26-zen5-full-table-2a8ca35)."""
 
     def __init__(self, model: LlamaModel, prompts: np.ndarray, max_len: int, page_size: int = 16,
                  kv: PagedKVCache | None = None) -> None:
@@ -154,13 +158,20 @@ def main(args: argparse.Namespace) -> int:
         rows.append((batch, batch / ours_step, batch / torch_step, torch_step / ours_step,
                      (weight_bytes(ours_model) + kv_bytes) / ours_step / 1e9, agree, args.warmup + args.steps))
 
-    print(f"\n{'batch':>5} {'ours tok/s':>11} {'torch tok/s':>12} {'ratio':>7} {'ours GB/s':>10} {'same greedy ids':>16}")
+    print(f"\n{'batch':>5} {'ours tok/s':>11} {'torch tok/s':>12} {'ratio':>7} {'ours GB/s':>10} "
+          f"{'same greedy ids':>16}")
+    results = ResultsFile(args.results, "decode")
+    setting = {"model": ckpt.name, "backend": ours_model.backend_name, "dtype": args.dtype, "threads": args.threads}
     for batch, ours_tps, torch_tps, ratio, gbs, agree, steps in rows:
         print(f"{batch:>5} {ours_tps:>11.1f} {torch_tps:>12.1f} {ratio:>6.2f}x {gbs:>10.1f} {agree:>9}/{steps} steps")
+        for metric, value, unit in (("ours", ours_tps, "tok/s"), ("transformers", torch_tps, "tok/s"),
+                                    ("ours/transformers", ratio, "ratio"), ("ours, weights + KV read", gbs, "GB/s")):
+            results.add(metric, value, unit, batch=batch, **setting)
     if ours_model.backend_name == "cuda":
         batch, _, _, _, gbs, _, _ = rows[-1]
         print(f"\nbatch {batch}: {gbs:.0f} GB/s of weights + KV streamed per step = "
               f"{100 * gbs / args.peak_gbs:.1f}% of a {args.peak_gbs:.0f} GB/s peak")
+        results.add("ours, share of the memory's peak", 100 * gbs / args.peak_gbs, "%", batch=batch, **setting)
     return 0
 
 

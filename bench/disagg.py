@@ -28,6 +28,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 from cpu_threads import THREAD_VARIABLES
+from results_file import add_results_option, ResultsFile
 from servers import REPO, free_port, launch  # bench/ is the script's folder, first on sys.path
 
 sys.path.insert(0, str(REPO))
@@ -210,12 +211,28 @@ def main() -> None:
                         help="window sizes of the transfer part (16 KiB a token on the demo model)")
     parser.add_argument("--var-dir", type=Path, default=REPO / "var" / "bench-disagg")
     parser.add_argument("--json", type=Path, help="also write the results here")
+    add_results_option(parser, "disagg")
     args = parser.parse_args()
+    results = ResultsFile(args.results, "disagg")
     out = {}
     if args.part in ("transfer", "both"):
         out["transfer"] = run_transfer(args)
+        for tokens, row in out["transfer"].items():
+            for metric, value, unit in (("K/V transfer", row["transfer_MBps"], "MB/s"),
+                                        ("plain loopback", row["plain_MBps"], "MB/s"),
+                                        ("transfer/plain", row["ratio"], "ratio"),
+                                        ("window", row["bytes"] / 1e6, "MB")):
+                results.add(metric, value, unit, part="transfer", window_tokens=int(tokens))
     if args.part in ("load", "both"):
         out["load"] = run_load(args)
+        where = {"part": "load", "split_cores": args.split_cores, "clients": args.clients,
+                 "prompt_len": args.prompt_len, "max_tokens": args.max_tokens}
+        for side in ("single", "disaggregated"):
+            for metric, key, unit in (("output", "tokens_per_s", "tok/s"), ("TTFT p50", "ttft_p50_s", "s"),
+                                      ("TTFT p99", "ttft_p99_s", "s")):
+                results.add(metric, out["load"][side][key], unit, setup=side, **where)
+        results.add("disaggregated/single, tok/s", out["load"]["ratio_tokens_per_s"], "ratio", **where)
+        results.add("disaggregated/single, TTFT p50", out["load"]["ratio_ttft_p50"], "ratio", **where)
     print(json.dumps(out, indent=2))
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))

@@ -29,6 +29,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench.results_file import add_results_option, ResultsFile  # noqa: E402
 from engines.runtime import (  # noqa: E402
     AsyncEngine,
     EngineConfig,
@@ -146,15 +147,23 @@ def main() -> None:
     parser.add_argument("--restarts", type=int, default=5, help="kills to time (default 5)")
     parser.add_argument("--clients", type=int, default=32, help="streams in flight at SIGTERM (default 32)")
     parser.add_argument("--drain-timeout", type=float, default=2.0, help="serve's --drain-timeout (default 2)")
+    add_results_option(parser, "engine_lifecycle")
     args = parser.parse_args()
+    results = ResultsFile(args.results, "engine_lifecycle")
 
     times = asyncio.run(measure_restarts(args.restarts))
     print(f"restart, kill to first token: median {statistics.median(times):.2f} s "
           f"(min {min(times):.2f}, max {max(times):.2f}; {len(times)} kills; first retry after "
           f"{RestartPolicy().first_delay_s:g} s)")
+    for statistic, value in (("median", statistics.median(times)), ("min", min(times)), ("max", max(times))):
+        results.add("restart: kill to first token", value, "s", statistic=statistic, kills=len(times))
     done, exited, streams = asyncio.run(measure_drain(args.clients, args.drain_timeout))
     print(f"drain, {args.clients} streams, --drain-timeout {args.drain_timeout:g}: every stream's [DONE] "
           f"{done:.2f} s after SIGTERM ({streams}/{args.clients} streams ended cleanly), process exit {exited:.2f} s")
+    where = {"clients": args.clients, "drain_timeout": args.drain_timeout}
+    results.add("drain: SIGTERM to every stream's [DONE]", done, "s", **where)
+    results.add("drain: streams ended cleanly", streams, "streams", **where)
+    results.add("drain: SIGTERM to process exit", exited, "s", **where)
 
 
 if __name__ == "__main__":

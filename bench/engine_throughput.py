@@ -23,6 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.results_file import add_results_option, ResultsFile  # noqa: E402
 from engines.runtime import (  # noqa: E402
     demo_checkpoint_path,
     Engine,
@@ -71,7 +72,9 @@ def main() -> None:
     ap.add_argument("--max-output", type=int, default=128)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--prefill-chunk-size", type=int, default=512)
+    add_results_option(ap, "engine_throughput")
     args = ap.parse_args()
+    results = ResultsFile(args.results, "engine_throughput")
 
     ckpt = load_checkpoint(demo_checkpoint_path())
     model = LlamaModel.from_checkpoint(ckpt, backend=args.backend, dtype=args.dtype)
@@ -87,6 +90,11 @@ def main() -> None:
     secs, prompt_toks, gen = run(Engine(model, ckpt, config), jobs, "offline")
     print(f"offline: {args.requests} requests, {prompt_toks} prompt + {gen} generated tokens in {secs:.2f} s: "
           f"{gen / secs:.1f} generated tok/s, {(prompt_toks + gen) / secs:.1f} total tok/s")
+    setting = {"backend": model.backend_name, "dtype": args.dtype}
+    for metric, value, unit in (("generated", gen / secs, "tok/s"), ("total", (prompt_toks + gen) / secs, "tok/s"),
+                                ("wall", secs, "s"), ("prompt tokens", prompt_toks, "tokens"),
+                                ("generated tokens", gen, "tokens")):
+        results.add(metric, value, unit, workload="offline", requests=args.requests, **setting)
 
     jobs = workload(args.trace_requests, ckpt.config.vocab_size, 1, args.max_prompt, args.max_output)
     rates: dict[str, list[float]] = {"off": [], "on": []}
@@ -101,6 +109,10 @@ def main() -> None:
     off, on = statistics.median(rates["off"]), statistics.median(rates["on"])
     print(f"tracing: {args.trace_requests} requests x {args.repeat} alternating runs; median total tok/s "
           f"off {off:.1f}, on {on:.1f}; ratio on/off {on / off:.3f} ({events} events per traced run)")
+    for metric, value, unit in (("tracing off", off, "tok/s"), ("tracing on", on, "tok/s"),
+                                ("on/off", on / off, "ratio"), ("events per traced run", events, "events")):
+        results.add(metric, value, unit, workload="tracing on/off", requests=args.trace_requests, runs=args.repeat,
+                    **setting)
 
 
 if __name__ == "__main__":

@@ -26,13 +26,14 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
 import httpx
+
+from results_file import add_results_option, ResultsFile  # bench/ is the script's folder, first on sys.path
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -129,6 +130,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--keep", action="store_true", help="keep the clone and its HOME (printed)")
     parser.add_argument("serve_args", nargs="*", help="more arguments for scripts/serve.sh (after --)")
+    add_results_option(parser, "first_start")
     args = parser.parse_args()
     root = Path(tempfile.mkdtemp(prefix="first-start-"))
     clone, home = root / "clone", root / "home"
@@ -148,6 +150,14 @@ def main() -> None:
         print(f"{phase:<6}{r['health_s']:>12.1f}{r['burst_s']:>8.2f}{r['ttft_max_s']:>10.2f}{r['ttft_median_s']:>13.2f}"
               f"{r['save_trace_s']:>12.2f}{r['profile_start_s']:>15.2f}{r['profile_stop_s']:>14.2f}")
     print(f"first burst's max TTFT / warm's: {rows['cold']['ttft_max_s'] / rows['warm']['ttft_max_s']:.2f}")
+    results = ResultsFile(args.results, "first_start")
+    for phase, r in rows.items():
+        for metric, key in (("to /health", "health_s"), (f"burst of {args.burst}", "burst_s"),
+                            ("max TTFT", "ttft_max_s"), ("median TTFT", "ttft_median_s"),
+                            ("first save trace", "save_trace_s"),
+                            ("first profile start", "profile_start_s"), ("profile stop", "profile_stop_s")):
+            results.add(metric, r[key], "s", phase=phase)
+    results.add("first burst's max TTFT / warm's", rows["cold"]["ttft_max_s"] / rows["warm"]["ttft_max_s"], "ratio")
     print(json.dumps({"cold": rows["cold"], "warm": rows["warm"]}))
     if not args.keep:
         subprocess.run(["rm", "-rf", str(root)], check=False)

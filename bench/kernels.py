@@ -30,6 +30,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from results_file import add_results_option, ResultsFile  # bench/ is the script's folder, first on sys.path
+
 # Layer shapes: hidden, query heads, kv heads, MLP intermediate, vocabulary, layers.
 SHAPES: dict[str, dict[str, int]] = {
     "demo": {"hidden": 512, "heads": 8, "kv_heads": 4, "intermediate": 1408, "vocab": 4096, "layers": 8},
@@ -56,6 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=50, help="timed runs per op")
     parser.add_argument("--warmup", type=int, default=5, help="untimed runs per op first")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="CPU threads (default: all)")
+    add_results_option(parser, "kernels")
     args = parser.parse_args(argv)
     for name, value in SHAPES[args.shape].items():
         if getattr(args, name) is None:
@@ -124,7 +127,7 @@ def time_op(be: Any, case: OpCase, tokens: int, sync: Callable[[], None], warmup
 def decode_cases(be: Any, args: argparse.Namespace) -> list[OpCase]:
     """One layer's weights, a filled KV cache and a decode step's inputs; each op of the step."""
     rng = np.random.default_rng(0)
-    H, I, V, L = args.hidden, args.intermediate, args.vocab, args.layers
+    H, I, V, L = args.hidden, args.intermediate, args.vocab, args.layers  # noqa: E741 - shape letters, as papers write them
     nq, nkv, hd = args.heads, args.kv_heads, args.hidden // args.heads
     B, C, P = args.batch, args.context, args.page_size
     T = B  # decode: one new token per sequence
@@ -222,6 +225,15 @@ def main() -> None:
     step_s = sum(r.median_s * r.case.per_step for r in results)
     print(f"a decode step of {args.layers} layers, from these: {step_s * 1e3:.2f} ms, "
           f"{args.batch / step_s:.0f} tokens/s")
+    out = ResultsFile(args.results, "kernels")
+    setting = {"backend": args.backend, "dtype": args.dtype, "shape": args.shape, "batch": args.batch,
+               "context": args.context, "threads": args.threads}
+    for r in results:
+        out.add("time", r.median_s * 1e6, "µs", op=r.case.op, **setting)
+        out.add("bandwidth", r.gb_per_s, "GB/s", op=r.case.op, **setting)
+        if r.case.flops:
+            out.add("arithmetic", r.gflop_per_s, "GFLOP/s", op=r.case.op, **setting)
+    out.add("time", step_s * 1e6, "µs", op=f"decode step of {args.layers} layers (sum)", **setting)
 
 
 if __name__ == "__main__":

@@ -19,10 +19,12 @@ import sys
 import time
 from pathlib import Path
 
+from results_file import add_results_option, ResultsFile  # bench/ is the script's folder, first on sys.path
+
 REPO = Path(__file__).resolve().parents[1]
-#: The last commit without the profiler (the timeline's benchmark).
 #: Seconds between two runs.
 PAUSE_S = 2.0
+#: The last commit without the profiler (the timeline's benchmark).
 DEFAULT_BEFORE = "64d6d28d5e00fbb68acb400f4ade53b5d69e1bdd"
 
 
@@ -66,8 +68,9 @@ def worker(tree: str, requests: int, seed: int) -> None:
 
 def worktree(rev: str) -> Path:
     """A checkout of ``rev`` under /tmp. Both sides run from one (same filesystem, same fresh
-    numba caches): a worker importing this working tree ran 15% faster than one importing an
-    identical commit's worktree, which would swamp the difference measured."""
+    numba caches): a worker importing this working tree ran faster than one importing an
+    identical commit's worktree, by more than the difference measured
+    (docs/perf-log/code-comments.md#profiler-overhead-trees)."""
     commit = subprocess.run(["git", "rev-parse", rev], cwd=REPO, check=True, capture_output=True,
                             text=True).stdout.strip()
     tree = Path(f"/tmp/bench-profiler-{commit[:12]}")
@@ -84,6 +87,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--requests", type=int, default=32)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    add_results_option(parser, "profiler_overhead")
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args.requests, seed=0)
@@ -118,10 +122,18 @@ def main() -> None:
         process.stdin.close()
         process.wait(60)
     median = {name: statistics.median(values) for name, values in rates.items()}
-    print(f"before ({args.before[:12]}): {median['before']:.0f} tok/s; profiler compiled in, off: {median['off']:.0f} tok/s; "
+    print(f"before ({args.before[:12]}): {median['before']:.0f} tok/s; "
+          f"profiler compiled in, off: {median['off']:.0f} tok/s; "
           f"profiling: {median['on']:.0f} tok/s (medians of {args.rounds})")
     print(f"off / before = {median['off'] / median['before']:.3f} (goal >= 0.99); "
           f"on / off = {median['on'] / median['off']:.3f}")
+    results = ResultsFile(args.results, "profiler_overhead")
+    for name, runtime in (("before", f"before the profiler ({args.before[:7]})"), ("off", "profiler compiled in, off"),
+                          ("on", "profiling")):
+        results.add("median total", median[name], "tok/s", runtime=runtime, requests=args.requests)
+    results.add("off/before", median["off"] / median["before"], "ratio", runtime="profiler compiled in, off",
+                requests=args.requests)
+    results.add("on/off", median["on"] / median["off"], "ratio", runtime="profiling", requests=args.requests)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ import time
 from pathlib import Path
 
 import httpx
-from serve_load import PROMPT, RawSSEStream  # bench/ is the script's folder, first on sys.path
+from results_file import add_results_option, ResultsFile  # bench/ is the script's folder, first on sys.path
+from serve_load import PROMPT, RawSSEStream
 from servers import launch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -102,7 +103,7 @@ def gaps(rows: list[dict[str, object]], moments: dict[str, dict[str, float]]) ->
             m["first token"] - m["request added to engine"],
             row["first"] - m["first token"],
             row["end"] - m["finish"],
-        )):
+        ), strict=True):
             out[name].append(value)
     return out
 
@@ -116,6 +117,7 @@ def main() -> None:
     parser.add_argument("--requests-per-client", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--var-dir", default=str(REPO / "var" / "bench-latency"), help="database folder for the server")
+    add_results_option(parser, "serve_latency")
     args = parser.parse_args()
     Path(args.var_dir).mkdir(parents=True, exist_ok=True)
 
@@ -134,11 +136,18 @@ def main() -> None:
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     tokens = len(rows) * args.max_tokens
     print(f"{args.clients} clients, {len(rows)} requests: {tokens / seconds:.0f} tok/s through HTTP (tracing on)")
+    results = ResultsFile(args.results, "serve_latency")
+    where = {"model": args.model, "backend": args.backend, "engine_mode": args.engine_mode, "clients": args.clients,
+             "max_tokens": args.max_tokens}
+    results.add("through HTTP, tracing on", tokens / seconds, "tok/s", **where)
     for name, values in gaps(rows, first_moments(events)).items():
         if values:
             values.sort()
-            print(f"  {name:28s} p50 {values[len(values) // 2] / 1000:7.2f} ms   "
-                  f"p90 {values[int(0.9 * len(values))] / 1000:7.2f} ms   ({len(values)} requests)")
+            p50, p90 = values[len(values) // 2] / 1000, values[int(0.9 * len(values))] / 1000
+            print(f"  {name:28s} p50 {p50:7.2f} ms   "
+                  f"p90 {p90:7.2f} ms   ({len(values)} requests)")
+            results.add(f"{name} p50", p50, "ms", **where)
+            results.add(f"{name} p90", p90, "ms", **where)
 
 
 if __name__ == "__main__":

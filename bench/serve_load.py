@@ -35,6 +35,7 @@ from pathlib import Path
 
 import httpx
 from cpu_threads import use_threads  # bench/ is the script's folder, first on sys.path
+from results_file import add_results_option, ResultsFile
 from servers import launch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -368,7 +369,7 @@ def measure(args: argparse.Namespace, engine, server: subprocess.Popen, base: st
         "engine_tok_s": round(alone.tokens_per_s, 1),
         "http_tok_s": round(http.tokens_per_s, 1),
         "ratio": round(http.tokens_per_s / alone.tokens_per_s, 3) if alone.tokens_per_s else 0.0,
-        "run_ratios": [round(h.tokens_per_s / a.tokens_per_s, 3) for a, h in zip(alone_runs, http_runs)],
+        "run_ratios": [round(h.tokens_per_s / a.tokens_per_s, 3) for a, h in zip(alone_runs, http_runs, strict=True)],
         "engine_ttft_p50_ms": round(1000 * percentile(alone.ttft_s, 0.5), 1),
         "engine_ttft_p99_ms": round(1000 * percentile(alone.ttft_s, 0.99), 1),
         "http_ttft_p50_ms": round(1000 * percentile(http.ttft_s, 0.5), 1),
@@ -406,7 +407,9 @@ def main() -> None:
     parser.add_argument("--prefill-chunk-size", type=int, default=512)
     parser.add_argument("--var-dir", default=str(REPO / "var" / "bench"), help="database folder for the server")
     parser.add_argument("--json", help="also write the results here")
+    add_results_option(parser, "serve_load")
     args = parser.parse_args()
+    results = ResultsFile(args.results, "serve_load")
     if args.threads:
         use_threads(args.threads)  # before numba loads, here and (inherited) in the server and its engine process
     Path(args.var_dir).mkdir(parents=True, exist_ok=True)
@@ -429,12 +432,35 @@ def main() -> None:
                 f"client {row['http_client_cpu_us_per_token']}",
                 flush=True,
             )
+            record(results, args, row)
     finally:
         server.terminate()
         server.wait(30)
         engine.shutdown()
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+#: A row's figures as the results file names them: (metric, the row's key, unit).
+FIGURES = (
+    ("engine alone", "engine_tok_s", "tok/s"), ("HTTP", "http_tok_s", "tok/s"), ("HTTP/engine", "ratio", "ratio"),
+    ("engine TTFT p50", "engine_ttft_p50_ms", "ms"), ("engine TTFT p99", "engine_ttft_p99_ms", "ms"),
+    ("HTTP TTFT p50", "http_ttft_p50_ms", "ms"), ("HTTP TTFT p99", "http_ttft_p99_ms", "ms"),
+    ("dump_engine_metrics p99", "metrics_p99_ms", "ms"), ("AsyncEngine.metrics() p99", "engine_metrics_p99_ms", "ms"),
+    ("CPU a token: engine alone", "engine_cpu_us_per_token", "µs"),
+    ("CPU a token: HTTP, engine", "http_engine_cpu_us_per_token", "µs"),
+    ("CPU a token: HTTP, server event loop", "http_server_loop_cpu_us_per_token", "µs"),
+    ("CPU a token: HTTP, load client", "http_client_cpu_us_per_token", "µs"),
+)
+
+
+def record(results: ResultsFile, args: argparse.Namespace, row: dict[str, object]) -> None:
+    """One client count's figures into the results file."""
+    where = {"model": args.model, "backend": args.backend, "engine_mode": args.engine_mode,
+             "threads": args.threads or "all", "client": args.client, "max_tokens": args.max_tokens,
+             "clients": row["clients"]}
+    for metric, key, unit in FIGURES:
+        results.add(metric, row[key], unit, **where)
 
 
 if __name__ == "__main__":

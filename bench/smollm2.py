@@ -32,6 +32,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[0] = str(REPO)  # the repository, not bench/ (bench/kernels.py would shadow transformers' ``kernels``)
 ENGINES = ("ours", "transformers", "ctranslate2")
 
+from bench.results_file import add_results_option, ResultsFile  # noqa: E402
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -44,6 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--skip-load", action="store_true")
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--cache", type=Path, default=REPO / "var" / "bench-smollm2")
+    add_results_option(parser, "smollm2")
     parser.add_argument("--worker", choices=[*ENGINES, "load", "load-transformers"], help=argparse.SUPPRESS)
     parser.add_argument("--worker-threads", type=int, default=2, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -131,7 +134,7 @@ def timed_load(kind: str, threads: int) -> dict[str, float]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def measure_load(args: argparse.Namespace) -> None:
+def measure_load(args: argparse.Namespace, results: ResultsFile) -> None:
     file = gguf_file()
     threads = max(args.threads)
     timed_load("load", threads)  # compiles and caches the kernels, and the wheel file's check
@@ -148,7 +151,10 @@ def measure_load(args: argparse.Namespace) -> None:
         cells = [statistics.median(r[key] for r in rows) if key in rows[0] else None
                  for key in ("metadata", "checkpoint", "model")]
         print(f"{name:<24}" + "".join(f"{c:>{w}.2f}" if c is not None else f"{'-':>{w}}"
-                                      for c, w in zip(cells, (10, 12, 13))))
+                                      for c, w in zip(cells, (10, 12, 13), strict=True)))
+        for metric, value in zip(("metadata", "checkpoint", "model ready"), cells, strict=True):
+            if value is not None:
+                results.add(metric, value, "s", load=name, threads=threads)
 
 
 # ----------------------------------------------------------------------------------- decode
@@ -241,7 +247,7 @@ class Worker:
         self.process.wait()
 
 
-def measure_decode(args: argparse.Namespace) -> None:
+def measure_decode(args: argparse.Namespace, results: ResultsFile) -> None:
     import numpy as np
 
     reference_folders(args.cache)
@@ -265,6 +271,13 @@ def measure_decode(args: argparse.Namespace) -> None:
                 print(f"{batch:>6}{rate['ours']:>9.0f}{rate['transformers']:>9.0f}{rate['ctranslate2']:>9.0f}"
                       f"{rate['ours'] / rate['transformers']:>9.2f}{rate['ours'] / rate['ctranslate2']:>10.2f}",
                       flush=True)
+                where = {"threads": threads, "batch": batch, "new_tokens": args.new_tokens}
+                for metric, value, unit in (("ours", rate["ours"], "tok/s"),
+                                            ("transformers", rate["transformers"], "tok/s"),
+                                            ("CTranslate2", rate["ctranslate2"], "tok/s"),
+                                            ("ours/HF", rate["ours"] / rate["transformers"], "ratio"),
+                                            ("ours/CT2", rate["ours"] / rate["ctranslate2"], "ratio")):
+                    results.add(metric, value, unit, **where)
         finally:
             for w in workers:
                 w.close()
@@ -281,10 +294,11 @@ def main() -> None:
     import platform
 
     print(f"SmolLM2-135M-Instruct Q4_1 GGUF; {platform.processor() or platform.machine()}, {os.cpu_count()} cores")
+    results = ResultsFile(args.results, "smollm2")
     if not args.skip_load:
-        measure_load(args)
+        measure_load(args, results)
     if not args.skip_decode:
-        measure_decode(args)
+        measure_decode(args, results)
 
 
 if __name__ == "__main__":

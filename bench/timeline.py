@@ -29,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+from itertools import pairwise
 from pathlib import Path
 
 import httpx
@@ -37,6 +38,7 @@ import websockets
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from bench.results_file import add_results_option, ResultsFile  # noqa: E402
 from bench.trace_history import recorded_trace  # noqa: E402
 from bench.ws_fanout import load  # noqa: E402
 
@@ -54,7 +56,7 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
-def save_traces(var: str, sizes: list[int]) -> dict[int, int]:
+def save_traces(var: str, sizes: list[int], results: ResultsFile) -> dict[int, int]:
     """Saved trace records of about each size in the database under ``var``; size -> record id."""
     os.environ["DEBUGSITE_VAR_DIR"] = var
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "debugsite.settings")
@@ -72,6 +74,8 @@ def save_traces(var: str, sizes: list[int]) -> dict[int, int]:
         records[size] = record.pk
         print(f"saved a {record.event_count:,}-event trace ({len(raw) / 1e6:.0f} MB JSON, "
               f"{record.compressed_bytes / 1e6:.1f} MB gzip) as record {record.pk}")
+        results.add("JSON", len(raw) / 1e6, "MB", part="saved trace", events_asked=size)
+        results.add("gzip", record.compressed_bytes / 1e6, "MB", part="saved trace", events_asked=size)
     return records
 
 
@@ -91,8 +95,8 @@ def start_server(var: str, streams: int) -> tuple[subprocess.Popen, str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("API_KEY", "DATABASE_URL", "REDIS_URL")}
     env |= {"DEBUGSITE_VAR_DIR": var, "PYTHONUNBUFFERED": "1"}
     process = subprocess.Popen(
-        [sys.executable, "manage.py", "serve", "--port", str(port), "--backend", "cpu", "--enable-tracing", "--enable-debug",
-         "--max-num-seqs", str(streams), "--max-total-tokens", str(streams * 256),
+        [sys.executable, "manage.py", "serve", "--port", str(port), "--backend", "cpu", "--enable-tracing",
+         "--enable-debug", "--max-num-seqs", str(streams), "--max-total-tokens", str(streams * 256),
          "--metrics-snapshot-interval", "0"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert process.stdout is not None
@@ -124,14 +128,14 @@ async def frames_while(page, action) -> dict[str, float]:
     stamps = await page.evaluate("window.rafProbe.running = false; window.rafProbe.stamps")
     frames = await page.evaluate("window.timeline.view.recordFrames = false; window.timeline.view.frames")
     draws = [f[1] for f in frames]
-    intervals = [b - a for a, b in zip(stamps, stamps[1:])]
+    intervals = [b - a for a, b in pairwise(stamps)]
     return {"draws": len(frames), "draw_p50": percentile(draws, 0.5), "draw_p95": percentile(draws, 0.95),
             "draw_max": max(draws, default=float("nan")), "frames": len(intervals),
             "frame_p50": percentile(intervals, 0.5), "frame_p95": percentile(intervals, 0.95),
             "frame_max": max(intervals, default=float("nan"))}
 
 
-async def bench_saved(page, base: str, record: int, size: int) -> None:
+async def bench_saved(page, base: str, record: int, size: int, results: ResultsFile) -> None:
     started = time.perf_counter()
     await page.goto(f"{base}/dashboard/traces/{record}/timeline/")
     await page.wait_for_function("window.timeline && window.timeline.stats.ready === true", timeout=120_000,
@@ -141,8 +145,15 @@ async def bench_saved(page, base: str, record: int, size: int) -> None:
     after_data = stats["firstFrameMs"] - stats["arrivedMs"]
     print(f"\n{size:,}-event trace: {await page.evaluate('window.timeline.model.events'):,} events, "
           f"{await page.evaluate('window.timeline.model.lanes.length'):,} lanes")
-    print(f"  open -> usable {usable:.0f} ms (data arrived {stats['arrivedMs']:.0f} ms, parse {stats['parseMs']:.0f} ms, "
-          f"build {stats['buildMs']:.0f} ms); data arrived -> first frame {after_data:.0f} ms")
+    print(f"  open -> usable {usable:.0f} ms (data arrived {stats['arrivedMs']:.0f} ms, "
+          f"parse {stats['parseMs']:.0f} ms, build {stats['buildMs']:.0f} ms); "
+          f"data arrived -> first frame {after_data:.0f} ms")
+    where = {"part": "saved trace", "events_asked": size}
+    results.add("events", await page.evaluate("window.timeline.model.events"), "events", **where)
+    results.add("lanes", await page.evaluate("window.timeline.model.lanes.length"), "lanes", **where)
+    for metric, value in (("open -> usable", usable), ("data arrived", stats["arrivedMs"]), ("parse", stats["parseMs"]),
+                          ("build", stats["buildMs"]), ("data arrived -> first frame", after_data)):
+        results.add(metric, value, "ms", **where)
     box = await page.locator(".tl-canvas").bounding_box()
     cx, cy = box["x"] + box["width"] * 0.6, box["y"] + 120
 
@@ -169,6 +180,10 @@ async def bench_saved(page, base: str, record: int, size: int) -> None:
         print(f"  {label:<11} frame time (rAF interval, {result['frames']} frames) p50 {result['frame_p50']:.1f} ms, "
               f"p95 {result['frame_p95']:.1f} ms, max {result['frame_max']:.1f} ms; view draws ({result['draws']}) "
               f"p50 {result['draw_p50']:.1f} ms, p95 {result['draw_p95']:.1f} ms, max {result['draw_max']:.1f} ms")
+        action_name = label.split()[0]
+        for key in ("frame_p50", "frame_p95", "frame_max", "draw_p50", "draw_p95", "draw_max"):
+            kind, stat = key.split("_")
+            results.add(f"{action_name}: {kind} {stat}", result[key], "ms", **where)
 
 
 def process_tree(pid: int) -> list[int]:
@@ -233,7 +248,9 @@ async def socket_viewer(base: str, cookie: str, lags: list[float], traffic: list
 
 
 async def bench_live(page, base: str, server: int, streams: int, seconds: float, rounds: int,
-                     viewers: list[str]) -> None:
+                     viewers: list[str], results: ResultsFile) -> None:
+    from playwright.async_api import Error as PlaywrightError  # the timeout the first delta may end in
+
     kinds = ["none", *viewers]
     print(f"\nlive: {streams} concurrent streams, {seconds:.0f} s rounds of {', '.join(kinds)}, order rotated")
     cookie = "; ".join(f"{c['name']}={c['value']}" for c in await page.context.cookies())
@@ -253,20 +270,20 @@ async def bench_live(page, base: str, server: int, streams: int, seconds: float,
                 await page.goto(f"{base}/dashboard/engines/demo/timeline/")
                 try:
                     await page.wait_for_function("window.timeline && window.timeline.stats.deltas > 0", timeout=60_000)
-                except Exception:
+                except PlaywrightError as exc:
                     status = await page.text_content("#timeline-status")
                     notice = await page.text_content("#timeline-notice")
-                    raise SystemExit(f"the live timeline got no trace: status {status!r}, notice {notice!r}")
+                    raise SystemExit(f"the live timeline got no trace: status {status!r}, notice {notice!r}") from exc
 
-                async def sample() -> None:
+                async def sample(lags: list[float], stop: asyncio.Event) -> None:
                     await asyncio.sleep(1.0)  # events flow from every step once the load runs
                     while not stop.is_set():
                         await asyncio.sleep(0.2)
                         if not stop.is_set():
                             lag = await page.evaluate("Date.now() * 1000 - window.timeline.model.last")
-                            round_lags.append(lag / 1000)
+                            lags.append(lag / 1000)
 
-                follower = asyncio.create_task(sample())
+                follower = asyncio.create_task(sample(round_lags, stop))
             elif kind == "socket":
                 traffic: list[int] = []
                 follower = asyncio.create_task(socket_viewer(base, cookie, round_lags, traffic, stop))
@@ -287,8 +304,12 @@ async def bench_live(page, base: str, server: int, streams: int, seconds: float,
                      if kind == "socket" else ""))
     without = statistics.median(rates["none"])
     for kind in kinds:
+        median_cores = {role: statistics.median(r[role] for r in cores[kind]) for role in cores[kind][0]}
         print(f"  {kind:<7} viewer, median cores: " + ", ".join(
-            f"{role} {statistics.median(r[role] for r in cores[kind]):.2f}" for role in cores[kind][0]))
+            f"{role} {value:.2f}" for role, value in median_cores.items()))
+        results.add("engine", statistics.median(rates[kind]), "tok/s", part="live", viewer=kind, streams=streams)
+        for role, value in median_cores.items():
+            results.add(f"cores used: {role}", value, "cores", part="live", viewer=kind, streams=streams)
     for kind in viewers:
         with_viewer = statistics.median(rates[kind])
         print(f"  engine tok/s with one {kind} viewer / none (medians): {with_viewer:.0f} / {without:.0f} = "
@@ -297,6 +318,11 @@ async def bench_live(page, base: str, server: int, streams: int, seconds: float,
         print(f"  {kind} viewer behind the engine: p50 {percentile(steady, 0.5):.0f} ms, "
               f"p99 {percentile(steady, 0.99):.0f} ms, max {max(steady, default=float('nan')):.0f} ms "
               f"over {len(steady)} samples (goal <= 1000 ms)")
+        where = {"part": "live", "viewer": kind, "streams": streams}
+        results.add("engine, viewer/none", with_viewer / without, "ratio", **where)
+        for stat, value in (("p50", percentile(steady, 0.5)), ("p99", percentile(steady, 0.99)),
+                            ("max", max(steady, default=float("nan")))):
+            results.add(f"behind the engine {stat}", value, "ms", **where)
 
 
 def main() -> None:
@@ -308,13 +334,15 @@ def main() -> None:
     parser.add_argument("--viewers", nargs="*", choices=["browser", "socket"], default=["browser", "socket"],
                         help="live viewers to compare with none: chromium on the timeline page, and a websocket "
                              "follower without a browser (the server's cost alone); none given: no live rounds")
+    add_results_option(parser, "timeline")
     args = parser.parse_args()
+    results = ResultsFile(args.results, "timeline")
     var = tempfile.mkdtemp(prefix="bench-timeline-")
-    records = save_traces(var, args.events)   # Django's ORM, before any event loop runs
-    asyncio.run(run(args, var, records))
+    records = save_traces(var, args.events, results)   # Django's ORM, before any event loop runs
+    asyncio.run(run(args, var, records, results))
 
 
-async def run(args: argparse.Namespace, var: str, records: dict[int, int]) -> None:
+async def run(args: argparse.Namespace, var: str, records: dict[int, int], results: ResultsFile) -> None:
     from playwright.async_api import async_playwright
 
     process, base, login = start_server(var, args.streams)
@@ -327,9 +355,10 @@ async def run(args: argparse.Namespace, var: str, records: dict[int, int]) -> No
                     and print(f"  console {message.type}: {message.text}"))
             await page.goto(base + login)
             for size, record in records.items():
-                await bench_saved(page, base, record, size)
+                await bench_saved(page, base, record, size, results)
             if args.viewers:
-                await bench_live(page, base, process.pid, args.streams, args.seconds, args.rounds, args.viewers)
+                await bench_live(page, base, process.pid, args.streams, args.seconds, args.rounds, args.viewers,
+                                 results)
             await browser.close()
     finally:
         process.terminate()

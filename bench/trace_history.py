@@ -26,6 +26,8 @@ sys.path.insert(0, str(ROOT))
 
 T0 = 1_700_000_000_000_000
 
+from bench.results_file import add_results_option, ResultsFile  # noqa: E402
+
 
 def recorded_trace(target_events: int, batch: int = 32, decode_steps: int = 235):
     """A ``TraceRecorder`` filled the way a busy engine fills it: waves of ``batch``
@@ -97,21 +99,26 @@ def timed(fn: Callable[[], Any], repeat: int) -> tuple[float, Any]:
     return statistics.median(samples), result
 
 
-def bench_save(events: int, repeat: int) -> dict[str, Any]:
+def bench_save(events: int, repeat: int, results: ResultsFile) -> dict[str, Any]:
     import orjson
 
     from engines.history import save_trace
     from engines.history.analysis import analyze_trace
     from engines.history.capture import _gc_paused
     from engines.history.payload import compress_json
+    from django.db import connection
+
     from engines.models import RequestSummary, TraceRecord
 
     rec = recorded_trace(events)
+    where = {"database": connection.vendor, "events": events}
 
     def stage(label: str, fn: Callable[[], Any]) -> Any:
         start = time.perf_counter()
         out = fn()
-        print(f"  {label:<34} {(time.perf_counter() - start) * 1000:8.0f} ms")
+        ms = (time.perf_counter() - start) * 1000
+        print(f"  {label:<34} {ms:8.0f} ms")
+        results.add(f"stage alone: {label}", ms, "ms", **where)
         return out
 
     print("stages, each alone (save_trace overlaps gzip with the analysis):")
@@ -137,6 +144,7 @@ def bench_save(events: int, repeat: int) -> dict[str, Any]:
         assert RequestSummary.objects.filter(trace=record).count() == len(analysis.requests)
         print(f"save_trace({label}): median {statistics.median(times):.0f} ms, "
               f"runs {', '.join(f'{t:.0f}' for t in times)} ms")
+        results.add(f"save_trace, {label}", statistics.median(times) / 1000, "s", **where)
         results[label] = statistics.median(times)
         results["record"] = record
     TraceRecord.objects.filter(engine="bench-save").exclude(pk=results["record"].pk).defer("payload").delete()
@@ -193,7 +201,7 @@ def populate_lists(records: int, summaries: int) -> None:
           f"{RequestSummary.objects.count():,} request summaries in {time.perf_counter() - start:.0f} s")
 
 
-def bench_pages(saved: Any, repeat: int) -> None:
+def bench_pages(saved: Any, repeat: int, results: ResultsFile, records: int, summaries: int) -> None:
     from django.contrib.auth.models import User
     from django.core.signals import request_finished
     from django.db import close_old_connections, connection
@@ -247,6 +255,9 @@ def bench_pages(saved: Any, repeat: int) -> None:
         query_count = len(queries.captured_queries)  # before the next request resets the log
         ms, _ = timed(get, repeat)
         print(f"{label:<36} {ms:10.1f} {query_count:8d}")
+        where = {"database": connection.vendor, "records": records, "summaries": summaries, "page": label}
+        results.add("server time", ms, "ms", **where)
+        results.add("queries", query_count, "queries", **where)
 
 
 def main() -> None:
@@ -257,16 +268,18 @@ def main() -> None:
     parser.add_argument("--summaries", type=int, default=1_000_000)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--skip-lists", action="store_true", help="only the save benchmark")
+    add_results_option(parser, "trace_history")
     args = parser.parse_args()
+    results = ResultsFile(args.results, "trace_history")
 
     setup_django(args.database_url)
     from django.db import connection
 
     print(f"database: {connection.vendor} {connection.settings_dict['NAME']}")
-    saved = bench_save(args.events, args.repeat)
+    saved = bench_save(args.events, args.repeat, results)
     if not args.skip_lists:
         populate_lists(args.records, args.summaries)
-        bench_pages(saved["record"], max(args.repeat, 5))
+        bench_pages(saved["record"], max(args.repeat, 5), results, args.records, args.summaries)
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.results_file import add_results_option, ResultsFile  # noqa: E402
 from engines.runtime import TraceRecorder  # noqa: E402  (after the path set-up)
 
 
@@ -50,7 +51,8 @@ def time_calls(body: Callable[[int], None], n: int, repeat: int) -> float:
     return max(_median_ns_per_iter(body, n, repeat) - _median_ns_per_iter(_bare_loop, n, repeat), 0.0)
 
 
-def bench_recording(n: int, repeat: int, batch: int) -> list[tuple[str, str]]:
+def bench_recording(n: int, repeat: int, batch: int) -> list[tuple[str, str, float, str]]:
+    """Each recording figure: its name, its printed form, its value and its unit."""
     ids = [f"chatcmpl-{i:032x}" for i in range(batch)]
     rid = ids[0]
     args = {"batch_size": batch}
@@ -88,13 +90,15 @@ def bench_recording(n: int, repeat: int, batch: int) -> list[tuple[str, str]]:
                 tracer.add_event(rid, "first token")
 
     per_batch = time_calls(batched, n // 4, repeat)
+    one, one_args, evicting = (time_calls(body, n, repeat) for body in (single, single_args, full))
+    off = time_calls(disabled, n, repeat)
     return [
-        ("add_event, 1 request", f"{time_calls(single, n, repeat):8.0f} ns/call"),
-        ("add_event, 1 request + args", f"{time_calls(single_args, n, repeat):8.0f} ns/call"),
+        ("add_event, 1 request", f"{one:8.0f} ns/call", one, "ns/call"),
+        ("add_event, 1 request + args", f"{one_args:8.0f} ns/call", one_args, "ns/call"),
         (f"add_event, {batch} requests + engine lane",
-         f"{per_batch:8.0f} ns/call = {per_batch / (batch + 1):.0f} ns/event"),
-        ("add_event, buffer full (evicting)", f"{time_calls(full, n, repeat):8.0f} ns/call"),
-        ("disabled call site (tracer is None)", f"{time_calls(disabled, n, repeat):8.1f} ns/check"),
+         f"{per_batch:8.0f} ns/call = {per_batch / (batch + 1):.0f} ns/event", per_batch, "ns/call"),
+        ("add_event, buffer full (evicting)", f"{evicting:8.0f} ns/call", evicting, "ns/call"),
+        ("disabled call site (tracer is None)", f"{off:8.1f} ns/check", off, "ns/check"),
     ]
 
 
@@ -162,9 +166,14 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5, help="runs per figure (median reported)")
     parser.add_argument("--calls", type=int, default=200_000, help="add_event calls per recording run")
     parser.add_argument("--batch", type=int, default=32, help="requests per batched call / running")
+    add_results_option(parser, "trace_recorder")
     opts = parser.parse_args()
+    results = ResultsFile(opts.results, "trace_recorder")
 
-    rows = bench_recording(opts.calls, opts.repeat, opts.batch)
+    rows = []
+    for name, text, value, unit in bench_recording(opts.calls, opts.repeat, opts.batch):
+        rows.append((name, text))
+        results.add(name, value, unit, calls=opts.calls)
     for name, make in (("engine-like", lambda: engine_like_trace(opts.events, opts.batch)),
                        ("single-request calls", lambda: single_call_trace(opts.events))):
         rec = make()
@@ -173,11 +182,15 @@ def main() -> None:
         rows.append((f"dump_json {held:,} events, {name}",
                      f"{wall * 1000:6.0f} ms wall, {cpu * 1000:.0f} ms CPU "
                      f"({wall / held * 1e9:.0f} ns/event, {len(raw) / 1e6:.0f} MB)"))
+        for metric, value, unit in (("dump_json", wall * 1000, "ms"), ("dump_json CPU", cpu * 1000, "ms"),
+                                    ("dump_json size", len(raw) / 1e6, "MB")):
+            results.add(metric, value, unit, events=held, workload=name)
         del raw
         if name == "engine-like":
             wall, cpu, _ = time_export(rec.dump, max(1, min(opts.repeat, 3)))
             rows.append((f"dump() dict {held:,} events, {name}",
                          f"{wall * 1000:6.0f} ms wall, {cpu * 1000:.0f} ms CPU"))
+            results.add("dump() dict", wall * 1000, "ms", events=held, workload=name)
         del rec
 
     width = max(len(name) for name, _ in rows)

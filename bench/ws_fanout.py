@@ -37,7 +37,8 @@ from typing import Any
 import httpx
 import orjson
 import websockets
-from cpu_threads import THREAD_VARIABLES
+from cpu_threads import THREAD_VARIABLES  # bench/ is the script's folder, first on sys.path
+from results_file import add_results_option, ResultsFile
 
 REPO = Path(__file__).resolve().parents[1]
 SERVER_LOG = Path(tempfile.gettempdir()) / "ws_fanout_server.log"
@@ -229,6 +230,19 @@ async def main_async(args: argparse.Namespace) -> None:
         print(f"  engine tokens/s: {tok_w:.0f} with viewers, {tok_a:.0f} without: ratio {tok_w / tok_a:.3f}")
         print(f"  server CPU: {cpu_w:.3f} vs {cpu_a:.3f} core-seconds/s: "
               f"{1000 * (cpu_w - cpu_a) / args.viewers:.2f} ms of CPU per viewer-second")
+        results = ResultsFile(args.results, "ws_fanout")
+        where = {"channel_layer": layer, "cores": "engine alone on CPU 0" if args.pin else "shared",
+                 "viewers": args.viewers, "clients": args.clients}
+        for metric, value, unit in (
+            ("snapshots", sum(r["snapshots"] for r in watched), "snapshots"),
+            ("missed deliveries", missed, "deliveries"),
+            ("latency p50", statistics.median(r["p50_ms"] for r in watched), "ms"),
+            ("latency p99 (worst round)", max(r["p99_ms"] for r in watched), "ms"),
+            ("server CPU per viewer-second", 1000 * (cpu_w - cpu_a) / args.viewers, "ms"),
+            ("engine, viewers", tok_w, "tok/s"), ("engine, none", tok_a, "tok/s"),
+            ("engine, viewers/none", tok_w / tok_a, "ratio"),
+        ):
+            results.add(metric, value, unit, **where)
     finally:
         server.terminate()
         server.wait(60)
@@ -245,6 +259,7 @@ def main() -> None:
     parser.add_argument("--redis", help="REDIS_URL for the server's channel layer (default: in-memory)")
     parser.add_argument("--pin", action="store_true",
                         help="engine process (one compute thread) alone on CPU 0, everything else on CPU 1")
+    add_results_option(parser, "ws_fanout")
     asyncio.run(main_async(parser.parse_args()))
 
 

@@ -1,21 +1,21 @@
 """ASGI entry point.
 
-Websockets (the dashboard, :mod:`engines.routing`) pass the origin check and the session
-middleware. HTTP first passes the API-key gate (:mod:`engines.auth`), then goes to one of
-two Django handlers over the same URLconf:
+Websockets (the dashboard, :mod:`engines.dashboard.routing`) pass the origin check and the
+session middleware. HTTP first passes the API-key gate (:mod:`engines.auth`), then goes to one
+of two Django handlers over the same URLconf:
 
-- the machine-facing routes (``/v1``, ``/debug``, ``/microserving``, ``/metrics``,
-  ``/stats``, ``/health``) to :class:`APIHandler`, which runs no middleware and starts
-  no thread per request (its few sync calls share one thread of its own);
+- the machine-facing routes (``engines.api_routes``: ``/v1``, ``/debug``, ``/microserving``,
+  ``/metrics``, ``/stats``, ``/health``) to :class:`APIHandler`, which runs no middleware and
+  starts no thread per request (its few sync calls share one thread of its own);
 - everything else (admin, dashboard) to Django's usual handler with
   ``settings.MIDDLEWARE``.
 
 Why two: under ASGI every ``MiddlewareMixin`` hook runs through
 ``sync_to_async``, so the seven browser middleware (sessions, CSRF, auth,
-messages, ...) cost about fourteen thread hops per request, each waiting for
-the GIL against the busy engine thread. Under load that added ~100 ms to time
-to first token and to ``/debug`` latency, for routes that use none of it: API
-clients authenticate with a bearer key, and the views are CSRF-exempt JSON.
+messages, ...) cost two thread hops each per request, each waiting for the GIL
+against the busy engine thread, which showed in time to first token under load
+(docs/perf-log/code-comments.md#api-middleware), for routes that use none of it:
+API clients authenticate with a bearer key, and the views are CSRF-exempt JSON.
 
 ``manage.py serve`` fills the engine registry before handing this application to
 Daphne. Under another ASGI server (``daphne debugsite.asgi:application``), set
@@ -23,7 +23,9 @@ Daphne. Under another ASGI server (``daphne debugsite.asgi:application``), set
 ``ENGINES_*`` variables (see :func:`engines.registry.configure_from_env`).
 """
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from django.core.asgi import get_asgi_application
 
@@ -42,13 +44,13 @@ from django.http import HttpRequest, HttpResponseBase  # noqa: E402
 from django.http.request import split_domain_port  # noqa: E402
 
 from engines import registry as engine_registry  # noqa: E402
-from engines.auth import APIKeyMiddleware, routed_path  # noqa: E402
+from engines.api_routes import api_route  # noqa: E402
+from engines.auth import APIKeyMiddleware, ASGIApp, Receive, Scope, Send, routed_path  # noqa: E402
+from engines.dashboard.routing import websocket_urlpatterns  # noqa: E402
 from engines.dashboard.same_origin import SameOriginValidator  # noqa: E402
 from engines.protocol.errors import ProtocolError  # noqa: E402
-from engines.routing import websocket_urlpatterns  # noqa: E402
-from engines.views.errors import error_response  # noqa: E402
+from engines.views.api import error_response  # noqa: E402
 
-API_PREFIXES = ("/v1", "/debug", "/microserving", "/metrics", "/stats", "/health")
 # The API requests' sync calls (Django's request signals, ``response.close``): one thread for all.
 API_SYNC_EXECUTOR = ThreadPoolExecutor(max_workers=1, thread_name_prefix="api-sync")
 
@@ -61,7 +63,7 @@ class APIHandler(ASGIHandler):
     page in a browser from reaching a loopback server that has no API key.
     """
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         # Django's handler opens a ThreadSensitiveContext per request whose executor starts a
         # thread for the request's first sync call and joins it at its end. The API views are
         # async and run their database work on threads of their own (thread_sensitive=False), so
@@ -77,9 +79,9 @@ class APIHandler(ASGIHandler):
     def load_middleware(self, is_async: bool = False) -> None:
         # BaseHandler.load_middleware with MIDDLEWARE = [] plus the host check; other
         # exceptions still become Django's error responses.
-        self._view_middleware = []
-        self._template_response_middleware = []
-        self._exception_middleware = []
+        self._view_middleware: list[Callable[..., Any]] = []
+        self._template_response_middleware: list[Callable[..., Any]] = []
+        self._exception_middleware: list[Callable[..., Any]] = []
         self._middleware_chain = convert_exception_to_response(self._checked_response)
 
     async def _checked_response(self, request: HttpRequest) -> HttpResponseBase:
@@ -92,7 +94,9 @@ class APIHandler(ASGIHandler):
                 400, f"This server does not answer to the host name {host!r}: call it by a name in its "
                      "ALLOWED_HOSTS setting, or add this one to the ALLOWED_HOSTS environment variable "
                      "(comma-separated) and restart the server."))
-        return await self._get_response_async(request)
+        # Django's handler method that resolves and calls the view (what the middleware chain
+        # wraps); private, so django-stubs leaves it out.
+        return await self._get_response_async(request)  # type: ignore[attr-defined]
 
 
 class PathRouter:
@@ -101,13 +105,12 @@ class PathRouter:
     Judged on the path Django will route (root path removed), as the API-key gate does.
     """
 
-    def __init__(self, api_app, site_app) -> None:
+    def __init__(self, api_app: ASGIApp, site_app: ASGIApp) -> None:
         self.api_app = api_app
         self.site_app = site_app
 
-    async def __call__(self, scope, receive, send) -> None:
-        path = routed_path(scope)
-        is_api = any(path == p or path.startswith(p + "/") for p in API_PREFIXES)
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        is_api = api_route(routed_path(scope)) is not None
         await (self.api_app if is_api else self.site_app)(scope, receive, send)
 
 
@@ -121,5 +124,6 @@ application = ProtocolTypeRouter({
     # The dashboard's sockets: the browser's session (staff only, checked by the consumer), and
     # only from this server's own pages (scheme, host and port), so that no other site, nor a page
     # on another port of this machine, can open one with the user's cookie.
-    "websocket": SameOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),
+    # (The patterns are Django's URLPattern to a type checker: engines/dashboard/routing.py says why.)
+    "websocket": SameOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),  # type: ignore[arg-type]
 })

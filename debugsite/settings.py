@@ -1,14 +1,16 @@
 """Django settings for the LLM engine debug server.
 
 Everything a deployment changes comes from the environment:
-``DATABASE_URL`` (default: SQLite file under ``var/``), ``REDIS_URL`` (default: the
-in-memory channel layer), ``SECRET_KEY`` (default: generated once and kept in
+``DATABASE_URL`` (default: SQLite file under ``var/``), ``REDIS_URL`` (the channel layer and the
+fleet's shared state; default: the in-memory channel layer, and a fleet of this server alone),
+``FLEET_NAME``, ``SECRET_KEY`` (default: generated once and kept in
 ``var/secret_key``), ``DEBUG`` and ``ALLOWED_HOSTS`` (comma-separated).
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import overload
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
@@ -36,7 +38,8 @@ def _secret_key() -> str:
 
 SECRET_KEY = _secret_key()
 DEBUG = _env_bool("DEBUG", False)
-ALLOWED_HOSTS = [h.strip() for h in os.environ.get("ALLOWED_HOSTS", "127.0.0.1,localhost,[::1]").split(",") if h.strip()]
+ALLOWED_HOSTS = [h.strip() for h in os.environ.get("ALLOWED_HOSTS", "127.0.0.1,localhost,[::1]").split(",")
+                 if h.strip()]
 # Origins other than the server's own whose pages may post forms and open the dashboard's
 # websockets (a proxy's https name, say): "https://dash.example.com,https://other.example".
 CSRF_TRUSTED_ORIGINS = [o.strip() for o in os.environ.get("CSRF_TRUSTED_ORIGINS", "").split(",") if o.strip()]
@@ -98,6 +101,13 @@ else:
 
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
+# The fleet (engines.fleet): servers sharing this Redis see one another; FLEET_NAME partitions it.
+REDIS_URL = os.environ.get("REDIS_URL", "")
+FLEET_NAME = os.environ.get("FLEET_NAME", "default")
+# The fleet's history in the database: per-minute rollups kept this many hours, hourly ones days.
+FLEET_ROLLUP_MINUTES_H = float(os.environ.get("FLEET_ROLLUP_MINUTES_H", "24"))
+FLEET_ROLLUP_HOURS_D = float(os.environ.get("FLEET_ROLLUP_HOURS_D", "30"))
+
 if os.environ.get("REDIS_URL"):
     CHANNEL_LAYERS = {
         "default": {
@@ -130,7 +140,11 @@ LOGGING = {
 }
 
 # Trace history retention (per engine); applied on save and by `manage.py prune_history`.
-def _env_non_negative(name: str, default: str, kind: type = int) -> float:
+@overload
+def _env_non_negative(name: str, default: str) -> int: ...
+@overload
+def _env_non_negative(name: str, default: str, kind: type[float]) -> float: ...
+def _env_non_negative(name: str, default: str, kind: type[float] = int) -> float:
     """A limit from the environment; a bad one stops start-up with a message, not every save later."""
     raw = os.environ.get(name, default)
     try:

@@ -1,4 +1,5 @@
-"""API-key gate for the machine-facing routes: ``/v1``, ``/debug``, ``/microserving``, ``/metrics``, ``/stats``.
+"""API-key gate for the machine-facing routes that need the key (``engines.api_routes``:
+``/v1``, ``/debug``, ``/microserving``, ``/metrics``, ``/stats``).
 
 It is ASGI middleware around the whole HTTP app rather than a view decorator so
 that no route under those prefixes can forget it (views added later included),
@@ -11,27 +12,29 @@ The key is read from the registry's options on every request, so tests (and
 from __future__ import annotations
 
 import hmac
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Mapping
 
 import orjson
 from django.core.handlers.asgi import get_script_prefix
 
-from engines.registry import registry
+from engines.api_routes import api_route
 from engines.protocol.errors import ErrorResponse
+from engines.registry import registry
 
+# ASGI's callables as Django's handlers take them (messages are mappings), so that one of them
+# may stand where an ``ASGIApp`` goes.
 Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[dict[str, Any]]]
-Send = Callable[[dict[str, Any]], Awaitable[None]]
+Receive = Callable[[], Awaitable[Mapping[str, Any]]]
+Send = Callable[[Mapping[str, Any]], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-
-PROTECTED_PREFIXES = ("/v1", "/debug", "/microserving", "/metrics", "/stats")
 
 INVALID_KEY_MESSAGE = "Invalid API key: send it as the header 'Authorization: Bearer <key>'."
 
 
 def is_protected(path: str) -> bool:
     """True for the routes that need the key (prefix match on whole path segments)."""
-    return any(path == p or path.startswith(p + "/") for p in PROTECTED_PREFIXES)
+    route = api_route(path)
+    return route is not None and route.needs_key
 
 
 def routed_path(scope: Scope) -> str:

@@ -4,8 +4,8 @@ Twisted's ``http.Request`` parses the ``Content-Type`` of every POST (through th
 ``email`` package) and, for form-encoded and multipart bodies, the whole body into
 ``request.args``. Daphne never reads ``args``: it hands the raw body to the ASGI
 application. For the API that work is pure cost, paid on the server's one event loop
-per request (about 9% of its time under 16 streaming clients, measured with py-spy),
-and a multipart upload to any path was parsed into memory before Django saw it.
+per request (docs/perf-log/code-comments.md#twisted-form-parsing), and a multipart upload to
+any path was parsed into memory before Django saw it.
 Twisted has the switch (``parsePOSTFormSubmission``); Daphne does not pass it, so
 ``serve`` installs this request class in Daphne's HTTP factory.
 """

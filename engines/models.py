@@ -1,18 +1,55 @@
-"""Recorder models: saved event traces, their per-request summaries, and metrics snapshots.
+"""Recorder models: saved event traces, their per-request summaries, metrics snapshots and profiles.
 
-A :class:`TraceRecord` row holds the metadata the admin lists and filters on, derived
-statistics (so detail and compare pages never open the payload), and the Chrome trace
-itself as gzip bytes: the ``.json.gz`` download is a straight copy of the column.
-Rows are written by :mod:`engines.history`, never edited by hand except note and tags.
+Traces and profiles are stored the same way (:class:`PayloadRecord`): the metadata the admin
+lists and filters on, derived figures (so list, detail and compare pages never open the
+payload), and the JSON itself as gzip bytes with their CRC, so that a ``.json.gz`` download is
+a straight copy of the column. Rows are written by :mod:`engines.history`, never edited by
+hand except notes and tags.
 """
 from __future__ import annotations
+
+import re
+from datetime import datetime
 
 from django.db import models
 from django.utils import timezone
 
 
-class TraceRecord(models.Model):
-    """One saved event trace of one engine."""
+class PayloadRecord(models.Model):
+    """A row that stores one JSON document gzip-compressed, with what reading it back needs.
+
+    The CRC covers the stored (compressed) bytes: whoever reads the payload (a download, the
+    timeline's or a profile page's data, the admin's "verify" action) checks it in one pass over
+    those bytes, without inflating hundreds of megabytes. Pages that only show the record never
+    read the payload, so they never check it either. Rows saved before the checksum existed
+    have none; they are checked by inflating them instead.
+    """
+
+    #: What the payload is, in file names and messages ("trace", "profile").
+    payload_kind = "payload"
+    # Declared by each record: the download's name carries them.
+    engine: str
+    captured_at: datetime
+
+    payload_bytes = models.BigIntegerField(default=0, help_text="Size of the JSON.")
+    compressed_bytes = models.BigIntegerField(default=0, help_text="Size of the stored gzip payload.")
+    payload_crc32 = models.BigIntegerField(null=True, blank=True, help_text="CRC32 of the stored gzip bytes.")
+    payload = models.BinaryField(help_text="The JSON, gzip-compressed.")
+
+    class Meta:
+        abstract = True
+
+    def download_name(self) -> str:
+        """The payload's file name: ``<kind>-<engine>-<id>-<captured>.json``, the engine name
+        reduced to characters every file system takes."""
+        engine = re.sub(r"[^A-Za-z0-9._-]+", "_", self.engine).strip("._") or "engine"
+        return f"{self.payload_kind}-{engine}-{self.pk}-{self.captured_at:%Y%m%dT%H%M%S}.json"
+
+
+class TraceRecord(PayloadRecord):
+    """One saved event trace of one engine (its payload: the Chrome trace JSON)."""
+
+    payload_kind = "trace"
 
     class Source(models.TextChoices):
         API = "api", "API"
@@ -34,13 +71,6 @@ class TraceRecord(models.Model):
     request_count = models.PositiveIntegerField("requests", default=0)
     dropped_events = models.PositiveIntegerField("dropped events", default=0,
                                                  help_text="Events the recorder dropped past its limit.")
-
-    payload_bytes = models.BigIntegerField(default=0, help_text="Size of the trace JSON.")
-    compressed_bytes = models.BigIntegerField(default=0, help_text="Size of the stored gzip payload.")
-    # CRC32 of the stored (compressed) bytes: lets the detail page tell a damaged
-    # payload apart in milliseconds, without inflating hundreds of megabytes.
-    payload_crc32 = models.BigIntegerField(null=True, blank=True)
-    payload = models.BinaryField(help_text="The Chrome trace JSON, gzip-compressed.")
 
     # {"phases": [{lane, phase, count, total, mean, min, p50, p90, p99, max}],
     #  "requests": {"ttft_us": {...}, ...}}: see engines.history.analysis.
@@ -125,13 +155,15 @@ class MetricsSnapshot(models.Model):
         return f"{self.engine} metrics at {self.taken_at:%Y-%m-%d %H:%M:%S}"
 
 
-class ProfileRecord(models.Model):
+class ProfileRecord(PayloadRecord):
     """One saved profile of one engine (``engines.runtime`` 's built-in profiler).
 
     The row holds what the admin lists, filters and compares on (``kernels`` is the per-kernel
     table); the whole profile (steps, kernel spans as a Chrome trace, stacks, configuration) is
-    gzip JSON in ``payload``, read only by its page and its download.
+    the payload, read only by its page's data, its timeline, its download and the compare page.
     """
+
+    payload_kind = "profile"
 
     class Source(models.TextChoices):
         API = "api", "API"
@@ -149,9 +181,6 @@ class ProfileRecord(models.Model):
     stopped_by = models.CharField(max_length=16, blank=True, help_text="request, max_steps or time_limit.")
     stack_samples = models.PositiveIntegerField(default=0, help_text="Python stack samples (0: not sampled).")
     kernels = models.JSONField(default=list, blank=True)
-    payload_bytes = models.BigIntegerField(default=0, help_text="Size of the profile JSON.")
-    compressed_bytes = models.BigIntegerField(default=0, help_text="Size of the stored gzip payload.")
-    payload = models.BinaryField(help_text="The profile JSON, gzip-compressed.")
     note = models.TextField(blank=True)
 
     class Meta:
@@ -164,3 +193,104 @@ class ProfileRecord(models.Model):
 
     def __str__(self) -> str:
         return f"{self.engine} profile #{self.pk} ({self.captured_at:%Y-%m-%d %H:%M:%S})"
+
+
+class ForeignServer(models.Model):
+    """A server that is not one of ours (vLLM, SGLang, MLC LLM, llama.cpp), or one of ours outside
+    the fleet's Redis, attached by URL: the fleet polls its ``/metrics`` (``engines.fleet``).
+    Its API key stays here, on the server side: no page or JSON shows it."""
+
+    name = models.CharField(max_length=100, unique=True, help_text="How the dashboard names it.")
+    url = models.URLField(max_length=500, unique=True, help_text="Its base URL (the one /metrics is under).")
+    api_key = models.CharField(max_length=500, blank=True, help_text="Sent as a bearer token; never shown.")
+    kind = models.CharField(max_length=32, blank=True, help_text="As detected when attached.")
+    version = models.CharField(max_length=64, blank=True)
+    poll_interval_s = models.FloatField(default=2.0, help_text="Seconds between polls (1-5).")
+    attached_by = models.CharField(max_length=150, blank=True)
+    attached_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.kind or 'unknown'}, {self.url})"
+
+
+class FleetJob(models.Model):
+    """One control action on one or more engines of the fleet (``engines.fleet.controls``): who
+    asked for what, when, and (in its targets) what each server answered. The audit trail."""
+
+    action = models.CharField(max_length=32)
+    requested_by = models.CharField(max_length=150)
+    requested_on = models.CharField(max_length=200, help_text="The server whose page asked.")
+    options = models.JSONField(default=dict, blank=True)
+    created_at = models.DateTimeField(default=timezone.now, db_index=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ("-created_at", "-id")
+        verbose_name = "fleet job"
+
+    def __str__(self) -> str:
+        return f"{self.action} by {self.requested_by} ({self.created_at:%Y-%m-%d %H:%M:%S})"
+
+
+class FleetJobTarget(models.Model):
+    """One engine a :class:`FleetJob` acts on, and how it went there."""
+
+    class State(models.TextChoices):
+        PENDING = "pending"
+        ACK = "ack"
+        PROGRESS = "progress"
+        DONE = "done"
+        ERROR = "error"
+
+    job = models.ForeignKey(FleetJob, on_delete=models.CASCADE, related_name="targets")
+    server = models.CharField(max_length=200, help_text="Server id, or foreign-<pk>.")
+    server_name = models.CharField(max_length=200, blank=True)
+    engine = models.CharField(max_length=200)
+    state = models.CharField(max_length=16, choices=State.choices, default=State.PENDING)
+    message = models.TextField(blank=True)
+    result = models.JSONField(default=dict, blank=True)
+    updated_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        ordering = ("id",)
+
+    def __str__(self) -> str:
+        return f"{self.engine} on {self.server_name or self.server}: {self.state}"
+
+
+class FleetRollup(models.Model):
+    """One engine of the fleet over one minute or one hour (``engines.fleet.rollups``): its mean
+    load, its tokens, and its TTFT and ITL histograms in its own server's bounds, for the fleet's
+    history charts and SLO views. Minutes are kept a day, hours a month (settings)."""
+
+    class Period(models.TextChoices):
+        MINUTE = "minute"
+        HOUR = "hour"
+
+    period = models.CharField(max_length=8, choices=Period.choices)
+    start = models.DateTimeField()
+    server = models.CharField(max_length=200)
+    server_name = models.CharField(max_length=200, blank=True)
+    engine = models.CharField(max_length=200)
+    model = models.CharField(max_length=200, blank=True)
+    kind = models.CharField(max_length=32, blank=True)
+    samples = models.PositiveIntegerField(default=0)
+    running = models.FloatField(null=True, blank=True, help_text="Mean requests running.")
+    waiting = models.FloatField(null=True, blank=True, help_text="Mean requests waiting.")
+    kv_usage = models.FloatField(null=True, blank=True, help_text="Mean KV-cache use (0-1).")
+    prompt_tokens = models.FloatField(null=True, blank=True, help_text="Prefill tokens in the period.")
+    generation_tokens = models.FloatField(null=True, blank=True, help_text="Decode tokens in the period.")
+    ttft = models.JSONField(null=True, blank=True, help_text="TTFT histogram: {bounds, cumulative}.")
+    itl = models.JSONField(null=True, blank=True, help_text="ITL histogram: {bounds, cumulative}.")
+
+    class Meta:
+        ordering = ("-start", "server", "engine")
+        indexes = [models.Index(fields=["period", "start"], name="fleet_rollup_period_start_idx")]
+        constraints = [models.UniqueConstraint(fields=["period", "start", "server", "engine"],
+                                               name="fleet_rollup_one_per_engine_period")]
+
+    def __str__(self) -> str:
+        return f"{self.engine} on {self.server_name or self.server}, {self.period} of {self.start:%Y-%m-%d %H:%M}"

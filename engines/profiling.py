@@ -14,12 +14,12 @@ import weakref
 from dataclasses import dataclass, field
 
 from django.urls import reverse
+from pydantic import BaseModel
 
-from engines.dashboard.messages import ProfileState
 from engines.history.profiles import asave_profile, aset_profile_note
 from engines.runtime import AsyncEngine, ProfilerStateError, ProfileStatus
 
-__all__ = ["ProfileSaved", "profile_state", "start_profile", "stop_profile"]
+__all__ = ["ProfileSaved", "ProfileState", "profile_state", "start_profile", "stop_profile"]
 
 logger = logging.getLogger("engines.profiling")
 
@@ -37,6 +37,17 @@ class ProfileSaved:
     url: str
     steps: int
     kernel_calls: int
+
+
+class ProfileState(BaseModel):
+    """The built-in profiler of one engine as this server process knows it (the dashboard's
+    snapshots carry it)."""
+
+    running: bool = False
+    steps: int = 0                 # profiled so far (while running)
+    max_steps: int | None = None
+    last_id: int | None = None     # the newest profile this process saved for the engine
+    last_url: str | None = None    # its page (/dashboard/profiles/<id>/)
 
 
 @dataclass

@@ -23,9 +23,10 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
 if TYPE_CHECKING:  # the runtime (numba and all) loads only when engines are built
+    from engines.disagg.router import DisaggRouter
     from engines.runtime import AsyncEngine, EngineConfig, KVListenSpec
 
 logger = logging.getLogger(__name__)
@@ -336,7 +337,8 @@ def configure_from_env(env: dict[str, str] | None = None) -> EngineRegistry:
         "max_total_tokens": env.get("ENGINES_MAX_TOTAL_TOKENS"),
         "prefill_chunk_size": env.get("ENGINES_PREFILL_CHUNK_SIZE"),
     }
-    config = EngineConfig(**{k: int(v) for k, v in sizing.items() if v})
+    sized: dict[str, Any] = {k: int(v) for k, v in sizing.items() if v}  # EngineConfig's int fields, by name
+    config = EngineConfig(**sized)
     if env.get("ENGINES_KV_CACHE_BYTES"):
         config.kv_cache_bytes = parse_byte_size(env["ENGINES_KV_CACHE_BYTES"])
     prepare_kernels(env.get("ENGINES_BACKEND", "auto"), progress=logger.info)

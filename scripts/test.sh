@@ -1,9 +1,16 @@
 #!/usr/bin/env bash
-# Set up (virtualenv + pinned dependencies) and run the whole test suite:
-# every test on SQLite, then the suites that use the database again on PostgreSQL.
+# Set up (virtualenv + pinned dependencies) and run the whole test suite: the linter and the type
+# checker (their settings and paths in pyproject.toml), every test on SQLite, then the suites that
+# use the database again on PostgreSQL. With arguments: pytest with those, no lint, types or PostgreSQL pass.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/venv.sh dev
+
+if [ $# -eq 0 ]; then  # seconds each, before minutes of tests; a finding fails the run
+  echo "== ruff, mypy =="
+  ruff check .
+  mypy
+fi
 
 if [ "${ENSURE_SERVICES:-1}" = "1" ]; then  # PostgreSQL and Redis for the database tests
   scripts/services.sh
@@ -20,6 +27,6 @@ python -m pytest "$@" || status=$?
 if [ "$status" -eq 0 ] && [ $# -eq 0 ]; then
   echo "== the suites that use the database, again on PostgreSQL =="
   DATABASE_URL="${PG_TEST_URL:-postgres://postgres@127.0.0.1:5432/postgres}" \
-    python -m pytest -p no:cacheprovider tests/history tests/server || status=$?
+    python -m pytest -p no:cacheprovider tests/history tests/server tests/fleet || status=$?
 fi
 exit "$status"

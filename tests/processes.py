@@ -44,12 +44,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(args: list[str], var_dir: Path, api_key: str | None = None, timeout_s: float = 180) -> Server:
+def start_server(args: list[str], var_dir: Path, api_key: str | None = None, timeout_s: float = 180,
+                 env: dict[str, str] | None = None) -> Server:
     """``manage.py serve ARGS --port P`` on a free port, once it answers ``/health`` (the test
-    fails with the server's output if it exits or stays silent)."""
+    fails with the server's output if it exits or stays silent); ``env`` adds to its environment
+    (a fleet's ``REDIS_URL``, ``FLEET_NAME`` and shared ``DATABASE_URL``)."""
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k not in ("API_KEY", "DATABASE_URL", "DJANGO_SETTINGS_MODULE")}
-    env |= {"DEBUGSITE_VAR_DIR": str(var_dir), "PYTHONUNBUFFERED": "1"}
+    env = {k: v for k, v in os.environ.items() if k not in ("API_KEY", "DATABASE_URL", "DJANGO_SETTINGS_MODULE")} \
+        | {"DEBUGSITE_VAR_DIR": str(var_dir), "PYTHONUNBUFFERED": "1"} | (env or {})
     if api_key:
         env["API_KEY"] = api_key
     process = subprocess.Popen(

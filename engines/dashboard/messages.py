@@ -22,9 +22,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from engines.history import MAX_NOTE_CHARS, MAX_TAGS
+from engines.profiling import ProfileState
 
-__all__ = ["CHART_FIELDS", "SERVER_ID", "ActionEvent", "ActionRequest", "EngineHistory", "EngineSnapshot",
-           "ProfileState", "engine_group", "chart_values"]
+__all__ = ["CHART_FIELDS", "SERVER_ID", "ActionEvent", "ActionEventType", "ActionRequest", "EngineHistory",
+           "EngineSnapshot", "engine_group", "chart_values"]
 
 #: This server process, as snapshots name it: host and process id.
 SERVER_ID = f"{socket.gethostname()}:{os.getpid()}"
@@ -38,16 +39,6 @@ def engine_group(engine: str) -> str:
     name is cleaned and a hash of the real one keeps two names that clean alike apart."""
     digest = hashlib.sha256(engine.encode()).hexdigest()[:12]
     return f"dashboard.engine.{_GROUP_UNSAFE.sub('_', engine)[:60]}.{digest}"
-
-
-class ProfileState(BaseModel):
-    """The built-in profiler of one engine as this server process knows it."""
-
-    running: bool = False
-    steps: int = 0                 # profiled so far (while running)
-    max_steps: int | None = None
-    last_id: int | None = None     # the newest profile this process saved for the engine
-    last_url: str | None = None    # its page (/dashboard/profiles/<id>/)
 
 
 class EngineSnapshot(BaseModel):
@@ -68,7 +59,7 @@ class EngineSnapshot(BaseModel):
     metrics: dict[str, Any] | None = None
     #: The last requests that ended, newest first (``RecentRequest`` fields); None while not running.
     recent_requests: list[dict[str, Any]] | None = None
-    #: The requests in the engine now, oldest first (``Engine.live_requests`` fields); None while not running.
+    #: The requests in the engine now, oldest first (``OutputProcessor.live_requests`` fields); None while not running.
     live_requests: list[dict[str, Any]] | None = None
     #: The server is shutting down: it refuses new requests while those in flight finish.
     draining: bool = False
@@ -93,11 +84,15 @@ class ActionRequest(BaseModel):
     stack_sampling: StrictBool = False
 
 
+#: An ``ActionEvent``'s ``type``.
+ActionEventType = Literal["ack", "progress", "done", "error"]
+
+
 class ActionEvent(BaseModel):
     """The server's word on an action: taken (``ack``), under way (``progress``), finished
     (``done``, with its ``result``) or failed (``error``, with a ``message`` for the user)."""
 
-    type: Literal["ack", "progress", "done", "error"]
+    type: ActionEventType
     id: StrictStr | StrictInt | None = None
     action: str | None = None
     engine: str | None = None

@@ -58,5 +58,7 @@ class SameOriginValidator:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> Any:
         if scope["type"] == "websocket" and not same_origin(scope):
-            return await WebsocketDenier()(scope, receive, send)
+            # types-channels types a consumer's scope as Channels' own TypedDict; this is the
+            # server's scope, the plain dict that Channels hands its consumers too.
+            return await WebsocketDenier()(scope, receive, send)  # type: ignore[arg-type]
         return await self.application(scope, receive, send)

@@ -13,15 +13,14 @@ import asyncio
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from channels.layers import get_channel_layer
 
 from engines.dashboard.messages import SERVER_ID, EngineHistory, EngineSnapshot, chart_values, engine_group
-
-if TYPE_CHECKING:
-    from engines.registry import EngineRegistry
-    from engines.runtime import AsyncEngine
+from engines.profiling import profile_state
+from engines.registry import EngineRegistry, registry as served_engines
+from engines.runtime import AsyncEngine, EngineDeadError
 
 logger = logging.getLogger(__name__)
 
@@ -67,16 +66,13 @@ class EngineSampler:
         slow = False
         if engine.is_alive:
             metrics, view, slow = await _read_engine(engine)
-        from engines.profiling import profile_state
-        from engines.registry import registry
-
         status = engine.status
         return EngineSnapshot(
             server=SERVER_ID, engine=engine.name, at=time.time(), state=status.state.value,
             reason=status.reason, restarts=status.restarts, backend=engine.backend_name, dtype=engine.dtype,
             mode="process" if engine.process else "thread", tracing=engine.tracing_enabled, metrics=metrics,
             recent_requests=view.ended if view else None, live_requests=view.live if view else None, slow=slow,
-            draining=registry.draining, profile=profile_state(engine))
+            draining=served_engines.draining, profile=profile_state(engine))
 
     def history_text(self) -> str:
         """The last :data:`HISTORY_S` of samples as an :class:`EngineHistory` message (JSON)."""
@@ -113,25 +109,22 @@ class EngineSampler:
 
 
 async def _read_engine(engine: AsyncEngine) -> tuple[Any, Any, bool]:
-    """``(metrics, requests view, slow)``: both reads, or none and ``slow`` when the engine does
-    not answer both in :data:`READ_TIMEOUT_S` (a long compile or step holding its process), or
-    none when it died meanwhile. A read left behind is cancelled and awaited here, its outcome
-    taken: nothing is left to log "exception was never retrieved" later."""
-    from engines.runtime import EngineDeadError
-
-    reads = [asyncio.ensure_future(engine.metrics()), asyncio.ensure_future(engine.requests_view())]
-    done, pending = await asyncio.wait(reads, timeout=READ_TIMEOUT_S)
-    for read in pending:
+    """``(metrics, requests, slow)`` from one read (``AsyncEngine.dashboard_reading``), or none and
+    ``slow`` when the engine does not answer in :data:`READ_TIMEOUT_S` (a long compile or step
+    holding its process), or none when it died meanwhile. A read left behind is cancelled and
+    awaited here, its outcome taken: nothing is left to log "exception was never retrieved" later."""
+    read = asyncio.ensure_future(engine.dashboard_reading())
+    done, _ = await asyncio.wait([read], timeout=READ_TIMEOUT_S)
+    if not done:
         read.cancel()
-    outcomes = await asyncio.gather(*reads, return_exceptions=True)
-    if pending:
+    outcome = (await asyncio.gather(read, return_exceptions=True))[0]
+    if not done:
         return None, None, True
-    failed = [o for o in outcomes if isinstance(o, BaseException)]
-    if failed:
-        if not all(isinstance(o, EngineDeadError) for o in failed):
-            raise failed[0]
+    if isinstance(outcome, BaseException):
+        if not isinstance(outcome, EngineDeadError):
+            raise outcome
         return None, None, False
-    return outcomes[0], outcomes[1], False
+    return outcome.metrics, outcome, False
 
 
 class SamplerHub:

@@ -12,8 +12,8 @@ Server to browser, each a JSON object with a ``type``:
   ``TraceDelta.calls_json`` spliced in as it came from the engine (one
   ``[ts_us, [request ids], event, args, engine_lane]`` per call): a few times a second, or
   back to back while catching up (``more``).
-* ``restarted``: the engine's recorder is a new one (the engine was restarted): drop what was
-  drawn and follow again from 0.
+* ``restarted``: :class:`TimelineRestarted`, the engine's recorder is a new one (the engine was
+  restarted): drop what was drawn and follow again from 0.
 * ``error``: :class:`TimelineError`, a message that could not be read, tracing off, or the
   engine down; the socket stays open.
 """
@@ -23,7 +23,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
-__all__ = ["TimelineError", "TimelineHello", "TimelineRequest", "TraceDeltaHeader"]
+__all__ = ["TimelineError", "TimelineHello", "TimelineRequest", "TimelineRestarted", "TraceDeltaHeader"]
 
 
 class TimelineRequest(BaseModel):
@@ -36,6 +36,8 @@ class TimelineRequest(BaseModel):
 
 
 class TimelineHello(BaseModel):
+    """The socket's first message: who serves the engine, whether it records a trace, how often deltas come."""
+
     type: Literal["hello"] = "hello"
     server: str
     engine: str
@@ -57,6 +59,15 @@ class TraceDeltaHeader(BaseModel):
     dropped_events: int
 
 
+class TimelineRestarted(BaseModel):
+    """The engine's recorder is a new one: the stream goes on from its cursor 0."""
+
+    type: Literal["restarted"] = "restarted"
+    engine: str
+
+
 class TimelineError(BaseModel):
+    """What went wrong (a bad message, tracing off, the engine down); the socket stays open."""
+
     type: Literal["error"] = "error"
     message: str

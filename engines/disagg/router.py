@@ -146,7 +146,8 @@ class DisaggRouter:
         try:
             response = await self.client.send(request, stream=True)
         except httpx.HTTPError as exc:
-            raise RouterError(502, _error_body(502, f"the decode server {decode} could not be reached: {exc!r}"))
+            raise RouterError(
+                502, _error_body(502, f"the decode server {decode} could not be reached: {exc!r}")) from exc
         content_type = response.headers.get("content-type", "application/json")
         if response.status_code != 200 or not content_type.startswith("text/event-stream"):
             body = await response.aread()

@@ -13,9 +13,10 @@ The public API (what the server, the dashboard and the admin call)::
     compare_records(a, b) -> TraceComparison
 
 Modules: ``analysis`` (trace -> summaries, pure Python), ``columns`` (the request-summary
-columns, declared once), ``payload`` (gzip storage), ``capture`` (saving), ``retention``,
-``report`` (detail and compare tables), ``autosave`` (the periodic trace windows and metrics
-snapshots of ``manage.py serve``).
+columns, declared once), ``payload`` (gzip storage with a CRC, for traces and profiles alike),
+``downloads`` (reading a stored payload back, checked: the one download), ``capture`` (saving),
+``profiles`` (saving profiles), ``retention``, ``report`` (detail and compare tables),
+``autosave`` (the periodic trace windows and metrics snapshots of ``manage.py serve``).
 """
 from engines.history.analysis import TraceAnalysis, TraceFormatError, analyze_trace
 from engines.history.capture import (

@@ -191,6 +191,7 @@ def analyze_trace(trace: Any) -> TraceAnalysis:
     first = math.inf
     last = -math.inf
 
+    dur: float | None  # a span's duration: a B-E pair's, or an X event's own (which may be missing)
     # The hot loop: locals only, no function calls beyond dict/list methods.
     for ev in events:
         if not isinstance(ev, dict):
@@ -317,7 +318,7 @@ def _request_stats(request_id: str, lane: _Lane) -> RequestStats:
         ttft_us=(lane.first_token_ts - added) if added is not None and lane.first_token_ts is not None else None,
         prefill_us=span_total("prefill"),
         decode_us=span_total("decode"),
-        e2e_us=(lane.finish_ts - added) if added is not None and finished else None,
+        e2e_us=(lane.finish_ts - added) if added is not None and lane.finish_ts is not None else None,
         finish_reason=str(finish_args.get("finish_reason") or ""),
         preemptions=lane.preemptions,
     )

@@ -16,15 +16,16 @@ from __future__ import annotations
 
 import gc
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Literal, Mapping, ParamSpec, TypeVar, overload
 
 import orjson
 from asgiref.sync import sync_to_async
 from django.db import connections, transaction
+from django.db.models import CharField, Model
 from django.utils import timezone
 
 from engines.history.analysis import RequestStats, TraceFormatError, analyze_trace, trace_events
@@ -39,16 +40,24 @@ if TYPE_CHECKING:  # the runtime (numba and all) loads only where engines are bu
 SUMMARY_BATCH_SIZE = 2000
 _compressor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="trace-gzip")
 
-_MAX_ENGINE = TraceRecord._meta.get_field("engine").max_length
-_MAX_MODEL = TraceRecord._meta.get_field("model").max_length
-_MAX_BACKEND = TraceRecord._meta.get_field("backend").max_length
-_MAX_TAGS = TraceRecord._meta.get_field("tags").max_length
+
+def _max_chars(model: type[Model], name: str) -> int:
+    """The length limit of ``model``'s text column ``name`` (a ``CharField``: it has one)."""
+    field = model._meta.get_field(name)
+    assert isinstance(field, CharField) and field.max_length is not None, (model, name)
+    return field.max_length
+
+
+_MAX_ENGINE = _max_chars(TraceRecord, "engine")
+_MAX_MODEL = _max_chars(TraceRecord, "model")
+_MAX_BACKEND = _max_chars(TraceRecord, "backend")
+_MAX_TAGS = _max_chars(TraceRecord, "tags")
 #: A note is a sentence or a paragraph about the capture, not a document.
 MAX_NOTE_CHARS = 4000
 #: Tags in one save (their joined text is bounded by the column too).
 MAX_TAGS = 32
-_MAX_REQUEST_ID = RequestSummary._meta.get_field("request_id").max_length
-_MAX_FINISH_REASON = RequestSummary._meta.get_field("finish_reason").max_length
+_MAX_REQUEST_ID = _max_chars(RequestSummary, "request_id")
+_MAX_FINISH_REASON = _max_chars(RequestSummary, "finish_reason")
 
 
 def save_trace(
@@ -121,10 +130,7 @@ def save_trace(
         event_count=analysis.event_count,
         request_count=len(analysis.requests),
         dropped_events=analysis.dropped_events,
-        payload_bytes=stored.raw_size,
-        compressed_bytes=len(stored.data),
-        payload_crc32=stored.crc32,
-        payload=stored.data,
+        **stored.record_fields(),
         stats=analysis.stats_json(),
         note=note,
         tags=tag_text,
@@ -205,9 +211,21 @@ def save_engine_trace(
     Raises :class:`TraceUnavailableError` for an engine that is not served or not tracing.
     """
     engine, metadata = _engine_trace_metadata(engine, note=note, tags=tags, source=source)
-    return save_trace(engine.dump_trace_blocking(clear), **metadata)
+    raw = engine.dump_trace_blocking(clear)
+    assert raw is not None  # None only for an empty trace with skip_empty, not asked for here
+    return save_trace(raw, **metadata)
 
 
+@overload
+async def asave_engine_trace(
+    engine: "AsyncEngine | str", *, note: str = ..., tags: Iterable[str] | str = ..., clear: bool = ...,
+    source: str = ..., skip_empty: Literal[False] = ...,
+) -> TraceRecord: ...
+@overload
+async def asave_engine_trace(
+    engine: "AsyncEngine | str", *, note: str = ..., tags: Iterable[str] | str = ..., clear: bool = ...,
+    source: str = ..., skip_empty: bool,
+) -> TraceRecord | None: ...
 async def asave_engine_trace(
     engine: "AsyncEngine | str",
     *,
@@ -332,10 +350,10 @@ def _gc_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector while a large trace is parsed and walked.
 
     Parsing a million events allocates millions of dicts, and the allocation bursts
-    trigger collections that walk every young object again and again: measured on a
-    155 MB trace, 4.3 s to parse with the collector running against 1.4 s paused, and
-    a save through bytes took 5.5 s instead of 2.3 s when the collector resumed
-    between parsing and the analysis. Nothing built here forms reference cycles. The
+    trigger collections that walk every young object again and again, several times the
+    parse's own work; resumed between parsing and the analysis, the collector slows the
+    whole save as much (bench/trace_history.py; docs/perf-log/code-comments.md#gc-paused).
+    Nothing built here forms reference cycles. The
     collector is re-enabled only if it was on (another thread may be doing the same).
     """
     was_enabled = gc.isenabled()
@@ -347,10 +365,14 @@ def _gc_paused() -> Iterator[None]:
             gc.enable()
 
 
-def _closing_connections(func):
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _closing_connections(func: Callable[_P, _R]) -> Callable[_P, _R]:
     """Run ``func`` and close the worker thread's database connections afterwards:
     pool threads outlive the call, and an idle connection per thread would leak."""
-    def run(*args: Any, **kwargs: Any) -> Any:
+    def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         try:
             return func(*args, **kwargs)
         finally:

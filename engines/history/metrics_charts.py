@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from itertools import pairwise
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -86,7 +87,7 @@ def snapshot_charts(snapshots: QuerySet, *, limit: int = MAX_CHART_POINTS) -> di
     rows = list(snapshots.order_by("-taken_at", "-id")
                 .values_list("taken_at", *(f"metrics__{path}" for path in _PATHS))[:limit])
     rows.reverse()
-    return chart_data([(taken_at, dict(zip(_PATHS, values))) for taken_at, *values in rows],
+    return chart_data([(taken_at, dict(zip(_PATHS, values, strict=True))) for taken_at, *values in rows],
                       truncated=len(rows) == limit)
 
 
@@ -101,7 +102,7 @@ def chart_data(points: Sequence[tuple[datetime, dict[str, Any]]], *, truncated: 
     interval = _interval(times, heartbeat_s)
     xs: list[float] = []
     rows: list[dict[str, Any] | None] = []  # None: a break in the lines
-    for i, (t, (_, values)) in enumerate(zip(times, points)):
+    for i, (t, (_, values)) in enumerate(zip(times, points, strict=True)):
         if i and interval:
             gap = t - times[i - 1]
             if gap > heartbeat_s + 1.5 * interval:
@@ -124,7 +125,7 @@ def chart_data(points: Sequence[tuple[datetime, dict[str, Any]]], *, truncated: 
 
 def _interval(times: list[float], heartbeat_s: float) -> float | None:
     """The snapshots' interval, as the lowest tenth of the gaps between them shows it."""
-    gaps = sorted(b - a for a, b in zip(times, times[1:]) if 0 < b - a <= heartbeat_s)
+    gaps = sorted(b - a for a, b in pairwise(times) if 0 < b - a <= heartbeat_s)
     return gaps[math.ceil(len(gaps) / 10) - 1] if gaps else None
 
 

@@ -1,7 +1,8 @@
 """Saving the built-in profiler's results (``ProfileResult``) as :class:`ProfileRecord` rows.
 
-The profile's JSON is stored gzip-compressed, as traces are; the row keeps the per-kernel
-table for the admin's list and the compare page. Retention follows the trace limits.
+The profile's JSON is stored as a trace's is (gzip with its CRC: both are ``PayloadRecord`` s); the
+row keeps the per-kernel table for the admin's list and the compare page. Retention follows the
+trace limits.
 """
 from __future__ import annotations
 
@@ -37,8 +38,7 @@ def save_profile(profile: dict[str, Any], *, engine: str, source: str = ProfileR
         duration_us=int(profile.get("duration_us", 0)), steps=int(profile.get("steps", 0)),
         kernel_calls=sum(int(k["calls"]) for k in profile.get("kernels", [])),
         stopped_by=str(profile.get("stopped_by", "")), stack_samples=int(stacks.get("samples", 0)),
-        kernels=profile.get("kernels", []), payload_bytes=len(raw), compressed_bytes=len(stored.data),
-        payload=stored.data, note=note,
+        kernels=profile.get("kernels", []), note=note, **stored.record_fields(),
     )
     with transaction.atomic():
         record.save(force_insert=True)

@@ -80,7 +80,7 @@ def trace_report(record: TraceRecord) -> TraceReport:
         phases=[StatRow(label, "ms", _scaled(stats, PHASE_STATS, True))
                 for label, stats in _phase_map(record).items()],
         requests=[StatRow(c.statistic, c.unit, _scaled(requests[c.field], REQUEST_STATS, c.is_duration))
-                  for c in STATISTIC_COLUMNS if c.field in requests],
+                  for c in STATISTIC_COLUMNS if c.statistic is not None and c.field in requests],
     )
 
 
@@ -96,7 +96,7 @@ def compare_records(a: TraceRecord, b: TraceRecord) -> TraceComparison:
         _change_row(c.statistic, c.unit, req_a.get(c.field), req_b.get(c.field), COMPARE_REQUEST_STATS,
                     c.is_duration)
         for c in STATISTIC_COLUMNS
-        if c.field in req_a or c.field in req_b
+        if c.statistic is not None and (c.field in req_a or c.field in req_b)
     ]
     return TraceComparison(a=a, b=b, overview=[_overview_row(a, b)], phases=phases, requests=requests)
 

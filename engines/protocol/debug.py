@@ -203,7 +203,7 @@ class DisaggConfig(_ClosedModel):
                     "Invalid kv append metadata compression in kv_append_metadata", param="kv_append_metadata"
                 )
             flat = values[ptr + 1 : ptr + 1 + 2 * num_segments]
-            models.append(list(zip(flat[0::2], flat[1::2])))
+            models.append(list(zip(flat[0::2], flat[1::2], strict=True)))
             ptr += 2 * num_segments + 1
         return models
 

@@ -9,6 +9,7 @@ is refused up front with a message that says so.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import orjson
@@ -33,6 +34,7 @@ def json_depth(value: Any, limit: int | None = None) -> int:
     stack: list[tuple[Any, int]] = [(value, 0)]
     while stack:
         item, depth = stack.pop()
+        children: Iterable[Any]
         if isinstance(item, dict):
             children = item.values()
         elif isinstance(item, list):

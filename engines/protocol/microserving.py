@@ -21,14 +21,16 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import ProtocolError
-from .openai import ChatCompletionRequest, CompletionRequest
+from .openai import ChatCompletionRequest, CompletionRequest, _GenerationRequest
 
 __all__ = ["ChatPrepRecvRequest", "ChatRemoteSendRequest", "ChatStartGenerateRequest", "KVAppendMetadata",
            "KVReceiverAddress", "PrepRecvRequest", "RemoteSendRequest", "StartGenerateRequest"]
 
 
-class _Tied(BaseModel):
-    """The field every MicroServing call shares: ``user`` names the request on both engines."""
+class _Tied(_GenerationRequest):
+    """The field every MicroServing call shares: ``user`` names the request on both engines, so
+    the generation request's optional ``user`` is required here. (Deriving from it tells a type
+    checker that the calls' classes below, whose first base this is, narrow that field.)"""
 
     user: str = Field(min_length=1)
 

@@ -175,7 +175,7 @@ class ResponseFormat(BaseModel):
             return None
         if self.type == "json_object" and self.schema_ is None:
             return {"type": "json_object"}
-        schema = self.json_schema or JSONSchemaFormat(name="schema", schema_=self.schema_)
+        schema = self.json_schema or JSONSchemaFormat(name="schema", schema=self.schema_)
         return {"type": "json_schema", "json_schema": schema.model_dump(exclude_none=True)}
 
 
@@ -436,7 +436,8 @@ class ChatCompletionRequest(_GenerationRequest):
             )
         if self.tools and self.tool_choice != "none":
             raise field_error(
-                'tools are not supported: this server does no function calling; remove tools or set tool_choice to "none"',
+                "tools are not supported: this server does no function calling; "
+                'remove tools or set tool_choice to "none"',
                 "tools",
             )
 

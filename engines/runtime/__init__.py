@@ -5,15 +5,20 @@ This module is the runtime's face: everything outside ``engines/runtime/`` (the 
 imports run (``frontend -> core -> model -> kernels``; ``telemetry`` used by all, using none):
 
 * ``model/``: what the weights compute. Config, checkpoint loading and tokenizer, the demo
-  model, the Llama forward pass (``llama``), the backends, the paged KV tensors
-  (``kv_storage``) and the numba kernels (``kernels/``, each CUDA kernel beside its CPU twin).
+  model, the Llama forward pass (``llama``) and its batch (``forward_batch``), the backends, the
+  paged KV tensors (``kv_storage``) and the numba kernels (``kernels/``, each CUDA kernel beside
+  its CPU twin).
 * ``core/``: serving one model. Requests, the scheduler, the KV page pool and prefix cache
   (``kv_pool``), sampling, grammars, stop rules, and ``Engine``, whose ``step()`` is
-  schedule -> execute -> update.
-* ``frontend/``: the process boundary. The typed messages, the engine-core loop (and an
-  engine process's ``main``), the thread and process transports, ``AsyncEngine``, and the
-  K/V transfer between servers (``kv_wire`` format, ``kv_http`` listener and sender).
-* ``telemetry/``: the event trace recorder, its Chrome-trace exporters, engine metrics.
+  schedule -> execute -> update, with its collaborators (``output_processor``,
+  ``profiler_control``, ``step_observer``) and disaggregated serving's side (``disagg/``: the
+  transfer data, the receive and send sides, the ``kv_wire`` format, the ``kv_http`` listener
+  and poster).
+* ``frontend/``: the process boundary. The typed messages (each engine call with its handler),
+  the engine-core loop (and an engine process's ``main``), the thread and process transports,
+  ``AsyncEngine``, its supervision (restarts) and the cold-start precompile.
+* ``telemetry/``: the event trace recorder, the window it hands its Chrome-trace exporters
+  (``trace_window``), the exporters, engine metrics.
 
 Names resolve lazily (PEP 562): ``from engines.runtime import SamplingParams`` loads the
 sampler only, not numba or the model, so the server's protocol layer stays cheap to import.
@@ -30,14 +35,15 @@ _EXPORTS: dict[str, str] = {
     "EngineDeadError": "frontend.async_engine",
     "EngineSpec": "frontend.messages",
     "EngineInfo": "frontend.messages",
-    "KVListenSpec": "frontend.messages",
-    "KVPostError": "frontend.kv_http",
-    "post_block": "frontend.kv_http",
-    "KV_WIRE_VERSION": "frontend.kv_wire",
-    "KVWireError": "frontend.kv_wire",
-    "decode_block": "frontend.kv_wire",
-    "encode_block": "frontend.kv_wire",
-    "wire_size": "frontend.kv_wire",
+    "DashboardReading": "frontend.messages",
+    "KVListenSpec": "core.disagg.kv_http",
+    "KVPostError": "core.disagg.kv_http",
+    "post_block": "core.disagg.kv_http",
+    "KV_WIRE_VERSION": "core.disagg.kv_wire",
+    "KVWireError": "core.disagg.kv_wire",
+    "decode_block": "core.disagg.kv_wire",
+    "encode_block": "core.disagg.kv_wire",
+    "wire_size": "core.disagg.kv_wire",
     "EngineState": "frontend.supervision",
     "EngineStatus": "frontend.supervision",
     "RestartPolicy": "frontend.supervision",
@@ -50,11 +56,12 @@ _EXPORTS: dict[str, str] = {
     "ChoiceDelta": "core.request",
     "FinishReason": "core.request",
     "EngineRequestError": "core.request",
-    "KVBlock": "core.kv_transfer",
-    "KVReceipt": "core.kv_transfer",
-    "KVSend": "core.kv_transfer",
-    "KVTransferError": "core.kv_transfer",
-    "ModelIdentity": "core.kv_transfer",
+    "KVBlock": "core.disagg.transfer",
+    "KVDelivery": "core.disagg.transfer",
+    "KVReceipt": "core.disagg.transfer",
+    "KVSend": "core.disagg.transfer",
+    "KVTransferError": "core.disagg.transfer",
+    "ModelIdentity": "core.disagg.transfer",
     "SamplingParams": "core.sampler",
     "InvalidSamplingParams": "core.sampler",
     "TokenLogprob": "core.sampler",
@@ -62,7 +69,7 @@ _EXPORTS: dict[str, str] = {
     "REQUEST_LIMITS": "core.limits",
     # model
     "LlamaModel": "model.llama",
-    "ForwardBatch": "model.llama",
+    "ForwardBatch": "model.forward_batch",
     "ModelConfig": "model.config",
     "StepInputs": "model.backend",
     "PagedKVCache": "model.kv_storage",
@@ -119,9 +126,11 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names resolve l
     )
     from engines.runtime.core.sampler import InvalidSamplingParams, SamplingParams, TokenLogprob
     from engines.runtime.frontend.async_engine import AsyncEngine, EngineDeadError
-    from engines.runtime.frontend.kv_http import KVPostError, post_block
-    from engines.runtime.frontend.kv_wire import KV_WIRE_VERSION, KVWireError, decode_block, encode_block, wire_size
-    from engines.runtime.frontend.messages import EngineInfo, EngineSpec, KVListenSpec
+    from engines.runtime.core.disagg.kv_http import KVListenSpec, KVPostError, post_block
+    from engines.runtime.core.disagg.transfer import KVBlock, KVDelivery, KVReceipt, KVSend, KVTransferError, \
+        ModelIdentity
+    from engines.runtime.core.disagg.kv_wire import KV_WIRE_VERSION, KVWireError, decode_block, encode_block, wire_size
+    from engines.runtime.frontend.messages import EngineInfo, DashboardReading, EngineSpec
     from engines.runtime.frontend.supervision import EngineState, EngineStatus, RestartPolicy
     from engines.runtime.frontend.precompile import precompile
     from engines.runtime.model.backend import StepInputs, cuda_usable, select_backend
@@ -130,7 +139,11 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names resolve l
     from engines.runtime.model.builtin_models import BUILTIN_MODEL_NAMES, builtin_model_path
     from engines.runtime.model.demo_model import demo_checkpoint_path
     from engines.runtime.model.kernels.rope_kv import rope_tables
-    from engines.runtime.model.llama import ForwardBatch, LlamaModel
+    from engines.runtime.model.kv_storage import PagedKVCache
+    from engines.runtime.model.forward_batch import ForwardBatch
+    from engines.runtime.model.llama import LlamaModel
     from engines.runtime.model.tokenizer import ChatTemplateError, Tokenizer
     from engines.runtime.telemetry.metrics import EngineMetrics, HistogramSnapshot
-    from engines.runtime.telemetry.trace_recorder import TraceRecorder, epoch_anchor_ns
+    from engines.runtime.telemetry.profiler import ProfileResult, ProfilerStateError, ProfileStatus, \
+        measure_host_bandwidth
+    from engines.runtime.telemetry.trace_recorder import TraceDelta, TraceRecorder, epoch_anchor_ns

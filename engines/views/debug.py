@@ -14,14 +14,10 @@ profiler routes accept ``model`` and answer a status.
 """
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from typing import Any, TypeVar
 
-import orjson
-from django.http import HttpRequest, HttpResponse, HttpResponseBase
+from django.http import HttpRequest, HttpResponse
 from django.urls import reverse
-from django.views.decorators.csrf import csrf_exempt
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from engines.history import (
@@ -37,10 +33,9 @@ from engines.history import (
 from engines.models import TraceRecord
 from engines.profiling import DEFAULT_MAX_SECONDS, ProfileSaved, start_profile, stop_profile
 from engines.protocol.errors import ProtocolError
-from engines.protocol.json_body import JSONTooDeepError, loads_bounded
 from engines.registry import registry
 from engines.runtime import AsyncEngine, ProfilerStateError
-from engines.views.errors import AsyncView, api_view, error_response, json_response
+from engines.views.api import InvalidBody, debug_gated, json_body, json_response
 
 NOT_MOUNTED = "Not found: the /debug endpoints exist only when the server runs with --enable-debug."
 
@@ -88,36 +83,18 @@ PROFILE_HINT = ('Send "max_steps" as a whole number >= 1, "max_seconds" as a num
                 'and "stack_sampling" as true or false.')
 
 
-def debug_gated(not_mounted: str) -> Callable[[AsyncView], AsyncView]:
-    """POST-only JSON endpoints that exist only with ``--enable-debug`` (404 saying
-    ``not_mounted`` for any method otherwise)."""
-    def decorate(view: AsyncView) -> AsyncView:
-        endpoint = api_view("POST")(view)
-
-        @functools.wraps(view)
-        async def gated(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponseBase:
-            if not registry.options.enable_debug:
-                return error_response(ProtocolError(404, not_mounted))
-            return await endpoint(request, *args, **kwargs)
-
-        return csrf_exempt(gated)
-    return decorate
-
-
 debug_view = debug_gated(NOT_MOUNTED)
 
 
 def parse_body(request: HttpRequest, *, model_required: bool, empty_ok: bool = False) -> DebugRequest:
     """Parse a debug body; anything unusable is MLC's ``Invalid request {raw_body}``, with the
     body cut to a short prefix and the reason added."""
-    raw = request.body.decode("utf-8", errors="replace")
-    if empty_ok and not raw.strip():
-        return DebugRequest()
+    raw = request.body.decode("utf-8", errors="replace")  # to repeat it in the message
     try:
-        body = DebugRequest.model_validate(loads_bounded(raw))
-    except JSONTooDeepError as exc:
-        raise ProtocolError(400, invalid_request(raw, str(exc))) from None
-    except (orjson.JSONDecodeError, ValidationError):
+        body = DebugRequest.model_validate(json_body(request, empty_ok=empty_ok))
+    except InvalidBody as exc:
+        raise ProtocolError(400, invalid_request(raw, exc.message)) from None
+    except ValidationError:
         raise ProtocolError(400, invalid_request(raw, 'send a JSON object such as {"model": "<name>"}')) from None
     if model_required and body.model is None:
         raise ProtocolError(400, invalid_request(raw, '"model" is required: name the engine'), param="model")
@@ -164,6 +141,7 @@ async def save_event_trace(request: HttpRequest) -> HttpResponse:
     takes it, so no event falls between two saves.
     """
     body = parse_body(request, model_required=True)
+    assert body.model is not None  # parse_body refused a body without one
     try:
         engine = traced_engine(body.model)
     except TraceUnavailableError as exc:
@@ -185,9 +163,8 @@ async def save_event_trace(request: HttpRequest) -> HttpResponse:
 
 def parse_options(request: HttpRequest, schema: type[Options], hint: str) -> Options:
     """A body ``parse_body`` accepted, read again as ``schema``; a 400 naming the bad field, then ``hint``."""
-    raw = request.body.decode("utf-8", errors="replace")
     try:
-        return schema.model_validate(loads_bounded(raw) if raw.strip() else {})
+        return schema.model_validate(json_body(request, empty_ok=True))
     except ValidationError as exc:
         error = exc.errors()[0]
         field = ".".join(str(part) for part in error["loc"])

@@ -35,7 +35,7 @@ from prometheus_client.utils import floatToGoString
 
 from engines.registry import registry
 from engines.runtime import AsyncEngine, EngineDeadError, HistogramSnapshot
-from engines.views.errors import api_view, json_response
+from engines.views.api import api_view, json_response
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +68,8 @@ SERVING_COUNTERS: dict[str, tuple[str, str]] = {
     "prompt_tokens": ("prompt_tokens_sum", "Prompt tokens of finished requests."),
     "generation_tokens": ("completion_tokens_sum", "Generated tokens of finished requests."),
     "request_success": ("num_finished_requests", "Requests that finished (not aborted)."),
+    "request_aborted": ("num_aborted_requests", "Requests ended by an abort (a client gone, a reset, a failure)."),
+    "request_failed": ("num_failed_requests", "Aborted requests that failed on their own (grammar, tokenizer)."),
     "num_preemptions": ("num_preemptions", "Sequences preempted for lack of KV pages."),
     "prefill_tokens_processed": ("prefill_tokens_processed", "Prompt tokens prefilled, counted every step."),
     "decode_tokens_processed": ("decode_tokens_processed", "Tokens decoded, counted every step."),
@@ -112,7 +114,7 @@ async def read_engines(engines: Iterable[AsyncEngine]) -> list[EngineReading]:
     results = await asyncio.gather(
         *(asyncio.wait_for(EngineReading.read(engine), READ_TIMEOUT_S) for engine in running), return_exceptions=True)
     readings = []
-    for engine, result in zip(running, results):
+    for engine, result in zip(running, results, strict=True):
         if isinstance(result, asyncio.TimeoutError):
             logger.warning("engine %s did not answer a metrics read in %.0f s", engine.name, READ_TIMEOUT_S)
             continue
@@ -147,7 +149,7 @@ class EngineCollector(Collector):
         yield from self._histograms(readings)
 
     @staticmethod
-    def _family(family: Metric, readings: list[EngineReading], key: str) -> Metric:
+    def _family(family: GaugeMetricFamily | CounterMetricFamily, readings: list[EngineReading], key: str) -> Metric:
         # A value MLC leaves out (a rate before anything ran) is left out here too, not faked as 0.
         for reading in readings:
             value = reading.metrics.get(key)
@@ -176,7 +178,8 @@ class EngineCollector(Collector):
         )
         for r in readings:
             tracing = "true" if r.engine.tracing_enabled else "false"
-            family.add_metric([r.engine.name, r.engine.checkpoint.name, r.engine.backend_name, r.engine.dtype, tracing], 1)
+            family.add_metric(
+                [r.engine.name, r.engine.checkpoint.name, r.engine.backend_name, r.engine.dtype, tracing], 1)
         return family
 
     @staticmethod

@@ -8,51 +8,51 @@ another decodes, the K/V travels between them. The three calls of a request shar
   metadata's receiver; ``{}`` once it has landed there.
 * ``start_generate``: generate on the received K/V; a normal completion reply.
 * ``kv_release`` (ours): where another server's ``remote_send`` says the K/V will not come.
-  The K/V itself goes to the receiving engine's own listener (``kv_url`` in the metadata;
-  ``engines.runtime`` ``kv_http``), not through this web stack.
+  The K/V itself goes from the prefill engine's process to the receiving engine's own listener
+  (``kv_url`` in the metadata; ``engines.runtime`` ``kv_http``), through neither web stack.
 """
 from __future__ import annotations
 
 from typing import TypeVar
 from urllib.parse import urlsplit
 
-import orjson
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from pydantic import ValidationError
 
-from engines.disagg.delivery import deliver, on_device, release
+from engines.disagg.delivery import check_delivery, deliver, release, send_spec
 from engines.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError
 from engines.protocol.microserving import ChatPrepRecvRequest, ChatRemoteSendRequest, ChatStartGenerateRequest, \
     KVAppendMetadata, KVReceiverAddress, PrepRecvRequest, RemoteSendRequest, StartGenerateRequest
 from engines.registry import registry
-from engines.runtime import AsyncEngine, EngineRequestError, GenerationRequest, KVBlock, KVSend
-from engines.views.debug import debug_gated
-from engines.views.errors import json_response
-from engines.views.openai import ChatShaper, CompletionShaper, generate_reply, lookup_engine, \
-    make_generation_request, parse_body, tokenize_chat
+from engines.runtime import AsyncEngine, EngineRequestError, GenerationRequest, RequestOutput
+from engines.serving.generation import generate
+from engines.serving.request_mapping import lookup_engine, make_generation_request, prompt_ids, tokenize_chat, \
+    validate_body
+from engines.serving.shapers import ChatShaper, CompletionShaper, ResponseShaper
+from engines.views.api import debug_gated, json_body, json_response, reply_response
 
 NOT_MOUNTED = "Not found: the /microserving endpoints exist only when the server runs with --enable-debug."
 #: How long prep_recv's pages wait for their K/V and start_generate before they are released.
 RECEIVE_TIMEOUT_S = 60.0
 
 microserving_view = debug_gated(NOT_MOUNTED)
-RequestT = TypeVar("RequestT", bound=CompletionRequest | ChatCompletionRequest)
+CompletionT = TypeVar("CompletionT", bound=CompletionRequest)
+ChatT = TypeVar("ChatT", bound=ChatCompletionRequest)
 
 
-def _parse(request: HttpRequest, completion: type[RequestT], chat: type[RequestT]) -> RequestT:
+def _parse(request: HttpRequest, completion: type[CompletionT], chat: type[ChatT]) -> CompletionT | ChatT:
     """The body as the call's completion model, or its chat model when it carries ``messages``."""
-    try:
-        is_chat = "messages" in orjson.loads(request.body)
-    except (orjson.JSONDecodeError, TypeError):
-        is_chat = False  # parse_body says what is wrong with it
-    return parse_body(request, chat if is_chat else completion)
+    data = json_body(request)
+    if "messages" in data:
+        return validate_body(data, chat)
+    return validate_body(data, completion)
 
 
 def _prompt(engine: AsyncEngine, body: CompletionRequest | ChatCompletionRequest) -> list[int]:
     """The prompt's token ids: given, encoded, or the chat template's rendering."""
     if isinstance(body, ChatCompletionRequest):
         return tokenize_chat(engine.tokenizer, body)[0]
-    return body.prompt if isinstance(body.prompt, list) else engine.tokenizer.encode(body.prompt)
+    return prompt_ids(engine.tokenizer, body)
 
 
 @microserving_view
@@ -95,11 +95,20 @@ async def remote_send(request: HttpRequest) -> HttpResponse:
     try:
         engine = lookup_engine(body.model)
         generation = make_generation_request(body.user, _prompt(engine, body), body)
-        generation.kv_send = KVSend(body.begin, body.end, receiver.ticket, on_device(engine, receiver))
-        block = await _prefill(engine, generation)
+        generation.kv_send = send_spec(engine, receiver, body.begin, body.end)
+        last = await _prefill(engine, generation)
     except ProtocolError:
         await release(receiver)  # its K/V will not come: the receiver's pages are freed now
         raise
+    if last.kv_delivery is not None:  # posted by the engine's process to the receiver's listener
+        sent = last.kv_delivery
+        engine.record_server_event(body.user, "start kv transfer", {"bytes": sent.nbytes, "to": receiver.url},
+                                   at_ns=sent.started_ns)
+        engine.record_server_event(body.user, "finish kv transfer", at_ns=sent.finished_ns)
+        check_delivery(sent, receiver)
+        return json_response({})
+    block = last.kv_block
+    assert block is not None  # _prefill's last output carries the block when it has no delivery
     engine.record_server_event(body.user, "start kv transfer", {"bytes": block.nbytes, "to": receiver.url})
     try:
         await deliver(block, receiver)
@@ -108,37 +117,40 @@ async def remote_send(request: HttpRequest) -> HttpResponse:
     return json_response({})
 
 
-async def _prefill(engine: AsyncEngine, generation: GenerationRequest) -> KVBlock:
-    """Run a ``kv_send`` request to its end; the block its last output carries."""
+async def _prefill(engine: AsyncEngine, generation: GenerationRequest) -> RequestOutput:
+    """Run a ``kv_send`` request to its end; its last output, which carries the block (or how
+    posting it went)."""
     last = None
     try:
         async for output in engine.generate(generation):
             last = output
     except EngineRequestError as exc:
         raise ProtocolError(400, str(exc)) from None
-    if last is None or last.kv_block is None:
+    if last is None or (last.kv_block is None and last.kv_delivery is None):
         reason = ",".join(c.finish_reason or "" for c in last.choices) if last else "none"
         raise ProtocolError(503, f"the prefill of request {generation.request_id!r} ended without its K/V "
                                  f"(finish reason {reason}); send the request again")
-    return last.kv_block
+    return last
 
 
 @microserving_view
-async def start_generate(request: HttpRequest) -> HttpResponse:
+async def start_generate(request: HttpRequest) -> HttpResponseBase:
     """Generate on the received K/V: the rest of the prompt, then the completion."""
     body = _parse(request, StartGenerateRequest, ChatStartGenerateRequest)
     engine = lookup_engine(body.model)
     generation = make_generation_request(body.user, _prompt(engine, body), body)
     generation.kv_window_begin = body.begin
-    shaper = (ChatShaper if isinstance(body, ChatCompletionRequest) else CompletionShaper)(body.user, engine, body)
-    return await generate_reply(engine, body, generation, shaper)
+    shaper: ResponseShaper = (ChatShaper(body.user, engine, body) if isinstance(body, ChatCompletionRequest)
+                              else CompletionShaper(body.user, engine, body))
+    return reply_response(await generate(engine, body, generation, shaper))
 
 
 @microserving_view
 async def kv_release(request: HttpRequest) -> HttpResponse:
     """Free a reservation whose K/V will not come (another server's prefill failed)."""
+    data = json_body(request)
     try:
-        receiver = KVReceiverAddress.model_validate_json(request.body)
+        receiver = KVReceiverAddress.model_validate(data)
     except ValidationError as exc:
         raise ProtocolError(400, f"a KV release names the receiver (url, server, engine, request_id, ticket): "
                                  f"{exc.errors(include_url=False)[0]['msg']}") from None

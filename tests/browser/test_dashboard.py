@@ -1,5 +1,5 @@
 """The dashboard in a real browser: Debian's chromium driven by async Playwright, against a live
-``manage.py serve`` (Daphne, the engine in its own process) on a free port.
+``manage.py serve`` (Daphne, the engine in its own process) on a free port (both in conftest.py).
 
 Screenshots of every page go to ``var/screenshots/`` (look at them).
 """
@@ -8,136 +8,14 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
-import subprocess
-import sys
 import threading
-import time
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.processes import child_pids
+from tests.browser.conftest import SHOTS, LiveServer, load
 
 pytestmark = pytest.mark.slow
-
-REPO = Path(__file__).resolve().parents[2]
-SHOTS = REPO / "var" / "screenshots"
-CHROMIUM = "/usr/bin/chromium"
-PASSWORD = "dashboard-test-pw"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class LiveServer:
-    """``manage.py serve`` in a subprocess: its command and environment, to start it again."""
-
-    def __init__(self, command: list[str], env: dict[str, str], base: str) -> None:
-        self.command, self.env, self.base = command, env, base
-        self.process = self.start()
-
-    def start(self) -> subprocess.Popen:
-        process = subprocess.Popen(self.command, cwd=REPO, env=self.env, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 180
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"serve exited: {process.stdout.read() if process.stdout else ''}")
-            try:
-                if httpx.get(f"{self.base}/health", timeout=2).status_code == 200:
-                    return process
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "serve did not come up"
-            time.sleep(0.2)
-
-    def stop(self) -> None:
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(10)
-
-    def engine_pid(self, name: str = "demo") -> int:
-        """The pid of engine ``name``'s process (its command line ends with ``engine=NAME``)."""
-        named = [pid for pid in child_pids(self.process.pid)
-                 if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[-2:-1] == [f"engine={name}".encode()]]
-        assert len(named) == 1, named
-        return named[0]
-
-
-@pytest.fixture(scope="module")
-def dashboard_server(tmp_path_factory) -> Iterator[LiveServer]:
-    if not Path(CHROMIUM).exists():
-        pytest.fail(f"{CHROMIUM} is missing: scripts/test.sh installs Debian's chromium")
-    var = tmp_path_factory.mktemp("var")
-    env = {k: v for k, v in os.environ.items() if k not in ("API_KEY", "DATABASE_URL", "DJANGO_SETTINGS_MODULE")}
-    env |= {"DEBUGSITE_VAR_DIR": str(var), "PYTHONUNBUFFERED": "1", "DJANGO_SUPERUSER_PASSWORD": PASSWORD}
-    manage = [sys.executable, "manage.py"]
-    subprocess.run(manage + ["migrate", "-v", "0"], cwd=REPO, env=env, check=True)
-    subprocess.run(manage + ["createsuperuser", "--noinput", "--username", "admin", "--email", "a@example.com"],
-                   cwd=REPO, env=env, check=True, capture_output=True)
-    port = free_port()
-    # The built-in models, as scripts/serve.sh serves them: the real one first, the demo beside it.
-    command = manage + ["serve", "--model", "smollm2", "--model", "demo", "--enable-debug", "--enable-tracing",
-                        "--port", str(port), "--backend", "cpu",
-                        "--max-num-seqs", "8", "--max-total-tokens", "4096", "--drain-timeout", "1"]
-    server = LiveServer(command, env, f"http://127.0.0.1:{port}")
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-async def page(dashboard_server: LiveServer) -> AsyncIterator:
-    from playwright.async_api import async_playwright
-
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    async with async_playwright() as pw:
-        browser = await pw.chromium.launch(executable_path=CHROMIUM)
-        context = await browser.new_context(viewport={"width": 1400, "height": 1000})
-        page = await context.new_page()
-        errors: list[str] = []
-        page.on("pageerror", lambda exc: errors.append(str(exc)))
-        await page.goto(f"{dashboard_server.base}/admin/login/?next=/dashboard/")
-        await page.fill("#id_username", "admin")
-        await page.fill("#id_password", PASSWORD)
-        await page.click("input[type=submit]")
-        await page.wait_for_url("**/dashboard/")
-        yield page
-        assert errors == [], errors  # no script error on any page
-        await browser.close()
-
-
-def load(base: str, stop: threading.Event, clients: int = 4) -> threading.Thread:
-    """Streaming requests in the background until ``stop``."""
-    def run() -> None:
-        body = {"model": "demo", "messages": [{"role": "user", "content": "Tell me a long story."}],
-                "max_tokens": 200, "stream": True, "debug_config": {"ignore_eos": True}}
-
-        def client() -> None:
-            with httpx.Client(base_url=base, timeout=60) as http:
-                while not stop.is_set():
-                    with http.stream("POST", "/v1/chat/completions", json=body) as response:
-                        for _ in response.iter_lines():
-                            if stop.is_set():
-                                break
-
-        threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread
 
 
 async def number(page, selector: str) -> float:
@@ -159,7 +37,8 @@ async def test_overview_shows_the_demo_engine_live_and_load_moves_it(page, dashb
             """() => {
                  const row = document.querySelector('tr.engine-row[data-engine="demo"]');
                  const running = Number(row.querySelector('[data-field="running"]').textContent);
-                 const decode = parseFloat(row.querySelector('[data-field="decode-rate"]').textContent.replace(/,/g, ''));
+                 const decode = parseFloat(
+                   row.querySelector('[data-field="decode-rate"]').textContent.replace(/,/g, ''));
                  return running > 0 && decode > 0;
                }""", timeout=30000)
         await asyncio.sleep(2)  # a few sparkline points
@@ -258,9 +137,10 @@ async def test_the_engine_page_opens_with_its_last_minutes_and_lists_the_request
           const fit = (p) => { const a = p.axes[1]; ctx.font = a.font[0];
             const widest = Math.max(...a._values.map((v) => ctx.measureText(v).width / devicePixelRatio));
             return a._size >= widest + a.ticks.size; };
-          const legend = (name) => [...c[name].plot.root.querySelectorAll(".u-legend .u-value")].map((e) => e.textContent);
-          return {requestTicks: c.requests.plot.axes[1]._splits, ratesFit: fit(c.rates.plot), requestsFit: fit(c.requests.plot),
-                  legend: legend("rates"), stroke: c.rates.plot.axes[1].stroke};
+          const legend = (name) =>
+            [...c[name].plot.root.querySelectorAll(".u-legend .u-value")].map((e) => e.textContent);
+          return {requestTicks: c.requests.plot.axes[1]._splits, ratesFit: fit(c.rates.plot),
+                  requestsFit: fit(c.requests.plot), legend: legend("rates"), stroke: c.rates.plot.axes[1].stroke};
         }""")
         # Count axes tick at whole numbers; every y label fits its axis; legends show the newest values unhovered.
         assert charts["requestTicks"] and all(float(t).is_integer() for t in charts["requestTicks"])

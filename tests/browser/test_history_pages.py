@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.browser.test_dashboard import SHOTS, LiveServer, dashboard_server, load, page  # noqa: F401
+from tests.browser.conftest import SHOTS, LiveServer, load
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ import subprocess
 
 import pytest
 
-from tests.browser.test_dashboard import SHOTS, dashboard_server, page  # noqa: F401
+from tests.browser.conftest import SHOTS
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +54,8 @@ def sse_data(raw: str) -> list[dict]:
 
 async def turns(page) -> list[list[str]]:
     return await page.eval_on_selector_all(
-        "#pg-conversation .pg-turn", "ts => ts.map(t => [t.dataset.role, t.querySelector('.pg-turn-text').textContent])")
+        "#pg-conversation .pg-turn",
+        "ts => ts.map(t => [t.dataset.role, t.querySelector('.pg-turn-text').textContent])")
 
 
 async def test_chat_sends_the_conversation_so_far_and_new_chat_clears_it(page, dashboard_server) -> None:
@@ -191,7 +192,7 @@ async def test_logprobs_show_every_token_with_its_alternatives(page, dashboard_s
         alternatives: [...r.querySelectorAll('.pg-alt code')].map(c => c.textContent),
         chosen: r.querySelector('.pg-chosen code')?.textContent, title: r.title }))""")
     assert len(rows) == len(expected) == 8  # 7 tokens of the answer and its end-of-turn token
-    for row, entry in zip(rows, expected):
+    for row, entry in zip(rows, expected, strict=True):
         assert json.loads(row["token"]) == entry["token"]
         assert float(row["logprob"]) == pytest.approx(entry["logprob"], abs=5e-4)
         assert [json.loads(a) for a in row["alternatives"]] == [t["token"] for t in entry["top_logprobs"]]

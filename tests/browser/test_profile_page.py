@@ -9,7 +9,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.browser.test_dashboard import SHOTS, LiveServer, dashboard_server, page  # noqa: F401
+from tests.browser.conftest import SHOTS, LiveServer
 
 pytestmark = pytest.mark.slow
 
@@ -113,7 +113,8 @@ async def test_a_profile_page_sorts_draws_and_compares(page, dashboard_server: L
     await page.mouse.move(lanes["x"] + lanes["width"] - 40, lanes["y"] + 10, steps=5)
     await page.mouse.up()
     await page.wait_for_selector("#range-panel:not([hidden])")
-    assert {"steps", "phases", "kernels"} == set(await page.locator("#range-table tr td:nth-child(1)").all_text_contents())
+    first_cells = await page.locator("#range-table tr td:nth-child(1)").all_text_contents()
+    assert {"steps", "phases", "kernels"} == set(first_cells)
     await page.screenshot(path=str(SHOTS / "profile-timeline.png"), full_page=True)
 
     # A profile that is not (or no longer) kept: a page that says so, in the admin's frame.

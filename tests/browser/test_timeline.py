@@ -13,7 +13,7 @@ import threading
 import httpx
 import pytest
 
-from tests.browser.test_dashboard import SHOTS, LiveServer, dashboard_server, load, page  # noqa: F401
+from tests.browser.conftest import SHOTS, LiveServer, load
 
 pytestmark = pytest.mark.slow
 
@@ -23,7 +23,8 @@ HOSTILE_ID = '"><img src=x onerror="window.__xss=1">'
 def dump_spans(trace: dict) -> list[list]:
     """A dump's spans and instants as the viewer's ``model.spans()`` lists them (lane label, name,
     start, end; instants end null), lane by lane, spans before instants: the reference."""
-    labels = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"}
+    labels = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"]
+              if e["ph"] == "M" and e["name"] == "thread_name"}
     lanes: dict[int, dict[str, list]] = {}
     for e in trace["traceEvents"]:
         if e["ph"] == "M":
@@ -34,7 +35,8 @@ def dump_spans(trace: dict) -> list[list]:
         elif e["ph"] == "E":
             begin = next(b for b in reversed(lane["open"]) if b["name"] == e["name"])
             lane["open"].remove(begin)
-            lane["spans"].append([labels[e["tid"]], begin["name"], begin["ts"], e["ts"], e["args"].get("unclosed", False)])
+            lane["spans"].append(
+                [labels[e["tid"]], begin["name"], begin["ts"], e["ts"], e["args"].get("unclosed", False)])
         else:
             lane["instants"].append([labels[e["tid"]], e["name"], e["ts"], None])
     out = []
@@ -60,8 +62,9 @@ def viewer_spans(spans: list[list]) -> list[list]:
 
 async def wait_for(page, expression: str, timeout_s: float = 60) -> None:
     """Wait until ``expression`` holds; the page's module may not have run yet when polling starts."""
-    await page.wait_for_function(f"window.timeline !== undefined && window.timeline.view !== undefined && ({expression})",
-                                 timeout=timeout_s * 1000, polling=100)
+    await page.wait_for_function(
+        f"window.timeline !== undefined && window.timeline.view !== undefined && ({expression})",
+        timeout=timeout_s * 1000, polling=100)
 
 
 async def test_live_timeline_follows_the_engine_and_matches_its_dump(page, dashboard_server: LiveServer) -> None:
@@ -119,7 +122,8 @@ async def test_live_timeline_follows_the_engine_and_matches_its_dump(page, dashb
     await page.screenshot(path=str(SHOTS / "timeline-live-hover.png"), full_page=True)
 
     # The wheel zooms around the pointer, and the ruler follows.
-    before = await page.evaluate("[window.timeline.view.t0, window.timeline.view.t1, window.timeline.view.ticks.join()]")
+    before = await page.evaluate(
+        "[window.timeline.view.t0, window.timeline.view.t1, window.timeline.view.ticks.join()]")
     await page.mouse.wheel(0, -400)
     await asyncio.sleep(0.3)
     after = await page.evaluate("[window.timeline.view.t0, window.timeline.view.t1, window.timeline.view.ticks.join()]")
@@ -136,7 +140,8 @@ async def test_live_timeline_follows_the_engine_and_matches_its_dump(page, dashb
     assert (await page.text_content("#timeline-tooltip .tip-title")) == HOSTILE_ID
 
 
-async def test_after_an_engine_restart_the_live_ruler_counts_from_zero_again(page, dashboard_server: LiveServer) -> None:
+async def test_after_an_engine_restart_the_live_ruler_counts_from_zero_again(
+        page, dashboard_server: LiveServer) -> None:
     import os
     import signal
 
@@ -155,7 +160,8 @@ async def test_after_an_engine_restart_the_live_ruler_counts_from_zero_again(pag
     await page.screenshot(path=str(SHOTS / "timeline-after-restart.png"), full_page=True)
     with httpx.Client(base_url=base, timeout=60) as http:   # back: the new trace's events from zero
         for _ in range(60):
-            if http.post("/v1/completions", json={"model": "demo", "prompt": "after", "max_tokens": 4}).status_code == 200:
+            body = {"model": "demo", "prompt": "after", "max_tokens": 4}
+            if http.post("/v1/completions", json=body).status_code == 200:
                 break
             await asyncio.sleep(1)
     await wait_for(page, "window.timeline.model.lanes.length >= 2")
@@ -179,9 +185,9 @@ async def test_saved_timeline_shows_the_record_its_summaries_and_downloads(page,
     assert len(lanes) == saved["requests"] + 1
 
     # The viewer's own summary of each lane equals the server's RequestSummary row (the reference).
-    rows = httpx.get(f"{base}/admin/engines/tracerecord/{saved['id']}/requests.json",
+    rows = httpx.get(f"{base}/dashboard/traces/{saved['id']}/requests.json",
                      cookies={c["name"]: c["value"] for c in await page.context.cookies()}).json()
-    server = {r[1]: dict(zip(rows["fields"], r)) for r in rows["rows"]}
+    server = {r[1]: dict(zip(rows["fields"], r, strict=True)) for r in rows["rows"]}
     mine = await page.evaluate("""async () => {
       const { laneSummary } = await import('/static/engines/js/timeline/model.js');
       const m = window.timeline.model;

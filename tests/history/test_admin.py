@@ -52,7 +52,7 @@ def test_round_trip_save_list_filter_detail_download(admin_client, saved_trace):
     assert detail.status_code == 200
     assert "baseline run" in detail.text and "req-2" in detail.text
     assert "Request latency" in detail.text and "Phases" in detail.text
-    assert detail.context["payload_problem"] is None
+    assert f"CRC32 {record.payload_crc32:08x}" in detail.text and "this page does not read it" in detail.text
 
     as_json = download(admin_client, record, "json")
     assert as_json.status_code == 200 and as_json["Content-Type"] == "application/json"
@@ -143,7 +143,7 @@ def test_view_only_staff_can_read_and_download_but_not_delete(viewer_client, sav
     page = viewer_client.get(reverse(LIST))
     assert page.status_code == 200
     actions = [name for name, _ in page.context["action_form"].fields["action"].choices]
-    assert "compare_traces" in actions
+    assert "compare_traces" in actions and "verify_payloads" in actions
     assert "delete_selected" not in actions and "apply_retention_limits" not in actions
     detail = viewer_client.get(change_url(record))
     assert detail.status_code == 200 and "baseline run" in detail.text
@@ -251,31 +251,58 @@ def test_malformed_statistics_render_not_a_500(admin_client, saved_trace, stats)
     assert admin_client.get(compare).status_code == 200
 
 
+def verify(client, *records: TraceRecord):
+    """The list's "Verify stored payloads" action on ``records``: the page it ends on."""
+    return client.post(reverse(LIST), {"action": "verify_payloads", "_selected_action": [r.pk for r in records]},
+                       follow=True)
+
+
 @pytest.mark.parametrize("damage", ["truncate", "garbage", "flip"])
 def test_corrupt_payload_is_reported_not_a_500(admin_client, saved_trace, damage):
+    """The record's page never reads the payload (so it cannot tell); every read of it checks
+    it and says what is wrong, and the verify action checks it on request."""
     record, _ = saved_trace
+    intact = save_trace(serving_trace(num_requests=1), engine="eng-a", model="demo")
     payload = bytes(record.payload)
     broken = {"truncate": payload[: len(payload) // 2], "garbage": b"not gzip at all",
               "flip": payload[:20] + bytes([payload[20] ^ 0xFF]) + payload[21:]}[damage]
     TraceRecord.objects.filter(pk=record.pk).update(payload=broken)
 
     detail = admin_client.get(change_url(record))
-    assert detail.status_code == 200
-    assert detail.context["payload_problem"]
-    assert "cannot be downloaded" in detail.text
-    assert "Download .json" not in detail.text
+    assert detail.status_code == 200 and "Download .json" in detail.text
     for kind in ("json", "gz"):
         response = download(admin_client, record, kind)
         assert response.status_code == 409
         assert "cannot be downloaded" in response.text
+    data = admin_client.get(reverse("dashboard-trace-data", args=[record.pk]))
+    assert data.status_code == 409 and "The stored trace payload" in data.json()["error"]
+
+    checked = verify(admin_client, record, intact).text
+    assert "Checked 2 trace records: 1 damaged." in checked
+    assert f"#{record.pk}: The stored trace payload" in checked and f"#{intact.pk}:" not in checked
+    assert "every stored payload is intact" in verify(admin_client, intact).text
+
+
+def test_the_detail_page_never_reads_the_payload(admin_client, saved_trace):
+    from django.db import connection
+    from django.test.utils import CaptureQueriesContext
+
+    record, _ = saved_trace
+    with CaptureQueriesContext(connection) as queries:
+        assert admin_client.get(change_url(record)).status_code == 200
+    assert not any('"payload"' in q["sql"] for q in queries.captured_queries)
 
 
 def test_payload_without_checksum_is_checked_by_inflating(admin_client, saved_trace):
     record, trace = saved_trace
     TraceRecord.objects.filter(pk=record.pk).update(payload_crc32=None)
     assert orjson.loads(body(download(admin_client, record, "json"))) == trace
-    TraceRecord.objects.filter(pk=record.pk).update(payload=bytes(record.payload)[:-12])
-    assert admin_client.get(change_url(record)).context["payload_problem"]
+    assert "no checksum" in admin_client.get(change_url(record)).text
+    assert "every stored payload is intact" in verify(admin_client, record).text
+    truncated = bytes(record.payload)[:-12]
+    TraceRecord.objects.filter(pk=record.pk).update(payload=truncated, compressed_bytes=len(truncated))
+    assert download(admin_client, record, "json").status_code == 409
+    assert f"#{record.pk}: The stored payload ends early" in verify(admin_client, record).text
 
 
 def test_request_list_filters_sorts_and_links_back(admin_client, saved_trace):

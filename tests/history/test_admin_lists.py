@@ -9,7 +9,7 @@ import pytest
 from django.contrib.admin.templatetags.admin_list import result_headers
 from django.urls import reverse
 
-from engines.admin import LIST_NOTE_CHARS, capture_window_text
+from engines.admin.cells import LIST_NOTE_CHARS, capture_window_text
 from engines.history import save_trace
 from engines.history.profiles import save_profile
 from engines.models import TraceRecord

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 from datetime import datetime, timedelta, timezone as dt_timezone
+from itertools import pairwise
 from types import SimpleNamespace
 from typing import Any
 
@@ -102,7 +103,7 @@ async def test_an_idle_engine_adds_no_snapshot_per_interval_but_a_busy_one_does(
     assert await count("idle") == 1
     assert await count("busy") >= 5
     saved = [s.metrics async for s in MetricsSnapshot.objects.filter(engine="busy").order_by("taken_at", "id")]
-    assert all(comparable_metrics(a) != comparable_metrics(b) for a, b in zip(saved, saved[1:]))
+    assert all(comparable_metrics(a) != comparable_metrics(b) for a, b in pairwise(saved))
 
 
 async def _has(engine: str, decode: int) -> bool:
@@ -119,7 +120,7 @@ async def test_an_unchanged_engine_is_still_saved_every_heartbeat() -> None:
     finally:
         await autosave.stop()
     times = [s.taken_at async for s in MetricsSnapshot.objects.filter(engine="idle").order_by("taken_at")]
-    gaps = [(b - a).total_seconds() for a, b in zip(times, times[1:])]
+    gaps = [(b - a).total_seconds() for a, b in pairwise(times)]
     assert all(0.2 <= gap < 1.0 for gap in gaps), gaps  # one a heartbeat, not one an interval
 
 

@@ -186,7 +186,8 @@ def test_consistent_windows_are_accepted(data):
             "kv_append_metadata",
         ),
         (
-            {"kind": "remote_send", "kv_window_begin": 0, "kv_window_end": 4, "kv_append_metadata": metadata([1, 0, 3])},
+            {"kind": "remote_send", "kv_window_begin": 0, "kv_window_end": 4,
+             "kv_append_metadata": metadata([1, 0, 3])},
             "kv_append_metadata of model 0 covers 3 tokens but the window [0:4] holds 4",
             "kv_append_metadata",
         ),
@@ -202,7 +203,8 @@ def test_consistent_windows_are_accepted(data):
         ),
         (
             {"kv_window_end": 9},
-            'kv_window_end has no meaning without kind; set kind to "prepare_receive", "remote_send" or "start_generation"',
+            "kv_window_end has no meaning without kind; "
+            'set kind to "prepare_receive", "remote_send" or "start_generation"',
             "kind",
         ),
         (

@@ -78,7 +78,8 @@ def test_protocol_error_carries_status_message_and_param():
 
 
 def test_protocol_error_from_validation_error_is_a_422_naming_the_field():
-    exc = validation_error(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "debug_config": {"ignore_eos": 3}})
+    exc = validation_error(ChatCompletionRequest,
+                           {"messages": [{"role": "user", "content": "x"}], "debug_config": {"ignore_eos": 3}})
     error = ProtocolError.from_validation_error(exc)
     assert VALIDATION_STATUS == 422
     assert error.status == 422
@@ -119,7 +120,8 @@ class Outer(BaseModel):
 @pytest.mark.parametrize(
     ("data", "message", "param"),
     [
-        ({"inner": {"flag": "maybe"}}, "inner.flag: Input should be a valid boolean, unable to interpret input (got 'maybe')", "inner.flag"),
+        ({"inner": {"flag": "maybe"}},
+         "inner.flag: Input should be a valid boolean, unable to interpret input (got 'maybe')", "inner.flag"),
         ({"items": [{}, {"flag": []}]}, "items[1].flag: Input should be a valid boolean", "items[1].flag"),
         ({"inner": {"flga": True}}, "inner.flga: unknown field; check its spelling", "inner.flga"),
         ({"word": "bad"}, "word: word must not be 'bad'", "word"),
@@ -148,12 +150,14 @@ def test_union_members_are_not_reported_one_by_one():
 
     exc = validation_error(Prompt, {"prompt": [1, "x"]})
     # only the member that went deepest (the list) is reported, without its type tag
-    assert validation_error_message(exc) == "prompt[1]: Input should be a valid integer, unable to parse string as an integer (got 'x')"
+    assert validation_error_message(exc) == (
+        "prompt[1]: Input should be a valid integer, unable to parse string as an integer (got 'x')")
     assert validation_error_param(exc) == "prompt[1]"
 
 
 def test_model_level_message_has_no_path():
-    exc = validation_error(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "debug_config": {"special_request": "query_engine_metrics"}})
+    exc = validation_error(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
+                                                   "debug_config": {"special_request": "query_engine_metrics"}})
     assert validation_error_message(exc) == "DebugConfig.special_request requires stream=True"
     assert validation_error_param(exc) == "stream"
 
@@ -176,7 +180,8 @@ def client_for(response: httpx2.Response) -> openai.OpenAI:
      (422, openai.UnprocessableEntityError)],
 )
 def test_official_client_reports_our_message_param_and_type(status, exception):
-    reply = ErrorResponse.from_status(status, "debug_config.ignore_eos: Input should be a valid boolean", "debug_config.ignore_eos")
+    reply = ErrorResponse.from_status(
+        status, "debug_config.ignore_eos: Input should be a valid boolean", "debug_config.ignore_eos")
     client = client_for(httpx2.Response(status, json=reply.model_dump()))
     with pytest.raises(exception) as info:
         client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "x"}])

@@ -43,7 +43,7 @@ from engines.protocol import (
     validation_error_param,
 )
 from engines.runtime import GenerationRequest
-from engines.views.openai import make_generation_request
+from engines.serving.request_mapping import make_generation_request
 
 USER = [{"role": "user", "content": "Hello"}]
 
@@ -111,7 +111,8 @@ def test_defaults(endpoint):
         ("logit_bias", {"5": "high"}, "logit_bias: bias for token 5 must be a number (got 'high')"),
         ("logit_bias", {"5": True}, "logit_bias: bias for token 5 must be a number (got True)"),
         ("logit_bias", [5], "logit_bias: must be an object mapping token ids to biases"),
-        ("response_format", {"type": "xml"}, "response_format.type: Input should be 'text', 'json_object' or 'json_schema'"),
+        ("response_format", {"type": "xml"},
+         "response_format.type: Input should be 'text', 'json_object' or 'json_schema'"),
         ("debug_config", {"ignore_eos": "yes"}, "debug_config.ignore_eos: Input should be a valid boolean (got 'yes')"),
         ("debug_config", {"ignore_eso": True}, "debug_config: unknown field 'ignore_eso'; DebugConfig accepts:"),
     ],
@@ -132,7 +133,8 @@ def test_bad_values_are_refused_naming_the_field(endpoint, field, value, expecte
         ("top_p", 0, "top_p must be greater than 0 and at most 1, got 0"),
         ("top_p", 1.01, "top_p must be greater than 0 and at most 1, got 1.01"),
         ("n", 0, "n must be an integer from 1 to 16"),
-        ("n", 17, "n must be an integer from 1 to 16 (choices per request on this server; send several requests for more), got 17"),
+        ("n", 17, "n must be an integer from 1 to 16 (choices per request on this server; "
+                  "send several requests for more), got 17"),
         ("frequency_penalty", 2.5, "frequency_penalty must be at least -2 and at most 2, got 2.5"),
         ("presence_penalty", -2.5, "presence_penalty must be at least -2 and at most 2, got -2.5"),
         ("repetition_penalty", 0, "repetition_penalty must be a number greater than 0, got 0"),
@@ -221,7 +223,8 @@ def test_special_request_requires_stream(endpoint):
 @pytest.mark.parametrize("endpoint", ["chat", "completion"])
 @pytest.mark.parametrize("options", [None, {}, {"include_usage": False}])
 def test_special_request_requires_include_usage(endpoint, options):
-    message, param = error_of(MODELS[endpoint], BODIES[endpoint](debug_config=METRICS, stream=True, stream_options=options))
+    body = BODIES[endpoint](debug_config=METRICS, stream=True, stream_options=options)
+    message, param = error_of(MODELS[endpoint], body)
     assert message == "DebugConfig.special_request requires include_usage in stream_options"
     assert param == "stream_options"
 
@@ -328,11 +331,13 @@ def test_text_parts_are_joined_and_roles_kept():
     ("message", "expected"),
     [
         (
-            {"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "image_url", "image_url": {"url": "u"}}]},
+            {"role": "user",
+             "content": [{"type": "text", "text": "x"}, {"type": "image_url", "image_url": {"url": "u"}}]},
             "messages[0].content: part 1 has type 'image_url': only text parts are supported",
         ),
         ({"role": "user", "content": ["plain"]}, "messages[0].content: part 0 has no type"),
-        ({"role": "user", "content": [{"type": "text", "text": 3}]}, "messages[0].content: part 0: text must be a string"),
+        ({"role": "user", "content": [{"type": "text", "text": 3}]},
+         "messages[0].content: part 0: text must be a string"),
         ({"role": "user", "content": None}, "messages[0].content: required: a string or a list of text parts"),
         ({"role": "user"}, "messages[0].content: Field required"),
         ({"role": "function", "content": "x"}, "messages[0].role: Input should be 'system', 'developer', 'user'"),
@@ -440,10 +445,14 @@ def test_response_format_dumps_schema_under_its_wire_name():
     ("response_format", "expected"),
     [
         ({"type": "json_schema"}, 'response_format: type "json_schema" requires json_schema'),
-        ({"type": "json_object", "json_schema": {"name": "p"}}, 'response_format: json_schema is only read when type is "json_schema"'),
-        ({"type": "json_schema", "json_schema": {"name": "has space", "schema": SCHEMA}}, "response_format.json_schema.name: must be 1 to 64 characters"),
-        ({"type": "json_schema", "json_schema": {"schema": SCHEMA}}, "response_format.json_schema.name: Field required"),
-        ({"type": "json_schema", "json_schema": {"name": "p", "schema": [1]}}, "response_format.json_schema.schema: the schema must be a JSON object"),
+        ({"type": "json_object", "json_schema": {"name": "p"}},
+         'response_format: json_schema is only read when type is "json_schema"'),
+        ({"type": "json_schema", "json_schema": {"name": "has space", "schema": SCHEMA}},
+         "response_format.json_schema.name: must be 1 to 64 characters"),
+        ({"type": "json_schema", "json_schema": {"schema": SCHEMA}},
+         "response_format.json_schema.name: Field required"),
+        ({"type": "json_schema", "json_schema": {"name": "p", "schema": [1]}},
+         "response_format.json_schema.schema: the schema must be a JSON object"),
         ({"type": "json_object", "schema": "{not json"}, "response_format.schema: the schema is not valid JSON"),
         # Nested past the JSON parser's recursion limit: a RecursionError, not a ValueError.
         ({"type": "json_object", "schema": "[" * 100_000}, "response_format.schema: the schema is not valid JSON"),
@@ -541,7 +550,8 @@ def test_usage_leaves_out_extra_unless_set():
 
 def test_chat_completion_parses_as_openai_type():
     logprobs = ChatLogprobs(
-        content=[TokenLogprob(token="Hi", logprob=-0.1, bytes=[72, 105], top_logprobs=[TopLogprob(token="Hi", logprob=-0.1, bytes=[72, 105])])]
+        content=[TokenLogprob(token="Hi", logprob=-0.1, bytes=[72, 105],
+                              top_logprobs=[TopLogprob(token="Hi", logprob=-0.1, bytes=[72, 105])])]
     )
     response = ChatCompletionResponse(
         id="chatcmpl-1",
@@ -565,8 +575,10 @@ def stream_chunks(finish_reason: str = "length") -> list[dict[str, Any]]:
             id="chatcmpl-1", model="demo",
             choices=[ChatStreamChoice(index=i, delta=ChatDelta(role="assistant", content="")) for i in range(2)],
         ),
-        ChatCompletionChunk(id="chatcmpl-1", model="demo", choices=[ChatStreamChoice(index=1, delta=ChatDelta(content="B"))]),
-        ChatCompletionChunk(id="chatcmpl-1", model="demo", choices=[ChatStreamChoice(index=0, delta=ChatDelta(content="A"))]),
+        ChatCompletionChunk(id="chatcmpl-1", model="demo",
+                            choices=[ChatStreamChoice(index=1, delta=ChatDelta(content="B"))]),
+        ChatCompletionChunk(id="chatcmpl-1", model="demo",
+                            choices=[ChatStreamChoice(index=0, delta=ChatDelta(content="A"))]),
         ChatCompletionChunk(
             id="chatcmpl-1", model="demo",
             choices=[ChatStreamChoice(index=i, finish_reason=finish_reason) for i in range(2)],  # type: ignore[arg-type]
@@ -579,7 +591,8 @@ def stream_chunks(finish_reason: str = "length") -> list[dict[str, Any]]:
 def test_chunks_have_the_wire_shape():
     first, middle, _, last, usage_chunk = stream_chunks()
     assert first["object"] == "chat.completion.chunk"
-    assert first["choices"][0] == {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+    assert first["choices"][0] == {"index": 0, "delta": {"role": "assistant", "content": ""},
+                                   "logprobs": None, "finish_reason": None}
     assert middle["choices"][0]["delta"] == {"content": "B"}
     assert middle["usage"] is None
     assert last["choices"][0]["delta"] == {} and last["choices"][0]["finish_reason"] == "length"
@@ -611,7 +624,8 @@ def test_official_client_streams_our_chunks(finish_reason):
 
 def completion_response(finish_reason: str | None = "stop") -> CompletionResponse:
     logprobs = CompletionLogprobs(
-        tokens=[" a", " b"], token_logprobs=[-0.5, -0.25], top_logprobs=[{" a": -0.5}, {" b": -0.25}], text_offset=[0, 2]
+        tokens=[" a", " b"], token_logprobs=[-0.5, -0.25], top_logprobs=[{" a": -0.5}, {" b": -0.25}],
+        text_offset=[0, 2],
     )
     return CompletionResponse(
         id="cmpl-1", model="demo",
@@ -630,12 +644,14 @@ def test_completion_parses_as_openai_type():
 def test_official_client_streams_completion_chunks():
     chunks = [
         CompletionResponse(id="cmpl-1", model="demo", choices=[CompletionChoice(text=" a")]).model_dump(),
-        CompletionResponse(id="cmpl-1", model="demo", choices=[CompletionChoice(text=" b", finish_reason="abort")]).model_dump(),
+        CompletionResponse(id="cmpl-1", model="demo",
+                           choices=[CompletionChoice(text=" b", finish_reason="abort")]).model_dump(),
         CompletionResponse(id="cmpl-1", model="demo", usage=usage()).model_dump(),
     ]
     assert chunks[0]["choices"][0]["finish_reason"] is None
     client = client_for(lambda request: sse(*chunks))
-    received = list(client.completions.create(model="demo", prompt="x", stream=True, stream_options={"include_usage": True}))
+    received = list(client.completions.create(model="demo", prompt="x", stream=True,
+                                              stream_options={"include_usage": True}))
     assert "".join(c.choices[0].text for c in received[:2]) == " a b"
     assert received[1].choices[0].finish_reason == "abort"
     assert received[2].choices == [] and received[2].usage.total_tokens == 8

@@ -60,6 +60,14 @@ def test_a_room_imports_only_the_rooms_below_it(path: Path) -> None:
             assert target in ALLOWED[room], f"{room}/{path.name} imports {module}: {room} may not use {target}"
 
 
+@pytest.mark.parametrize("path", sorted((RUNTIME / "core").rglob("*.py")), ids=lambda p: str(p.relative_to(RUNTIME)))
+def test_core_asks_the_backend_about_the_device(path: Path) -> None:
+    """``core`` serves a model on whatever computes it: device queries (name, bandwidth, the CUDA
+    profiler) are the backend's (``model/backend.py``), so nothing in ``core`` imports numba.cuda."""
+    offenders = [m for m in imported_modules(path) if m == "numba.cuda" or m.startswith("numba.cuda.")]
+    assert not offenders, f"core/{path.name} imports {offenders}: ask the model's backend instead"
+
+
 def outside_files() -> list[Path]:
     roots = [REPO / "engines", REPO / "debugsite", REPO / "bench", REPO / "scripts"]
     return sorted(p for root in roots if root.exists() for p in root.rglob("*.py")
@@ -81,6 +89,63 @@ def test_the_layering_check_sees_a_bad_import(tmp_path: Path) -> None:
     assert "django.conf" in imported_modules(bad)
 
 
+def module_name(path: Path, root: Path = REPO) -> str:
+    """``engines.runtime.core.engine`` for ``engines/runtime/core/engine.py`` (a package's ``__init__``:
+    the package)."""
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(paths: list[Path], root: Path = REPO) -> dict[str, set[str]]:
+    """Module -> the modules among ``paths`` it imports: at the top, under ``if TYPE_CHECKING:`` or
+    inside a function alike (an import for an annotation, or one made late, still closes a circle)."""
+    modules = {module_name(path, root): path for path in paths}
+    return {name: {m for m in imported_modules(path) if m in modules and m != name} for name, path in modules.items()}
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[tuple[str, ...]]:
+    """Each group of modules that reach one another through their imports, sorted."""
+    reach: dict[str, set[str]] = {}
+    for start in graph:
+        seen, todo = set(), [start]
+        while todo:
+            for module in graph[todo.pop()] - seen:
+                seen.add(module)
+                todo.append(module)
+        reach[start] = seen
+    return sorted({tuple(sorted(m for m in reach[start] if start in reach[m]))
+                   for start in graph if start in reach[start]})
+
+
+# Circles not closed yet, each with what closes it. Any other circle fails the test, and so does one
+# of these once it is gone: then it leaves this list.
+KNOWN_CIRCLES: dict[tuple[str, ...], str] = {}
+
+
+def test_runtime_modules_import_no_circle() -> None:
+    """No two runtime modules import each other, directly or round a ring, not even for an annotation:
+    a type two modules share lives one module below both (``forward_batch``, ``trace_window``)."""
+    circles = {circle: ", ".join(circle) for circle in import_circles(import_graph(runtime_files()))}
+    new = [text for circle, text in circles.items() if circle not in KNOWN_CIRCLES]
+    assert not new, "runtime modules that import one another (move what they share one module down):\n" \
+        + "\n".join(new)
+    closed = [circle for circle in KNOWN_CIRCLES if circle not in circles]
+    assert not closed, f"closed now, strike them from KNOWN_CIRCLES: {closed}"
+
+
+def test_the_circle_check_sees_an_annotation_only_circle(tmp_path: Path) -> None:
+    room = tmp_path / "room"
+    room.mkdir()
+    (room / "upper.py").write_text("from room.lower import Low\n")
+    (room / "lower.py").write_text("from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n"
+                                   "    from room.upper import High\n")
+    (room / "apart.py").write_text("import room.lower\n")
+    graph = import_graph(sorted(room.glob("*.py")), root=tmp_path)
+    assert graph == {"room.apart": {"room.lower"}, "room.lower": {"room.upper"}, "room.upper": {"room.lower"}}
+    assert import_circles(graph) == [("room.lower", "room.upper")]
+    assert import_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [("a", "b", "c")]
+
+
 def test_every_public_name_resolves() -> None:
     import engines.runtime as runtime
 
@@ -88,6 +153,18 @@ def test_every_public_name_resolves() -> None:
         assert getattr(runtime, name) is not None, name
     with pytest.raises(AttributeError):
         runtime.NoSuchThing  # noqa: B018
+
+
+def test_the_face_declares_its_names_to_type_checkers() -> None:
+    """The face's ``if TYPE_CHECKING:`` imports (what mypy and IDEs see) are its public names, each
+    from the module it resolves from at run time."""
+    import engines.runtime as runtime
+
+    tree = ast.parse((RUNTIME / "__init__.py").read_text())
+    (block,) = [node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"]
+    declared = {alias.name: node.module.removeprefix("engines.runtime.") for node in block.body
+                if isinstance(node, ast.ImportFrom) and node.module for alias in node.names}
+    assert declared == runtime._EXPORTS
 
 
 def test_importing_the_face_and_the_protocol_side_stays_cheap() -> None:

@@ -18,7 +18,7 @@ import pytest
 from engines.registry import ModelSpec, ServerOptions, build_engines, configure, registry
 from engines.runtime.frontend.async_engine import AsyncEngine
 from engines.runtime.core.engine import EngineConfig
-from engines.runtime.frontend.messages import KVListenSpec
+from engines.runtime.core.disagg.kv_http import KVListenSpec
 
 TRACED = "demo"  # served with tracing on
 UNTRACED = "demo-untraced"  # the same checkpoint, tracing off
@@ -72,6 +72,18 @@ async def client(serve: Callable[..., httpx.AsyncClient]) -> AsyncIterator[httpx
     async with serve(enable_debug=True) as http:
         await registry.get(TRACED).reset(clear_trace=True)
         yield http
+
+
+@pytest.fixture
+async def dashboard(serve: Callable[..., httpx.AsyncClient]) -> AsyncIterator[None]:
+    """Both demo engines served; the samplers of this test's event loop stopped afterwards
+    (the dashboard's socket tests, tests/server/test_dashboard_sockets.py and test_timeline.py)."""
+    from engines.dashboard.sampler import hub_for
+
+    async with serve(enable_debug=True):
+        await registry.get(TRACED).reset(clear_trace=True)
+        yield
+        await hub_for(registry).stop()
 
 
 def sse_payloads(body: str) -> list[Any]:

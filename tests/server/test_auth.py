@@ -12,7 +12,8 @@ KEY = "s3cret-key"
 
 GUARDED = [
     ("GET", "/v1/models", None),
-    ("POST", "/v1/chat/completions", {"model": TRACED, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
+    ("POST", "/v1/chat/completions",
+     {"model": TRACED, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
     ("POST", "/v1/completions", {"model": TRACED, "prompt": "hi", "max_tokens": 1}),
     ("POST", "/debug/dump_engine_metrics", {}),
     ("POST", "/debug/reset_engine", {"model": TRACED}),

@@ -10,7 +10,7 @@ import pytest
 from engines.dashboard import sampler as sampler_module
 from engines.dashboard.sampler import EngineSampler
 from engines.runtime import EngineDeadError
-from engines.runtime.frontend.messages import RequestsView
+from engines.runtime.frontend.messages import DashboardReading
 
 
 class Layer:
@@ -37,17 +37,11 @@ class SlowEngine:
 
         self.status = EngineStatus(EngineState.RUNNING, None, 0)
 
-    async def metrics(self) -> dict:
+    async def dashboard_reading(self) -> DashboardReading:
         await asyncio.sleep(self.delay)
         if self.error is not None:
             raise self.error
-        return {"num_running_requests": 0}
-
-    async def requests_view(self) -> RequestsView:
-        await asyncio.sleep(self.delay / 2)
-        if self.error is not None:
-            raise self.error
-        return RequestsView(live=[], ended=[])
+        return DashboardReading({"num_running_requests": 0}, live=[], ended=[])
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,7 @@ from channels.testing import WebsocketCommunicator
 from django.test import Client
 
 from debugsite.asgi import application
-from engines.consumers import CLOSE_FORBIDDEN, CLOSE_NOT_FOUND
+from engines.dashboard.consumers import CLOSE_FORBIDDEN, CLOSE_NOT_FOUND
 from engines.dashboard.messages import SERVER_ID, engine_group
 from engines.dashboard.sampler import hub_for
 from engines.models import ProfileRecord, TraceRecord
@@ -28,15 +28,7 @@ pytestmark = pytest.mark.django_db(transaction=True)
 REPO = Path(__file__).resolve().parents[2]
 ORIGIN = (b"origin", b"http://127.0.0.1:8000")
 HOST = (b"host", b"127.0.0.1:8000")
-
-
-@pytest.fixture
-async def dashboard(serve) -> AsyncIterator[None]:
-    """Both demo engines served; the samplers of this test's event loop stopped afterwards."""
-    async with serve(enable_debug=True):
-        await registry.get(TRACED).reset(clear_trace=True)
-        yield
-        await hub_for(registry).stop()
+HI = {"model": TRACED, "prompt": "Hi", "max_tokens": 3}  # a short completion, for a trace to save
 
 
 async def session_cookie(staff: bool = True) -> bytes:
@@ -244,14 +236,14 @@ async def test_saving_an_empty_trace_is_an_error_and_no_record(dashboard) -> Non
 
 async def test_an_acknowledged_save_completes_after_its_socket_closes_and_the_next_socket_hears_of_it(
         dashboard, client) -> None:
-    assert (await client.post("/v1/completions", json={"model": TRACED, "prompt": "Hi", "max_tokens": 3})).status_code == 200
+    assert (await client.post("/v1/completions", json=HI)).status_code == 200
     cookie = await session_cookie()
     first = await open_socket(f"/ws/engines/{TRACED}/", cookie)
     assert (await first.connect(timeout=10))[0]
     await first.send_to(text_data=json.dumps({"action": "save_trace", "id": "late", "note": "reloaded"}))
     await next_message(first, of_type("ack", id="late"))
     await first.disconnect()  # the page reloaded right after the click
-    from engines import consumers
+    from engines.dashboard import consumers
 
     for _ in range(200):  # the save ends with no page open: its outcome waits
         if consumers._undelivered:
@@ -273,7 +265,7 @@ async def test_an_acknowledged_save_completes_after_its_socket_closes_and_the_ne
 
 
 async def test_a_late_outcome_goes_to_the_users_page_opened_meanwhile(dashboard, client) -> None:
-    assert (await client.post("/v1/completions", json={"model": TRACED, "prompt": "Hi", "max_tokens": 3})).status_code == 200
+    assert (await client.post("/v1/completions", json=HI)).status_code == 200
     cookie = await session_cookie()
     first = await open_socket(f"/ws/engines/{TRACED}/", cookie)
     assert (await first.connect(timeout=10))[0]
@@ -314,7 +306,8 @@ async def test_snapshots_from_another_server_process_arrive_over_redis(dashboard
             f"snap = dict(type='snapshot', server='other-host:1', engine={TRACED!r}, at=1.0, state='running',\n"
             "            restarts=0, backend='cuda', dtype='float16', mode='process', tracing=False, metrics=None)\n"
             "import json\n"
-            f"asyncio.run(layer.group_send({engine_group(TRACED)!r}, dict(type='engine.snapshot', text=json.dumps(snap))))\n"
+            f"asyncio.run(layer.group_send({engine_group(TRACED)!r},\n"
+            "                              dict(type='engine.snapshot', text=json.dumps(snap))))\n"
         )
         await asyncio.to_thread(subprocess.run, [sys.executable, "-c", script], cwd=REPO, check=True, timeout=60)
         other = await next_message(socket, of_type("snapshot", server="other-host:1"))

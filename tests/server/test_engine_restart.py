@@ -21,7 +21,7 @@ BODY = {"model": "phoenix", "prompt": "Once upon a time", "max_tokens": 3}
 def phoenix() -> Iterator[AsyncEngine]:
     (engine,) = build_engines([ModelSpec("demo", "phoenix")], EngineConfig(**SMALL_ENGINE), backend="cpu",
                               process=True)
-    engine._deaths = DeathLog(RestartPolicy(first_delay_s=0.3))
+    engine._supervisor.deaths = DeathLog(RestartPolicy(first_delay_s=0.3))
     engine.start()
     yield engine
     engine.shutdown()
@@ -57,7 +57,7 @@ async def test_a_killed_engine_is_reported_restarting_then_serves_again(serve, p
 
 
 async def test_reset_engine_restarts_a_dead_engine(serve, phoenix) -> None:
-    phoenix._deaths = DeathLog(RestartPolicy(enabled=False))
+    phoenix._supervisor.deaths = DeathLog(RestartPolicy(enabled=False))
     async with serve(enable_debug=True, serving=[phoenix]) as http:
         os.kill(phoenix._transport.process.pid, signal.SIGKILL)
         await until(lambda: phoenix.status.state is EngineState.DEAD, 30)

@@ -13,7 +13,7 @@ import pytest
 from engines.protocol.microserving import KVAppendMetadata
 from engines.registry import registry
 from engines.runtime import KVBlock, ModelIdentity, encode_block
-from engines.runtime.frontend.kv_http import KV_TRANSFER_PATH
+from engines.runtime.core.disagg.kv_http import KV_TRANSFER_PATH
 from tests.server.conftest import TRACED, UNTRACED, assert_error, sse_payloads
 
 PREFILL, DECODE = TRACED, UNTRACED

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from engines.protocol.microserving import KVAppendMetadata
-from engines.runtime.frontend.kv_http import KV_TRANSFER_PATH
+from engines.runtime.core.disagg.kv_http import KV_TRANSFER_PATH
 from tests.processes import Server, start_server
 
 pytestmark = pytest.mark.slow

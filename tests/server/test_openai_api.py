@@ -139,7 +139,8 @@ async def test_response_format_json_schema(client: httpx.AsyncClient) -> None:
         "required": ["color"],
         "additionalProperties": False,
     }
-    body = chat_body(max_tokens=40, response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
+    body = chat_body(max_tokens=40,
+                     response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
     choice = (await client.post(CHAT, json=body)).json()["choices"][0]
     assert choice["finish_reason"] == "stop"
     assert json.loads(choice["message"]["content"])["color"] in ("red", "blue")

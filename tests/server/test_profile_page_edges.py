@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import time
+import zlib
 
 import pytest
 from django.contrib.auth.models import Permission, User
@@ -17,6 +18,7 @@ from django.test import Client
 
 from engines.history import save_trace
 from engines.history.profiles import save_profile
+from engines.models import ProfileRecord
 from engines.runtime.telemetry.profiler import PHASES, ProfileResult
 from tests.history.trace_builder import serving_trace
 
@@ -135,3 +137,25 @@ def test_the_profiles_timeline_has_no_request_controls(staff: Client) -> None:
     trace = save_trace(serving_trace(engine="demo", num_requests=2), engine="demo", model="demo")
     html = staff.get(f"/dashboard/traces/{trace.pk}/timeline/").content.decode()
     assert 'id="timeline-search"' in html and 'id="filter-e2e"' in html and "click a lane: its summary" in html
+
+
+def test_a_damaged_profile_is_named_by_every_read_not_a_500(staff: Client) -> None:
+    """Profiles are stored as traces are (gzip with a CRC): each read of the payload checks it,
+    the record's pages that do not read it still open, and the admin's verify action finds it."""
+    record = save_profile(small_profile(), engine="demo")
+    other = save_profile(small_profile(), engine="demo")
+    assert record.payload_crc32 == zlib.crc32(bytes(record.payload))
+    payload = bytes(record.payload)
+    ProfileRecord.objects.filter(pk=record.pk).update(payload=payload[:20] + bytes([payload[20] ^ 0xFF]) + payload[21:])
+    for name in ("data.json", "trace.json", "profile.json.gz"):
+        response = staff.get(f"/dashboard/profiles/{record.pk}/{name}")
+        assert response.status_code == 409 and not response.has_header("Content-Encoding"), name
+        assert "The stored profile payload fails its checksum" in json.loads(response.content)["error"], name
+    assert staff.get(f"/dashboard/profiles/{record.pk}/").status_code == 200
+    compare = staff.get(f"/dashboard/profiles/compare/?a={other.pk}&b={record.pk}")
+    assert compare.status_code == 409 and "fails its checksum" in compare.content.decode()
+    verified = staff.post("/admin/engines/profilerecord/", {"action": "verify_payloads",
+                                                            "_selected_action": [record.pk, other.pk]}, follow=True)
+    assert f"#{record.pk}: The stored profile payload fails its checksum" in verified.content.decode()
+    assert staff.get(f"/dashboard/profiles/{other.pk}/profile.json.gz")["Content-Disposition"].startswith(
+        f'attachment; filename="profile-demo-{other.pk}-')

@@ -13,6 +13,7 @@ from django.test import Client
 from engines.history.profiles import save_profile
 from engines.models import ProfileRecord
 from engines.runtime.core.request import GenerationRequest
+from engines.runtime.core.warm_up import warm_up
 from engines.runtime.core.sampler import SamplingParams
 
 pytestmark = pytest.mark.django_db
@@ -23,12 +24,12 @@ HOSTILE = '<script>alert(1)</script> "><img src=x onerror=alert(2)>'
 def profile(make_engine_for_pages) -> dict:
     """A real profile of the demo engine, with its stacks; one frame named with markup."""
     engine = make_engine_for_pages
-    engine.warm_up()
+    warm_up(engine)
     engine.start_profile(max_steps=12, stack_sampling=True)
     for i in range(3):
         engine.add_request(GenerationRequest(f"r{i}", engine.tokenizer.encode("profile pages " * 4),
                                              SamplingParams(max_tokens=16, ignore_eos=True), None, None))
-    while engine.profiler is not None:
+    while engine.profiling.running is not None:
         engine.step()
     result = engine.stop_profile("demo").to_json()
     result["stacks"]["folded"].append([f"engine:step;{HOSTILE}", 1])

@@ -73,7 +73,8 @@ def test_serve_serves_both_built_in_models_by_default_and_takes_kv_cache_bytes(m
     seen: dict = {}
     monkeypatch.setattr(Command, "_apply_migrations", lambda self: None)
     monkeypatch.setattr(Command, "_run_daphne", lambda *args, **kwargs: None)
-    monkeypatch.setattr(Command, "_load_engines", lambda self, specs, options: seen.update(specs=specs, options=options))
+    monkeypatch.setattr(Command, "_load_engines",
+                        lambda self, specs, options: seen.update(specs=specs, options=options))
     call_command("serve", "--kv-cache-bytes", "256MiB")
     assert seen["specs"] == [ModelSpec("smollm2"), ModelSpec("demo")]
     assert seen["options"]["kv_cache_bytes"] == 256 << 20

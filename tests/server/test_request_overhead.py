@@ -1,6 +1,6 @@
 """What an API request costs the server beyond its view: no thread of its own, no form parsing.
 
-Both were measured under load (BENCHMARKS.md, "Server under load"): a new executor thread per
+Both were measured under load (docs/perf-log/serving-and-tools.md#server): a new executor thread per
 request and Twisted's form parsing were a third of the event loop's time per one-token request,
 and the queue they built up in bursts of arrivals was most of the HTTP time to first token.
 """

@@ -132,7 +132,7 @@ def test_a_router_needs_both_sides():
 
 async def test_a_relayed_stream_counts_in_flight_and_closing_it_closes_upstream():
     from engines.registry import registry
-    from engines.views.router import _counted
+    from engines.views.openai import _counted
 
     closed = []
 

@@ -73,7 +73,8 @@ async def test_json_object_parses_and_closes(api: httpx.AsyncClient, mode: str) 
 @pytest.mark.parametrize("mode", ["constraint", "jump_forward"])
 async def test_json_schema_parses_closes_and_validates(api: httpx.AsyncClient, mode: str) -> None:
     schema = {"type": "object", "additionalProperties": False, "required": ["city", "country", "population"],
-              "properties": {"city": {"type": "string", "maxLength": 40}, "country": {"type": "string", "maxLength": 40},
+              "properties": {"city": {"type": "string", "maxLength": 40},
+                             "country": {"type": "string", "maxLength": 40},
                              "population": {"type": "integer", "minimum": 0}}}
     body = ask("Give the capital of France, its country and its population.", max_tokens=96,
                response_format={"type": "json_schema", "json_schema": {"name": "capital", "schema": schema}},

@@ -8,14 +8,13 @@ import pytest
 from asgiref.sync import sync_to_async
 from django.urls import reverse
 
-from engines.consumers import CLOSE_FORBIDDEN, CLOSE_NOT_FOUND
+from engines.dashboard.consumers import CLOSE_FORBIDDEN, CLOSE_NOT_FOUND
 from engines.history import asave_engine_trace
 from engines.registry import registry
 from engines.runtime.telemetry.chrome_trace_reference import export_dict
 from engines.runtime.telemetry.trace_recorder import TraceWindow
 from tests.server.conftest import TRACED, UNTRACED
-from tests.server.test_dashboard_sockets import (connected, dashboard, next_message, of_type,  # noqa: F401
-                                                 open_socket, session_cookie)
+from tests.server.test_dashboard_sockets import connected, next_message, of_type, open_socket, session_cookie
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -117,7 +116,8 @@ async def staff_client(serve, may_view_history: bool = True):
 
         user = User.objects.create_user(f"viewer{User.objects.count()}", password="pw", is_staff=True)
         if may_view_history:
-            user.user_permissions.add(*Permission.objects.filter(codename__in=["view_tracerecord", "view_requestsummary"]))
+            viewing = Permission.objects.filter(codename__in=["view_tracerecord", "view_requestsummary"])
+            user.user_permissions.add(*viewing)
         client = Client()
         client.force_login(user)
         return client.cookies["sessionid"].value
@@ -134,16 +134,16 @@ async def test_saved_trace_pages_and_data(dashboard, serve) -> None:
     page = await client.get(f"/dashboard/traces/{record.pk}/timeline/")
     assert page.status_code == 200
     assert b"<script>alert(1)</script>" not in page.content
-    data_url = await sync_to_async(reverse)("admin:engines_tracerecord_timeline_data", args=[record.pk])
+    data_url = await sync_to_async(reverse)("dashboard-trace-data", args=[record.pk])
     data = await client.get(data_url)
     # Sent compressed as stored; the client (a browser, httpx here) inflates it.
     assert data.headers["content-encoding"] == "gzip"
     assert int(data.headers["content-length"]) == record.compressed_bytes
     trace = data.json()
     assert len(events(trace)) == record.event_count
-    requests_url = await sync_to_async(reverse)("admin:engines_tracerecord_requests_json", args=[record.pk])
+    requests_url = await sync_to_async(reverse)("dashboard-trace-requests", args=[record.pk])
     summaries = (await client.get(requests_url)).json()
-    rows = [dict(zip(summaries["fields"], row)) for row in summaries["rows"]]
+    rows = [dict(zip(summaries["fields"], row, strict=True)) for row in summaries["rows"]]
     assert len(rows) == record.request_count and all(r["request_id"] for r in rows)
     assert "/ID/" in summaries["change_url"]
     assert (await client.get("/dashboard/traces/999999/timeline/")).status_code == 404

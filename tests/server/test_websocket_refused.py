@@ -7,7 +7,7 @@ import pytest
 from channels.testing import WebsocketCommunicator
 
 from debugsite.asgi import application
-from engines.consumers import CLOSE_NOT_FOUND
+from engines.dashboard.consumers import CLOSE_NOT_FOUND
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -36,6 +36,8 @@ from django.db.migrations.executor import MigrationExecutor
 
 from engines.dashboard.local_login import local_login_path
 from engines.dashboard.sampler import hub_for
+from engines.fleet import service as fleet
+from engines.fleet.service import fleet_service
 from engines.history.autosave import HistoryAutosave
 from engines.registry import (
     ENGINE_MODES,
@@ -336,6 +338,8 @@ class Command(BaseCommand):
             loop = asyncio.get_event_loop()
             autosave.start(loop)
             loop.call_soon(lambda: hub_for(registry).start())  # the dashboard's samplers, once it runs
+            fleet.configure(f"http://{host}:{port}")
+            loop.call_soon(lambda: fleet_service().start())  # this server in the fleet, once it runs
             stopper = GracefulStop(loop, drain_timeout_s, self.stdout)
             for signum in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(signum, stopper.signalled)
@@ -358,6 +362,7 @@ class Command(BaseCommand):
         _finish_pending_tasks(keep=autosave.tasks)
         loop.run_until_complete(autosave.stop())
         loop.run_until_complete(_stop_samplers())
+        loop.run_until_complete(_leave_fleet())
         loop.run_until_complete(loop.shutdown_asyncgens())
         if not server.listening_addresses:
             raise CommandError(f"could not listen on {host}:{port} (is the port already in use?)")
@@ -401,11 +406,17 @@ async def _stop_samplers() -> None:
     await hub_for(registry).stop()
 
 
+async def _leave_fleet() -> None:
+    """Stop publishing and say this server left on purpose (shown as stopped, not gone)."""
+    await fleet_service().stop()
+
+
 def _stop_reactor() -> None:
     from twisted.internet import reactor
 
     if reactor.running:
-        reactor.stop()
+        # Twisted types the reactor by zope interfaces, whose methods mypy reads as lacking self.
+        reactor.stop()  # type: ignore[misc]
 
 
 def _describe_autosave(autosave: HistoryAutosave) -> str:

@@ -4,8 +4,8 @@ Attention reads a sequence's pages in order, several side by side; on the CPU th
 prefetcher streams a page only as far as the memory it lies in continues. A pool that hands out
 its free pages first come, first served gives a batch that grows in step pages interleaved
 between its sequences (each step, every sequence takes the next free page), and a batch's
-attention then reads short runs: a batch of 32 at 272 keys was 7-9% slower a step over such
-pages than over pages contiguous per sequence (BENCHMARKS.md, issue 15). So a sequence's next
+attention then reads short runs, slower than over pages contiguous per sequence
+(docs/perf-log/cpu-anchors.md#2026-11-26-engine-pages). So a sequence's next
 page is, in order of preference:
 
 1. the page right after its last one, when that page is free;

@@ -30,16 +30,20 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import llguidance
 import numpy as np
+
+if TYPE_CHECKING:  # declared in llguidance's stub only
+    from llguidance._lib import JsonCompileOptions
 
 __all__ = ["CompiledGrammar", "GrammarCompiler", "GrammarError", "GrammarMatcher"]
 
 # Compact JSON: no free whitespace between tokens. Small models otherwise tend to
 # loop on whitespace, and fixed punctuation is what makes jump-forward pay
 # (`{"name":"` is forced in one go). A schema's own "x-guidance" options win.
-_JSON_DEFAULTS = {"whitespace_flexible": False}
+_JSON_DEFAULTS: JsonCompileOptions = {"whitespace_flexible": False}
 # Short errors: the verbose form dumps parser state and the whole grammar into
 # a message that ends up in an HTTP response.
 _LIMITS = llguidance.LLParserLimits(verbose_errors=False)

@@ -310,7 +310,8 @@ class KVCachePool:
             if len(pages) > width:
                 raise ValueError(f"sequence {seq_ids[row]!r} has {len(pages)} pages, more than width {width}")
         # Padded as lists, then one array: one NumPy call, where filling rows of a new array was
-        # one a row, each slow right after a step has flushed the caches (18 -> 9.5 us at batch 1).
+        # one a row, each slow right after a step has flushed the caches
+        # (docs/perf-log/cpu-anchors.md#2026-11-26-one-numba-call-a-step).
         return np.array([pages + [-1] * (width - len(pages)) for pages in lists], np.int32).reshape(len(lists), width)
 
     def __contains__(self, seq_id: SeqId) -> bool:
@@ -423,7 +424,9 @@ class KVCachePool:
             page = self._free.take(after)
         else:
             page, _ = self._evictable.popitem(last=False)
-            del self._cached[self._key[page]]
+            key = self._key[page]
+            assert key is not None, "an evictable page is a cached one"
+            del self._cached[key]
             self._key[page] = None
         self._refcount[page] = 1
         return page

@@ -1,4 +1,5 @@
-"""Plain data crossing the engine's boundary (requests in, outputs out) and the per-request state inside it."""
+"""Plain data crossing the engine's boundary (requests in, outputs out), the check every request
+passes first (:func:`validate_request`), and the per-request state inside the engine."""
 from __future__ import annotations
 
 import itertools
@@ -6,24 +7,20 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
+from engines.runtime.core.errors import EngineRequestError
+from engines.runtime.core.finish_reason import FinishReason
+from engines.runtime.core.limits import REQUEST_LIMITS
+from engines.runtime.core.sampler import InvalidSamplingParams
+
 if TYPE_CHECKING:
     from engines.runtime.core.grammar import GrammarMatcher
-    from engines.runtime.core.kv_transfer import KVBlock, KVSend
+    from engines.runtime.core.disagg.transfer import KVBlock, KVDelivery, KVSend
     from engines.runtime.core.sampler import SamplingParams, SamplingState, TokenLogprob
     from engines.runtime.core.stop_checker import StopChecker
     from engines.runtime.model.tokenizer import IncrementalDetokenizer
 
-
-class FinishReason(StrEnum):
-    """Why a choice ended: OpenAI's ``stop`` and ``length``, MLC's ``abort`` (aborted by the
-    client, a reset, or a failure of that request alone) and ``preempt`` (disaggregated mode
-    gave the request up; the router retries it). One enum for the engine, the protocol and the
-    history; a ``StrEnum``, so it compares and serialises as its plain string."""
-
-    STOP = "stop"
-    LENGTH = "length"
-    ABORT = "abort"
-    PREEMPT = "preempt"
+__all__ = ["ChoiceDelta", "EngineRequestError", "FinishReason", "GenerationRequest", "GrammarMode", "RequestOutput",
+           "RequestState", "Sequence", "validate_request"]
 
 
 class GrammarMode(StrEnum):
@@ -34,10 +31,6 @@ class GrammarMode(StrEnum):
     JUMP_FORWARD = "jump_forward"
     #: Only mask the logits.
     CONSTRAINT = "constraint"
-
-
-class EngineRequestError(ValueError):
-    """A request the engine cannot serve (bad parameters, too long); the message is for the client."""
 
 
 @dataclass
@@ -84,6 +77,8 @@ class RequestOutput:
     usage: dict[str, Any] | None = None
     #: On the last output of a ``kv_send`` request: the K/V to deliver to the receiver.
     kv_block: "KVBlock | None" = None
+    #: Instead, for a ``kv_send`` with ``post_to``: how posting it to the receiver went.
+    kv_delivery: "KVDelivery | None" = None
 
     @property
     def finished(self) -> bool:
@@ -97,7 +92,9 @@ _seq_ids = itertools.count()
 class Sequence:
     """One choice of a request: prompt + generated tokens and how far the KV cache has them."""
 
-    def __init__(self, request: "RequestState", index: int, prompt: list[int]) -> None:
+    def __init__(self, request: "RequestState", index: int, prompt: list[int], sampling: "SamplingState",
+                 detokenizer: "IncrementalDetokenizer", stop_checker: "StopChecker",
+                 grammar: "GrammarMatcher | None" = None) -> None:
         self.seq_id = next(_seq_ids)
         self.request = request
         self.index = index
@@ -109,10 +106,10 @@ class Sequence:
         self.last_token_time: float | None = None
         self.finish_reason: FinishReason | None = None  # set once, when the choice ends
         self.finish_reported = False  # the output carrying finish_reason has gone out
-        self.sampling: SamplingState | None = None
-        self.detokenizer: IncrementalDetokenizer | None = None
-        self.stop_checker: StopChecker | None = None
-        self.grammar: GrammarMatcher | None = None
+        self.sampling = sampling
+        self.detokenizer = detokenizer
+        self.stop_checker = stop_checker
+        self.grammar = grammar
         # Output accumulated since the last delivered delta.
         self.pending_ids: list[int] = []
         self.pending_text: str = ""
@@ -150,3 +147,34 @@ class RequestState:
     def finished(self) -> bool:
         """Every choice has ended."""
         return all(s.finished for s in self.sequences)
+
+
+def validate_request(request: GenerationRequest, vocab_size: int, max_seq_len: int) -> None:
+    """Raise :class:`EngineRequestError` if no engine of this vocabulary and context could serve
+    ``request`` (cheap, any thread or process: it reads only the request)."""
+    if not request.request_id or len(request.request_id) > REQUEST_LIMITS.max_request_id_chars:
+        raise EngineRequestError(f"the request id must be 1 to {REQUEST_LIMITS.max_request_id_chars} characters, "
+                                 f"got {len(request.request_id)}")
+    if not request.prompt:
+        raise EngineRequestError("the prompt is empty: send at least one token")
+    bad = [t for t in request.prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise EngineRequestError(f"prompt token id {bad[0]} is outside the vocabulary (size {vocab_size})")
+    try:
+        request.sampling.check_vocab(vocab_size)
+    except InvalidSamplingParams as e:
+        raise EngineRequestError(str(e)) from e
+    if len(request.prompt) >= max_seq_len:
+        raise EngineRequestError(
+            f"the prompt has {len(request.prompt)} tokens; this engine's context holds at most "
+            f"{max_seq_len} tokens including the output. Shorten the prompt."
+        )
+    max_tokens = request.sampling.max_tokens
+    if max_tokens is not None and len(request.prompt) + max_tokens > max_seq_len:
+        # Refused up front, as OpenAI and vLLM do, rather than silently cut short.
+        raise EngineRequestError(
+            f"this engine's context holds {max_seq_len} tokens, but the request asks for "
+            f"{len(request.prompt) + max_tokens} ({len(request.prompt)} in the prompt, {max_tokens} "
+            f"for the completion). Lower max_tokens to at most {max_seq_len - len(request.prompt)}, "
+            f"or leave it unset to generate until the context is full."
+        )

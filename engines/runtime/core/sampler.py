@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
 import numpy as np
 
@@ -65,11 +66,11 @@ class InvalidSamplingParams(ValueError):
         self.reason = reason
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int | np.integer]:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
-def _is_number(value: object) -> bool:
+def _is_number(value: object) -> TypeGuard[int | float | np.integer | np.floating]:
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
 
 
@@ -340,8 +341,9 @@ class Sampler:
             params = state.params
             row = np.array(logits[i], dtype=np.float32)  # a copy: penalties work in place
             state.apply(row)
-            if masks[i] is not None:
-                row[~masks[i]] = -np.inf
+            mask = masks[i]
+            if mask is not None:
+                row[~mask] = -np.inf
             peak = row.max()
             if not np.isfinite(peak):
                 raise ValueError(f"row {i}: no token is allowed (every logit is -inf)")

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from engines.runtime.core.request import FinishReason
+from engines.runtime.core.finish_reason import FinishReason
 from engines.runtime.core.sampler import SamplingParams
 
 __all__ = ["StopCheck", "StopChecker"]

@@ -6,7 +6,8 @@ other small steps the compiled batched step, larger ones kernel by kernel with B
 prefill's attention in BLAS tiles), a profiled step through the profiler's timed backend; the
 trace exporter, the host bandwidth read that profiles are compared with and the K/V window copies
 of disaggregated serving are numba too. A first user who meets a path nobody warmed pays its
-compilation in their time to first token (24 s for one prefill on this project's 2-core machine).
+compilation in their time to first token, tens of seconds on a small machine (BENCHMARKS.md,
+"First start"; docs/perf-log/code-comments.md#first-prefill-compile).
 
 :func:`warm_up` runs a short scripted workload through the engine itself, one :data:`PARTS` entry
 per path, so each path is reached exactly as requests reach it, then resets the engine: no
@@ -23,13 +24,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from engines.runtime.core.request import GenerationRequest, GrammarMode
+from engines.runtime.core.request import GenerationRequest
 from engines.runtime.core.sampler import SamplingParams
-from engines.runtime.model.llama import ForwardBatch
+from engines.runtime.model.forward_batch import ForwardBatch
 from engines.runtime.telemetry.trace_recorder import TraceRecorder
 
 if TYPE_CHECKING:
@@ -86,7 +87,7 @@ def _run(engine: "Engine", requests: list[GenerationRequest]) -> None:
         engine.step()
 
 
-def _request(engine: "Engine", prompt_len: int, sampling: SamplingParams, **fields: object) -> GenerationRequest:
+def _request(engine: "Engine", prompt_len: int, sampling: SamplingParams, **fields: Any) -> GenerationRequest:
     number = next(_ids)
     return GenerationRequest(f"warm-up-{number}", _prompt(engine, prompt_len, number), sampling, **fields)
 
@@ -123,7 +124,9 @@ def _large_steps(engine: "Engine") -> None:
 def _structured_output(engine: "Engine") -> None:
     """A JSON grammar: llguidance's tables for this vocabulary (built once, on first use), a
     matcher's mask and forced tokens. No step: grammars change no kernel."""
-    matcher = engine.grammars.compile({"type": "json_object"}).matcher()
+    grammar = engine.grammars.compile({"type": "json_object"})
+    assert grammar is not None  # a JSON object is a grammar (only free text is none)
+    matcher = grammar.matcher()
     matcher.fill_mask(np.zeros(engine.vocab_size, np.bool_))
     matcher.forced_tokens()
 

@@ -22,10 +22,12 @@ import time
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
-from engines.runtime.core.engine import EngineConfig, validate_request
+from engines.runtime.core.engine import Engine, EngineConfig
 from engines.runtime.core.kv_sizing import KVCacheSize
-from engines.runtime.core.kv_transfer import KVBlock, KVReceipt
-from engines.runtime.core.request import ChoiceDelta, EngineRequestError, GenerationRequest, RequestOutput
+from engines.runtime.core.disagg.kv_http import KVListenSpec
+from engines.runtime.core.disagg.transfer import KVBlock, KVReceipt
+from engines.runtime.core.request import ChoiceDelta, EngineRequestError, GenerationRequest, RequestOutput, \
+    validate_request
 from engines.runtime.frontend.engine_core import EngineCore, create_engine, engine_info, shorten_gil_switch
 from engines.runtime.frontend.messages import (
     AbortRequest,
@@ -35,28 +37,27 @@ from engines.runtime.frontend.messages import (
     CoreCommand,
     CoreMessage,
     CudaProfilerCall,
-    ProfileCall,
     Dead,
     DumpTraceCall,
-    TraceSinceCall,
     EngineCall,
     EngineInfo,
+    DashboardReading,
     EngineSpec,
-    KVListenSpec,
     MetricsCall,
     PrepareReceiveCall,
+    ProfileCall,
+    DashboardCall,
     ReceiveKVCall,
-    ReleaseReceiveCall,
-    RecentRequestsCall,
     Rejected,
-    RequestsView,
+    ReleaseReceiveCall,
     Reply,
     ResetCall,
     ServerTraceEvent,
     ServerTraceEvents,
     StepOutputs,
+    TraceSinceCall,
 )
-from engines.runtime.frontend.supervision import DeathLog, EngineState, EngineStatus, RestartPolicy
+from engines.runtime.frontend.supervision import EngineState, EngineStatus, RestartPolicy, Supervisor
 from engines.runtime.frontend.transports import ProcessTransport, ThreadTransport
 from engines.runtime.model.checkpoint import Checkpoint
 from engines.runtime.telemetry import trace_recorder as trace_clock
@@ -116,17 +117,12 @@ class AsyncEngine:
         self._tracing_requested = enable_tracing
         self._spec = EngineSpec(checkpoint.path, name, self.config, backend, dtype, enable_tracing,
                                 trace_clock.epoch_anchor_ns(), kv_listen)
-        self._deaths = DeathLog(restart or RestartPolicy())
-        self._state = EngineState.STARTING
-        self._state_reason: str | None = None
-        #: How many times the engine was restarted after dying (or by hand, once dead).
-        self.restarts = 0
-        self._stopping = threading.Event()  # set by shutdown(): no restart may start after it
+        self._supervisor = Supervisor(name, restart or RestartPolicy(), self.restart)
         self._restart_lock = threading.Lock()
         self._generation = 0  # which transport's messages count; a stale one's death is old news
         self._info: EngineInfo | None = None
         #: The engine itself, reachable only when it runs on a thread of this process.
-        self.engine = None
+        self.engine: Engine | None = None
         self._transport: ThreadTransport | ProcessTransport = self._new_transport()
 
     # ------------------------------------------------------------- life cycle
@@ -158,15 +154,15 @@ class AsyncEngine:
         if self._transport.started:
             return
         shorten_gil_switch()
-        self._stopping.clear()
+        self._supervisor.stopping.clear()
         self._info = self._transport.start(self._info)
-        self._set_state(EngineState.RUNNING)
+        self._supervisor.set(EngineState.RUNNING)
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Abort live requests and stop the engine loop (and its process); no restart follows."""
-        self._stopping.set()
+        self._supervisor.stopping.set()
         with self._restart_lock:  # a restart under way finishes first, then is stopped here
-            self._set_state(EngineState.STOPPED)
+            self._supervisor.set(EngineState.STOPPED)
             if not self._transport.started:
                 return
             with self._send_lock:
@@ -181,7 +177,7 @@ class AsyncEngine:
         in flight on the old engine fail with :class:`EngineDeadError`.
         """
         with self._restart_lock:
-            if self._stopping.is_set():
+            if self._supervisor.stopping.is_set():
                 raise EngineDeadError(f"engine {self.name!r} was shut down")
             old = self._transport
             with self._send_lock:
@@ -192,9 +188,7 @@ class AsyncEngine:
             self._info = self._transport.start(self._info)
             self._aborting.clear()
             self.error = None
-            self.restarts += 1
-            self._set_state(EngineState.RUNNING)
-            logger.info("engine %s: restarted (restart %d)", self.name, self.restarts)
+            self._supervisor.restarted()
 
     async def arestart(self) -> None:
         """:meth:`restart` off the event loop."""
@@ -202,11 +196,13 @@ class AsyncEngine:
 
     @property
     def status(self) -> EngineStatus:
-        """State, the reason it is not running, and the restart count."""
-        return EngineStatus(self._state, self._state_reason, self.restarts)
+        """State, the reason it is not running, and the restart count (``Supervisor``)."""
+        return self._supervisor.status
 
-    def _set_state(self, state: EngineState, reason: str | None = None) -> None:
-        self._state, self._state_reason = state, reason
+    @property
+    def restarts(self) -> int:
+        """How many times the engine was restarted after dying (or by hand, once dead)."""
+        return self._supervisor.restarts
 
     @property
     def is_alive(self) -> bool:
@@ -317,11 +313,13 @@ class AsyncEngine:
             except EngineDeadError:  # died meanwhile: nothing is left to abort
                 pass
 
-    def record_server_event(self, request_id: str, event: str, args: dict | None = None) -> None:
+    def record_server_event(self, request_id: str, event: str, args: dict | None = None,
+                            at_ns: int | None = None) -> None:
         """Record a server-side trace event (``receive request``, tokenization) on the request's
-        lane, timestamped now; no-op when tracing is off. Sent along with the next command."""
+        lane, timestamped now or at ``at_ns`` (``perf_counter_ns``); no-op when tracing is off.
+        Sent along with the next command."""
         if self._tracing_requested and self.error is None:
-            at_ns = time.perf_counter_ns()
+            at_ns = time.perf_counter_ns() if at_ns is None else at_ns
             with self._send_lock:
                 self._server_events.append(ServerTraceEvent((request_id,), event, args, at_ns))
 
@@ -333,7 +331,7 @@ class AsyncEngine:
         An engine that died (and is not being restarted already) is restarted instead: a fresh
         engine is a reset one.
         """
-        if self.error is not None and self._state is not EngineState.RESTARTING:
+        if self.error is not None and self._supervisor.state is not EngineState.RESTARTING:
             try:
                 await self.arestart()
             except EngineDeadError:
@@ -347,10 +345,10 @@ class AsyncEngine:
         """MLC's engine metrics plus our gauges and latency distributions (JSON-ready), as of now."""
         return await self._acall(MetricsCall())
 
-    async def requests_view(self) -> RequestsView:
-        """The requests in the engine now and the last that ended (``RequestsView``); answered
-        even mid-step."""
-        return await self._acall(RecentRequestsCall())
+    async def dashboard_reading(self) -> DashboardReading:
+        """The metrics, the requests in the engine now and the last that ended, in one read
+        (``DashboardReading``); answered even mid-step."""
+        return await self._acall(DashboardCall())
 
     async def metrics_with_histograms(self) -> tuple[dict[str, Any], dict[str, HistogramSnapshot]]:
         """``metrics()`` and the latency histograms, read one after the other (possibly mid-step)."""
@@ -376,7 +374,7 @@ class AsyncEngine:
     async def profile_stop(self) -> ProfileResult:
         """Stop the profile (or take the one that stopped by itself) and return its result; a
         ``ProfilerStateError`` when there is none."""
-        return await self._acall(ProfileCall("stop"))
+        return await self._acall(ProfileCall("stop", engine_name=self.name))
 
     async def profile_status(self) -> ProfileStatus:
         """Where the profiler stands (answered at once, even mid-step)."""
@@ -445,7 +443,7 @@ class AsyncEngine:
 
     def _check_alive(self) -> None:
         if self.error is not None:
-            if self._state is EngineState.RESTARTING:
+            if self._supervisor.state is EngineState.RESTARTING:
                 raise EngineDeadError(f"engine {self.name!r} is restarting after it stopped ({self.error}); "
                                       "retry in a few seconds")
             raise EngineDeadError(f"engine {self.name!r} stopped on an internal error: {self.error}")
@@ -491,47 +489,11 @@ class AsyncEngine:
 
     def _die(self, reason: str) -> None:
         """The core is gone: fail every stream and call, now and later (``error`` is set first),
-        log it once, and restart it if the policy says so.
-
-        The state is settled before anything fails, so whoever sees a failure also sees whether
-        a restart is coming.
-        """
+        once the supervisor has settled whether a restart comes."""
         if self.error is None:
             self.error = EngineDeadError(reason)
-        restart = False
-        if not self._stopping.is_set():
-            deaths = self._deaths.record()
-            if self._deaths.exhausted(deaths):
-                self._set_state(EngineState.DEAD, reason)
-                policy = self._deaths.policy
-                why = ("restarts are off" if not policy.enabled
-                       else f"it died {deaths} times in {policy.window_s:.0f} s")
-                logger.error("engine %s died (%s) and stays dead: %s; /debug/reset_engine restarts it",
-                             self.name, reason, why)
-            else:
-                self._set_state(EngineState.RESTARTING, reason)
-                logger.error("engine %s died (%s); restarting it", self.name, reason)
-                restart = True
+        self._supervisor.on_death(reason)
         self._fail_pending(EngineDeadError(f"engine {self.name!r} stopped on an internal error: {reason}"))
-        if restart:
-            threading.Thread(target=self._restart_with_backoff, name=f"engine-{self.name}-restart",
-                             daemon=True).start()
-
-    def _restart_with_backoff(self) -> None:
-        policy = self._deaths.policy
-        for attempt in range(policy.max_deaths):
-            if self._stopping.wait(policy.delay_s(attempt)):
-                return
-            try:
-                self.restart()
-                return
-            except Exception as e:  # noqa: BLE001 - a start that fails is tried again, then given up
-                logger.error("engine %s: restart attempt %d failed: %r", self.name, attempt + 1, e)
-                self._state_reason = f"restart failed: {e!r}"
-        if not self._stopping.is_set():
-            self._set_state(EngineState.DEAD, self._state_reason)
-            logger.error("engine %s: gave up after %d failed restarts; /debug/reset_engine restarts it",
-                         self.name, policy.max_deaths)
 
     def _fail_pending(self, err: EngineDeadError) -> None:
         """End every open stream and pending call with ``err``."""
@@ -575,7 +537,8 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
                 m.logprobs = (m.logprobs or []) + list(c.logprobs)
             m.finish_reason = c.finish_reason or m.finish_reason
     last = outputs[-1]
-    return RequestOutput(last.request_id, [merged[i] for i in sorted(merged)], last.usage, last.kv_block)
+    return RequestOutput(last.request_id, [merged[i] for i in sorted(merged)], last.usage, last.kv_block,
+                         last.kv_delivery)
 
 
 def _put_threadsafe(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, Any]]) -> None:

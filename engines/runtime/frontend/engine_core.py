@@ -23,7 +23,11 @@ from typing import Any, Callable
 
 
 from engines import __version__
+from engines.runtime.core.disagg.kv_http import KVListener, KVListenSpec, deliver_block
+from engines.runtime.core.disagg.transfer import KVDelivery, KVSend
 from engines.runtime.core.engine import Engine, EngineConfig
+from engines.runtime.core.request import RequestOutput
+from engines.runtime.core.warm_up import warm_up
 from engines.runtime.frontend.messages import (
     MessageConnection,
     AbortRequest,
@@ -32,32 +36,22 @@ from engines.runtime.frontend.messages import (
     Call,
     CoreCommand,
     CoreMessage,
-    CudaProfilerCall,
     Dead,
-    DumpTraceCall,
-    TraceSinceCall,
     EngineCall,
     EngineInfo,
     EngineSpec,
     Failed,
-    KVListenSpec,
     LocalCall,
-    MetricsCall,
-    PrepareReceiveCall,
     ReceiveKVCall,
     ReleaseReceiveCall,
-    ProfileCall,
     Ready,
-    RecentRequestsCall,
     Rejected,
-    RequestsView,
     Reply,
-    ResetCall,
+    Send,
     ServerTraceEvents,
     Shutdown,
     StepOutputs,
 )
-from engines.runtime.frontend.kv_http import KVListener
 from engines.runtime.model.checkpoint import Checkpoint, load_checkpoint
 from engines.runtime.model.llama import LlamaModel
 from engines.runtime.telemetry import trace_recorder as trace_clock
@@ -67,8 +61,6 @@ logger = logging.getLogger("engines.runtime")
 
 __all__ = ["EngineCore", "create_engine", "engine_info", "main", "portable_error", "run_engine_process",
            "start_kv_listener"]
-
-Send = Callable[[CoreMessage], None]
 
 #: How long the K/V listener waits for the engine loop to store a block (it runs between steps).
 LOCAL_CALL_TIMEOUT_S = 60.0
@@ -80,10 +72,10 @@ _IDLE_WAIT_S = 0.5
 # CPython hands the GIL to a waiting thread only after the holder has run this long (5 ms by
 # default). Both sides of a served engine pair a busy thread with one that needs the GIL briefly
 # and often: in the engine process the receiving thread (every command) beside the step loop, in
-# the server the reader (every step's outputs) beside the event loop. At 5 ms each of those waits
-# up to 5 ms every time, which a closed-loop client sees as time to first token and the batch as
-# empty slots (BENCHMARKS.md: 16 clients on the H100, 0.77/0.85 of the engine alone at 5 ms,
-# 0.98/0.90 at 0.5 ms, alternated). The interval costs nothing while no thread waits.
+# the server the reader (every step's outputs) beside the event loop. At the default each of those
+# waits up to a whole interval every time, which a closed-loop client sees as time to first token
+# and the batch as empty slots (docs/perf-log/serving-and-tools.md#server-h100-engine-process).
+# The interval costs nothing while no thread waits.
 GIL_SWITCH_INTERVAL_S = 0.0005
 
 
@@ -112,11 +104,21 @@ def engine_info(engine: Engine) -> EngineInfo:
 
 
 class EngineCore:
-    """Runs an engine's step loop, taking commands between steps (see ``messages``)."""
+    """Runs an engine's step loop, taking commands between steps (see ``messages``).
+
+    A ``remote_send`` request whose receiver is another server's engine (``KVSend.post_to``)
+    ends in the engine like any other; its block then goes from a thread of this core straight
+    to the receiver's listener, and its last output, carrying how that went (``KVDelivery``),
+    follows once the receiver answered. An abort of such a request meanwhile is confirmed
+    after that output, so nothing of it can reach a stream that reuses its id.
+    """
 
     def __init__(self, engine: Engine, name: str = "engine") -> None:
         self.engine = engine
         self.name = name
+        self._posts: dict[str, KVSend] = {}  # request id -> where its block goes (engine thread only)
+        self._posting: dict[str, bool] = {}  # request id -> an abort waits for its post (under the lock)
+        self._posting_lock = threading.Lock()
 
     def run(self, receive: Callable[[float | None], CoreCommand | None], send: Send) -> None:
         """Serve until a :class:`Shutdown`, or until ``receive`` raises ``EOFError`` (the front
@@ -137,9 +139,7 @@ class EngineCore:
                     timeout = 0
                 engine.expire_receives()
                 if engine.has_work:
-                    outputs = engine.step()
-                    if outputs:
-                        send(StepOutputs(outputs))
+                    self._send_outputs(engine.step(), send)
         except EOFError:
             logger.info("engine %s: its front end went away; stopping", self.name)
         except Exception as e:  # noqa: BLE001 - a dead engine must fail its streams, not hang them
@@ -152,11 +152,9 @@ class EngineCore:
     @staticmethod
     def is_immediate(command: CoreCommand) -> bool:
         """Whether ``command`` is answered at once by the thread that receives it, even in the
-        middle of a step: metrics and trace reads are thread-safe, and a scrape or a live
-        timeline must never wait for a long prefill."""
-        call = command.call if isinstance(command, Call) else None
-        return isinstance(call, (MetricsCall, RecentRequestsCall, TraceSinceCall)) or (
-            isinstance(call, ProfileCall) and call.action == "status")
+        middle of a step (its call class says so: thread-safe reads that a scrape or a live
+        timeline must never wait a long prefill for)."""
+        return isinstance(command, Call) and command.call.immediate
 
     def handle(self, command: CoreCommand, send: Send) -> bool:
         """Carry out one command; False once it was :class:`Shutdown`."""
@@ -167,10 +165,17 @@ class EngineCore:
                     engine.add_request(request)
                 except Exception as e:  # noqa: BLE001 - add_request changed nothing: the request fails alone
                     send(Rejected(request.request_id, portable_error(e)))
+                else:
+                    if request.kv_send is not None and request.kv_send.post_to is not None:
+                        self._posts[request.request_id] = request.kv_send
             case AbortRequest(request_id):
                 output = engine.abort_request(request_id)
                 if output is not None:
-                    send(StepOutputs([output]))
+                    self._send_outputs([output], send)
+                with self._posting_lock:
+                    if request_id in self._posting:  # confirmed once its last output went out
+                        self._posting[request_id] = True
+                        return True
                 send(Aborted(request_id))
             case ServerTraceEvents(events):
                 if engine.tracer is not None:
@@ -189,61 +194,54 @@ class EngineCore:
                 except Exception as e:  # noqa: BLE001 - handed to the caller
                     future.set_exception(e)
             case Shutdown():
-                send(StepOutputs(engine.reset()))
+                self._send_outputs(engine.reset(), send)
                 return False
             case _:
                 raise TypeError(f"engine {self.name}: not an engine command: {command!r}")
         return True
 
     def call(self, call: EngineCall, send: Send) -> Any:
-        """Carry out one call and return its reply's value; outputs it causes (a reset's aborts)
-        are sent first, so they reach their streams before the caller hears back."""
-        engine = self.engine
-        match call:
-            case ResetCall(clear_trace):
-                outputs = engine.reset(clear_trace)
-                if outputs:
-                    send(StepOutputs(outputs))
-                return None
-            case MetricsCall(with_histograms):
-                metrics = engine.metrics.as_dict()
-                return (metrics, engine.metrics.histograms()) if with_histograms else metrics
-            case RecentRequestsCall():
-                return RequestsView(live=engine.live_requests(), ended=engine.metrics.recent_requests())
-            case DumpTraceCall(clear, skip_empty):
-                tracer = engine.tracer
-                if tracer is None:
-                    raise ValueError("tracing is off for this engine")
-                if skip_empty and tracer.event_count == 0:
-                    return None
-                return tracer.dump_json(clear)
-            case TraceSinceCall(cursor):
-                tracer = engine.tracer
-                if tracer is None:
-                    raise ValueError("tracing is off for this engine")
-                return tracer.read_since(cursor)
-            case ProfileCall("start", max_steps, max_seconds, stack_sampling):
-                return engine.start_profile(max_steps, max_seconds, stack_sampling)
-            case ProfileCall("stop"):
-                return engine.stop_profile(self.name)
-            case ProfileCall("status"):
-                return engine.profile_status()
-            case PrepareReceiveCall(request_id, prompt, end, timeout_s):
-                return engine.prepare_receive(request_id, list(prompt), end, timeout_s)
-            case ReceiveKVCall(block):
-                return engine.receive_kv(block)
-            case ReleaseReceiveCall(request_id, ticket):
-                return engine.release_receive(request_id, ticket)
-            case CudaProfilerCall(start):
-                if engine.model.backend_name != "cuda":
-                    raise ValueError("the CUDA profiler needs the cuda backend")
-                from numba import cuda
+        """Carry out one call (its own ``run``) and return its reply's value."""
+        if not isinstance(call, EngineCall):
+            raise TypeError(f"not an engine call: {call!r}")
+        return call.run(self.engine, send)
 
-                # Runs on the engine's own thread, where the device's primary context is current.
-                (cuda.profile_start if start else cuda.profile_stop)()
-                return None
-            case _:
-                raise TypeError(f"not an engine call: {call!r}")
+    def _send_outputs(self, outputs: list[RequestOutput], send: Send) -> None:
+        """Send a step's outputs; the last output of a request whose block goes to another
+        server's listener waits for that post, on a thread of its own."""
+        if self._posts:
+            kept = []
+            for out in outputs:
+                target = self._posts.pop(out.request_id, None) if out.finished else None
+                if target is not None and out.kv_block is not None:
+                    self._post(out, target, send)
+                else:
+                    kept.append(out)
+            outputs = kept
+        if outputs:
+            send(StepOutputs(outputs))
+
+    def _post(self, out: RequestOutput, target: KVSend, send: Send) -> None:
+        block, url = out.kv_block, target.post_to
+        assert block is not None and url is not None, "a finished output with a block, for a listener"
+        with self._posting_lock:
+            self._posting[out.request_id] = False
+
+        def post() -> None:
+            delivery: KVDelivery = deliver_block(block, url, target.api_key)
+            if not delivery.ok:
+                logger.warning("engine %s: the KV of request %s did not reach %s: %s", self.name, out.request_id,
+                               delivery.url, delivery.error)
+            with self._posting_lock:
+                aborted = self._posting.pop(out.request_id)
+            try:
+                send(StepOutputs([dataclasses.replace(out, kv_block=None, kv_delivery=delivery)]))
+                if aborted:
+                    send(Aborted(out.request_id))
+            except (OSError, ValueError):  # the front end is gone
+                pass
+
+        threading.Thread(target=post, name=f"kv-post-{out.request_id[:16]}", daemon=True).start()
 
 
 def start_kv_listener(spec: KVListenSpec, engine: Engine, put: Callable[[CoreCommand], None]) -> KVListener:
@@ -278,7 +276,7 @@ def run_engine_process(conn: Any, spec: EngineSpec) -> None:
     try:
         checkpoint = load_checkpoint(spec.checkpoint_path)
         engine = create_engine(checkpoint, spec.name, spec.config, spec.backend, spec.dtype, spec.enable_tracing)
-        engine.warm_up()
+        warm_up(engine)
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it
         logger.exception("engine %s could not start", spec.name)
         conn.send(Failed(portable_error(e)))

@@ -10,7 +10,8 @@ Front end to core (:data:`CoreCommand`):
 * :class:`AbortRequest`: abort one; answered by its last outputs, then :class:`Aborted`.
 * :class:`ServerTraceEvents`: server-side trace events (``receive request``, tokenization),
   timestamped in the server; sent along before the next command.
-* :class:`Call`: one of the :data:`EngineCall` operations, answered by a :class:`Reply`.
+* :class:`Call`: one :class:`EngineCall` (an operation, its handler beside it), answered by a
+  :class:`Reply`.
 * :class:`LocalCall`: the same from a thread of the engine's own process (its K/V listener),
   answered through a future; never pickled.
 * :class:`Shutdown`: abort everything and stop.
@@ -31,19 +32,23 @@ import pickle
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal, Union
 
 from engines.runtime.core.engine import EngineConfig
 from engines.runtime.core.kv_sizing import KVCacheSize
-from engines.runtime.core.kv_transfer import KVBlock
+from engines.runtime.core.disagg.kv_http import KVListenSpec
+from engines.runtime.core.disagg.transfer import KVBlock
 from engines.runtime.core.request import GenerationRequest, RequestOutput
+
+if TYPE_CHECKING:
+    from engines.runtime.core.engine import Engine
 
 __all__ = [
     "AbortRequest", "AddRequest", "Aborted", "Call", "CoreCommand", "CoreMessage", "CudaProfilerCall", "Dead",
-    "DumpTraceCall", "TraceSinceCall", "ProfileCall", "EngineCall", "EngineInfo", "EngineSpec", "Failed", "KVListenSpec",
-    "LocalCall", "MessageConnection",
-    "MetricsCall", "Ready", "Rejected",
-    "PrepareReceiveCall", "ReceiveKVCall", "RecentRequestsCall", "ReleaseReceiveCall", "RequestsView", "Reply", "ResetCall", "ServerTraceEvent", "ServerTraceEvents", "Shutdown", "StepOutputs",
+    "DumpTraceCall", "EngineCall", "EngineInfo", "DashboardReading", "EngineSpec", "Failed", "LocalCall",
+    "MessageConnection", "MetricsCall", "PrepareReceiveCall", "ProfileCall", "DashboardCall", "Ready", "ReceiveKVCall",
+    "Rejected", "ReleaseReceiveCall", "Reply", "ResetCall", "Send", "ServerTraceEvent", "ServerTraceEvents",
+    "Shutdown", "StepOutputs", "TraceSinceCall",
 ]
 
 
@@ -72,15 +77,6 @@ class EngineInfo:
 
 
 @dataclass(frozen=True)
-class KVListenSpec:
-    """Where an engine's K/V listener binds (port 0: any free one) and the API key it requires."""
-
-    host: str
-    port: int = 0
-    api_key: str | None = None
-
-
-@dataclass(frozen=True)
 class EngineSpec:
     """Everything a child process needs to build the engine its parent asked for."""
 
@@ -96,78 +92,144 @@ class EngineSpec:
 
 
 # ----------------------------------------------------------------- calls (answered by Reply)
+#
+# One class per engine operation, its handler (``run``) beside it: ``EngineCore`` runs
+# ``call.run(engine, send)`` on the engine thread, or at once on the receiving thread when the
+# class says ``immediate`` (thread-safe reads a scrape or a live viewer must get mid-step).
 
 
 @dataclass(frozen=True)
-class ResetCall:
+class EngineCall:
+    """An operation on the engine, answered by a :class:`Reply` (or a :class:`LocalCall`'s future)."""
+
+    #: Answered at once by the thread that receives it, even in the middle of a step.
+    immediate: ClassVar[bool] = False
+
+    def run(self, engine: "Engine", send: "Send") -> Any:
+        """Carry the call out on ``engine`` and return the reply's value; outputs it causes go
+        through ``send`` first, so they reach their streams before the caller hears back."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class ResetCall(EngineCall):
     """Abort every request, free the KV cache and prefix cache, zero the metrics; replies None."""
 
     clear_trace: bool = False
 
+    def run(self, engine: "Engine", send: "Send") -> None:
+        outputs = engine.reset(self.clear_trace)
+        if outputs:
+            send(StepOutputs(outputs))
+
 
 @dataclass(frozen=True)
-class MetricsCall:
+class MetricsCall(EngineCall):
     """The engine metrics (``EngineMetrics.as_dict()``), or with ``with_histograms`` the pair
-    ``(as_dict(), histograms())``. Answered at once, even mid-step."""
+    ``(as_dict(), histograms())``."""
 
+    immediate: ClassVar[bool] = True
     with_histograms: bool = False
 
-
-@dataclass(frozen=True)
-class RecentRequestsCall:
-    """The requests in the engine now (``Engine.live_requests``) and the last that ended, newest
-    first (``EngineMetrics.recent_requests``), as a :class:`RequestsView`. Answered at once, even
-    mid-step."""
+    def run(self, engine: "Engine", send: "Send") -> Any:
+        metrics = engine.metrics.as_dict()
+        return (metrics, engine.metrics.histograms()) if self.with_histograms else metrics
 
 
 @dataclass(frozen=True)
-class RequestsView:
-    """What the dashboard's request tables show: ``live`` (in the engine now, oldest first) and
-    ``ended`` (the last that ended, newest first), each a list of JSON-ready dicts."""
+class DashboardReading:
+    """One read of what the dashboard shows of an engine: its ``metrics``
+    (``EngineMetrics.as_dict()``), the requests in it now (``live``, oldest first) and the last
+    that ended (``ended``, newest first), each a list of JSON-ready dicts."""
 
+    metrics: dict[str, Any]
     live: list[dict[str, Any]]
     ended: list[dict[str, Any]]
 
 
 @dataclass(frozen=True)
-class DumpTraceCall:
+class DashboardCall(EngineCall):
+    """A :class:`DashboardReading`: a dashboard sample in one round trip."""
+
+    immediate: ClassVar[bool] = True
+
+    def run(self, engine: "Engine", send: "Send") -> DashboardReading:
+        return DashboardReading(engine.metrics.as_dict(), engine.outputs.live_requests(),
+                             engine.metrics.recent_requests())
+
+
+@dataclass(frozen=True)
+class DumpTraceCall(EngineCall):
     """The Chrome trace as JSON bytes; ``clear`` takes the window and empties the recorder;
     ``skip_empty`` replies None when nothing is recorded. A ValueError when tracing is off."""
 
     clear: bool = False
     skip_empty: bool = False
 
+    def run(self, engine: "Engine", send: "Send") -> bytes | None:
+        tracer = _tracer(engine)
+        if self.skip_empty and tracer.event_count == 0:
+            return None
+        return tracer.dump_json(self.clear)
+
 
 @dataclass(frozen=True)
-class TraceSinceCall:
+class TraceSinceCall(EngineCall):
     """The trace calls recorded since ``cursor`` (``TraceRecorder.read_since``), a
-    ``TraceDelta``; a ValueError when tracing is off. Answered at once, even mid-step."""
+    ``TraceDelta``; a ValueError when tracing is off."""
 
+    immediate: ClassVar[bool] = True
     cursor: int = 0
 
+    def run(self, engine: "Engine", send: "Send") -> Any:
+        return _tracer(engine).read_since(self.cursor)
+
+
+def _tracer(engine: "Engine") -> Any:
+    if engine.tracer is None:
+        raise ValueError("tracing is off for this engine")
+    return engine.tracer
+
 
 @dataclass(frozen=True)
-class ProfileCall:
-    """The built-in profiler (``Engine.start_profile`` / ``stop_profile`` / ``profile_status``):
-    ``start`` replies a ``ProfileStatus``, ``stop`` a ``ProfileResult``, ``status`` a
-    ``ProfileStatus`` (answered at once, even mid-step). A start while one runs, or a stop
-    with none, is a ``ProfilerStateError``."""
+class ProfileCall(EngineCall):
+    """The built-in profiler (``Engine.start_profile`` / ``stop_profile``,
+    ``ProfilerControl.status``): ``start`` replies a ``ProfileStatus``, ``stop`` a
+    ``ProfileResult``, ``status`` a ``ProfileStatus`` (answered at once, even mid-step). A start
+    while one runs, or a stop with none, is a ``ProfilerStateError``."""
 
     action: Literal["start", "stop", "status"]
     max_steps: int | None = None
     max_seconds: float = 60.0
     stack_sampling: bool = False
+    #: The engine's served name, for the result of a stop.
+    engine_name: str = "engine"
+
+    @property
+    def immediate(self) -> bool:  # type: ignore[override]
+        return self.action == "status"
+
+    def run(self, engine: "Engine", send: "Send") -> Any:
+        if self.action == "start":
+            return engine.start_profile(self.max_steps, self.max_seconds, self.stack_sampling)
+        if self.action == "stop":
+            return engine.stop_profile(self.engine_name)
+        return engine.profiling.status()
 
 
 @dataclass(frozen=True)
-class CudaProfilerCall:
-    """``cudaProfilerStart`` (``start``) or ``Stop`` on the engine's thread; replies None."""
+class CudaProfilerCall(EngineCall):
+    """``cudaProfilerStart`` (``start``) or ``Stop`` on the engine's thread; replies None (a
+    ValueError off the cuda backend)."""
 
     start: bool
 
+    def run(self, engine: "Engine", send: "Send") -> None:
+        engine.model.backend.cuda_profiler(self.start)
+
 
 @dataclass(frozen=True)
-class PrepareReceiveCall:
+class PrepareReceiveCall(EngineCall):
     """Disaggregated serving's receive side (``Engine.prepare_receive``): reserve pages for the
     K/V of ``prompt[:end]``; replies a ``KVReceipt``, or raises ``KVTransferError``."""
 
@@ -176,26 +238,31 @@ class PrepareReceiveCall:
     end: int
     timeout_s: float = 60.0
 
+    def run(self, engine: "Engine", send: "Send") -> Any:
+        return engine.prepare_receive(self.request_id, list(self.prompt), self.end, self.timeout_s)
+
 
 @dataclass(frozen=True)
-class ReceiveKVCall:
+class ReceiveKVCall(EngineCall):
     """Store a ``KVBlock`` another engine sent into its reservation (``Engine.receive_kv``);
     replies None, or raises ``KVTransferError`` (and the reservation is released)."""
 
     block: KVBlock
 
+    def run(self, engine: "Engine", send: "Send") -> None:
+        engine.receive_kv(self.block)
+
 
 @dataclass(frozen=True)
-class ReleaseReceiveCall:
+class ReleaseReceiveCall(EngineCall):
     """Give up the reservation of ``request_id`` (only if it is ``ticket``'s, when given); replies
     whether there was one."""
 
     request_id: str
     ticket: str | None = None
 
-
-EngineCall = Union[ResetCall, MetricsCall, RecentRequestsCall, DumpTraceCall, TraceSinceCall,
-                   ProfileCall, CudaProfilerCall, PrepareReceiveCall, ReceiveKVCall, ReleaseReceiveCall]
+    def run(self, engine: "Engine", send: "Send") -> bool:
+        return engine.release_receive(self.request_id, self.ticket)
 
 
 # ---------------------------------------------------------------- front end -> core
@@ -313,6 +380,9 @@ class Dead:
 
 
 CoreMessage = Union[Ready, Failed, StepOutputs, Aborted, Rejected, Reply, Dead]
+
+#: How the core hands a message to its front end.
+Send = Callable[[CoreMessage], None]
 
 
 class MessageConnection(Connection):

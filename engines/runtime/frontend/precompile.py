@@ -69,7 +69,9 @@ def _warm_up_parts(*names: str) -> Callable[["Engine"], None]:
 
 
 def _team_step(engine: "Engine") -> None:
-    engine.model.cpu_step.run_team_step_alone(engine.kv)
+    step = engine.model.cpu_step
+    assert step is not None, "a part of the CPU backend's"
+    step.run_team_step_alone(engine.kv)
 
 
 def _step_kernels(engine: "Engine") -> None:
@@ -212,9 +214,9 @@ class _Worker:
     def wait_any(busy: list["_Worker"]) -> tuple[CompileUnit, float]:
         """The next unit a busy worker finishes, and its seconds."""
         with selectors.DefaultSelector() as selector:
-            for worker in busy:
-                assert worker.process.stdout is not None
-                selector.register(worker.process.stdout, selectors.EVENT_READ, worker)
+            for each in busy:
+                assert each.process.stdout is not None
+                selector.register(each.process.stdout, selectors.EVENT_READ, each)
             key, _ = selector.select()[0]
             worker: _Worker = key.data
             line = key.fileobj.readline()  # type: ignore[union-attr]

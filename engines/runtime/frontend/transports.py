@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Callable
 
 from engines.runtime.frontend.engine_core import EngineCore, start_kv_listener
-from engines.runtime.frontend.kv_http import KVListener
+from engines.runtime.core.disagg.kv_http import KVListener, KVListenSpec
+from engines.runtime.core.warm_up import warm_up
 from engines.runtime.frontend.messages import (
     MessageConnection,
     CoreCommand,
@@ -27,7 +28,6 @@ from engines.runtime.frontend.messages import (
     EngineInfo,
     EngineSpec,
     Failed,
-    KVListenSpec,
     Ready,
     Shutdown,
 )
@@ -71,7 +71,7 @@ class ThreadTransport:
 
     def start(self, info: EngineInfo | None) -> EngineInfo | None:
         """Warm the kernels up and start the loop; ``info`` is known already on a thread."""
-        self.core.engine.warm_up()
+        warm_up(self.core.engine)
         if self.kv_listen is not None:
             self.listener = start_kv_listener(self.kv_listen, self.core.engine, self.inbox.put)
             if info is not None:
@@ -160,7 +160,8 @@ class ProcessTransport:
         try:
             conn.send(self.spec)
             if not conn.poll(PROCESS_START_TIMEOUT_S):
-                raise RuntimeError(f"engine {self.spec.name!r} did not load its model in {PROCESS_START_TIMEOUT_S:.0f} s")
+                raise RuntimeError(f"engine {self.spec.name!r} did not load its model in "
+                                   f"{PROCESS_START_TIMEOUT_S:.0f} s")
             first = conn.recv()
         except (EOFError, OSError):
             process.wait(5)

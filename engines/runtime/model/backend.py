@@ -14,8 +14,9 @@ reused after that, so a steady decode loop allocates nothing, on either backend.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Sequence, Union
 
 import numba
 import numpy as np
@@ -23,10 +24,15 @@ from numba import cuda
 
 from engines.runtime.model.cpu_pool import CpuPool
 from engines.runtime.model.host_memory import aligned_copy, aligned_empty, available_bytes
-from engines.runtime.model.kernels import argmax, attention, embedding, matmul, add_rmsnorm, rope_kv, run_attention, silu_mul
+from engines.runtime.model.kernels import (add_rmsnorm, argmax, attention, embedding, matmul, rope_kv, run_attention,
+                                           silu_mul)
+
+if TYPE_CHECKING:
+    from engines.runtime.telemetry.profiler import ProfiledBackend
 
 Array = Any  # numpy.ndarray on the CPU backend, a numba DeviceNDArray on the CUDA backend
-Backend = Union["CpuBackend", "CudaBackend"]
+# What a model launches through: a backend, or the profiler's timed wrapper of one.
+Backend = Union["CpuBackend", "CudaBackend", "ProfiledBackend"]
 
 __all__ = [
     "Activations",
@@ -154,8 +160,9 @@ class CpuBackend:
         # A prefill step's attention heads and element-wise kernels run side by side on as many
         # threads as BLAS has (decode steps use numba's threads: see _numba_threads_step).
         self.cpu_pool = CpuPool()
-        # numba's threads, which attention's split is made for (read once: cold, right after a
-        # step, the call takes ~35 us). Reading it starts numba's thread pool, which registers
+        # numba's threads, which attention's split is made for (read once: right after a step has
+        # flushed the caches even this call is slow, docs/perf-log/cpu-anchors.md#2026-11-25-python-around-a-step).
+        # Reading it starts numba's thread pool, which registers
         # the symbol its parallel kernels call to launch: a kernel loaded from the cache before
         # any parallel one ran from Python would call an unresolved address (a segfault, seen).
         self.numba_threads = numba.get_num_threads()
@@ -163,6 +170,21 @@ class CpuBackend:
     def free_memory_bytes(self) -> int | None:
         """Host memory free now (weights, KV cache and activations live there), or None if unknown."""
         return available_bytes()
+
+    def device_name(self) -> str:
+        """What computes, as a profile names it."""
+        return f"cpu ({os.cpu_count()} cores)"
+
+    def peak_bandwidth(self) -> tuple[float | None, str]:
+        """The memory bandwidth kernels are compared with, in GB/s, and where it came from: this
+        host's read rate, measured (a fraction of a second)."""
+        from engines.runtime.telemetry.profiler import measure_host_bandwidth
+
+        return measure_host_bandwidth(), "measured"
+
+    def cuda_profiler(self, start: bool) -> None:
+        """``cudaProfilerStart``/``Stop``: a GPU's alone."""
+        raise ValueError("the CUDA profiler needs the cuda backend")
 
     def to_storage(self, array: np.ndarray, dtype: str) -> np.ndarray:
         """A C-contiguous copy of ``array`` in storage dtype ``dtype``, aligned by ``host_memory``."""
@@ -213,8 +235,9 @@ class CpuBackend:
     def add_rmsnorm(self, x: np.ndarray, residual: np.ndarray, rows: np.ndarray, weight: np.ndarray,
                 eps: np.float32, out: np.ndarray) -> None:
         """``x[r] += residual[r]`` (unless ``residual`` has no rows), ``out[i] = rmsnorm(x[r])``.
-        On this thread alone at every size: in slices on the pool's threads a 2048-token prefill's
-        norms took 8.5 ms instead of 6.7 (the rows the last matmul's threads wrote move cores)."""
+        On this thread alone at every size: in slices on the pool's threads a long prefill's norms
+        ran slower, since the rows the last matmul's threads wrote move cores
+        (docs/perf-log/cpu-anchors.md#2026-11-25-long-weight-streams)."""
         add_rmsnorm.add_rmsnorm_cpu(x, residual, rows, weight, eps, out)
 
     def matmul(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray, out: np.ndarray) -> None:
@@ -240,6 +263,7 @@ class CpuBackend:
         of ``run_attention.MIN_RUN`` tokens or more with BLAS, the other rows (decodes, short
         chunks) with the scalar kernel."""
         split = step.attention_split
+        assert split is not None, "upload_step sets the split of every CPU step"
         for start, end in split.runs:
             run_attention.run_attention(qkv, start, end, int(step.positions[start]), int(step.token_seq[start]),
                                         step.page_table, k_cache, v_cache, layer, num_q_heads, scale, out,
@@ -295,7 +319,7 @@ def _numba_threads_step(rows: int) -> bool:
     """Whether a step of ``rows`` tokens may run numba's threaded kernels: only when its matmuls
     are numba's too. Beside BLAS's own threads, numba's pool spinning after its loop leaves three
     threads to two cores, and a BLAS call whose thread loses its core waits a scheduler slice
-    (a 512-token prefill took 20% longer with a threaded ``silu_mul``)."""
+    (a threaded ``silu_mul`` slowed a whole prefill: docs/perf-log/cpu-anchors.md#2026-11-25-threading-fixes)."""
     return rows <= matmul.CPU_ROWS_KERNEL_MAX_ROWS
 
 
@@ -340,7 +364,8 @@ class _LaunchableKernel:
 
 
 def _dim3(dims: tuple[int, ...]) -> tuple[int, int, int]:
-    return (tuple(dims) + (1, 1, 1))[:3]
+    x, y, z = (*dims, 1, 1, 1)[:3]
+    return x, y, z
 
 
 def _blocks(n: int, per_block: int) -> int:
@@ -370,7 +395,7 @@ class CudaBackend:
     max_graphs = 64
 
     def __init__(self, dtype: str = "float32", shapes: LaunchShapes | None = None) -> None:
-        self.simulated = bool(numba.config.ENABLE_CUDASIM)
+        self.simulated = bool(numba.config.ENABLE_CUDASIM)  # type: ignore[attr-defined]  # set at import
         self.dtype = _check_dtype(dtype, self.dtypes, self.name).name
         self.shapes = shapes or (SIMULATOR_LAUNCH_SHAPES if self.simulated else GPU_LAUNCH_SHAPES)
 
@@ -400,11 +425,13 @@ class CudaBackend:
         else:
             from numba.cuda.cudadrv import driver
 
-            self._default_stream = self._stream = driver._to_core_stream(0)
+            # (The ignores: mypy reads the numba.cuda bundled with numba; at run time numba-cuda's
+            # package takes its place, and its driver has this helper.)
+            self._default_stream = self._stream = driver._to_core_stream(0)  # type: ignore[attr-defined]
             # Keep numba's stream object alive: its finalizer destroys the CUDA stream, and
             # the core wrapper below does not own it (a collected stream made recording fail).
             self._numba_record_stream = cuda.stream()
-            self._record_stream = driver._to_core_stream(self._numba_record_stream)
+            self._record_stream = driver._to_core_stream(self._numba_record_stream)  # type: ignore[attr-defined]
 
     def free_memory_bytes(self) -> int | None:
         """Device memory free now (the simulator's arrays live on the host: host memory there)."""
@@ -412,6 +439,29 @@ class CudaBackend:
             return available_bytes()
         free, _total = cuda.current_context().get_memory_info()
         return int(free)
+
+    def device_name(self) -> str:
+        """The GPU's name, as a profile names it."""
+        try:
+            name = cuda.get_current_device().name
+        except Exception:  # noqa: BLE001 - the simulator has no device to name
+            return "cuda (simulator)"
+        return name.decode() if isinstance(name, bytes) else str(name)
+
+    def peak_bandwidth(self) -> tuple[float | None, str]:
+        """The memory bandwidth kernels are compared with, in GB/s, from the device's memory clock
+        and bus width (double data rate), and where it came from; none on the simulator."""
+        try:
+            device = cuda.get_current_device()
+            clock_khz, bus_bits = device.MEMORY_CLOCK_RATE, device.GLOBAL_MEMORY_BUS_WIDTH
+        except Exception:  # noqa: BLE001 - the simulator has no such attributes
+            return None, ""
+        return 2 * clock_khz * 1e3 * bus_bits / 8 / 1e9, "device"
+
+    def cuda_profiler(self, start: bool) -> None:
+        """``cudaProfilerStart`` (``start``) or ``Stop``; on the engine's thread, where the device's
+        primary context is current."""
+        (cuda.profile_start if start else cuda.profile_stop)()
 
     def run_step(self, buffers: tuple[Any, ...], num_tokens: int, launches: Callable[[], None]) -> None:
         """Run a step's kernels: ``launches()`` launches them, reading and writing only
@@ -426,14 +476,15 @@ class CudaBackend:
             return
         key = tuple(id(b) for b in buffers)
         # The entry keeps ``buffers`` alive, so their ids cannot be reused while it exists.
-        graph, _ = self._graphs.pop(key, None) or (self._record(launches), buffers)
+        entry = self._graphs.pop(key, None)
+        graph = entry[0] if entry is not None else self._record(self._record_stream, launches)
         self._graphs[key] = (graph, buffers)  # most recently used last
         if len(self._graphs) > self.max_graphs:
             del self._graphs[next(iter(self._graphs))]
         graph.launch(self._default_stream)
 
-    def _record(self, launches: Callable[[], None]) -> Any:
-        builder = self._record_stream.create_graph_builder()
+    def _record(self, stream: Any, launches: Callable[[], None]) -> Any:
+        builder = stream.create_graph_builder()
         builder.begin_building()
         self._stream = builder
         try:
@@ -478,7 +529,7 @@ class CudaBackend:
             self._meta_device = cuda.device_array(capacity, np.int32)
             self._meta_views.clear()
         offset = 0
-        for part, size in zip(parts, sizes):
+        for part, size in zip(parts, sizes, strict=True):
             self._meta_host[offset:offset + size] = part.reshape(-1)
             offset += size
         key = sizes + host.page_table.shape
@@ -509,7 +560,8 @@ class CudaBackend:
 
     def add_rmsnorm(self, x: Array, residual: Array, rows: Array, weight: Array, eps: np.float32, out: Array) -> None:
         """``x[r] += residual[r]`` (unless ``residual`` has no rows), ``out[i] = rmsnorm(x[r])``."""
-        self._add_rmsnorm(self._stream, (rows.shape[0],), (self.shapes.row_threads,), x, residual, rows, weight, eps, out)
+        self._add_rmsnorm(self._stream, (rows.shape[0],), (self.shapes.row_threads,), x, residual, rows, weight, eps,
+                          out)
 
     def matmul(self, x: Array, weight: Array, bias: Array, out: Array) -> None:
         """``out = x @ W.T + bias`` for ``weight`` from :meth:`store_linear`: GEMV kernel for
@@ -527,8 +579,8 @@ class CudaBackend:
                        k_cache: Array, v_cache: Array, layer: int, num_q_heads: int) -> None:
         """Rotate q in place and write rotated k and v into each token's page slot."""
         heads = num_q_heads + k_cache.shape[2]
-        self._rope_kv(self._stream, (qkv.shape[0], heads), (k_cache.shape[4] // 2,), qkv, step.positions, step.token_seq,
-                      step.page_table, cos, sin, k_cache, v_cache, layer, num_q_heads)
+        self._rope_kv(self._stream, (qkv.shape[0], heads), (k_cache.shape[4] // 2,), qkv, step.positions,
+                      step.token_seq, step.page_table, cos, sin, k_cache, v_cache, layer, num_q_heads)
 
     def attention(self, qkv: Array, step: StepInputs, k_cache: Array, v_cache: Array,
                   layer: int, num_q_heads: int, scale: np.float32, out: Array) -> None:
@@ -564,7 +616,7 @@ class CudaBackend:
 
 def cuda_usable() -> bool:
     """Whether a real GPU can run the CUDA backend (the simulator does not count)."""
-    return not numba.config.ENABLE_CUDASIM and cuda.is_available()
+    return not numba.config.ENABLE_CUDASIM and cuda.is_available()  # type: ignore[attr-defined]  # set at import
 
 
 def select_backend(name: str = "auto", dtype: str = "float32") -> Backend:
@@ -577,7 +629,7 @@ def select_backend(name: str = "auto", dtype: str = "float32") -> Backend:
         _check_dtype(dtype, CpuBackend.dtypes, "cpu")
         return CpuBackend()
     if name == "cuda":
-        if not numba.config.ENABLE_CUDASIM and not cuda.is_available():
+        if not numba.config.ENABLE_CUDASIM and not cuda.is_available():  # type: ignore[attr-defined]
             raise ValueError("backend 'cuda' requested but numba.cuda finds no usable GPU: use backend='cpu' or 'auto'")
         return CudaBackend(dtype)
     raise ValueError(f"unknown backend {name!r}: use 'auto', 'cuda' or 'cpu'")

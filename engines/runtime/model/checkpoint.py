@@ -318,7 +318,8 @@ def _tensor_from_mmap(file: Path, name: str, entry: Any, mm: mmap.mmap, data_sta
     return raw.copy()
 
 
-def _eos_token_ids(generation_config: Mapping[str, Any], raw_config: Mapping[str, Any], tokenizer: Tokenizer) -> tuple[int, ...]:
+def _eos_token_ids(generation_config: Mapping[str, Any], raw_config: Mapping[str, Any],
+                   tokenizer: Tokenizer) -> tuple[int, ...]:
     """Every id that ends generation: generation_config.json's (it may list several, like Llama 3's
     <|eot_id|> and <|end_of_text|>), or config.json's when there is none (transformers reads
     config.json only then: its value is often a stale default), then the tokenizer's eos_token."""

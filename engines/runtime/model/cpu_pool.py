@@ -4,11 +4,10 @@ Attention's matrix products in a prefill are small (an inner dimension of ``head
 hundred query rows a tile): split over BLAS's threads, each call pays a fork and join that its
 work barely covers, and the softmax between two calls runs on one core. Running whole heads
 side by side instead, one per core with BLAS held to one thread, keeps every core busy through
-products and softmax alike (the way PyTorch's CPU attention parallelises over heads): a
-2048-token prefill's attention went from 408 to 293 ms on 2 cores. A prefill step's
-``silu_mul`` and ``rope_kv_append`` run here too, in row slices (23 -> 13 and 17 -> 11 ms over a
-2048-token prefill): numba's own thread pool would spin after each loop and take the core from
-BLAS's next call.
+products and softmax alike (the way PyTorch's CPU attention parallelises over heads). A prefill
+step's ``silu_mul`` and ``rope_kv_append`` run here too, in row slices: numba's own thread pool
+would spin after each loop and take the core from BLAS's next call. Both measured in
+docs/perf-log/cpu-anchors.md#2026-11-25-long-weight-streams.
 
 BLAS's thread count is process-wide, so it is lowered for the length of :meth:`CpuPool.run`
 and restored after it. Two engines computing in one process at the same moment would slow each

@@ -1,25 +1,25 @@
 """A CPU decode step as one compiled function: what the CUDA graph is to the GPU backend.
 
 The per-kernel path (``LlamaModel._launch``) calls nine kernels a layer from Python, each through
-numba's dispatcher, which unboxes and type-checks every array argument: 0.7 us a call with warm
-caches, about 9 us once the step's weights have streamed through them, ~75 calls a step, plus
-the backend's Python around each. :func:`decode_step_cpu` makes the same calls from compiled
-code, where a call is a native call, and Python pays one dispatch a step. On this 2-core machine
-that is a few per cent of a 4-5 ms step (bench/cpu_anchors.py --per-kernel: 1.05x at batch 1 on
-one thread, 0.98-1.04 elsewhere, within the noise); it pays most where steps are shortest.
+numba's dispatcher, which unboxes and type-checks every array argument (many times slower once
+the step's weights have streamed through the caches), ~75 calls a step, plus the backend's Python
+around each. :func:`decode_step_cpu` makes the same calls from compiled code, where a call is a
+native call, and Python pays one dispatch a step; that pays most where steps are shortest
+(``bench/cpu_anchors.py --per-kernel``; docs/perf-log/cpu-anchors.md#2026-11-25-compiled-cpu-step).
 
-The step takes the batch as the caller made it (:class:`~engines.runtime.model.llama.ForwardBatch`'s
+The step takes the batch as the caller made it (:class:`~engines.runtime.model.forward_batch.ForwardBatch`'s
 int32 arrays) and checks and derives its metadata itself (``step_inputs.derive_int32``), so that
 Python pays one call a step: apart, the checks, the metadata's dataclass and attention's split
-each cost another call into cold caches (a batch-1 generation's Python outside the compiled call
-60-86 -> 40-59 us a step, alternated processes; BENCHMARKS.md, issue 15). A batch it finds
-invalid runs nothing and goes to the per-kernel path, which raises the reference's ``ValueError``.
+each cost another call into cold caches (docs/perf-log/cpu-anchors.md#2026-11-26-one-numba-call-a-step).
+A batch it finds invalid runs nothing and goes to the per-kernel path, which raises the reference's
+``ValueError``.
 
 It runs the backend's own kernels, in the same order, on the same buffers, with the same
 attention split, but for one fusion: in a step of one token the MLP's gate/up projection and its
 SwiGLU are one kernel (``matmul.matmul_swiglu_cpu``), whose ``[gate | up]`` product is never
-stored (a batch-1 step ~2% faster). LLVM optimises the kernels again inside the step and may sum a
-reassociated reduction in another order, so results match the per-kernel path's to float32
+stored nor read back (docs/perf-log/cpu-anchors.md#2026-11-26-fused-swiglu). LLVM optimises the
+kernels again inside the step and may sum a reassociated reduction in another order, so results
+match the per-kernel path's to float32
 rounding, not bit for bit (tests/runtime/model/test_cpu_step.py diffs the two). It covers the
 steps whose every op is one of those numba kernels: at most ``matmul.CPU_ROWS_KERNEL_MAX_ROWS``
 new tokens (so no BLAS matmul and no BLAS attention run). The profiler's timed backend replaces the model's own, and the
@@ -40,8 +40,8 @@ last odd row; ``matmul.swiglu_block``, ``attention.attention_item`` and ``merge_
 the per-kernel path's to float32 rounding, as the rest of the step's. After a team step the
 activations hold the same ``hidden``, ``final``, ``logits`` and ``next_ids``; the others are the
 team's scratch (``qkv`` keeps q unrotated, the members rotate their own copies). Against the same
-compiled step forking per kernel, step by step in turn (bench/cpu_team_step.py): BENCHMARKS.md,
-issue 15's part "One parallel region a step".
+compiled step forking per kernel, step by step in turn (bench/cpu_team_step.py):
+docs/perf-log/cpu-anchors.md#2026-11-26-thread-team.
 If the team cannot meet (its members put on one thread), it is called off before any work, the step
 runs the forking way, and the next 64 steps too (twice as many after each call-off in a row, up to
 65,536) before a team is tried again.
@@ -56,19 +56,19 @@ from __future__ import annotations
 import hashlib
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Protocol, Sequence
 
 import numpy as np
 from numba import njit, prange
 
 from engines.runtime.model import step_inputs, thread_team
-from engines.runtime.model.backend import Activations, CpuBackend
-from engines.runtime.model.kernels import (add_rmsnorm, argmax, attention, embedding, fast_exp, matmul, rope_kv, silu_mul,
-                                           vector_width)
+from engines.runtime.model.backend import Activations, Array, CpuBackend, Workspace
+from engines.runtime.model.config import ModelConfig
+from engines.runtime.model.forward_batch import ForwardBatch
+from engines.runtime.model.kernels import (add_rmsnorm, argmax, attention, embedding, fast_exp, matmul, rope_kv,
+                                           silu_mul, vector_width)
 from engines.runtime.model.kv_storage import PagedKVCache
-
-if TYPE_CHECKING:
-    from engines.runtime.model.llama import ForwardBatch, LlamaModel
+from engines.runtime.model.layer_weights import LayerWeights
 
 __all__ = ["CpuDecodeStep", "decode_step_cpu", "kernel_sources_digest", "one_token_team_step"]
 
@@ -88,8 +88,9 @@ def kernel_sources_digest(modules: tuple = STEP_KERNEL_MODULES) -> str:
     return digest.hexdigest()
 
 
-# Weight bytes a chunk of a team's matmul holds (thread_team.claim): ~4 us of streaming for one
-# member, so that the member who finishes last waits little, in long enough runs to stream.
+# Weight bytes a chunk of a team's matmul holds (thread_team.claim): a few microseconds of streaming
+# for one member, so that the member who finishes last waits little, in long enough runs to stream
+# (smaller chunks were no faster: docs/perf-log/cpu-anchors.md#2026-11-26-zen4-night-batch1-share).
 TEAM_CHUNK_BYTES = 128 << 10
 
 
@@ -309,10 +310,52 @@ one_token_team_step = _make_team_step(kernel_sources_digest())
 decode_step_cpu = _make_decode_step(kernel_sources_digest())
 
 
+class SteppedAttention(Protocol):
+    """What the step reads of the first layer's attention: its constants, the same in every layer."""
+
+    @property
+    def num_q_heads(self) -> int: ...
+    @property
+    def scale(self) -> np.float32: ...
+    @property
+    def cos(self) -> Array: ...
+    @property
+    def sin(self) -> Array: ...
+
+
+class SteppedLayer(Protocol):
+    @property
+    def attention(self) -> SteppedAttention: ...
+
+
+class SteppedModel(Protocol):
+    """What :class:`CpuDecodeStep` reads of its model (``llama.LlamaModel`` is one): the step is
+    handed the weights and buffers, not the model's methods, so this module needs nothing above it."""
+
+    @property
+    def config(self) -> ModelConfig: ...
+    @property
+    def workspace(self) -> Workspace: ...
+    @property
+    def layers(self) -> Sequence[SteppedLayer]: ...
+    @property
+    def layer_weights(self) -> LayerWeights: ...
+    @property
+    def embed_tokens(self) -> Array: ...
+    @property
+    def norm(self) -> Array: ...
+    @property
+    def lm_head_w(self) -> Array: ...
+    @property
+    def no_bias(self) -> Array: ...
+    @property
+    def eps(self) -> np.float32: ...
+
+
 class CpuDecodeStep:
     """A model's small steps on the CPU backend as one call of :func:`decode_step_cpu`."""
 
-    def __init__(self, model: "LlamaModel", backend: CpuBackend) -> None:
+    def __init__(self, model: SteppedModel, backend: CpuBackend) -> None:
         self.backend = backend
         self.model = model
         first = model.layers[0].attention
@@ -345,7 +388,7 @@ class CpuDecodeStep:
         """``(run, called off)``: this model's steps run as a team, and teams called off."""
         return int(self.team_state[thread_team.TEAM_STEPS]), int(self.team_state[thread_team.CALLED_OFF])
 
-    def forward(self, batch: "ForwardBatch", kv: PagedKVCache, greedy: bool) -> Activations | None:
+    def forward(self, batch: ForwardBatch, kv: PagedKVCache, greedy: bool) -> Activations | None:
         """Run ``batch`` if it is a step this covers (int32 arrays, at most
         ``matmul.CPU_ROWS_KERNEL_MAX_ROWS`` new tokens: no BLAS matmul, no BLAS attention run) and
         valid; its results (``logits``, ``next_ids``, ``hidden``, ``final``) are in the activations
@@ -366,8 +409,6 @@ class CpuDecodeStep:
         the arguments :func:`decode_step_cpu` gives it: its compiled form is then the one the step
         calls. A cold start compiles it so in one process while another compiles the step's other
         callees (``frontend.precompile``); the team step is half of the step's compilation."""
-        from engines.runtime.model.llama import ForwardBatch
-
         batch = ForwardBatch(np.zeros(1, np.int32), np.array([0, 1], np.int32), np.zeros(1, np.int32),
                              np.zeros((1, 1), np.int32))
         be, c = self.backend, self.model.config
@@ -386,7 +427,7 @@ class CpuDecodeStep:
                 attention.head_splits(1, c.num_key_value_heads, team), 1, True, act.hidden, act.qkv, act.attn,
                 act.delta, act.act, act.final, act.logits, act.next_ids)
 
-    def run(self, batch: "ForwardBatch", act: Activations, kv: PagedKVCache, greedy: bool) -> bool:
+    def run(self, batch: ForwardBatch, act: Activations, kv: PagedKVCache, greedy: bool) -> bool:
         """One call of :func:`decode_step_cpu` on buffers sized for ``batch`` (see :meth:`forward`);
         False, and nothing run, for an invalid batch or buffers of another size."""
         be = self.backend

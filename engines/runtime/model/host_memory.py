@@ -4,15 +4,12 @@ NumPy takes a large array from ``malloc``, which maps it and returns the mapping
 16-byte chunk header: every weight matrix, KV cache and activation buffer then began 16 bytes
 past a page, so each 64-byte vector load of a row (512 bits, the kernels' width on AVX-512)
 straddled two cache lines, and a 2 KB weight row touched 33 lines where 32 hold it. The batched
-matmul kernels, which read each weight line from L1 once per input row, ran 1.15-1.21x longer
-for it on this Zen 4 machine (batches 8 and 32, the model's shapes, one and two threads, a
-``/tmp`` probe alternating the same kernels over copies at either offset); a page-aligned copy was
-another 3-7% faster than one 64 bytes past a page, so large arrays are page-aligned. Batch-1
-steps, bound by memory rather than by loads, neither gain nor lose beyond the noise: the same
-process's batch-1 generations with every array at either offset, twelve processes, 0.96-1.09x;
-four or five processes a commit in turn, 1.03x on two threads and 1.15x on one (tok/s per GB/s of
-the host's rate; BENCHMARKS.md, issue 15). One earlier A/B of two processes a commit had read 0.88x:
-a process's batch-1 rate moves by ~10% with where its memory lands, so one process is no sample.
+matmul kernels, which read each weight line from L1 once per input row, ran markedly longer for
+it, and longer still than over a page-aligned copy at 64 bytes past a page, so large arrays are
+page-aligned. Batch-1 steps, bound by memory rather than by loads, neither gain nor lose beyond
+the noise; one process a commit is no sample there, since a process's batch-1 rate moves with
+where its memory lands (docs/perf-log/cpu-anchors.md#2026-11-26-zen4-page-aligned-reverted and
+#2026-11-26-zen4-page-aligned-noise).
 """
 from __future__ import annotations
 

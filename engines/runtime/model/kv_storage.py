@@ -72,17 +72,17 @@ class PagedKVCache:
         token_pages, token_slots = self._token_index(pages, begin, end)
         shape = (self.num_layers, self.k.shape[2], end - begin, self.k.shape[4])
         if isinstance(self.k, np.ndarray):
-            out = [np.empty(shape, self.k.dtype), np.empty(shape, self.v.dtype)]
-            for store, window in zip((self.k, self.v), out):
+            host = [np.empty(shape, self.k.dtype), np.empty(shape, self.v.dtype)]
+            for store, window in zip((self.k, self.v), host, strict=True):
                 kv_window_gather_cpu(store, token_pages, token_slots, window)
-            return out[0], out[1]
+            return host[0], host[1]
         from numba import cuda
 
         out = [cuda.device_array(shape, dtype=np.dtype(self.dtype)) for _ in range(2)]
         if end > begin:
             index = cuda.to_device(token_pages), cuda.to_device(token_slots)
             grid, block = launch_shape(*shape)
-            for store, window in zip((self.k, self.v), out):
+            for store, window in zip((self.k, self.v), out, strict=True):
                 kv_window_gather_cuda[grid, block](store, *index, window)
         if on_device:
             return out[0], out[1]

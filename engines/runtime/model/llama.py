@@ -22,43 +22,20 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import numpy as np
 
-from engines.runtime.model.backend import Activations, Array, Backend, CpuBackend, StepInputs, Workspace, select_backend
+from engines.runtime.model.backend import (Activations, Array, Backend, CpuBackend, CudaBackend, StepInputs, Workspace,
+                                           select_backend)
 from engines.runtime.model.cpu_step import CpuDecodeStep
 from engines.runtime.model.config import CheckpointError, ModelConfig, expected_tensor_shapes
+from engines.runtime.model.forward_batch import ForwardBatch
 from engines.runtime.model.kernels.rope_kv import rope_tables
+from engines.runtime.model.layer_weights import LayerWeights
 from engines.runtime.model.kv_storage import PagedKVCache
 from engines.runtime.model.step_inputs import IdentityRows, step_inputs
 
 if TYPE_CHECKING:
     from engines.runtime.model.checkpoint import Checkpoint
 
-__all__ = ["ForwardBatch", "LlamaModel", "PagedKVCache"]
-
-
-@dataclass
-class ForwardBatch:
-    """One step's ragged batch of sequences."""
-
-    token_ids: np.ndarray     # int32 [num_tokens]: the new tokens of every sequence, concatenated
-    query_starts: np.ndarray  # int32 [num_seqs + 1]: sequence i owns token_ids[query_starts[i]:query_starts[i+1]]
-    cached_lens: np.ndarray   # int32 [num_seqs]: tokens already in the KV cache (= position of its first new token)
-    page_table: np.ndarray    # int32 [num_seqs, max_pages]: the sequence's page ids in order, -1 padded
-    all_logits: bool = False  # return logits of every new token, not only each sequence's last
-
-
-@dataclass(frozen=True)
-class LayerWeights:
-    """Every decoder layer's weights, a sequence per kind indexed by layer (``backend.store_layers``):
-    one ``[layers, ...]`` array each on the CPU, which the compiled CPU step (``cpu_step``) reads
-    whole; a device array per layer on CUDA. q/k/v and gate/up are concatenated along ``out``."""
-
-    input_norm: Sequence[Array]
-    qkv_w: Sequence[Array]
-    qkv_bias: Sequence[Array]  # empty rows when the checkpoint has no attention bias
-    o_w: Sequence[Array]
-    post_attention_norm: Sequence[Array]
-    gate_up_w: Sequence[Array]
-    down_w: Sequence[Array]
+__all__ = ["LlamaModel", "PagedKVCache"]
 
 
 class Attention:
@@ -133,9 +110,9 @@ class DecoderLayer:
         be = self.backend
         be.add_rmsnorm(act.hidden, residual, step.rows, self.input_norm, self.eps, act.normed)
         self.attention.project(act.normed, act, step, kv)
-        if logit_rows is not None:
-            be.gather_rows(act.qkv, step.logit_rows, logit_rows.act.qkv)
-            be.gather_rows(act.hidden, step.logit_rows, logit_rows.act.hidden)
+        if logit_rows is not None:  # only from a backend that compacts_last_layer: the CPU's, which gathers rows
+            be.gather_rows(act.qkv, step.logit_rows, logit_rows.act.qkv)  # type: ignore[union-attr]
+            be.gather_rows(act.hidden, step.logit_rows, logit_rows.act.hidden)  # type: ignore[union-attr]
             act, step = logit_rows.act, logit_rows.step
         self.attention.attend(act, step, kv)
         be.add_rmsnorm(act.hidden, act.delta, step.rows, self.post_attention_norm, self.eps, act.normed)
@@ -163,7 +140,7 @@ class LlamaModel:
                                 if not (name == "lm_head.weight" and config.tie_word_embeddings)) * itemsize
         #: K and V bytes one token takes in every layer of the KV cache.
         self.kv_bytes_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * itemsize
-        if self.backend.name == "cuda":
+        if isinstance(self.backend, CudaBackend):
             # Fail at load, not at the first step, if the attention kernel cannot fit this shape.
             self.backend.attention_threads(config.num_attention_heads // config.num_key_value_heads, config.head_dim)
         be, c = self.backend, config
@@ -181,7 +158,8 @@ class LlamaModel:
         self.embed_tokens = store(weights["model.embed_tokens.weight"])
 
         def layers(make: Callable[[int], np.ndarray], linear: bool = False, kind: str = dtype) -> Sequence[Array]:
-            return be.store_layers(make, c.num_hidden_layers, kind, linear)
+            # (The CPU's is one [layers, ...] array: a sequence of layers, if not a typing.Sequence.)
+            return be.store_layers(make, c.num_hidden_layers, kind, linear)  # type: ignore[return-value]
 
         def tensor(i: int, name: str) -> np.ndarray:
             return weights[f"model.layers.{i}.{name}"]

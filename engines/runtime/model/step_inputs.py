@@ -8,10 +8,10 @@ Two forms compute the same :class:`~engines.runtime.model.backend.StepInputs`:
 * :func:`step_inputs`, the form the model's per-kernel path calls: for int32 arrays (what the
   engine and the benches pass) one compiled pass, :func:`derive_int32`, checks and derives
   everything (the compiled CPU step calls that pass itself, from inside). The NumPy form is some 25
-  array operations, 28 us a step with warm caches but ~200 us right after a decode step has
-  streamed the weights through every cache: 5-7% of a batch-1 step on the CPU (measured). A
-  batch it finds invalid, or one of other dtypes, goes to the reference, which raises (or
-  derives).
+  array operations, each many times slower right after a decode step has streamed the weights
+  through every cache, where a batch-1 step pays for them all
+  (docs/perf-log/cpu-anchors.md#2026-11-25-python-around-a-step). A batch it finds invalid, or one
+  of other dtypes, goes to the reference, which raises (or derives).
 
 tests/runtime/model/test_step_inputs.py diffs the two on valid batches and checks that both
 refuse the same invalid ones.
@@ -27,8 +27,8 @@ from engines.runtime.model.backend import StepInputs
 
 if TYPE_CHECKING:
     from engines.runtime.model.config import ModelConfig
+    from engines.runtime.model.forward_batch import ForwardBatch
     from engines.runtime.model.kv_storage import PagedKVCache
-    from engines.runtime.model.llama import ForwardBatch
 
 __all__ = ["IdentityRows", "derive_int32", "int32_batch", "step_inputs", "step_inputs_reference"]
 

@@ -1,7 +1,7 @@
 """A team of numba's threads that stays together for a whole CPU step, meeting at spin barriers.
 
 A batch-1 decode step is ~45 small parallel loops (four matmuls and attention a layer), and each
-``prange`` is an OpenMP fork and join: 1.2 us warm and ~2.6 us cold on this 2-core machine, with
+``prange`` is an OpenMP fork and join (docs/perf-log/code-comments.md#fork-and-join), with
 the norms, RoPE and the split attention's merge run by one thread between them while the other
 waits. A step run as one ``prange(team)``, each iteration a team member that takes its share of
 every op and waits for the others at a barrier where an op's output is needed whole, pays one
@@ -18,8 +18,9 @@ The pieces, all compiled (numba ``@intrinsic``: LLVM atomics, the CPU's spin-wai
   member does any work: the caller then runs the step another way.
 * :func:`claim`: an op's work as chunks, a run of them a member, taken in order, then the chunks
   left in the others' runs, so that a member whose core runs slower for a while (another VM on its
-  host core, an interrupt) does fewer: with fixed halves, one member of two waited 5-10% of a
-  batch-1 step at barriers while the other finished its half (a cycle counter around each phase).
+  host core, an interrupt) does fewer: with fixed halves, one member of two spent a share of a
+  batch-1 step waiting at barriers while the other finished its half
+  (docs/perf-log/cpu-anchors.md#2026-11-26-thread-team).
 * :func:`barrier`: a counter that only grows within a region; barrier ``k`` is passed once it
   reaches ``parties * k``. Waiting spins with the CPU's pause hint, and yields the core to the
   scheduler after a while, so that a member whose partner was preempted (more runnable threads
@@ -214,8 +215,9 @@ def claim(state, member, parties, step, drawn, per_run):  # noqa: ANN001, ANN201
 
     The op is ``parties`` runs of ``per_run`` chunks, chunk ``run * per_run + i``. A member takes
     its own run's chunks in order, so that it streams its share of the weights as one long run
-    (chunks drawn in turn from one shared counter streamed at 40-42 GB/s where the host read 57-59:
-    each member's streams then jumped ahead at every chunk), then the chunks still left in the
+    (chunks drawn in turn from one shared counter streamed well below the host's read rate: each
+    member's streams then jumped ahead at every chunk; docs/perf-log/cpu-anchors.md#2026-11-26-thread-team),
+    then the chunks still left in the
     others' runs, the next member's first: a member whose core ran slower for a while gets help at
     the end. Each run has its own ticket counter, ``state[TICKETS + 8 * run]``. A member draws
     from a run until a ticket comes back empty, exactly once a run, so after an op every counter

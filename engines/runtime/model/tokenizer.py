@@ -102,7 +102,7 @@ class Tokenizer:
     def __init__(self, tokenizer_json: str, settings: TokenizerSettings) -> None:
         try:
             self._tk = HFTokenizer.from_str(tokenizer_json)
-        except Exception as exc:  # the Rust side raises plain Exception on a bad file
+        except Exception as exc:  # noqa: BLE001 - the Rust side raises plain Exception on a bad file
             raise CheckpointError(f"tokenizer.json cannot be parsed by the tokenizers library: {exc}") from None
         self.tokenizer_json = tokenizer_json
         self.settings = settings
@@ -166,17 +166,16 @@ class Tokenizer:
             return
         s = self.settings
         bos, eos = self.special_tokens.get("bos_token"), self.special_tokens.get("eos_token")
-        add_bos = bool(s.add_bos_token) and bos is not None and self.bos_token_id is not None
-        add_eos = bool(s.add_eos_token) and eos is not None and self.eos_token_id is not None
-        if not (add_bos or add_eos):
+        # (token, id) of each special token to add, None for one not added.
+        first = (bos, self.bos_token_id) if s.add_bos_token and bos is not None and self.bos_token_id is not None \
+            else None
+        last = (eos, self.eos_token_id) if s.add_eos_token and eos is not None and self.eos_token_id is not None \
+            else None
+        if first is None and last is None:
             return
-        single = f"{bos + ':0 ' if add_bos else ''}$A:0{' ' + eos + ':0' if add_eos else ''}"
-        pair = f"{single}{' ' + bos + ':1' if add_bos else ''} $B:1{' ' + eos + ':1' if add_eos else ''}"
-        special: list[tuple[str, int]] = []
-        if add_bos:
-            special.append((bos, self.bos_token_id))
-        if add_eos:
-            special.append((eos, self.eos_token_id))
+        single = f"{first[0] + ':0 ' if first else ''}$A:0{' ' + last[0] + ':0' if last else ''}"
+        pair = f"{single}{' ' + first[0] + ':1' if first else ''} $B:1{' ' + last[0] + ':1' if last else ''}"
+        special = [token for token in (first, last) if token is not None]
         self._tk.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=special)
 
     @property
@@ -268,7 +267,7 @@ class Tokenizer:
                 add_generation_prompt=add_generation_prompt,
                 **{**self.special_tokens, **kwargs},
             )
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - why, below
             # Templates are code from the checkpoint: besides Jinja errors and raise_exception(),
             # a message they don't expect (content None, a list of parts) surfaces as a TypeError
             # or KeyError. All of these are a bad request, never a server crash.
@@ -314,7 +313,7 @@ def _byte_level_decode_table() -> dict[str, int]:
             printable.append(b)
             chars.append(256 + extra)
             extra += 1
-    return {chr(c): b for b, c in zip(printable, chars)}
+    return {chr(c): b for b, c in zip(printable, chars, strict=True)}
 
 
 def _raise_exception(message: str) -> None:

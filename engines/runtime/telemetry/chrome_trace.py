@@ -1,10 +1,10 @@
 """Chrome Trace Event Format exporter for :class:`~.trace_recorder.TraceRecorder`: the fast one.
 
-:func:`export_json` turns a :class:`~.trace_recorder.TraceWindow` (the recorder's raw calls,
+:func:`export_json` turns a :class:`~.trace_window.TraceWindow` (the recorder's raw calls,
 taken under its lock) into the trace's compact UTF-8 JSON: lanes, span pairing, the ``"X (n)"``
 counters, ordering, the closing of open spans and ``otherData``, exactly as the recorder's module
-docstring and docs/interfaces.md ("Event trace") say. About 0.5 µs per event, so a million events
-export in well under a second (``bench/trace_recorder.py``).
+docstring and docs/interfaces.md ("Event trace") say, fast enough that a million events export
+within the second a saved trace may take (``bench/trace_recorder.py``; BENCHMARKS.md, "Engine").
 
 ``chrome_trace_reference.py`` states the same rules in plain Python, event by event; the tests
 diff the two over random workloads. Change a rule there first, then here.
@@ -20,8 +20,8 @@ import numba
 import numpy as np
 import orjson
 
-if TYPE_CHECKING:  # for the annotation only: the recorder imports this module at import time
-    from engines.runtime.telemetry.trace_recorder import TraceWindow
+if TYPE_CHECKING:
+    from engines.runtime.telemetry.trace_window import TraceWindow
 
 __all__ = ["export_json", "json_bytes"]
 
@@ -176,7 +176,7 @@ def export_json(window: TraceWindow) -> bytes:
     call_eng = np.fromiter(map(_get_engine_lane, calls), np.bool_, n_calls)
     del window, calls
     events = list(dict.fromkeys(ev_col))
-    ev_code = dict(zip(events, range(len(events))))
+    ev_code = dict(zip(events, range(len(events)), strict=True))
     call_ev = np.fromiter(map(ev_code.__getitem__, ev_col), np.int64, n_calls)
     del ev_col
 
@@ -185,7 +185,7 @@ def export_json(window: TraceWindow) -> bytes:
     #    readings older than what came before), which the fast ordering relies on.
     flat_ids = list(chain.from_iterable(ids_col))
     lane_ids = list(dict.fromkeys(flat_ids))           # tid = position + 1, first-seen order
-    tid_of = dict(zip(lane_ids, range(1, len(lane_ids) + 1)))
+    tid_of = dict(zip(lane_ids, range(1, len(lane_ids) + 1), strict=True))
     req_tid = np.fromiter(map(tid_of.__getitem__, flat_ids), np.int64, len(flat_ids))
     n_req = len(flat_ids)
     del flat_ids

@@ -1,7 +1,7 @@
 """Chrome Trace Event Format exporter, the reference: the export rules stated event by event.
 
 :func:`export_dict` builds, in plain Python, the same trace that ``chrome_trace.export_json``
-assembles as bytes, from the same :class:`~.trace_recorder.TraceWindow`, as a parsed JSON object.
+assembles as bytes, from the same :class:`~.trace_window.TraceWindow`, as a parsed JSON object.
 It is slow (tens of µs per event) and meant only to be obviously right against the rules in
 ``trace_recorder.py``'s docstring and docs/interfaces.md ("Event trace"): the tests diff the fast
 exporter against it over random workloads, as llm.c checks a kernel against its CPU twin.
@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-if TYPE_CHECKING:  # for the annotation only: the recorder imports the fast exporter
-    from engines.runtime.telemetry.trace_recorder import TraceWindow
+if TYPE_CHECKING:
+    from engines.runtime.telemetry.trace_window import TraceWindow
 
 __all__ = ["export_dict"]
 

@@ -233,7 +233,7 @@ class HistogramSnapshot:
         """Prometheus ``(le, cumulative count)`` pairs, ending with ``(math.inf, count)``."""
         out = []
         total = 0
-        for le, n in zip((*self.bounds, math.inf), self.bucket_counts):
+        for le, n in zip((*self.bounds, math.inf), self.bucket_counts, strict=True):
             total += n
             out.append((le, total))
         return out

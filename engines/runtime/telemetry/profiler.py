@@ -105,11 +105,10 @@ class ProfileResult:
 
 
 @njit(nogil=True, cache=True, parallel=True, fastmath={"reassoc"})
-def streams_sum(streams: np.ndarray) -> float:
+def streams_sum(streams: np.ndarray) -> np.float32:
     """The sum of ``streams`` (``[8, n]``), each thread's share of ``i`` read as eight sequential
-    streams at once: one core keeps more reads in flight over eight streams than over one (24 GB/s
-    against 20 on one thread here; the same 29 on two), as the decode matmuls' blocks of weight
-    rows do."""
+    streams at once: one core keeps more reads in flight over eight streams than over one, as the
+    decode matmuls' blocks of weight rows do (docs/perf-log/code-comments.md#streams-sum)."""
     total = np.float32(0.0)  # float32, as the values: the loop vectorises
     for i in prange(streams.shape[1]):
         total += (streams[0, i] + streams[1, i] + streams[2, i] + streams[3, i]
@@ -120,11 +119,11 @@ def streams_sum(streams: np.ndarray) -> float:
 def measure_host_bandwidth(nbytes: int = 128 << 20, repeats: int = 5) -> float:
     """This host's memory read bandwidth in GB/s: the best of ``repeats`` reads of ``nbytes``
     (by default about what a batch-1 step of bench/cpu_anchors.py's checkpoint streams, and more
-    than most last-level caches; a core of an Emerald Rapids machine with 300 MB of L3 read 16 MB
-    and 1 GB at the same rate) on numba's threads, the ones the CPU kernels run on, eight streams
-    a thread (:func:`streams_sum`). A decode step streams its weights read-only, so this, not a
-    copy (whose rate moved between 21 and 33 GB/s from run to run here, with its writes and the C
-    library's choice of stores), is the ceiling to compare it with."""
+    than most last-level caches; where one reports more, a core may read it no faster than memory:
+    docs/perf-log/cpu-anchors.md#2026-11-26-emerald-rapids) on numba's threads, the ones the CPU
+    kernels run on, eight streams a thread (:func:`streams_sum`). A decode step streams its weights
+    read-only, so this, not a copy (whose rate moved widely from run to run, with its writes and the
+    C library's choice of stores), is the ceiling to compare it with."""
     streams = np.ones(nbytes // 4, np.float32).reshape(8, -1)
     streams_sum(streams)  # compiled (or loaded from the cache), pages touched
     best = float("inf")
@@ -338,7 +337,7 @@ class StepProfiler:
         self.steps.append([len(self.steps), start_us, total / 1000, batch_size, tokens, prefill_tokens, *phases])
         self._span("decode step" if not prefill_tokens else "prefill step", 0, self._step_began, now)
         at = self._step_began
-        for name, spent in zip(PHASES, phases):  # the phases laid end to end, in order, on their lane
+        for name, spent in zip(PHASES, phases, strict=True):  # the phases laid end to end, in order, on their lane
             if spent:
                 self._span(name, 1, at, at + int(spent * 1000))
                 at += int(spent * 1000)
@@ -390,7 +389,7 @@ class StepProfiler:
         """Stop (if still running) and summarise."""
         self.finish("request")
         step_us = sum(row[2] for row in self.steps) or 1.0
-        kernels = []
+        kernels: list[dict[str, Any]] = []
         for name, stats in self.kernels.items():
             durations = np.array(stats.durations, np.float64) / 1000  # µs
             total = float(durations.sum())

@@ -5,10 +5,10 @@ The engine records what each request goes through (``"start prefill"``, ``"finis
 chrome://tracing. The contract is in ``docs/interfaces.md`` ("Event trace").
 
 This module records: the :class:`TraceRecorder` (its bounded buffer, eviction, ``clear()``) and
-the process's clock anchor. The exporters turn a :class:`TraceWindow` (the raw calls, taken under
-the recorder's lock) into the trace: ``chrome_trace.py`` is the fast one ``dump_json`` serves,
-``chrome_trace_reference.py`` the plain-Python statement of the same rules that the tests diff
-it against. The rules below are what both implement.
+the process's clock anchor. The exporters turn a :class:`~.trace_window.TraceWindow` (the raw
+calls, taken under the recorder's lock) into the trace: ``chrome_trace.py`` is the fast one
+``dump_json`` serves, ``chrome_trace_reference.py`` the plain-Python statement of the same rules
+that the tests diff it against. The rules below are what both implement.
 
 Tracing off means the engine holds ``None`` instead of a recorder, so the disabled path is a
 single identity check, with no timestamp and no allocation. Every call site looks like::
@@ -58,8 +58,9 @@ from typing import Any
 import orjson
 
 from engines.runtime.telemetry.chrome_trace import export_json, json_bytes
+from engines.runtime.telemetry.trace_window import RecordedCall, TraceWindow
 
-__all__ = ["TraceRecorder", "TraceWindow", "TraceDelta", "RecordedCall", "DEFAULT_MAX_EVENTS",
+__all__ = ["TraceRecorder", "TraceDelta", "DEFAULT_MAX_EVENTS",
            "DEFAULT_DELTA_CALLS", "DEFAULT_DELTA_BYTES", "epoch_anchor_ns", "set_epoch_anchor_ns"]
 
 DEFAULT_MAX_EVENTS = 1_000_000
@@ -85,26 +86,6 @@ def set_epoch_anchor_ns(anchor_ns: int) -> None:
     recorded on both sides of the pipe land on one timeline to the nanosecond."""
     global _EPOCH_ANCHOR_NS
     _EPOCH_ANCHOR_NS = anchor_ns
-
-
-# One add_event call as held in the buffer: (clock_ns, request ids, event, args or None,
-# engine_lane). A plain tuple, not a class: building it is most of what recording costs.
-RecordedCall = tuple[int, tuple[str, ...], str, Mapping[str, Any] | None, bool]
-
-
-@dataclass(frozen=True, slots=True)
-class TraceWindow:
-    """What the recorder held at one instant, as plain data: the input of both exporters."""
-
-    calls: Sequence[RecordedCall]   # in recorded order (timestamp order, at_ns aside)
-    now_ns: int                     # the recorder clock at the take: closes still-open spans
-    epoch_anchor_ns: int            # recorder clock + this = ns since the Unix epoch
-    dropped_events: int             # trace events evicted since the last clear()
-    max_events: int
-    engine: str
-    model: str
-    backend: str
-    version: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,7 +281,8 @@ class TraceRecorder:
     def dump_json(self, clear: bool = False) -> bytes:
         """The trace as Chrome Trace Event Format JSON (object form), compact UTF-8 bytes.
 
-        This is the fast path (≈0.5 µs per event); serve it as is.
+        This is the fast path (``bench/trace_recorder.py`` times it: BENCHMARKS.md, "Engine");
+        serve it as is.
 
         ``clear=True`` takes the window and empties the recorder in one step under the lock,
         so a trace saved in slices loses and repeats nothing: every event recorded meanwhile

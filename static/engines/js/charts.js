@@ -59,8 +59,10 @@ export class TimeChart {
   /**
    * box: the element to draw in; series: [[label, colour], ...]; kind: count | rate | percent | ms.
    * window: seconds shown (the x axis always spans it, however few points have come).
+   * markers: [{at, label}], drawn as dashed vertical lines (the fleet history's jobs).
    */
-  constructor(box, { series, kind = "rate", height = 170, window = WINDOW_SECONDS, compact = false }) {
+  constructor(box, { series, kind = "rate", height = 170, window = WINDOW_SECONDS, compact = false, markers = [] }) {
+    this.markers = markers;
     this.box = box;
     this.series = series;
     this.kind = KINDS[kind];
@@ -98,9 +100,31 @@ export class TimeChart {
         ...(this.compact ? { fill: `${stroke}26` } : {}),
       }))],
       axes: this.compact ? [{ show: false }, { show: false }] : [themedAxis(), axisY],
-      hooks: { setCursor: [(u) => { if (u.cursor.left == null || u.cursor.left < 0) this.showLatest(); }] },
+      hooks: {
+        setCursor: [(u) => { if (u.cursor.left == null || u.cursor.left < 0) this.showLatest(); }],
+        draw: [(u) => this.drawMarkers(u)],
+      },
     }, this.data, this.box);
     this.showLatest();
+  }
+
+  drawMarkers(u) {
+    if (!this.markers.length) return;
+    const { left, top, width, height } = u.bbox;
+    const ctx = u.ctx;
+    ctx.save();
+    ctx.strokeStyle = themeColours().text;
+    ctx.setLineDash([4, 4]);
+    ctx.lineWidth = 1;
+    for (const marker of this.markers) {
+      const x = u.valToPos(marker.at, "x", true);
+      if (x < left || x > left + width) continue;
+      ctx.beginPath();
+      ctx.moveTo(x, top);
+      ctx.lineTo(x, top + height);
+      ctx.stroke();
+    }
+    ctx.restore();
   }
 
   /** The legend shows the newest values while the cursor is off the chart. */

@@ -1,4 +1,5 @@
-"""The synchronous engine: batching, KV pressure, sampling and stop rules, the debug options (ignore_eos, pinned prompts, grammar modes), reset."""
+"""The synchronous engine: batching, KV pressure, sampling and stop rules, the debug options
+(ignore_eos, pinned prompts, grammar modes), reset."""
 from __future__ import annotations
 
 import json
@@ -9,15 +10,16 @@ import pytest
 
 from engines.runtime.core.grammar import GrammarError
 from engines.runtime.core.limits import REQUEST_LIMITS
-from engines.runtime.core.request import EngineRequestError
+from engines.runtime.core.request import EngineRequestError, GenerationRequest
 
 from engines.runtime.core.request import GrammarMode
+from engines.runtime.core.warm_up import warm_up
 from tests.runtime.demo_engine import collect, prompts, request, run_all
 
 
 def test_greedy_matches_model_argmax_step_by_step(make_engine, demo, demo_model):
     """The engine's greedy tokens are the model's argmax, recomputed here from scratch each step."""
-    from engines.runtime.model.llama import ForwardBatch
+    from engines.runtime.model.forward_batch import ForwardBatch
 
     engine = make_engine()
     prompt = prompts(demo, 1, 12)[0]
@@ -108,8 +110,10 @@ def test_n_choices_and_logprobs(make_engine, demo):
 
 def test_kv_pressure_preempts_and_output_is_unchanged(make_engine, demo):
     """A pool too small for the load forces preemptions; greedy output is the same as with room."""
-    reqs = lambda: [request(f"r{i}", p, max_tokens=24, ignore_eos=True)
-                    for i, p in enumerate(prompts(demo, 6, length=30, seed=3))]
+    def reqs() -> list[GenerationRequest]:
+        return [request(f"r{i}", p, max_tokens=24, ignore_eos=True)
+                for i, p in enumerate(prompts(demo, 6, length=30, seed=3))]
+
     roomy = make_engine(num_pages=128)
     tight = make_engine(num_pages=12, enable_prefix_cache=False)
     expected = run_all(roomy, reqs())
@@ -545,7 +549,7 @@ def test_warm_up_leaves_no_trace_in_results_or_metrics(make_engine, demo):
     p = prompts(demo, 1)[0]
     cold = run_all(make_engine(), [request("a", p, max_tokens=6)])["a"]
     engine = make_engine(tracing=True)
-    engine.warm_up()
+    warm_up(engine)
     warm = run_all(engine, [request("a", p, max_tokens=6)])["a"]
     assert warm.tokens == cold.tokens
     m = engine.metrics.as_dict()
@@ -553,7 +557,7 @@ def test_warm_up_leaves_no_trace_in_results_or_metrics(make_engine, demo):
     assert engine.tracer.request_ids() == ["a"]
     with pytest.raises(RuntimeError, match="before the engine takes requests"):
         engine.kv_pool.admit(999, [1, 2, 3], 3)
-        engine.warm_up()
+        warm_up(engine)
 
 
 def test_max_tokens_beyond_the_context_is_refused(make_engine, demo):

@@ -1,5 +1,6 @@
 """FreePages: a pool's free page ids, handed out in runs per sequence."""
 import random
+from itertools import pairwise
 
 import pytest
 
@@ -10,7 +11,7 @@ from engines.runtime.core.kv_pool import KVCachePool
 def runs(pages: list[int]) -> list[int]:
     """The lengths of the runs of consecutive ids in ``pages``."""
     lengths = [1]
-    for before, page in zip(pages, pages[1:]):
+    for before, page in pairwise(pages):
         if page == before + 1:
             lengths[-1] += 1
         else:
@@ -53,7 +54,8 @@ def test_without_a_wholly_free_extent_the_page_released_last_comes_first():
 
 def test_the_page_after_a_sequence_s_last_is_preferred_wherever_it_lies():
     free = FreePages(16, run=4)
-    taken = [free.take(None) for _ in range(16)]
+    for _ in range(16):
+        free.take(None)
     for page in (9, 3, 14):
         free.give(page)
     assert free.take(8) == 9

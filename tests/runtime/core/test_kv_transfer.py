@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from engines.runtime.core.kv_transfer import KVBlock, KVSend, KVTransferError, slot_segments
+from engines.runtime.core.disagg.transfer import KVBlock, KVSend, KVTransferError, slot_segments
 from engines.runtime.core.request import EngineRequestError
 from tests.runtime.demo_engine import Result, collect, prompts, request, run_all
 
@@ -242,7 +242,7 @@ def test_device_storage_reads_and_writes_windows_as_the_host_storage_does():
         cache.write_tokens(pages, 3, k, v)  # positions 3..9: the end of page 4, page 1, the start of page 3
     assert np.array_equal(device.k.copy_to_host(), host.k) and np.array_equal(device.v.copy_to_host(), host.v)
     assert np.array_equal(host.k[:, 4, :, :3], before[:, 4, :, :3])  # slots before the window kept
-    for a, b in zip(device.read_tokens(pages, 2, 11), host.read_tokens(pages, 2, 11)):
+    for a, b in zip(device.read_tokens(pages, 2, 11), host.read_tokens(pages, 2, 11), strict=True):
         assert np.array_equal(a, b)
     assert np.array_equal(host.read_tokens(pages, 3, 10)[0], k)
 

@@ -43,7 +43,7 @@ def serve_everything_after_warm_up() -> dict[str, list[str]]:
     demo = load_checkpoint(demo_checkpoint_path())
     model = LlamaModel.from_checkpoint(demo, backend="cpu")
     engine = Engine(model, demo, SERVER_LIKE, TraceRecorder(engine="demo", model="demo", backend="cpu"))
-    engine.warm_up()
+    warm_up(engine)
     before = compiled_signatures()
     ps = prompts(demo, 48, length=20, seed=3)
     long_prompt = prompts(demo, 1, length=300, seed=4)[0]
@@ -89,7 +89,7 @@ def test_warm_up_leaves_the_engine_as_it_found_it(make_engine, demo) -> None:
     assert engine.tracer.event_count == 0 and engine.num_steps == 0
     m = engine.metrics.as_dict()
     assert m["num_finished_requests"] == 0 and m["prompt_tokens_sum"] == 0 and m["num_prefill_steps"] == 0
-    assert engine.profile_status().running is False
+    assert engine.profiling.status().running is False
     # The prefix cache holds nothing of the warm-up's prompts: a request prefills all of its own.
     p = prompts(demo, 1)[0]
     run_all(engine, [request("a", p, max_tokens=3)])
@@ -100,4 +100,4 @@ def test_warm_up_refuses_an_engine_with_requests(make_engine, demo) -> None:
     engine = make_engine()
     engine.add_request(request("a", prompts(demo, 1)[0], max_tokens=3))
     with pytest.raises(RuntimeError, match="before the engine takes requests"):
-        engine.warm_up()
+        warm_up(engine)

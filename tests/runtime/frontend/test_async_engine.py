@@ -9,7 +9,7 @@ import pytest
 from engines.runtime.frontend.async_engine import AsyncEngine
 from engines.runtime.core.engine import EngineConfig
 from engines.runtime.core.grammar import GrammarCompiler, GrammarError, GrammarMatcher
-from engines.runtime.core.request import EngineRequestError
+from engines.runtime.core.request import EngineRequestError, GenerationRequest
 
 from engines.runtime.core.request import GrammarMode
 from tests.runtime.demo_engine import collect, consume, prompts, request
@@ -51,8 +51,10 @@ async def test_streams_deliver_deltas_as_they_come(async_engine, demo):
 
 async def test_a_consumer_that_falls_behind_gets_merged_deltas(async_engine, demo):
     """Outputs that piled up are joined: same text and tokens, fewer chunks, usage at the end."""
-    req = lambda rid: request(rid, prompts(demo, 1)[0], max_tokens=12, n=2, temperature=1.0, seed=3,
-                              logprobs=True, ignore_eos=True)
+    def req(rid: str) -> GenerationRequest:
+        return request(rid, prompts(demo, 1)[0], max_tokens=12, n=2, temperature=1.0, seed=3, logprobs=True,
+                       ignore_eos=True)
+
     fast = await consume(async_engine, req("fast"))
     outputs = []
     async for out in async_engine.generate(req("slow")):

@@ -132,7 +132,7 @@ async def test_a_live_reader_follows_the_engine_process_trace_mid_stream(engine,
     engine is busy, and what a reader collects is what the dump holds."""
     from engines.runtime import TraceDelta
     from engines.runtime.telemetry.chrome_trace_reference import export_dict
-    from engines.runtime.telemetry.trace_recorder import TraceWindow
+    from engines.runtime.telemetry.trace_window import TraceWindow
 
     await engine.dump_trace(clear=True)
     start = await engine.trace_since(0)

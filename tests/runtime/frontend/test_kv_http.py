@@ -6,16 +6,19 @@ from __future__ import annotations
 import asyncio
 import io
 import socket
+import threading
+import time
 
 import numpy as np
 import pytest
 
 from engines.runtime.core.engine import EngineConfig
-from engines.runtime.core.kv_transfer import KVBlock, KVSend, ModelIdentity
+from engines.runtime.core.disagg.transfer import KVBlock, KVSend, ModelIdentity
+from engines.runtime.frontend import messages as m
 from engines.runtime.frontend.async_engine import AsyncEngine
-from engines.runtime.frontend.kv_http import KV_TRANSFER_PATH, KVPostError, post_block
-from engines.runtime.frontend.kv_wire import KVWireError, decode_block, encode_block, wire_size
-from engines.runtime.frontend.messages import KVListenSpec
+from engines.runtime.frontend.engine_core import EngineCore
+from engines.runtime.core.disagg.kv_http import KV_TRANSFER_PATH, KVListenSpec, KVPostError, post_block
+from engines.runtime.core.disagg.kv_wire import KVWireError, decode_block, encode_block, wire_size
 from tests.runtime.demo_engine import consume, prompts, request
 
 KEY = "kv-secret"
@@ -48,7 +51,8 @@ def test_a_block_survives_the_format(demo, dtype):
 
 
 @pytest.mark.parametrize("damage, message", [
-    ("magic", "bad magic"), ("version", "version 1 is not supported"), ("checksum", "checksum mismatch in V of layer 1"),
+    ("magic", "bad magic"), ("version", "version 1 is not supported"),
+    ("checksum", "checksum mismatch in V of layer 1"),
     ("short", "the body ends inside"), ("huge", "more than this engine's pool holds"),
 ])
 def test_the_format_says_what_is_wrong(damage, message):
@@ -192,3 +196,96 @@ def raw_post(port: int, body: bytes, length: int | None = None, path: str = KV_T
     payload = reply.split(b"\r\n\r\n", 1)[1]
     return status, orjson.loads(payload).get("message", "") if payload else ""
 
+
+
+# ------------------------------------------------------- the prefill engine's process posts itself
+
+
+@pytest.fixture(params=["thread", "process"])
+def sender(request, demo):
+    engine = AsyncEngine(demo, "prefill", CONFIG, backend="cpu", process=request.param == "process")
+    engine.start()
+    yield engine
+    engine.shutdown()
+
+
+async def test_a_block_for_another_server_goes_from_the_prefill_engine_to_the_listener(sender, demo):
+    """``KVSend.post_to``: the block never comes back to the sender's server; the last output
+    says it landed, and the receiver generates exactly what it generates alone."""
+    receiver = AsyncEngine(demo, "decode", CONFIG, backend="cpu", kv_listen=KVListenSpec("127.0.0.1", 0, KEY))
+    receiver.start()
+    try:
+        prompt = prompts(demo, 1, length=40, seed=21)[0]
+        alone = await consume(receiver, request("alone", prompt, max_tokens=8))
+        await receiver.reset()
+        receipt = await receiver.prepare_receive("r", prompt, 30)
+        req = request("r", prompt)
+        req.kv_send = KVSend(receipt.prefix_matched_length, 30, receipt.ticket, post_to=url(receiver), api_key=KEY)
+        last = None
+        async for out in sender.generate(req):
+            last = out
+        assert last.finished and last.kv_block is None
+        delivered = last.kv_delivery
+        assert delivered.ok and delivered.status == 200 and delivered.url == url(receiver)
+        assert delivered.nbytes > 0 and delivered.finished_ns >= delivered.started_ns
+        gen = request("r", prompt, max_tokens=8)
+        gen.kv_window_begin = 30
+        assert (await consume(receiver, gen)).tokens == alone.tokens
+    finally:
+        receiver.shutdown()
+
+
+async def test_a_post_the_receiver_refuses_or_never_answers_is_reported_on_the_last_output(sender, demo):
+    receiver = AsyncEngine(demo, "decode", CONFIG, backend="cpu", kv_listen=KVListenSpec("127.0.0.1", 0, KEY))
+    receiver.start()
+    try:
+        prompt = prompts(demo, 1, length=40, seed=22)[0]
+        receipt = await receiver.prepare_receive("r", prompt, 30)
+        wrong_key = request("r", prompt)
+        wrong_key.kv_send = KVSend(0, 30, receipt.ticket, post_to=url(receiver), api_key="not-the-key")
+        last = [out async for out in sender.generate(wrong_key)][-1]
+        assert not last.kv_delivery.ok and last.kv_delivery.status == 401 and "API key" in last.kv_delivery.error
+        with socket.socket() as closed:  # a port nobody listens on
+            closed.bind(("127.0.0.1", 0))
+            nowhere = f"http://127.0.0.1:{closed.getsockname()[1]}"
+        gone = request("r2", prompt)
+        gone.kv_send = KVSend(0, 30, "t", post_to=nowhere)
+        last = [out async for out in sender.generate(gone)][-1]
+        assert last.kv_delivery.status is None and "out of reach" in last.kv_delivery.error
+    finally:
+        receiver.shutdown()
+
+
+def test_an_abort_during_the_post_is_confirmed_after_the_last_output(make_engine, demo):
+    """The core holds ``Aborted`` back while the block is on its way, so a request that reuses the
+    id can never receive the old request's last output."""
+    arrived, release = threading.Event(), threading.Event()
+    with socket.socket() as listener:  # a receiver that takes its time to answer
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+
+        def slow_receiver() -> None:
+            conn, _ = listener.accept()
+            with conn:
+                arrived.set()
+                release.wait(10)
+                conn.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+
+        threading.Thread(target=slow_receiver, daemon=True).start()
+        core = EngineCore(make_engine(), "prefill")
+        sent: list[m.CoreMessage] = []
+        req = request("r", prompts(demo, 1, length=20, seed=23)[0])
+        req.kv_send = KVSend(0, 10, "t", post_to=f"http://127.0.0.1:{listener.getsockname()[1]}")
+        core.handle(m.AddRequest(req), sent.append)
+        while core.engine.has_work:
+            core._send_outputs(core.engine.step(), sent.append)
+        assert arrived.wait(10) and sent == []  # the last output waits for the post
+        core.handle(m.AbortRequest("r"), sent.append)
+        assert sent == []  # nothing to abort any more, and its confirmation waits too
+        release.set()
+        deadline = time.monotonic() + 10
+        while len(sent) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    outputs, aborted = sent
+    assert isinstance(outputs, m.StepOutputs) and outputs.outputs[0].kv_delivery.status == 503
+    assert aborted == m.Aborted("r")

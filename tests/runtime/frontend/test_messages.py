@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from engines.runtime.core.engine import EngineConfig
-from engines.runtime.core.kv_transfer import KVBlock, ModelIdentity
+from engines.runtime.core.disagg.kv_http import KVListenSpec
+from engines.runtime.core.disagg.transfer import KVBlock, KVDelivery, ModelIdentity
 from engines.runtime.core.request import ChoiceDelta, FinishReason, RequestOutput
 from engines.runtime.frontend import messages as m
 from engines.runtime.frontend.engine_core import EngineCore
@@ -23,7 +24,7 @@ SAMPLES = [
     m.Call(7, m.ResetCall(clear_trace=True)),
     m.Call(8, m.MetricsCall(with_histograms=True)),
     m.Call(9, m.DumpTraceCall(clear=True, skip_empty=False)),
-    m.Call(11, m.RecentRequestsCall()),
+    m.Call(11, m.DashboardCall()),
     m.Call(10, m.CudaProfilerCall(start=False)),
     m.Call(12, m.TraceSinceCall(cursor=42)),
     m.Call(13, m.ProfileCall("start", max_steps=5, max_seconds=2.5, stack_sampling=True)),
@@ -36,13 +37,16 @@ SAMPLES = [
     m.Shutdown(),
     m.Ready(INFO),
     m.StepOutputs([RequestOutput("r1", [ChoiceDelta(0, "hi", [5], None, FinishReason.STOP)], {"prompt_tokens": 3})]),
+    m.StepOutputs([RequestOutput("r1", [], {"prompt_tokens": 3}, kv_delivery=KVDelivery(
+        "http://127.0.0.1:9100", 96, 10, 20, 400, "KV from another model"))]),
     m.Aborted("r1"),
     m.Reply(7, True, {"ttft_s": 0.1}),
-    m.Reply(11, True, m.RequestsView(live=[{"request_id": "r2", "phase": "decode"}], ended=[{"request_id": "r1"}])),
+    m.Reply(11, True, m.DashboardReading({"ttft_s": 0.1}, live=[{"request_id": "r2", "phase": "decode"}],
+                                      ended=[{"request_id": "r1"}])),
     m.Dead("RuntimeError('boom')"),
     m.EngineSpec(Path("/tmp/model"), "demo", EngineConfig(max_num_seqs=4)),
     m.EngineSpec(Path("/tmp/model"), "demo", EngineConfig(max_num_seqs=4),
-                 kv_listen=m.KVListenSpec("127.0.0.1", 0, "key")),
+                 kv_listen=KVListenSpec("127.0.0.1", 0, "key")),
 ]
 
 
@@ -59,11 +63,19 @@ def test_every_message_class_is_covered_by_the_samples() -> None:
     classes = {getattr(m, name) for name in m.__all__ if dataclasses.is_dataclass(getattr(m, name))}
     covered = {type(s) for s in SAMPLES} | {type(s.call) for s in SAMPLES if isinstance(s, m.Call)}
     # Failed and Rejected carry an exception, which compares by identity: checked below;
-    # ServerTraceEvent, EngineInfo, KVListenSpec and RequestsView travel inside ServerTraceEvents,
-    # Ready, EngineSpec and a Reply (sampled above); LocalCall never leaves its process
-    # (tests/runtime/frontend/test_kv_http.py).
-    assert classes - covered == {m.Failed, m.Rejected, m.ServerTraceEvent, m.EngineInfo, m.KVListenSpec,
-                                 m.LocalCall, m.RequestsView}
+    # ServerTraceEvent, EngineInfo and DashboardReading travel inside ServerTraceEvents, Ready and a
+    # Reply (sampled above); LocalCall never leaves its process (tests/runtime/frontend/test_kv_http.py);
+    # EngineCall is the calls' base.
+    assert classes - covered == {m.Failed, m.Rejected, m.ServerTraceEvent, m.EngineInfo, m.LocalCall,
+                                 m.DashboardReading, m.EngineCall}
+
+
+def test_every_call_carries_its_own_handler() -> None:
+    calls = [c for name in m.__all__ if isinstance(c := getattr(m, name), type) and issubclass(c, m.EngineCall)
+             and c is not m.EngineCall]
+    assert len(calls) == 10
+    for call in calls:
+        assert call.run is not m.EngineCall.run, f"{call.__name__} has no handler"
 
 
 def test_error_messages_keep_their_exception() -> None:
@@ -74,7 +86,7 @@ def test_error_messages_keep_their_exception() -> None:
 
 def test_only_metrics_calls_are_answered_mid_step() -> None:
     immediate = [s for s in SAMPLES if EngineCore.is_immediate(s)]
-    assert immediate == [m.Call(8, m.MetricsCall(with_histograms=True)), m.Call(11, m.RecentRequestsCall()),
+    assert immediate == [m.Call(8, m.MetricsCall(with_histograms=True)), m.Call(11, m.DashboardCall()),
                          m.Call(12, m.TraceSinceCall(cursor=42)), m.Call(14, m.ProfileCall("status"))]
     assert EngineCore.is_immediate(m.Call(1, m.MetricsCall()))
 
@@ -83,7 +95,8 @@ def test_profile_calls_start_stop_and_report(make_engine) -> None:
     core = EngineCore(make_engine(), "demo")
     sent: list[m.CoreMessage] = []
     for call_id, call in enumerate([m.ProfileCall("start", max_steps=2), m.ProfileCall("status"),
-                                    m.ProfileCall("start"), m.ProfileCall("stop"), m.ProfileCall("stop")]):
+                                    m.ProfileCall("start"), m.ProfileCall("stop", engine_name="demo"),
+                                    m.ProfileCall("stop")]):
         core.handle(m.Call(call_id, call), sent.append)
     started, status, again, stopped, none = sent
     assert started.ok and started.value.running and started.value.max_steps == 2

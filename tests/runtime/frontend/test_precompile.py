@@ -27,9 +27,10 @@ class Count(event.Listener):
         compiled.append(f"{f.__module__}.{f.__qualname__}" if f else "?")
 event.register("numba:compile", Count())
 from engines.runtime import Engine, EngineConfig, LlamaModel, builtin_model_path, load_checkpoint
+from engines.runtime.core.warm_up import warm_up
 for name in ("smollm2", "demo"):
     checkpoint = load_checkpoint(builtin_model_path(name))
-    Engine(LlamaModel.from_checkpoint(checkpoint, backend="cpu"), checkpoint, EngineConfig()).warm_up()
+    warm_up(Engine(LlamaModel.from_checkpoint(checkpoint, backend="cpu"), checkpoint, EngineConfig()))
 print(json.dumps(compiled))
 """
 

@@ -20,7 +20,7 @@ QUICK = RestartPolicy(first_delay_s=0.05, max_delay_s=0.2, max_deaths=3, window_
 
 def engine_with(policy: RestartPolicy, *, process: bool, name: str = "supervised") -> AsyncEngine:
     (engine,) = build_engines([ModelSpec("demo", name)], SIZING, backend="cpu", process=process)
-    engine._deaths = DeathLog(policy)  # the policy under test, on an engine built as serve builds it
+    engine._supervisor.deaths = DeathLog(policy)  # the policy under test, on an engine built as serve builds it
     engine.start()
     return engine
 

@@ -55,7 +55,8 @@ def tokenizer_metadata(tokenizer_json: str) -> dict[str, Any]:
 
 
 def write_gguf(path: Path, config: ModelConfig, weights: Mapping[str, np.ndarray], tokenizer_json: str, *,
-               arch: str = "llama", pre: str = "gpt-2", qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+               arch: str = "llama", pre: str = "gpt-2",
+               qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
                bos: int | None = None, eos: int | None = None, eot: int | None = None, add_bos: bool = False,
                chat_template: str | None = None, metadata: Mapping[str, Any] | None = None,
                raw_tensors: Mapping[str, tuple[np.ndarray, gguf.GGMLQuantizationType]] | None = None,

@@ -19,7 +19,8 @@ import pytest
 from engines.runtime.model import cpu_step, step_inputs, thread_team
 from engines.runtime.model.kernels import attention, matmul, run_attention
 from engines.runtime.model.checkpoint import load_checkpoint
-from engines.runtime.model.llama import ForwardBatch, LlamaModel
+from engines.runtime.model.forward_batch import ForwardBatch
+from engines.runtime.model.llama import LlamaModel
 from tests.runtime.model.test_model_parity import (  # noqa: F401 - fixture
     PagedSequences, Reference, reference, save_tiny_checkpoint)
 
@@ -400,7 +401,8 @@ def test_a_process_whose_first_call_is_the_cached_step(reference: Reference) -> 
     script = textwrap.dedent(f"""
         import numpy as np
         from engines.runtime.model.checkpoint import load_checkpoint
-        from engines.runtime.model.llama import ForwardBatch, LlamaModel
+        from engines.runtime.model.forward_batch import ForwardBatch
+        from engines.runtime.model.llama import LlamaModel
         model = LlamaModel.from_checkpoint(load_checkpoint({str(reference.path)!r}), backend="cpu")
         kv = model.new_kv_cache(4, 4)
         batch = ForwardBatch(np.array([1, 2], np.int32), np.array([0, 2], np.int32), np.array([0], np.int32),

@@ -88,7 +88,7 @@ def test_concurrent_builds_leave_one_complete_checkpoint(tmp_path: Path) -> None
     def build() -> None:
         try:
             results.append(demo_checkpoint_path(tmp_path))
-        except BaseException as exc:  # surfaced by the assertion below
+        except BaseException as exc:  # noqa: BLE001 - surfaced by the assertion below
             errors.append(exc)
 
     threads = [threading.Thread(target=build) for _ in range(3)]

@@ -6,8 +6,6 @@ the setup): every one of its tensors is dequantized by both and compared.
 """
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import gguf

@@ -27,7 +27,8 @@ from engines.runtime.model.backend import (
     StepInputs,
     select_backend,
 )
-from engines.runtime.model.kernels import argmax, attention, embedding, kv_window, matmul, add_rmsnorm, rope_kv, silu_mul
+from engines.runtime.model.kernels import (add_rmsnorm, argmax, attention, embedding, kv_window, matmul, rope_kv,
+                                           silu_mul)
 from engines.runtime.model.kernels.rope_kv import rope_tables
 
 pytestmark = pytest.mark.usefixtures("quick_simulator_barriers")
@@ -201,14 +202,14 @@ def ragged_step(rng: np.random.Generator, cached: list[int], new: list[int], num
     """Host metadata for sequences with ``cached[i]`` tokens already stored and ``new[i]``
     new ones, on shuffled, non-contiguous pages."""
     order = rng.permutation(num_pages).astype(np.int32)
-    pages_needed = [-(-(c + n) // PAGE_SIZE) for c, n in zip(cached, new)]
+    pages_needed = [-(-(c + n) // PAGE_SIZE) for c, n in zip(cached, new, strict=True)]
     table = np.full((len(new), max(pages_needed) + 1), -1, np.int32)
     taken = 0
     for s, count in enumerate(pages_needed):
         table[s, :count] = order[taken:taken + count]
         taken += count
     token_seq = np.repeat(np.arange(len(new), dtype=np.int32), new)
-    positions = np.concatenate([np.arange(c, c + n) for c, n in zip(cached, new)]).astype(np.int32)
+    positions = np.concatenate([np.arange(c, c + n) for c, n in zip(cached, new, strict=True)]).astype(np.int32)
     rows = np.arange(len(token_seq), dtype=np.int32)
     step = StepInputs(token_ids=rows, positions=positions, token_seq=token_seq, page_table=table, rows=rows,
                       logit_rows=rows)
@@ -219,7 +220,8 @@ def device_step(step: StepInputs) -> StepInputs:
     return StepInputs(**{k: cuda.to_device(v) for k, v in step.__dict__.items()})
 
 
-SEQS = ([40, 0, 257], [1, 64, 3]) if REAL_GPU else ([13, 0, 2], [1, 6, 3])  # (cached, new) per sequence; several key chunks
+# (cached, new) per sequence; several key chunks
+SEQS = ([40, 0, 257], [1, 64, 3]) if REAL_GPU else ([13, 0, 2], [1, 6, 3])
 #: (head_splits, key_splits) of the CPU attention twin's work items, as cpu_attention_splits may
 #: choose them and beyond: every kv-head divisor, key slices (more than a short context has
 #: pages: empty ones), and both at once.

@@ -45,7 +45,7 @@ def test_logit_rows_alone_give_what_every_row_gives(reference: Reference,  # noq
     model = reference.ours
     every_row, every_kv = run(model, False, monkeypatch)
     compact, compact_kv = run(model, True, monkeypatch)
-    for i, (want, got) in enumerate(zip(every_row, compact)):
+    for i, (want, got) in enumerate(zip(every_row, compact, strict=True)):
         assert want.shape == got.shape and want.dtype == got.dtype
         if got.dtype == np.int32:
             np.testing.assert_array_equal(got, want, err_msg=f"greedy, step {i // 2}")

@@ -19,7 +19,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 
 from engines.runtime.model.checkpoint import load_checkpoint
 from engines.runtime.model.config import CheckpointError
-from engines.runtime.model.llama import ForwardBatch, LlamaModel
+from engines.runtime.model.forward_batch import ForwardBatch
+from engines.runtime.model.llama import LlamaModel
 from engines.runtime.model.kernels import run_attention
 
 pytestmark = pytest.mark.usefixtures("quick_simulator_barriers")
@@ -132,7 +133,7 @@ def test_prefill_and_greedy_decode_match_transformers(reference: Reference) -> N
             np.testing.assert_allclose(logits[i], want, rtol=1e-4, atol=1e-4, err_msg=f"step {step}, sequence {i}")
             assert int(np.argmax(logits[i])) == int(np.argmax(want)), f"greedy token differs at step {step}"
         new = [[int(np.argmax(row))] for row in logits]
-        for context, token in zip(seqs.tokens, new):
+        for context, token in zip(seqs.tokens, new, strict=True):
             context.extend(token)
 
 

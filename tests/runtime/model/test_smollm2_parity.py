@@ -126,7 +126,7 @@ def test_greedy_chat_answers_equal_transformers_token_for_token(smollm2: Checkpo
 
 
 def test_first_step_logits_are_close_to_transformers(smollm2: Checkpoint, hf_model) -> None:
-    from engines.runtime.model.llama import ForwardBatch
+    from engines.runtime.model.forward_batch import ForwardBatch
 
     model = LlamaModel.from_checkpoint(smollm2, backend="cpu")
     ids = smollm2.tokenizer.encode(smollm2.tokenizer.apply_chat_template(CHATS[1]), add_special_tokens=False)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from engines.runtime.model import step_inputs as si
-from engines.runtime.model.llama import ForwardBatch
+from engines.runtime.model.forward_batch import ForwardBatch
 
 CONFIG = SimpleNamespace(vocab_size=100, max_position_embeddings=512)
 KV = SimpleNamespace(page_size=16, num_pages=64)

@@ -61,8 +61,9 @@ CONVERSATIONS = [
      {"role": "assistant", "content": "A cache of keys & values <b>."}, {"role": "user", "content": "Thanks"}],
     [{"role": "user", "content": "one"}, {"role": "assistant", "content": "STOP"}, {"role": "user", "content": "x"}],
 ]
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city — « é »",
-                                          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city — « é »",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 
 
 def _sentencepiece_style(style: str) -> HFTokenizer:

@@ -6,6 +6,7 @@ import json
 import random
 import types
 from collections import Counter
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -13,7 +14,8 @@ import pytest
 
 from engines.runtime.telemetry.chrome_trace import export_json
 from engines.runtime.telemetry.chrome_trace_reference import export_dict
-from engines.runtime.telemetry.trace_recorder import TraceRecorder, TraceWindow
+from engines.runtime.telemetry.trace_recorder import TraceRecorder
+from engines.runtime.telemetry.trace_window import TraceWindow
 
 WORKLOADS = 400
 CALLS_PER_WORKLOAD = 120
@@ -118,7 +120,7 @@ def tally_trace(window: TraceWindow, trace: dict[str, Any], tally: Counter[str])
     tally["dropped_events"] += other["dropped_events"]
     events = [e for e in trace["traceEvents"] if e["ph"] != "M"]
     tally["engine_lane"] += sum(e["tid"] == 0 for e in events)
-    for a, b in zip(events, events[1:]):
+    for a, b in pairwise(events):
         if a["tid"] == b["tid"] and a["ts"] == b["ts"]:
             tally["equal_ts"] += 1
             tally["E_then_B_at_equal_ts"] += (a["ph"], b["ph"]) == ("E", "B")
@@ -214,7 +216,7 @@ def test_reference_and_fast_exporter_match_a_hand_computed_trace():
 
 def _mutate(calls: list, index: int, **fields: Any) -> list:
     names = ["ns", "ids", "event", "args", "engine_lane"]
-    call = dict(zip(names, calls[index]))
+    call = dict(zip(names, calls[index], strict=True))
     call.update(fields)
     return [*calls[:index], tuple(call[n] for n in names), *calls[index + 1:]]
 

@@ -217,7 +217,7 @@ def test_recent_windows_hold_only_the_last_minute_and_five_minutes():
     dist.observe(24.0, at=now - 600)          # the stall of a first load, ten minutes ago
     for i in range(10):
         dist.observe(0.2 + i / 100, at=now - 200)  # four minutes ago
-    for i in range(5):
+    for _ in range(5):
         dist.observe(0.1, at=now - 10)        # just now
     s = dist.summary(now=now)
     assert s["p99"] > 20  # the whole recent window still holds the stall

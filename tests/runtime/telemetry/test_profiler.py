@@ -3,6 +3,7 @@ breakdown that adds up, stopping by itself, clear state errors, the stack sample
 CUDA path's kernels under the simulator."""
 from __future__ import annotations
 
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +12,7 @@ import pytest
 from engines.runtime.core.engine import Engine, EngineConfig
 from engines.runtime.core.request import GenerationRequest
 from engines.runtime.core.sampler import SamplingParams
+from engines.runtime.core.warm_up import warm_up
 from engines.runtime.model.checkpoint import load_checkpoint
 from engines.runtime.model.llama import LlamaModel
 from engines.runtime.telemetry.profiler import (PHASES, ProfilerStateError, StepProfiler, kernel_cost,
@@ -26,11 +28,11 @@ def request(engine: Engine, rid: str, greedy: bool, max_tokens: int = 8) -> Gene
 
 
 def profile(engine: Engine, requests: list[GenerationRequest], **start) -> dict:
-    engine.warm_up()
+    warm_up(engine)
     engine.start_profile(**start)
     for req in requests:
         engine.add_request(req)
-    while engine.has_work and engine.profiler is not None:
+    while engine.has_work and engine.profiling.running is not None:
         engine.step()
     return engine.stop_profile("demo").to_json()
 
@@ -64,8 +66,8 @@ def test_every_kernel_is_counted_as_the_model_computes_it(make_engine, greedy: b
     # A step with rows that return no logits (a prefill's) runs its last layer past the K/V for the
     # logit rows alone, gathered first (their q and their residual rows).
     fields = result["step_rows"]["fields"]
-    compacted = sum(1 for row in result["step_rows"]["rows"]
-                    if dict(zip(fields, row))["tokens"] > dict(zip(fields, row))["batch_size"])
+    steps = [dict(zip(fields, row, strict=True)) for row in result["step_rows"]["rows"]]
+    compacted = sum(1 for step in steps if step["tokens"] > step["batch_size"])
     assert compacted >= 1
     want["gather_rows"] = 2 * compacted
     assert calls(result) == want
@@ -74,7 +76,7 @@ def test_every_kernel_is_counted_as_the_model_computes_it(make_engine, greedy: b
         if kernel["name"].startswith("matmul"):
             assert kernel["gflops"] > 0 and kernel["gbs"] > 0
     assert result["peak"]["source"] == "measured" and result["peak"]["bandwidth_gbs"] > 0
-    assert engine.model.backend is engine._plain_backend  # the timed wrapper is gone
+    assert engine.model.backend is engine.profiling.plain_backend  # the timed wrapper is gone
 
 
 def test_the_step_breakdown_adds_up_to_the_step_time(make_engine) -> None:
@@ -83,13 +85,13 @@ def test_the_step_breakdown_adds_up_to_the_step_time(make_engine) -> None:
     fields = result["step_rows"]["fields"]
     assert result["phases"] == list(PHASES)
     for row in result["step_rows"]["rows"]:
-        step = dict(zip(fields, row))
+        step = dict(zip(fields, row, strict=True))
         parts = sum(step[p] for p in PHASES)
         assert abs(parts - step["total_us"]) <= 0.05 * step["total_us"], step
         assert step["kernels"] > 0 and step["batch_size"] >= 1 and step["tokens"] >= step["batch_size"]
     # The kernel table's totals are the steps' kernel phases.
     kernel_total = sum(k["total_us"] for k in result["kernels"])
-    phase_total = sum(dict(zip(fields, row))["kernels"] for row in result["step_rows"]["rows"])
+    phase_total = sum(dict(zip(fields, row, strict=True))["kernels"] for row in result["step_rows"]["rows"])
     assert kernel_total == pytest.approx(phase_total, rel=0.01)
     # Spans on three lanes, on the trace's clock (µs since the epoch), inside the profile.
     spans = [e for e in result["trace"]["traceEvents"] if e["ph"] == "X"]
@@ -100,19 +102,38 @@ def test_the_step_breakdown_adds_up_to_the_step_time(make_engine) -> None:
 
 def test_a_profile_stops_by_itself_and_waits_to_be_taken(make_engine) -> None:
     engine = make_engine()
-    engine.warm_up()
+    warm_up(engine)
     engine.start_profile(max_steps=3)
     engine.add_request(request(engine, "long", greedy=True, max_tokens=30))
     for _ in range(6):
         engine.step()
-    status = engine.profile_status()
+    status = engine.profiling.status()
     assert status.finished and not status.running and status.steps == 3
-    assert engine.profiler is None and engine.model.backend is engine._plain_backend
+    assert engine.profiling.running is None and engine.model.backend is engine.profiling.plain_backend
     with pytest.raises(ProfilerStateError, match="not been taken"):
         engine.start_profile()
     result = engine.stop_profile("demo")
     assert result.stopped_by == "max_steps" and len(result.steps) == 3
-    assert not engine.profile_status().running and not engine.profile_status().finished
+    assert not engine.profiling.status().running and not engine.profiling.status().finished
+
+
+def test_the_step_is_watched_only_while_a_profile_runs_or_tracing_is_on(make_engine) -> None:
+    """An unwatched step pays one ``is None`` a seam: the observer exists only while needed."""
+    engine = make_engine(tracing=False)
+    assert engine.observer is None
+    engine.start_profile(max_steps=2)
+    assert engine.observer is not None and engine.observer.tracer is None
+    engine.add_request(request(engine, "r", greedy=True, max_tokens=8))
+    for _ in range(3):
+        engine.step()
+    assert engine.observer is None  # the profile ended at its limit
+    engine.stop_profile()
+    traced = make_engine(tracing=True)
+    assert traced.observer is not None and traced.observer.profiler is None
+    traced.start_profile()
+    assert traced.observer.profiler is traced.profiling.running
+    traced.stop_profile()
+    assert traced.observer.tracer is traced.tracer and traced.observer.profiler is None
 
 
 def test_state_errors_are_clear(make_engine) -> None:
@@ -184,14 +205,14 @@ def test_cuda_kernels_are_profiled_under_the_simulator(smallest_checkpoint: Path
     engine.start_profile(max_steps=2)
     engine.add_request(GenerationRequest("sim", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0,
                                                                           ignore_eos=True), None, None))
-    while engine.profiler is not None:
+    while engine.profiling.running is not None:
         engine.step()
     result = engine.stop_profile("tiny").to_json()
     layers = model.config.num_hidden_layers
     assert result["backend"] == "cuda" and result["steps"] == 2
     assert calls(result)["attention"] == 2 * layers and calls(result)["argmax"] == 2
     assert all(k["total_us"] > 0 for k in result["kernels"])
-    assert engine.model.backend is engine._plain_backend
+    assert engine.model.backend is engine.profiling.plain_backend
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +229,7 @@ def test_attention_work_follows_the_batch(make_engine) -> None:
     engine = make_engine()
     c = engine.model.config
     prompt = engine.tokenizer.encode("one two three four five six seven eight nine ten")
-    engine.warm_up()
+    warm_up(engine)
     engine.start_profile(max_steps=1)
     engine.add_request(GenerationRequest("p", prompt, SamplingParams(max_tokens=1), None, None))
     engine.step()
@@ -250,17 +271,17 @@ def test_on_a_gpu_launches_are_timed_by_cuda_events(smallest_checkpoint: Path, q
     model = LlamaModel.from_checkpoint(ckpt, backend="cuda")
     engine = Engine(model, ckpt, EngineConfig(max_num_seqs=2, num_pages=8, page_size=4, prefill_chunk_size=16))
     profiler = StepProfiler()
-    model.use_backend(ProfiledBackend(engine._plain_backend, profiler, events=FakeEvent))
+    model.use_backend(ProfiledBackend(engine.profiling.plain_backend, profiler, events=FakeEvent))
     try:
         engine.add_request(GenerationRequest("ev", [1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0),
                                              None, None))
         engine.step()
     finally:
-        model.use_backend(engine._plain_backend)
+        model.use_backend(engine.profiling.plain_backend)
     kernels = [span for span in profiler.spans if span[1] == 2]
     launches = sum(len(stats.durations) for stats in profiler.kernels.values())
     # Per layer: two norms, four matmuls, rope, attention, silu_mul; then embedding, final norm, LM head, argmax.
     assert len(kernels) == launches == 9 * model.config.num_hidden_layers + 4
     assert all(stats.durations == [250_000] * len(stats.durations) for stats in profiler.kernels.values())
     starts = [span[2] for span in kernels]
-    assert all(b - a == 500 for a, b in zip(starts, starts[1:]))  # two records (500 µs) a launch
+    assert all(b - a == 500 for a, b in pairwise(starts))  # two records (500 µs) a launch

@@ -11,7 +11,8 @@ import orjson
 import pytest
 
 from engines.runtime.telemetry.chrome_trace_reference import export_dict
-from engines.runtime.telemetry.trace_recorder import TraceRecorder, TraceWindow
+from engines.runtime.telemetry.trace_recorder import TraceRecorder
+from engines.runtime.telemetry.trace_window import TraceWindow
 from tests.runtime.telemetry.test_trace_recorder import FakeClock, decode_run
 
 

@@ -355,7 +355,7 @@ def test_dump_json_is_json_and_matches_dump():
     parsed = json.loads(raw)  # the standard library parser, strict JSON
     lanes = validate(parsed)
     assert parsed == rec.dump()  # no open spans: two dumps are identical
-    for tid, events in lanes.items():
+    for events in lanes.values():
         begins = [e for e in events if e["ph"] == "B"]
         ends = [e for e in events if e["ph"] == "E"]
         assert len(begins) == len(ends)
@@ -465,7 +465,7 @@ def test_export_speed_smoke():
     """Not the benchmark (bench/trace_recorder.py): only guards against an accidental O(n²)."""
     rec = TraceRecorder()
     ids = [f"chatcmpl-{i:032x}" for i in range(16)]
-    for step in range(3000):
+    for _ in range(3000):
         rec.add_event(ids, "start decode", {"batch_size": 16}, engine_lane=True)
         rec.add_event(ids, "finish decode", engine_lane=True)
     rec.dump_json()  # numba compile or cache load

@@ -23,6 +23,7 @@ The block layouts (ggml's ``block_q*`` structs, little-endian):
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 from numba import float32, njit, prange
@@ -39,7 +40,7 @@ def half_table() -> np.ndarray:
     return np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 
 
-_JIT = dict(nogil=True, cache=True, parallel=True)
+_JIT: dict[str, Any] = dict(nogil=True, cache=True, parallel=True)
 
 
 @njit(inline="always")
@@ -136,7 +137,7 @@ def _q4_k_or_q5_k(blocks, table, out, qs_at, qh_at):
             m1 = dmin * float32(mn)
             shift = 4 * (s & 1)
             base = qs_at + 32 * (s >> 1)
-            for l in range(32):
+            for l in range(32):  # noqa: E741 - ggml's name for the element in a chunk
                 q = (np.int32(blocks[b, base + l]) >> shift) & 15
                 if qh_at >= 0:
                     q |= ((np.int32(blocks[b, qh_at + l]) >> s) & 1) << 4
@@ -153,7 +154,7 @@ def _q6_k(blocks, table, out):
             for j in range(4):
                 ql_base = 64 * h + 32 * (j & 1)
                 ql_shift = 4 * (j >> 1)
-                for l in range(32):
+                for l in range(32):  # noqa: E741 - as in the layout comment above (and ggml)
                     e = 128 * h + 32 * j + l
                     lo = (np.int32(blocks[b, ql_base + l]) >> ql_shift) & 15
                     hi = (np.int32(blocks[b, 128 + 32 * h + l]) >> (2 * j)) & 3
@@ -207,7 +208,8 @@ _BLOCK_KERNELS = {
 DEQUANTIZABLE = frozenset({"F32", "F16", "BF16"}) | frozenset(_BLOCK_KERNELS)
 
 
-def dequantize(raw: np.ndarray, ggml_type: GGMLType, shape: tuple[int, ...], *, keep_float16: bool = False) -> np.ndarray:
+def dequantize(raw: np.ndarray, ggml_type: GGMLType, shape: tuple[int, ...], *,
+               keep_float16: bool = False) -> np.ndarray:
     """``raw`` (a tensor's bytes, ``uint8``) as a float32 array of ``shape``.
 
     ``keep_float16`` returns an F16 tensor as float16 (what the safetensors loader does: the

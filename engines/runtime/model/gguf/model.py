@@ -178,12 +178,12 @@ def _tensor_names(file: Path, gguf: GGUFFile, config: ModelConfig) -> dict[str, 
                               "model of this engine does not use; serving it without them would answer wrongly")
     expected = expected_tensor_shapes(config)
     for hf, shape in expected.items():
-        tensor = mapping.get(hf)
-        if tensor is None:
+        held = mapping.get(hf)
+        if held is None:
             raise CheckpointError(f"{file.name} lacks the tensor for {hf}, which its metadata "
                                   f"({config.num_hidden_layers} layers) requires")
-        if tensor.shape != shape:
-            raise CheckpointError(f"tensor {tensor.name} in {file.name} has shape {list(tensor.shape)} but the "
+        if held.shape != shape:
+            raise CheckpointError(f"tensor {held.name} in {file.name} has shape {list(held.shape)} but the "
                                   f"metadata implies {list(shape)}: the file is inconsistent")
     stray = sorted(set(mapping) - set(expected) - {"lm_head.weight"})
     if stray:

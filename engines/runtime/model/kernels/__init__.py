@@ -10,7 +10,7 @@ KV pages are in the storage dtype and are widened to float32 before any arithmet
 accumulation is always float32; scalar arguments are int64 or float32.
 The CPU twins compile with ``error_model="numpy"``: under numba's default (Python's) error
 model a float division checks its divisor for zero and may raise, and that branch keeps LLVM
-from vectorising the loop (a serial ``silu_mul`` ran 8x slower); their ``exp`` is
+from vectorising the loop (docs/perf-log/cpu-anchors.md#2026-11-25-vectorised-exp); their ``exp`` is
 ``fast_exp.exp_f32``, which vectorises where ``math.exp`` (a libm call) does not.
 """
 from engines.runtime.model.kernels import (

@@ -152,7 +152,7 @@ def cpu_attention_splits(positions, num_q_heads, num_kv_heads, page_size, head_d
     ``MIN_PAGES_PER_KEY_SLICE`` whole pages a slice, else into slices of its heads
     (:func:`head_splits`). Compiled, so that the CPU decode step decides inside its one call: in
     Python, right after a step has streamed the weights through the caches, the same few lines
-    took ~95 us (measured), 2-3% of a batch-1 step."""
+    took a share of a batch-1 step (docs/perf-log/cpu-anchors.md#2026-11-25-python-around-a-step)."""
     work = (positions.sum() + positions.shape[0]) * num_q_heads * head_dim * 2
     if work < min_work:
         return 0, 0
@@ -294,8 +294,9 @@ def attention_item(item, head_splits, key_splits, qkv, positions, token_seq, pag
         # Four streams over 4 * quarter whole pages (see _paged_attention). Two or three whole
         # pages past them go in one more group of four, the item's last four whole pages, whose
         # first 4 - rest are scored again (the same values) and left out of the weighted sum: read
-        # one by one, they brought a batch's keys in at 10 GB/s where groups of four reach 17. One
-        # page past them is read alone (a group would re-read three for it: slower, measured).
+        # one by one, they brought a batch's keys in far slower than groups of four do. One page
+        # past them is read alone: a group re-reading three for it was slower
+        # (docs/perf-log/cpu-anchors.md#2026-11-26-emerald-rapids, code-comments.md#attention-leftover-pages).
         whole = count // page_size
         quarter = whole // 4
         rest = whole % 4 if quarter and whole % 4 >= 2 else 0
@@ -382,26 +383,23 @@ def _paged_attention(qkv, positions, token_seq, page_table, k_cache, v_cache, la
     unless there are fewer tokens than threads (:func:`cpu_attention_splits`). The item walks its
     pages once for keys and once for values, reading each page's slots of its heads in memory
     order: with every head of a 16-token page that is 32 KB in one run, which the hardware
-    prefetcher streams, where one head at a time read 4 KB runs 32 KB apart (decode attention
-    1.4-2.3x faster once the KV cache no longer fits in the caches). No key pays for a page-table
-    division, and the 1/sum is folded into the output.
+    prefetcher streams, where one head at a time read 4 KB runs 32 KB apart (decode attention reads
+    its KV cache from memory, where that order pays most: docs/perf-log/cpu-anchors.md#2026-11-25-long-weight-streams).
+    No key pays for a page-table division, and the 1/sum is folded into the output.
 
     A token whose keys are cut gets each slice's max, sum and unnormalised output, merged after
     them (flash-decoding's split of a long context). At batch 1 on two threads, halves of the
-    keys read whole pages where halves of the heads read half of each: a layer's attention in
-    the compiled step 1.15x faster at 144 keys, 1.25x at 272, 1.31-1.32x at 528 and 1040 (a
-    cycle counter around each kernel, alternated), but slower below four whole pages a slice,
-    whose items lose the four streams (80 keys: 14.4 against 12.6 us); there heads are cut.
+    keys read whole pages where halves of the heads read half of each, which pays the more the
+    longer the context, but loses below four whole pages a slice, whose items lose the four
+    streams; there heads are cut (docs/perf-log/cpu-anchors.md#2026-11-26-cycle-counter-pages-in-runs-key-halves).
 
     Each item reads four of its pages side by side, ``j, j + n/4, j + n/2, j + 3n/4`` of its ``n``
     whole ones (two or three left past them as its last four whole pages again, one left and a
-    partial page alone): four memory streams, as the projections read their weights.
-    At batch 1 one stream of half pages per thread brought the KV in at 10-15 GB/s; four make its
-    attention 1.18-1.36x faster on two threads (80 to 500 keys read from memory) and 1.17-1.29x on
-    one (144 to 528 keys). A batch's items of whole tokens gain where pages are interleaved
-    between the sequences of a batch or shuffled: there a batch of 4 to 32 at 272 keys is
-    1.12-1.44x faster on two threads (8: 1.29-1.30x on one), at 80 keys 1.05-1.18x; over pages
-    contiguous per sequence, 3% slower to 9% faster (measured cold).
+    partial page alone): four memory streams, as the projections read their weights. At batch 1
+    one stream a thread kept too few reads in flight to bring the KV in at the memory's rate
+    (docs/perf-log/cpu-anchors.md#2026-11-25-compiled-cpu-step). A batch's items of whole tokens
+    gain where pages are interleaved between the sequences of a batch or shuffled, and neither gain
+    nor lose much over pages contiguous per sequence (docs/perf-log/cpu-anchors.md#2026-11-26-engine-pages).
     """
     num_tokens = qkv.shape[0]
     # Partial results where keys are cut: each slice's max score, sum of numerators and

@@ -14,6 +14,10 @@ import argparse
 import sys
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # numba.cuda loads only when a check runs
+    from numba.cuda.dispatcher import CUDADispatcher
 
 
 @dataclass
@@ -27,14 +31,15 @@ class CompileResult:
     error: str = ""
 
 
-def kernel_signatures() -> tuple[list[tuple[str, object, str]], list[str]]:
+def kernel_signatures() -> tuple[list[tuple[str, CUDADispatcher, str]], list[str]]:
     """Every ``(qualified name, kernel, signature)`` the backend may launch, and the names of
     kernels defined in a kernel module but missing from its ``CUDA_SIGNATURES``."""
     from numba.cuda.dispatcher import CUDADispatcher
 
     from engines.runtime.model.kernels import KERNEL_MODULES, STORAGE_DTYPES
 
-    out, unlisted = [], []
+    out: list[tuple[str, CUDADispatcher, str]] = []
+    unlisted: list[str] = []
     for module in KERNEL_MODULES:
         short = module.__name__.rsplit(".", 1)[-1]
         for kernel, template in module.CUDA_SIGNATURES.items():
@@ -51,7 +56,7 @@ def compile_all(cc: tuple[int, int]) -> list[CompileResult]:
     """Compile each signature with ``cuda.compile_ptx`` for compute capability ``cc``."""
     from numba import config, cuda
 
-    if config.ENABLE_CUDASIM:
+    if config.ENABLE_CUDASIM:  # type: ignore[attr-defined]  # numba sets its settings at import
         raise RuntimeError("compile_check needs the real CUDA target: unset NUMBA_ENABLE_CUDASIM")
     signatures, unlisted = kernel_signatures()
     results = [CompileResult(name, "-", False, 0.0, "kernel missing from its module's CUDA_SIGNATURES")
@@ -60,7 +65,7 @@ def compile_all(cc: tuple[int, int]) -> list[CompileResult]:
         start = time.perf_counter()
         try:
             cuda.compile_ptx(kernel.py_func, sig, cc=cc)
-        except Exception as exc:  # any compiler failure is a result to report, not a crash
+        except Exception as exc:  # noqa: BLE001 - any compiler failure is a result to report, not a crash
             results.append(CompileResult(name, sig, False, time.perf_counter() - start, f"{type(exc).__name__}: {exc}"))
         else:
             results.append(CompileResult(name, sig, True, time.perf_counter() - start))

@@ -3,8 +3,8 @@
 numba compiles ``math.exp`` to a call of the C library's ``expf`` (no vector library: the
 llvmlite wheels are built without SVML), so a loop calling it runs one element at a time.
 This one is arithmetic only (Cephes' ``expf``: ``x = n ln 2 + r``, a degree-7 polynomial for
-``e**r`` and ``2**n`` built in the exponent bits), so a loop of it becomes SIMD code (5x faster than
-``expf`` here): ``silu_mul`` uses it, and both CPU attentions' softmaxes through
+``e**r`` and ``2**n`` built in the exponent bits), so a loop of it becomes SIMD code
+(docs/perf-log/code-comments.md#exp-f32): ``silu_mul`` uses it, and both CPU attentions' softmaxes through
 :func:`softmax_numerators`.
 
 Within 1 ulp of the exact result (``math.exp``: 0.5) over float32's range; ``-inf`` and anything whose result would be
@@ -34,13 +34,13 @@ _INF = float32(np.inf)
 
 
 @intrinsic
-def _float32_from_bits(typingctx, bits):  # type: ignore[no-untyped-def]
+def _float32_from_bits(typingctx, bits):
     """The float32 whose IEEE bits are the low 32 bits of the integer ``bits`` (a truncation and
     a bitcast: free in a vector loop)."""
     if not isinstance(bits, types.Integer):
         return None
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, signature, args):
         low = builder.trunc(args[0], ir.IntType(32)) if bits.bitwidth > 32 else args[0]
         return builder.bitcast(low, ir.FloatType())
 
@@ -48,7 +48,7 @@ def _float32_from_bits(typingctx, bits):  # type: ignore[no-untyped-def]
 
 
 @njit(inline="always", cache=True)
-def _exp_parts(clamped: float) -> tuple[float, int]:
+def _exp_parts(clamped):
     """``(m, n)`` with ``e**clamped = m * 2**n``: ``n`` is ``clamped / ln 2`` rounded (a vector
     ``floor``), ``m`` Cephes' degree-7 polynomial in the remainder ``|r| <= ln 2 / 2``."""
     n = np.floor(clamped * _LOG2E + float32(0.5))
@@ -63,7 +63,7 @@ def _exp_parts(clamped: float) -> tuple[float, int]:
 
 
 @njit(inline="always", cache=True)
-def exp_f32(x: float) -> float:
+def exp_f32(x):
     """``e**x`` in float32, branch-free so that loops of it vectorise (see the module docstring)."""
     x = float32(x)
     m, n = _exp_parts(min(max(x, _MIN_X), _MAX_X))
@@ -77,7 +77,7 @@ def exp_f32(x: float) -> float:
 
 
 @njit(inline="always", cache=True)
-def exp_nonpositive_f32(x: float) -> float:
+def exp_nonpositive_f32(x):
     """:func:`exp_f32` for ``x <= 0`` (or NaN), as a softmax's ``score - max`` always is: the same
     results with less arithmetic (no overflow to handle, so ``2**n`` is one factor; a softmax
     tile's exp pass is bound by its arithmetic). Wrong for ``x > 0``."""
@@ -89,13 +89,13 @@ def exp_nonpositive_f32(x: float) -> float:
 
 
 @intrinsic
-def _maxnum(typingctx, a, b):  # type: ignore[no-untyped-def]
+def _maxnum(typingctx, a, b):
     """LLVM's ``maxnum``: the larger of two float32s, the other one where one is NaN. Unlike a
     compare and select, LLVM vectorises a reduction of it without being told there is no NaN."""
     if a != types.float32 or b != types.float32:
         return None
 
-    def codegen(context, builder, signature, args):  # type: ignore[no-untyped-def]
+    def codegen(context, builder, signature, args):
         maxnum = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(ir.FloatType(), [ir.FloatType(), ir.FloatType()]), "llvm.maxnum.f32")
         return builder.call(maxnum, args)
@@ -104,7 +104,7 @@ def _maxnum(typingctx, a, b):  # type: ignore[no-untyped-def]
 
 
 @njit(inline="always", cache=True, error_model="numpy")
-def softmax_numerators(row: np.ndarray, count: int) -> float:
+def softmax_numerators(row, count):
     """``row[:count]`` becomes ``exp(row - max(row[:count]))`` in place; returns their sum (the
     softmax's denominator). Inlined, so the loops take the caller's fastmath flags (reassociation
     vectorises the sum)."""
@@ -112,15 +112,15 @@ def softmax_numerators(row: np.ndarray, count: int) -> float:
 
 
 @njit(inline="always", cache=True, error_model="numpy")
-def softmax_numerators_and_max(row: np.ndarray, count: int) -> tuple[float, float]:
+def softmax_numerators_and_max(row, count):
     """:func:`softmax_numerators`, returning ``(max, sum)``: the max too, for a caller that
     merges the softmaxes of several slices of one row.
 
     The max is a ``maxnum`` reduction, which passes over a NaN score: a NaN still makes its own
     numerator, hence the sum and every probability of the row, NaN, as the exact softmax does
-    (the lane-wise compare and select this replaces was not vectorised at all: a 128 x 2048
-    tile's max 57 -> 29 us, its whole softmax 184 -> 108 us with :func:`exp_nonpositive_f32`, on
-    one core of an AVX-512 Xeon; the same numerators, the sum summed in another order)."""
+    (the lane-wise compare and select this replaces was not vectorised at all:
+    docs/perf-log/cpu-anchors.md#2026-11-26-xeon-amx-softmax-max-exp; the same numerators, the sum
+    summed in another order)."""
     top = float32(row[0])
     for j in range(count):
         top = _maxnum(top, float32(row[j]))

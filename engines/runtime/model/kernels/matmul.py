@@ -17,8 +17,9 @@ the layer has none.
 
 Their CPU twin, :func:`matmul_cpu`, computes the same product from ``w[out, in]``: with up to
 32 rows (a decode step) :func:`matmul_rows_cpu`, register-blocked, which streams each weight row
-once, in four long sequential streams (measured 1.3-2.5x faster than OpenBLAS sgemm at 4-16 rows
-before those streams, on par at 32); with many rows (prefill), BLAS sgemm. The compiled CPU step
+once, in four long sequential streams (faster than OpenBLAS's sgemm up to
+``CPU_ROWS_KERNEL_MAX_ROWS`` rows: docs/perf-log/code-comments.md#matmul-rows-against-sgemm); with many
+rows (prefill), BLAS sgemm. The compiled CPU step
 of one token runs the MLP's gate/up projection as :func:`matmul_swiglu_cpu`, the SwiGLU in its
 epilogue (CPU only: its reference is this product then ``silu_mul``).
 """
@@ -173,8 +174,8 @@ def gemv_cuda(x, w_t, bias, out):
             out[m, n] = total
 
 
-# Row counts up to which matmul_rows_cpu beats OpenBLAS on a 2-core Xeon (measured for
-# in/out features 512..4096); past it, sgemm's blocking wins.
+# Row counts up to which matmul_rows_cpu beats OpenBLAS on a 2-core Xeon, for in/out features
+# 512..4096 (docs/perf-log/code-comments.md#matmul-rows-against-sgemm); past it, sgemm's blocking wins.
 CPU_ROWS_KERNEL_MAX_ROWS = 32
 # Reassociation lets LLVM vectorise the dot products over ``in``.
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
@@ -264,15 +265,15 @@ def matmul_rows_cpu(x, w, bias, out, four_row_blocks=FOUR_ROW_BLOCKS):
 
     Register blocking: each step of the ``in`` loop loads four weight rows and four input
     rows and feeds sixteen accumulators (``four_row_blocks``; else two input rows and eight
-    accumulators, see ``FOUR_ROW_BLOCKS``: on an AVX2 Zen 3 core the step's matmuls then took
-    0.79-0.93 of the time at 4 to 32 rows), so a weight row is read from memory once and the
+    accumulators, see ``FOUR_ROW_BLOCKS`` and docs/perf-log/cpu-anchors.md#2026-11-26-zen3-two-row-blocks),
+    so a weight row is read from memory once and the
     input rows (small) stay in the caches. Omitted, ``four_row_blocks`` is a constant of the
     compiled code. The four weight rows of a block are
     ``n``, ``n + q``, ``n + 2q`` and ``n + 3q`` (``q = out // 4``), not four neighbours: block
     after block, each of the four then reads on where it left off, four long sequential
     streams that the hardware prefetcher runs ahead of, where neighbours made every block four
-    fresh 2 KB streams (8 rows: 13.8 -> 9.7 ms on one thread, 7.1 -> 5.2 on two, for a step's
-    weights read from memory). Blocks are spread over numba's threads, and vectorised with 512-bit
+    fresh 2 KB streams it never got ahead of (docs/perf-log/cpu-anchors.md#2026-11-25-long-weight-streams).
+    Blocks are spread over numba's threads, and vectorised with 512-bit
     vectors where the CPU has them (``vector_width``: at 8 to 32 rows the loop is bound by
     arithmetic).
     """
@@ -382,8 +383,8 @@ def matmul_swiglu_cpu(x, w, out):
     Weight rows are read in :func:`matmul_rows_cpu`'s four streams, ``n, n + q, n + 2q, n + 3q``
     with ``q = 2 * intermediate / 4``: gates ``n`` and ``n + q`` and their two ups, so a block
     holds whole (gate, up) pairs, the ``[gate | up]`` product is never stored and read back, and
-    no second parallel loop runs (a batch-1 step of the benchmark's model ~2% faster, measured in
-    the step, alternated). One input row at a time against four weight rows, as
+    no second parallel loop runs (docs/perf-log/cpu-anchors.md#2026-11-26-fused-swiglu). One input
+    row at a time against four weight rows, as
     :func:`matmul_rows_cpu` does its last odd row: right for one token, load-bound for many
     (its 4x4 blocks pay there). ``w`` needs a multiple of four rows (an even intermediate size).
     """

@@ -96,8 +96,8 @@ def append_kv_head(row, kv_head, num_q_heads, num_kv_heads, c, s, key, value):
 @njit(nogil=True, cache=True, error_model="numpy")
 def rope_kv_append_cpu(qkv, positions, token_seq, page_table, cos, sin, k_cache, v_cache, layer, num_q_heads):
     """CPU twin of :func:`rope_kv_append_cuda`. The loops run over 1-D slices (a head's halves,
-    a cache slot's row), which LLVM vectorises; 2.3x faster than indexing the 2-D and 5-D arrays
-    element by element (a 2048-token prefill)."""
+    a cache slot's row), which LLVM vectorises, where indexing the 2-D and 5-D arrays element by
+    element was not (docs/perf-log/cpu-anchors.md#2026-11-25-vectorised-exp)."""
     num_kv_heads = k_cache.shape[2]
     page_size = k_cache.shape[3]
     head_dim = k_cache.shape[4]

@@ -10,10 +10,10 @@ never computed; what the tile's diagonal block holds beyond a row's position is 
 
 The softmax between the two products is one numba call a tile (:func:`causal_softmax_rows`:
 each row's max, ``exp`` vectorised by ``fast_exp``, the sum, the row scaled by its inverse, the
-masked tail zeroed), where NumPy took five passes over the tile (2.3x faster on a 2048-token
-prefill). The rows leave it normalised, so the second product writes the output's columns
-itself (``out=``): no weighted-sum buffer, division or copy a tile (a 512-token prefill's
-attention 0.93 of the time on 2 threads). Each query head is one job
+masked tail zeroed), where NumPy took five passes over the tile
+(docs/perf-log/cpu-anchors.md#2026-11-25-vectorised-exp). The rows leave it normalised, so the
+second product writes the output's columns itself (``out=``): no weighted-sum buffer, division or
+copy a tile (docs/perf-log/cpu-anchors.md#2026-11-26-xeon-amx-prefill). Each query head is one job
 for a :class:`~engines.runtime.model.cpu_pool.CpuPool`: heads run side by side, one a core,
 each with single-threaded BLAS and its own scores buffer.
 
@@ -22,6 +22,7 @@ The scalar kernel stays the plain reference: the tests diff the two on mixed ste
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import pairwise
 
 import numpy as np
 from numba import float32, njit
@@ -39,12 +40,12 @@ MIN_RUN = 48
 
 
 @njit(nogil=True, cache=True, error_model="numpy", fastmath={"reassoc", "contract", "nsz", "arcp"})
-def causal_softmax_rows(scores: np.ndarray, first_row_keys: int) -> None:
+def causal_softmax_rows(scores, first_row_keys):
     """The causal softmax of a tile of scores, in place: row ``i`` sees its first
     ``first_row_keys + i`` keys (capped at the tile's width), which become their softmax
     ``exp(s - row max) / sum``; the keys past them become 0. In 512-bit vectors where the CPU has
-    them (``vector_width``: the exp's polynomial is bound by arithmetic; 0.82 of the time a
-    128 x 2048 tile on one core of an AVX-512 Xeon)."""
+    them (``vector_width``: the exp's polynomial is bound by arithmetic;
+    docs/perf-log/cpu-anchors.md#2026-11-26-xeon-amx-prefill)."""
     prefer_wide_vectors()
     rows, keys = scores.shape
     for i in range(rows):
@@ -64,7 +65,7 @@ def token_runs(positions: np.ndarray, token_seq: np.ndarray) -> list[tuple[int, 
         return []
     breaks = np.flatnonzero((token_seq[1:] != token_seq[:-1]) | (positions[1:] != positions[:-1] + 1)) + 1
     edges = [0, *breaks.tolist(), n]
-    return list(zip(edges[:-1], edges[1:]))
+    return list(pairwise(edges))
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,9 @@ LLVM vectorises for Intel's AVX-512 server cores (Skylake-SP to Emerald Rapids) 
 vectors by default: their tuning prefers them (``prefer-256-bit``), from the days when 512-bit
 instructions lowered those cores' clocks. numba compiles for the host CPU and inherits that. In a
 loop bound by arithmetic, the few-row matmul of a batched decode step, it leaves half of each FMA
-unit idle: ``matmul_rows_cpu`` at 32 rows ran at 68 GFLOP/s on one core of an Emerald Rapids
-machine, and at 84 with 512-bit vectors (8 and 16 rows: 63 -> 71, 68 -> 74; 1 to 4 rows, bound by
-memory, unchanged; BENCHMARKS.md, issue 15).
+unit idle: on an Emerald Rapids core ``matmul_rows_cpu`` at 8 to 32 rows ran clearly faster with
+512-bit vectors, and at 1 to 4 rows, bound by memory, unchanged
+(docs/perf-log/cpu-anchors.md#2026-11-26-emerald-rapids, code-comments.md#prefer-wide-vectors).
 
 A call compiles to nothing: it marks the LLVM function it is lowered into with
 ``"prefer-vector-width"="512"``, which the vectoriser reads per function. Inside a ``prange``
@@ -45,5 +45,7 @@ def prefer_wide_vectors(typingctx):  # noqa: ANN001, ANN201
 def has_512_bit_vectors() -> bool:
     """Whether numba compiles for a CPU with AVX-512 (``NUMBA_CPU_FEATURES`` if set, else the host's
     features, as numba's own code generator takes them)."""
-    features = config.CPU_FEATURES if config.CPU_FEATURES is not None else binding.get_host_cpu_features().flatten()
+    # (numba's config sets its settings at import, past what its types declare.)
+    chosen = config.CPU_FEATURES  # type: ignore[attr-defined]
+    features = chosen if chosen is not None else binding.get_host_cpu_features().flatten()
     return "+avx512f" in features.split(",")

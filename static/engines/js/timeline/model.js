@@ -259,6 +259,9 @@ export class TraceModel {
     for (const ev of events) {
       if (ev && ev.ph === "M" && ev.name === "thread_name" && ev.args) labels.set(`${ev.pid}:${ev.tid}`, String(ev.args.name));
     }
+    // The engine lane made up front is the trace's 1:0: it takes that lane's name ("engine", or in
+    // a fleet's merged trace "<engine> @ <server>").
+    if (labels.has(this.engineLane.key)) this.engineLane.label = labels.get(this.engineLane.key);
     let lastKey = null;
     let lane = null;
     for (let i = 0; i < events.length; i++) {

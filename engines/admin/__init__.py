@@ -1,0 +1,21 @@
+"""The Django admin of the trace and metrics history, one module per admin.
+
+``traces`` (trace records: list, detail, compare, downloads, retention), ``request_summaries``
+(every request of every trace), ``metrics_snapshots`` (charted per engine above their list),
+``profiles`` (profile records; their pages are the dashboard's). ``payloads`` is what the trace
+and profile admins share (the stored payload: deferred, shown, verified on request),
+``large_tables`` the counting, filtering and sorting that keep the lists fast on 1,000,000 rows,
+``cells`` how values print. ``fleet``: the attached foreign servers and the audit of the jobs run
+across the fleet. Staff only; what a user may do follows Django's view / change /
+delete permissions.
+"""
+from django.contrib import admin
+
+# Importing the modules registers their admins (Django's autodiscover imports this package).
+from engines.admin import fleet, metrics_snapshots, profiles, request_summaries, traces  # noqa: F401
+
+# The admin is the dashboard's frame: its header names the product, not the framework.
+admin.site.site_header = "LLM engine debug server"
+admin.site.site_title = "LLM engine debug server"
+admin.site.index_title = "History and administration"
+admin.site.site_url = "/dashboard/"  # "View site": the live dashboard

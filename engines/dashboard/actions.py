@@ -1,0 +1,56 @@
+"""The dashboard's engine actions (reset, save or clear the trace, start or stop a profile), one
+definition for the engine page's socket and the fleet's control jobs (``engines.fleet.controls``).
+
+:func:`run_action` carries one out on an engine of this server and returns what the page shows;
+a refusal the user can act on is :data:`EXPECTED_FAILURES` (said as is), anything else a bug.
+"""
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from django.urls import reverse
+
+from engines.dashboard.messages import ActionRequest
+from engines.history import EmptyTraceError, TraceUnavailableError, asave_engine_trace
+from engines.profiling import start_profile, stop_profile
+from engines.runtime import AsyncEngine, EngineDeadError, ProfilerStateError
+
+__all__ = ["EXPECTED_FAILURES", "run_action"]
+
+#: What an action may fail with for a reason the user can act on (the engine is down, it records
+#: no trace, a profile is already running, ...).
+EXPECTED_FAILURES = (EngineDeadError, TraceUnavailableError, EmptyTraceError, ProfilerStateError, ValueError)
+
+Progress = Callable[[str], Awaitable[None]]
+
+
+async def run_action(request: ActionRequest, engine: AsyncEngine, progress: Progress,
+                     source: str = "dashboard") -> dict[str, Any]:
+    """Carry out ``request`` on ``engine``; ``progress(message)`` hears of a long step."""
+    match request.action:
+        case "reset":
+            await engine.reset()
+            return {"message": f"engine {engine.name} was reset"}
+        case "clear_trace":
+            if not engine.tracing_enabled:
+                raise ValueError(f"engine {engine.name} records no trace: serve it with --enable-tracing")
+            await engine.dump_trace(clear=True, skip_empty=True)
+            return {"message": "the trace was cleared"}
+        case "save_trace":
+            await progress("taking and saving the trace")
+            record = await asave_engine_trace(engine, note=request.note, tags=request.tags, source=source)
+            return {"record_id": record.pk, "event_count": record.event_count,
+                    "url": reverse("admin:engines_tracerecord_change", args=[record.pk]),
+                    "message": f"saved {record.event_count} events"}
+        case "profile_start":
+            await start_profile(engine, max_steps=request.max_steps, stack_sampling=request.stack_sampling,
+                                source=source)
+            steps = f" for {request.max_steps} steps" if request.max_steps else ""
+            return {"profiling": True, "message": f"profiling{steps}"}
+        case "profile_stop":
+            await progress("stopping and saving the profile")
+            saved = await stop_profile(engine, note=request.note, source=source)
+            return {"profiling": False, "record_id": saved.id, "url": saved.url,
+                    "message": f"profile #{saved.id} saved ({saved.steps} steps)"}
+    raise AssertionError(request.action)  # ActionRequest admits no other action

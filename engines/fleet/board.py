@@ -1,0 +1,151 @@
+"""The fleet as one view: members and attached servers, every engine's row, and the fleet's
+totals, assembled from the store once a second while anyone watches.
+
+Totals: counts and rates are summed over the engines that report them; a fleet percentile is
+:func:`~engines.fleet.quantiles.fleet_quantile` over each engine's last-minute histogram in its
+own bounds (never a mean of percentiles, never buckets summed across different bounds), given
+with the interval the servers' buckets allow.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from engines.fleet.aliases import ALIASES, ServerKind
+from engines.fleet.quantiles import fleet_quantile
+from engines.fleet.rows import (FLEET_WINDOW_QUANTITIES, EngineRow, FleetServer, FleetTotals, FleetUnavailable,
+                                FleetView, TotalQuantile)
+from engines.fleet.store import FleetStore
+
+logger = logging.getLogger("engines.fleet")
+
+__all__ = ["FleetBoard", "ForeignTarget", "fleet_totals", "fleet_view"]
+
+#: Seconds between views sent to the fleet pages.
+VIEW_INTERVAL_S = 1.0
+
+
+@dataclass(frozen=True)
+class ForeignTarget:
+    """A server attached by URL, as the pollers and the board know it (never its API key's value
+    beyond the poller: the board and the browser see ``has_api_key`` only)."""
+
+    id: str                          # "foreign-<pk>": its key in the store
+    name: str
+    url: str
+    kind: str = ""                   # as detected at attach time; "" to detect on each poll
+    interval_s: float = 2.0
+    api_key: str = field(default="", repr=False)
+
+
+def _total(rows: Sequence[EngineRow], quantity: str) -> float:
+    return sum(v for r in rows if (v := r.figures.get(quantity)) is not None and math.isfinite(v))
+
+
+def fleet_totals(rows: Sequence[EngineRow], servers_up: int) -> FleetTotals:
+    """The fleet's sums and percentiles over ``rows`` (rows of servers not up are left out by the caller)."""
+    quantiles: dict[str, TotalQuantile] = {}
+    for quantity in FLEET_WINDOW_QUANTITIES:
+        histograms = [r.windows[quantity].buckets() for r in rows if quantity in r.windows]
+        for q, label in ((0.5, "p50"), (0.99, "p99")):
+            found = fleet_quantile(q, histograms)
+            quantiles[f"{quantity}_{label}"] = (
+                TotalQuantile(value=None, low=None, high=None, count=0.0) if found is None else
+                TotalQuantile(value=found.value, low=found.low,
+                              high=None if math.isinf(found.high) else found.high, count=found.count))
+    return FleetTotals(engines=len(rows), servers_up=servers_up, running=_total(rows, "running"),
+                       waiting=_total(rows, "waiting"), prompt_tokens=_total(rows, "prompt_tokens"),
+                       generation_tokens=_total(rows, "generation_tokens"), quantiles=quantiles)
+
+
+async def fleet_view(store: FleetStore, foreign: Sequence[ForeignTarget], now: float | None = None) -> FleetView:
+    """Read the store once and assemble the view."""
+    members, rows_by_server, foreign_rows = await asyncio.gather(store.members(), store.all_rows(),
+                                                                 store.all_foreign())
+    now = time.time() if now is None else now
+    servers: list[FleetServer] = []
+    rows: list[EngineRow] = []
+    live_rows: list[EngineRow] = []
+    for member in members:
+        card = member.card
+        published = rows_by_server.get(card.server)
+        these = published.rows if published is not None else []
+        servers.append(FleetServer(server=card.server, name=card.server, url=card.url, kind=ServerKind.OURS.value,
+                                   version=card.version, roles=card.roles, state=member.state,
+                                   last_seen=member.last_seen, age_s=member.age_s, engines=len(card.engines)))
+        rows.extend(these)
+        if member.state == "up":
+            live_rows.extend(these)
+    for target in foreign:
+        polled = foreign_rows.get(target.id)
+        kind = polled.kind if polled is not None else (target.kind or ServerKind.UNKNOWN.value)
+        aliases = ALIASES.get(ServerKind(kind)) if kind in ServerKind._value2member_map_ else None
+        missing = dict(aliases.missing_controls) if aliases is not None else {}
+        if polled is None:
+            servers.append(FleetServer(server=target.id, name=target.name, url=target.url, kind=kind, state="waiting",
+                                       missing_controls=missing))
+            continue
+        state: Literal["unreachable", "up"] = "unreachable" if polled.error else "up"
+        servers.append(FleetServer(server=target.id, name=target.name, url=target.url, kind=kind, state=state,
+                                   last_seen=polled.at, age_s=max(0.0, now - polled.at), error=polled.error,
+                                   engines=0 if polled.error else len(polled.rows), missing_controls=missing))
+        named = [row.model_copy(update={"server": target.id}) for row in polled.rows]
+        rows.extend(named)
+        if state == "up":
+            live_rows.extend(named)
+    servers_up = sum(1 for s in servers if s.state == "up")
+    return FleetView(fleet=store.name, at=now, shared=store.shared, servers=servers, rows=rows,
+                     totals=fleet_totals(live_rows, servers_up))
+
+
+class FleetBoard:
+    """Sends the fleet view to this process's fleet pages once a second while any is open
+    (one store read a second for all of them)."""
+
+    def __init__(self, store: FleetStore, foreign: Callable[[], Sequence[ForeignTarget]],
+                 interval_s: float = VIEW_INTERVAL_S) -> None:
+        self.store = store
+        self.foreign = foreign
+        self.interval_s = interval_s
+        self.viewers: dict[object, Callable[[str], Awaitable[None]]] = {}
+        self.latest_text: str | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._failing = False
+
+    def watch(self, viewer: object, send: Callable[[str], Awaitable[None]]) -> None:
+        """Send ``viewer`` every view (starting with the latest, if any) until :meth:`unwatch`."""
+        self.viewers[viewer] = send
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="fleet-board")
+
+    def unwatch(self, viewer: object) -> None:
+        self.viewers.pop(viewer, None)
+
+    async def view_text(self) -> str:
+        """The view as JSON, engine rows without their histograms (what a page and fleet.json get)."""
+        view = await fleet_view(self.store, self.foreign())
+        return view.model_dump_json(exclude={"rows": {"__all__": {"windows"}}})
+
+    async def _run(self) -> None:
+        while self.viewers:
+            started = time.monotonic()
+            try:
+                text = await self.view_text()
+                self._failing = False
+            except Exception as exc:  # noqa: BLE001 - the store is down: say so, keep trying
+                if not self._failing:
+                    logger.warning("fleet %s: cannot read the fleet (%s)", self.store.name, exc)
+                self._failing = True
+                text = FleetUnavailable(fleet=self.store.name, at=time.time(), error=str(exc)).model_dump_json()
+            self.latest_text = text
+            for send in list(self.viewers.values()):
+                try:
+                    await send(text)
+                except Exception:  # noqa: BLE001 - a closing socket: its consumer unwatches
+                    pass
+            await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))

@@ -1,0 +1,267 @@
+"""Controls across the fleet as tracked jobs: one action on many engines of many servers is one
+:class:`~engines.models.FleetJob` with a :class:`~engines.models.FleetJobTarget` per engine, kept
+in the shared database (the audit: who, what, when, and each server's answer).
+
+How a target runs depends on where its engine is:
+
+* on this server: here, through the dashboard's own action runner (``dashboard.actions``);
+* on another server of ours: a :class:`ControlCommand` is pushed on that server's queue in the
+  store (``fleet:<name>:control:<server>``), its :class:`ControlListener` runs it and writes
+  ack, progress and the outcome into the target's row;
+* on a foreign server: its HTTP control (``aliases``: vLLM's ``/reset_prefix_cache``, SGLang's
+  ``/flush_cache``, MLC's ``/debug/*``, ...) called from here with its API key; an action it has
+  no endpoint for is refused with the reason. MLC's ``dump_event_trace`` is saved as a trace
+  record, which opens on our timeline.
+
+A target no server acknowledges within :data:`ANSWER_S` ends as an error that says so.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+import httpx
+from asgiref.sync import sync_to_async
+from django.utils import timezone
+from pydantic import BaseModel, Field, StrictBool, StrictInt, StrictStr
+
+from engines.fleet.aliases import ALIASES, ServerKind
+from engines.fleet.board import ForeignTarget
+from engines.fleet.clock import ClockOffset
+from engines.fleet.store import FleetStore
+
+logger = logging.getLogger("engines.fleet")
+
+__all__ = ["ANSWER_S", "ControlCommand", "ControlListener", "JobRequest", "job_state", "submit_job"]
+
+#: Seconds a target may wait for its server's acknowledgement.
+ANSWER_S = 15.0
+#: Seconds a foreign server's control call may take.
+FOREIGN_TIMEOUT_S = 60.0
+#: The most targets one job may name.
+MAX_TARGETS = 1000
+
+Action = Literal["reset", "save_trace", "clear_trace", "profile_start", "profile_stop"]
+
+
+class JobTarget(BaseModel):
+    server: StrictStr = Field(max_length=200)
+    engine: StrictStr = Field(max_length=200)
+
+
+class JobRequest(BaseModel):
+    """What a fleet page asks: one action on the selected engines."""
+
+    action: Action
+    targets: list[JobTarget] = Field(min_length=1, max_length=MAX_TARGETS)
+    note: StrictStr = Field(default="", max_length=2000)
+    max_steps: StrictInt | None = Field(default=None, ge=1, le=1_000_000)
+    stack_sampling: StrictBool = False
+
+
+class ControlCommand(BaseModel):
+    """A target of a job, sent to the server that runs it."""
+
+    job: int
+    target: int
+    action: Action
+    engine: str
+    note: str = ""
+    max_steps: int | None = None
+    stack_sampling: bool = False
+
+
+# --------------------------------------------------------------------------- the job's rows
+
+
+def _update(target: int, state: str, message: str = "", result: dict[str, Any] | None = None) -> None:
+    from engines.models import FleetJob, FleetJobTarget
+
+    FleetJobTarget.objects.filter(pk=target).update(state=state, message=message[:5000], result=result or {},
+                                                     updated_at=timezone.now())
+    job = FleetJob.objects.filter(targets__pk=target).first()
+    if job is not None and job.finished_at is None and not job.targets.exclude(state__in=("done", "error")).exists():
+        FleetJob.objects.filter(pk=job.pk, finished_at__isnull=True).update(finished_at=timezone.now())
+
+
+async def update_target(target: int, state: str, message: str = "", result: dict[str, Any] | None = None) -> None:
+    """Write a target's state (and finish its job when it was the last one running)."""
+    await sync_to_async(_update, thread_sensitive=False)(target, state, message, result)
+
+
+def _fail_unanswered(targets: Sequence[int]) -> None:
+    from engines.models import FleetJobTarget
+
+    for target in FleetJobTarget.objects.filter(pk__in=targets, state="pending"):
+        _update(target.pk, "error", f"no answer from {target.server_name or target.server} in {ANSWER_S:g} s")
+
+
+def job_state(pk: int) -> dict[str, Any] | None:
+    """A job and its targets as the page shows them (None: no such job)."""
+    from engines.models import FleetJob
+
+    job = FleetJob.objects.filter(pk=pk).first()
+    if job is None:
+        return None
+    return {"id": job.pk, "action": job.action, "requested_by": job.requested_by, "options": job.options,
+            "created_at": job.created_at.timestamp(),
+            "finished_at": job.finished_at.timestamp() if job.finished_at else None,
+            "targets": [{"id": t.pk, "server": t.server, "server_name": t.server_name, "engine": t.engine,
+                         "state": t.state, "message": t.message, "result": t.result} for t in job.targets.all()]}
+
+
+# --------------------------------------------------------------------------- running a target
+
+
+async def run_here(command: ControlCommand, here: str = "", clock: ClockOffset | None = None) -> None:
+    """Run a target on an engine of this server, reporting into its row; a saved trace's result
+    carries this server and its clock offset, for the fleet's merged timeline."""
+    from engines.dashboard.actions import EXPECTED_FAILURES, run_action
+    from engines.dashboard.messages import ActionRequest
+    from engines.registry import registry
+
+    engine = registry.get(command.engine)
+    if engine is None:
+        await update_target(command.target, "error", f"no engine {command.engine!r} on this server")
+        return
+    await update_target(command.target, "ack")
+    request = ActionRequest(action=command.action, id=command.target, engine=command.engine, note=command.note,
+                            max_steps=command.max_steps, stack_sampling=command.stack_sampling)
+
+    async def progress(message: str) -> None:
+        await update_target(command.target, "progress", message)
+
+    try:
+        result = await run_action(request, engine, progress)
+    except EXPECTED_FAILURES as exc:
+        await update_target(command.target, "error", str(exc))
+    except Exception as exc:  # noqa: BLE001 - said in the job, logged for the operator
+        logger.exception("fleet job %s: %s on %s failed", command.job, command.action, command.engine)
+        await update_target(command.target, "error", f"{type(exc).__name__}: {exc}")
+    else:
+        if clock is not None:
+            result |= {"server": here, "clock_offset_us": clock.offset_s * 1e6,
+                       "clock_uncertainty_us": clock.uncertainty_s * 1e6}
+        await update_target(command.target, "done", str(result.get("message", "")), result)
+
+
+async def run_foreign(command: ControlCommand, server: ForeignTarget, client: httpx.AsyncClient) -> None:
+    """Run a target on a foreign server through its HTTP control, if it has one."""
+    kind = ServerKind(server.kind) if server.kind in ServerKind._value2member_map_ else ServerKind.UNKNOWN
+    aliases = ALIASES.get(kind)
+    control = aliases.controls.get(command.action) if aliases else None
+    if control is None:
+        reason = aliases.missing_controls.get(command.action) if aliases else None
+        await update_target(command.target, "error", reason or f"a {kind.value} server has no {command.action}")
+        return
+    await update_target(command.target, "ack", f"{control.method} {control.path}")
+    headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
+    # MLC's /debug/* (and ours) name the engine in a JSON body; vLLM's and SGLang's take none.
+    body = {"model": command.engine} if kind in (ServerKind.MLC, ServerKind.OURS) else None
+    try:
+        response = await client.request(control.method, server.url.rstrip("/") + control.path, headers=headers,
+                                        json=body, timeout=FOREIGN_TIMEOUT_S, follow_redirects=False)
+    except httpx.HTTPError as exc:
+        await update_target(command.target, "error", f"{control.method} {control.path}: {type(exc).__name__}")
+        return
+    if response.status_code >= 300:
+        await update_target(command.target, "error", f"{control.method} {control.path} answered "
+                            f"{response.status_code}: {response.text[:300]}")
+        return
+    result: dict[str, Any] = {"status": response.status_code}
+    message = f"{control.method} {control.path}: {response.status_code}"
+    if command.action == "save_trace":  # MLC's dump_event_trace: kept as a record, opened on our timeline
+        from engines.history import asave_trace
+
+        record = await asave_trace(response.content, engine=f"{server.name}/{command.engine}",
+                                   model=command.engine, source="dashboard", note=command.note)
+        result |= {"record_id": record.pk, "event_count": record.event_count}
+        message = f"saved {record.event_count} events from {server.name}"
+    await update_target(command.target, "done", message, result)
+
+
+async def submit_job(store: FleetStore, here: str, request: JobRequest, user: str,
+                     foreign: Sequence[ForeignTarget], servers: Mapping[str, tuple[str, str]],
+                     client: httpx.AsyncClient, clock: ClockOffset | None = None) -> int:
+    """Record the job and start each target where its engine is; the job's id. ``servers``: each
+    server of ours in the fleet -> (its name, its state)."""
+    names = {key: name for key, (name, _) in servers.items()} | {s.id: s.name for s in foreign}
+    from engines.models import FleetJob, FleetJobTarget
+
+    def create() -> tuple[int, list[int]]:
+        job = FleetJob.objects.create(action=request.action, requested_by=user, requested_on=here,
+                                      options={"note": request.note, "max_steps": request.max_steps,
+                                               "stack_sampling": request.stack_sampling})
+        rows = FleetJobTarget.objects.bulk_create(
+            FleetJobTarget(job=job, server=t.server, engine=t.engine, server_name=names.get(t.server, t.server))
+            for t in request.targets)
+        return job.pk, [row.pk for row in rows]
+
+    job, target_ids = await sync_to_async(create, thread_sensitive=False)()
+    by_id = {server.id: server for server in foreign}
+    remote: list[int] = []
+    for target, pk in zip(request.targets, target_ids, strict=True):
+        command = ControlCommand(job=job, target=pk, action=request.action, engine=target.engine, note=request.note,
+                                 max_steps=request.max_steps, stack_sampling=request.stack_sampling)
+        if target.server == here:
+            _spawn(run_here(command, here, clock))
+        elif target.server in by_id:
+            _spawn(run_foreign(command, by_id[target.server], client))
+        elif target.server.startswith("foreign-"):
+            await update_target(pk, "error", f"{target.server} is not attached any more")
+        elif target.server not in servers:
+            await update_target(pk, "error", f"no server {target.server!r} in this fleet")
+        elif servers[target.server][1] != "up":
+            await update_target(pk, "error", f"{names[target.server]} is {servers[target.server][1]}")
+        else:
+            await store.push_control(target.server, command.model_dump_json())
+            remote.append(pk)
+    if remote:
+        _spawn(_watch(remote))
+    return job
+
+
+async def _watch(targets: list[int]) -> None:
+    await asyncio.sleep(ANSWER_S)
+    await sync_to_async(_fail_unanswered, thread_sensitive=False)(targets)
+
+
+_running: set[asyncio.Task[None]] = set()
+
+
+def _spawn(coroutine: Any) -> None:
+    """Run a target on its own task (kept referenced until it ends)."""
+    task = asyncio.get_running_loop().create_task(coroutine)
+    _running.add(task)
+    task.add_done_callback(_running.discard)
+
+
+class ControlListener:
+    """Runs the commands other members send to this server, until cancelled."""
+
+    def __init__(self, store: FleetStore, server: str,
+                 clock: Callable[[], ClockOffset | None] = lambda: None) -> None:
+        self.store, self.server, self.clock = store, server, clock
+        self._failing = False
+
+    async def run(self) -> None:
+        while True:
+            try:
+                raw = await self.store.pop_control(self.server, timeout_s=1.0)
+                self._failing = False
+            except Exception as exc:  # noqa: BLE001 - the store is down: wait and try again
+                if not self._failing:
+                    logger.warning("fleet: cannot read this server's control queue (%s)", exc)
+                self._failing = True
+                await asyncio.sleep(1.0)
+                continue
+            if raw is None:
+                continue
+            try:
+                command = ControlCommand.model_validate_json(raw)
+            except ValueError:
+                logger.warning("fleet: a control command this version cannot read was dropped")
+                continue
+            _spawn(run_here(command, self.server, self.clock()))

@@ -1,0 +1,158 @@
+"""Which servers of ours form the fleet: each announces itself in the shared Redis and beats a
+heartbeat; every member reads the same list.
+
+Layout, under ``fleet:<FLEET_NAME>:`` (one Redis may hold several fleets):
+
+* ``cards``: a hash, server id -> its :class:`ServerCard` as JSON (URL, version, roles, engines);
+  written at start and whenever the card changes (an engine restarted, a model swapped);
+* ``beats``: a sorted set, server id -> the time of its last heartbeat, on the Redis server's
+  clock (``TIME``), so that members whose clocks disagree still agree on ages;
+* ``left``: a hash, server id -> when it stopped on purpose.
+
+A member whose last beat is older than :data:`GONE_AFTER_BEATS` heartbeats is *gone* (shown with
+when it was last seen); one that beats again is back. Members gone longer than ``forget_after_s``
+are dropped from the list. No process or port beyond the servers themselves.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Literal
+
+import orjson
+from pydantic import BaseModel
+
+logger = logging.getLogger("engines.fleet")
+
+__all__ = ["GONE_AFTER_BEATS", "HEARTBEAT_S", "EngineCard", "Member", "Membership", "ServerCard"]
+
+HEARTBEAT_S = 2.0
+GONE_AFTER_BEATS = 3
+
+
+class EngineCard(BaseModel):
+    """One engine of a server, as the fleet lists it."""
+
+    name: str
+    model: str
+    backend: str
+    dtype: str
+    mode: Literal["process", "thread"]
+    tracing: bool
+    kv_cache: str = ""
+    weights: str = ""
+
+
+class ServerCard(BaseModel):
+    """A server of ours as it announces itself."""
+
+    server: str                      # SERVER_ID, "host:pid"
+    url: str                         # where its pages and API answer
+    version: str
+    roles: list[str]                 # "engines", "router", "prefill", "decode"
+    engines: list[EngineCard]
+    started_at: float                # Unix seconds, its own clock
+
+
+MemberState = Literal["up", "gone", "stopped"]
+
+
+class Member(BaseModel):
+    """A server in the fleet's list: its card, and how long since its last heartbeat."""
+
+    card: ServerCard
+    last_seen: float                 # Redis time of its last beat (Unix seconds)
+    age_s: float
+    state: MemberState
+
+
+def _keys(fleet: str) -> tuple[str, str, str]:
+    base = f"fleet:{fleet}:"
+    return base + "cards", base + "beats", base + "left"
+
+
+class Membership:
+    """One server's part in the fleet list, over a ``redis.asyncio`` client."""
+
+    def __init__(self, redis: Any, fleet: str = "default", heartbeat_s: float = HEARTBEAT_S,
+                 forget_after_s: float = 24 * 3600) -> None:
+        self.redis = redis
+        self.fleet = fleet
+        self.heartbeat_s = heartbeat_s
+        self.forget_after_s = forget_after_s
+        self.cards_key, self.beats_key, self.left_key = _keys(fleet)
+        self._card_json: bytes | None = None
+        self._server: str | None = None
+
+    async def _now(self) -> float:
+        seconds, micros = await self.redis.time()
+        return seconds + micros / 1e6
+
+    async def announce(self, card: ServerCard) -> None:
+        """Write the card (if it changed) and beat."""
+        data = card.model_dump_json().encode()
+        pipe = self.redis.pipeline(transaction=False)
+        if data != self._card_json:
+            pipe.hset(self.cards_key, card.server, data)
+            pipe.hdel(self.left_key, card.server)
+        pipe.zadd(self.beats_key, {card.server: await self._now()})
+        await pipe.execute()
+        self._card_json, self._server = data, card.server
+
+    async def leave(self) -> None:
+        """Say this server stopped on purpose (it stays listed, as stopped, until forgotten)."""
+        if self._server is not None:
+            await self.redis.hset(self.left_key, self._server, await self._now())
+
+    async def members(self) -> list[Member]:
+        """Every server of the fleet, up or gone, newest beat first; forgets the long gone."""
+        now = await self._now()
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hgetall(self.cards_key)
+        pipe.zrange(self.beats_key, 0, -1, withscores=True)
+        pipe.hgetall(self.left_key)
+        cards, beats, left = await pipe.execute()
+        stale = [_text(server) for server, at in beats if now - at > self.forget_after_s]
+        if stale:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.zrem(self.beats_key, *stale)
+            pipe.hdel(self.cards_key, *stale)
+            pipe.hdel(self.left_key, *stale)
+            await pipe.execute()
+        stopped = {_text(k) for k in left}
+        gone_after = GONE_AFTER_BEATS * self.heartbeat_s
+        out = []
+        for server, at in sorted(beats, key=lambda pair: -pair[1]):
+            server = _text(server)
+            raw = cards.get(server.encode()) or cards.get(server)
+            if raw is None or server in stale:
+                continue
+            try:
+                card = ServerCard.model_validate(orjson.loads(raw))
+            except ValueError:
+                logger.warning("fleet %s: member %s announced a card this version cannot read", self.fleet, server)
+                continue
+            age = max(0.0, now - at)
+            state: MemberState = "stopped" if server in stopped else "gone" if age > gone_after else "up"
+            out.append(Member(card=card, last_seen=at, age_s=age, state=state))
+        return out
+
+    async def run(self, card: Any) -> None:
+        """Announce ``card()`` every heartbeat until cancelled; a Redis that does not answer is
+        logged once per outage and tried again at the next beat."""
+        failing = False
+        while True:
+            try:
+                await self.announce(card())
+                if failing:
+                    logger.info("fleet %s: announcing again", self.fleet)
+                failing = False
+            except Exception as exc:  # noqa: BLE001 - Redis down: the server serves on, the fleet waits
+                if not failing:
+                    logger.warning("fleet %s: cannot announce this server (%s); retrying", self.fleet, exc)
+                failing = True
+            await asyncio.sleep(self.heartbeat_s)
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value

@@ -1,0 +1,142 @@
+"""What a fleet member publishes and what a fleet page is sent: typed, one definition each.
+
+Every engine of every server, ours or foreign, becomes one :class:`EngineRow`: the quantities of
+:data:`~engines.fleet.aliases.QUANTITIES` as figures (gauges as read, counters as rates per
+second, latencies as p50/p99 over the last minute), the quantities its server does not export
+named as such, and the last minute's histogram of TTFT and ITL (:class:`WindowHistogram`), so
+that a fleet percentile is computed from the servers' own buckets (``quantiles.fleet_quantile``)
+and never from per-server percentiles or from buckets summed across different bounds.
+"""
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel
+
+from engines.fleet.quantiles import Buckets
+
+__all__ = ["FLEET_WINDOW_QUANTITIES", "EngineRow", "FleetServer", "FleetTotals", "FleetView", "ServerRows",
+           "FleetRequest", "FleetSocketError", "FleetUnavailable", "TotalQuantile", "WindowHistogram"]
+
+#: The latencies whose last-minute histograms travel with a row, for the fleet's percentiles.
+FLEET_WINDOW_QUANTITIES = ("ttft", "itl")
+
+
+class WindowHistogram(BaseModel):
+    """A histogram's last minute: its finite upper bounds and the cumulative count at each, then
+    the total (the ``+Inf`` bucket; JSON has no infinity)."""
+
+    bounds: list[float]
+    cumulative: list[float]  # len(bounds) + 1
+
+    @classmethod
+    def of(cls, buckets: Buckets) -> WindowHistogram:
+        finite = [(b, c) for b, c in buckets if not math.isinf(b)]
+        total = buckets[-1][1] if buckets else 0.0
+        return cls(bounds=[b for b, _ in finite], cumulative=[c for _, c in finite] + [total])
+
+    def buckets(self) -> Buckets:
+        return (*zip(self.bounds, self.cumulative, strict=False), (math.inf, self.cumulative[-1]))
+
+
+class EngineRow(BaseModel):
+    """One engine (ours) or one served model (foreign) as the fleet grid shows it."""
+
+    server: str                      # the server id (ours) or the foreign server's name
+    engine: str
+    model: str = ""
+    kind: str = "ours"               # a ServerKind value
+    state: str                       # ours: the engine's state; foreign: "up" or "unreachable"
+    at: float                        # Unix time of the reading, on the publishing server's clock
+    #: quantity -> value (rates per second); latencies as "<q>_p50"/"<q>_p99" in seconds; None: unknown yet.
+    figures: dict[str, float | None] = {}
+    not_exported: list[str] = []
+    windows: dict[str, WindowHistogram] = {}
+    error: str | None = None
+
+
+class ServerRows(BaseModel):
+    """A server's engines, published once a second (ours) or after each poll (a foreign one)."""
+
+    server: str
+    at: float
+    rows: list[EngineRow]
+    kind: str = "ours"
+    error: str | None = None         # a foreign server's poll error
+    #: Ours: this server's clock minus the fleet's reference clock, and how well that is known.
+    clock_offset_s: float | None = None
+    clock_uncertainty_s: float | None = None
+
+
+class FleetServer(BaseModel):
+    """A server in the grid: a member of ours, or a foreign one attached by URL."""
+
+    server: str
+    name: str
+    url: str
+    kind: str
+    version: str = ""
+    roles: list[str] = []
+    state: Literal["up", "gone", "stopped", "unreachable", "waiting"]
+    last_seen: float | None = None   # Unix time of its last heartbeat or successful poll
+    age_s: float | None = None
+    error: str | None = None
+    engines: int = 0
+    #: Why a control is disabled on it (foreign servers without that endpoint): control -> reason.
+    missing_controls: dict[str, str] = {}
+
+
+class TotalQuantile(BaseModel):
+    """A fleet percentile with the interval the true value must lie in (the servers' buckets
+    bound it), and how many observations it is over."""
+
+    value: float | None
+    low: float | None
+    high: float | None
+    count: float
+
+
+class FleetTotals(BaseModel):
+    engines: int
+    servers_up: int
+    running: float
+    waiting: float
+    prompt_tokens: float             # tokens/s, prefill
+    generation_tokens: float         # tokens/s, decode
+    quantiles: dict[str, TotalQuantile]  # "ttft_p50", "ttft_p99", "itl_p50", "itl_p99"
+
+
+class FleetView(BaseModel):
+    """The whole fleet, as every member's fleet page and ``/dashboard/fleet.json`` show it."""
+
+    type: Literal["fleet"] = "fleet"
+    fleet: str
+    at: float
+    shared: bool                     # False: no REDIS_URL, this server alone
+    servers: list[FleetServer]
+    rows: list[EngineRow]
+    totals: FleetTotals
+
+
+class FleetUnavailable(BaseModel):
+    """Sent instead of a view while the fleet's store (Redis) does not answer: the page says the
+    feed is interrupted rather than showing the last numbers as if they were live."""
+
+    type: Literal["fleet_unavailable"] = "fleet_unavailable"
+    fleet: str
+    at: float
+    error: str
+
+
+class FleetRequest(BaseModel):
+    """What a fleet page sends: ``refresh`` (the view now, not at the next second)."""
+
+    action: Literal["refresh"]
+
+
+class FleetSocketError(BaseModel):
+    """A fleet page's message that was not taken, and why (the socket stays open)."""
+
+    type: Literal["error"] = "error"
+    error: str

@@ -1,0 +1,145 @@
+"""The fleet in a server process: the store (the shared Redis, or this process alone), this
+server's publisher, the pollers of attached servers and the board the fleet pages watch.
+
+One :class:`FleetService` per event loop (:func:`fleet_service`), started by ``serve`` once it
+listens, or by the first fleet page opened (tests, another ASGI server). Settings:
+``REDIS_URL`` (shared with the channel layer; without it the fleet is this server alone) and
+``FLEET_NAME`` (one Redis may hold several fleets).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.conf import settings
+
+import engines
+from engines.dashboard.messages import SERVER_ID
+from engines.fleet.board import FleetBoard, ForeignTarget
+from engines.fleet.controls import ControlListener
+from engines.fleet.membership import EngineCard, ServerCard
+from engines.fleet.polling import TARGETS_REFRESH_S, ForeignPolling
+from engines.fleet.publisher import FleetPublisher
+from engines.fleet.rollups import RollupWriter
+from engines.fleet.store import FleetStore, LocalFleetStore, RedisFleetStore
+from engines.registry import registry
+
+logger = logging.getLogger("engines.fleet")
+
+__all__ = ["FleetService", "configure", "fleet_service", "foreign_targets"]
+
+_STARTED_AT = time.time()
+#: What ``serve`` says of this server: its URL and roles (``configure``).
+_server: dict[str, Any] = {"url": "", "roles": None}
+
+
+def configure(url: str, roles: Sequence[str] | None = None) -> None:
+    """Tell the fleet where this server answers and what it is (``serve`` calls this)."""
+    _server["url"], _server["roles"] = url, list(roles) if roles is not None else None
+
+
+def server_card() -> ServerCard:
+    """This server as it announces itself now."""
+    cards = []
+    for engine in registry:
+        checkpoint = engine.checkpoint
+        cards.append(EngineCard(name=engine.name, model=str(getattr(checkpoint, "name", "")),
+                                backend=engine.backend_name, dtype=engine.dtype,
+                                mode="process" if engine.process else "thread", tracing=engine.tracing_enabled,
+                                kv_cache=engine.kv_cache.describe() if engine.kv_cache else "",
+                                weights=str(getattr(engine, "source_format", ""))))
+    roles = _server["roles"]
+    if roles is None:
+        roles = (["engines"] if cards else []) + (["router"] if registry.router is not None else [])
+    return ServerCard(server=SERVER_ID, url=_server["url"], version=engines.__version__, roles=roles,
+                      engines=cards, started_at=_STARTED_AT)
+
+
+def _load_targets() -> list[ForeignTarget]:
+    from engines.models import ForeignServer
+
+    return [ForeignTarget(id=f"foreign-{s.pk}", name=s.name, url=s.url, kind=s.kind,
+                          interval_s=min(5.0, max(1.0, s.poll_interval_s)), api_key=s.api_key)
+            for s in ForeignServer.objects.order_by("name")]
+
+
+async def foreign_targets() -> list[ForeignTarget]:
+    """The attached servers, from the database."""
+    return await sync_to_async(_load_targets, thread_sensitive=False)()
+
+
+def make_store() -> FleetStore:
+    name = getattr(settings, "FLEET_NAME", "default")
+    url = getattr(settings, "REDIS_URL", "")
+    if not url:
+        return LocalFleetStore(name)
+    import redis.asyncio as aioredis
+
+    # Short timeouts: a Redis that went away must not hold a page or a poll for long.
+    client = aioredis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
+    return RedisFleetStore(client, name)
+
+
+class FleetService:
+    """This process's fleet parts, on one event loop."""
+
+    def __init__(self, store: FleetStore | None = None) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.store = store if store is not None else make_store()
+        self.targets: list[ForeignTarget] = []
+        self.board = FleetBoard(self.store, lambda: self.targets)
+        self.publisher = FleetPublisher(self.store, SERVER_ID, lambda: list(registry), server_card)
+        self.polling = ForeignPolling(self.store, SERVER_ID, lambda: self.targets)
+        self.controls = ControlListener(self.store, SERVER_ID, lambda: self.publisher.clock.best)
+        self.rollups = RollupWriter(self.store, SERVER_ID, lambda: {t.id: t.name for t in self.targets},
+                                    keep_minutes_h=float(getattr(settings, "FLEET_ROLLUP_MINUTES_H", 24)),
+                                    keep_hours_d=float(getattr(settings, "FLEET_ROLLUP_HOURS_D", 30)))
+        self.tasks: list[asyncio.Task[None]] = []
+
+    def start(self) -> None:
+        """Publish this server and poll the attached ones (idempotent)."""
+        if self.tasks:
+            return
+        loop = asyncio.get_running_loop()
+        self.tasks = [loop.create_task(self.publisher.run(), name="fleet-publisher"),
+                      loop.create_task(self._refresh_targets(), name="fleet-targets"),
+                      loop.create_task(self.polling.run(), name="fleet-polling"),
+                      loop.create_task(self.controls.run(), name="fleet-controls"),
+                      loop.create_task(self.rollups.run(), name="fleet-rollups")]
+
+    async def refresh_targets(self) -> None:
+        """Re-read the attached servers now (after an attach or a detach)."""
+        self.targets = await foreign_targets()
+        self.polling.refresh()
+
+    async def _refresh_targets(self) -> None:
+        while True:
+            try:
+                await self.refresh_targets()
+            except Exception as exc:  # noqa: BLE001 - the database is down: keep the last list
+                logger.warning("fleet: cannot read the attached servers (%s)", exc)
+            await asyncio.sleep(TARGETS_REFRESH_S)
+
+    async def stop(self) -> None:
+        """Stop, saying this server left on purpose."""
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        self.tasks = []
+        await self.publisher.leave()
+
+
+_services: dict[int, FleetService] = {}
+
+
+def fleet_service() -> FleetService:
+    """The running loop's fleet service (tests run several loops)."""
+    loop = asyncio.get_running_loop()
+    service = _services.get(id(loop))
+    if service is None or service.loop is not loop:
+        service = _services[id(loop)] = FleetService()
+    return service

@@ -1,0 +1,185 @@
+"""Where the fleet's shared state lives: the Redis every member already uses for its channel
+layer, or (no ``REDIS_URL``) this process alone.
+
+Under ``fleet:<FLEET_NAME>:`` besides the membership keys (``membership``):
+
+* ``rows``: a hash, server id -> that server's :class:`~engines.fleet.rows.ServerRows` as JSON,
+  rewritten once a second by the server itself (one ``HSET`` a second a server, whoever watches);
+* ``foreign``: a hash, attached server id -> its last poll's ``ServerRows``;
+* ``control:<server>``: a list, the control commands other members sent that server
+  (``controls``), which it pops;
+* ``lease:<what>``: a key held by the member doing a job for the whole fleet (polling one
+  foreign server), so that N members poll it once, and another takes over when it stops.
+
+A page reads the two hashes once a second while anyone watches: per server and second, Redis
+carries one write and, per member with viewers, one read, whatever the number of viewers.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Protocol
+
+import orjson
+from pydantic import ValidationError
+
+from engines.fleet.membership import Member, Membership, ServerCard
+from engines.fleet.rows import ServerRows
+
+__all__ = ["FleetStore", "LocalFleetStore", "RedisFleetStore"]
+
+#: Seconds a control queue outlives its last command (a gone server's queue does not pile up).
+CONTROL_QUEUE_TTL_S = 60
+
+
+class FleetStore(Protocol):
+    """The fleet's shared state, as a member reads and writes it."""
+
+    name: str
+    shared: bool
+
+    async def announce(self, card: ServerCard) -> None: ...
+    async def leave(self) -> None: ...
+    async def members(self) -> list[Member]: ...
+    async def put_rows(self, rows: ServerRows) -> None: ...
+    async def all_rows(self) -> dict[str, ServerRows]: ...
+    async def put_foreign(self, server: str, rows: ServerRows) -> None: ...
+    async def all_foreign(self) -> dict[str, ServerRows]: ...
+    async def take_lease(self, what: str, holder: str, ttl_s: float) -> bool: ...
+    async def reference_time(self) -> float: ...
+    async def push_control(self, server: str, command: str) -> None: ...
+    async def pop_control(self, server: str, timeout_s: float) -> str | None: ...
+
+
+def _decode_rows(raw: dict[Any, Any]) -> dict[str, ServerRows]:
+    out: dict[str, ServerRows] = {}
+    for key, value in raw.items():
+        try:
+            rows = ServerRows.model_validate(orjson.loads(value))
+        except (ValidationError, orjson.JSONDecodeError):
+            continue  # a member of another version: its rows are not ours to read
+        out[key.decode() if isinstance(key, bytes) else key] = rows
+    return out
+
+
+class RedisFleetStore:
+    """The fleet in a Redis (``redis.asyncio`` client)."""
+
+    shared = True
+
+    def __init__(self, redis: Any, name: str = "default", heartbeat_s: float | None = None) -> None:
+        self.redis = redis
+        self.name = name
+        self.membership = Membership(redis, name) if heartbeat_s is None else Membership(redis, name, heartbeat_s)
+        base = f"fleet:{name}:"
+        self.rows_key, self.foreign_key, self.lease_prefix = base + "rows", base + "foreign", base + "lease:"
+        self.control_prefix = base + "control:"
+
+    async def announce(self, card: ServerCard) -> None:
+        await self.membership.announce(card)
+
+    async def leave(self) -> None:
+        await self.membership.leave()
+
+    async def members(self) -> list[Member]:
+        return await self.membership.members()
+
+    async def put_rows(self, rows: ServerRows) -> None:
+        await self.redis.hset(self.rows_key, rows.server, rows.model_dump_json())
+
+    async def all_rows(self) -> dict[str, ServerRows]:
+        return _decode_rows(await self.redis.hgetall(self.rows_key))
+
+    async def put_foreign(self, server: str, rows: ServerRows) -> None:
+        await self.redis.hset(self.foreign_key, server, rows.model_dump_json())
+
+    async def all_foreign(self) -> dict[str, ServerRows]:
+        return _decode_rows(await self.redis.hgetall(self.foreign_key))
+
+    async def take_lease(self, what: str, holder: str, ttl_s: float) -> bool:
+        """Hold ``what`` for ``ttl_s`` more seconds: True if it was free, expired or already ours."""
+        key = self.lease_prefix + what
+        ttl_ms = max(1, int(ttl_s * 1000))
+        if await self.redis.set(key, holder, nx=True, px=ttl_ms):
+            return True
+        current = await self.redis.get(key)
+        if current is not None and (current.decode() if isinstance(current, bytes) else current) == holder:
+            await self.redis.pexpire(key, ttl_ms)
+            return True
+        return False
+
+
+    async def reference_time(self) -> float:
+        """The fleet's reference clock: the Redis server's ``TIME`` (Unix seconds)."""
+        seconds, micros = await self.redis.time()
+        return seconds + micros / 1e6
+
+    async def push_control(self, server: str, command: str) -> None:
+        """Queue a command for ``server``; a queue nobody reads expires (its server is gone)."""
+        key = self.control_prefix + server
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.rpush(key, command)
+        pipe.expire(key, CONTROL_QUEUE_TTL_S)
+        await pipe.execute()
+
+    async def pop_control(self, server: str, timeout_s: float) -> str | None:
+        """The next command for ``server``, waiting up to ``timeout_s`` (whole seconds in Redis)."""
+        popped = await self.redis.blpop([self.control_prefix + server], timeout=max(1, round(timeout_s)))
+        if popped is None:
+            return None
+        value = popped[1]
+        return value.decode() if isinstance(value, bytes) else value
+
+
+class LocalFleetStore:
+    """A fleet of one: this server, and the foreign servers it polls itself."""
+
+    shared = False
+
+    def __init__(self, name: str = "default") -> None:
+        self.name = name
+        self._card: ServerCard | None = None
+        self._left = False
+        self._rows: dict[str, ServerRows] = {}
+        self._foreign: dict[str, ServerRows] = {}
+        self._controls: dict[str, asyncio.Queue[str]] = {}
+
+    async def announce(self, card: ServerCard) -> None:
+        self._card, self._left = card, False
+
+    async def leave(self) -> None:
+        self._left = True
+
+    async def members(self) -> list[Member]:
+        if self._card is None:
+            return []
+        now = time.time()
+        return [Member(card=self._card, last_seen=now, age_s=0.0, state="stopped" if self._left else "up")]
+
+    async def put_rows(self, rows: ServerRows) -> None:
+        self._rows[rows.server] = rows
+
+    async def all_rows(self) -> dict[str, ServerRows]:
+        return dict(self._rows)
+
+    async def put_foreign(self, server: str, rows: ServerRows) -> None:
+        self._foreign[server] = rows
+
+    async def all_foreign(self) -> dict[str, ServerRows]:
+        return dict(self._foreign)
+
+    async def take_lease(self, what: str, holder: str, ttl_s: float) -> bool:
+        return True
+
+    async def reference_time(self) -> float:
+        return time.time()  # a fleet of one is its own reference
+
+    async def push_control(self, server: str, command: str) -> None:
+        self._controls.setdefault(server, asyncio.Queue()).put_nowait(command)
+
+    async def pop_control(self, server: str, timeout_s: float) -> str | None:
+        queue = self._controls.setdefault(server, asyncio.Queue())
+        try:
+            return await asyncio.wait_for(queue.get(), timeout_s)
+        except asyncio.TimeoutError:
+            return None

@@ -1,0 +1,162 @@
+"""What a step's changes report, and the records they leave: the engine's outputs side.
+
+:class:`OutputProcessor` turns what each touched request's choices produced since its last
+output into one ``RequestOutput`` (text deltas, token ids, logprobs, finish reasons), accounts
+for a request whose every choice ended (usage, metrics, the recent-requests record, the trace's
+``finish``), keeps the running/waiting and KV gauges current, and lists the requests in the
+engine now for the dashboard. Engine thread only, except :meth:`OutputProcessor.live_requests`.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from engines.runtime.core.disagg.sender import describe_half
+from engines.runtime.core.request import ChoiceDelta, FinishReason, RequestOutput, RequestState
+from engines.runtime.telemetry.metrics import EngineMetrics, RecentRequest, RequestMetrics
+
+if TYPE_CHECKING:
+    from engines.runtime.core.kv_pool import KVCachePool
+    from engines.runtime.core.scheduler import Scheduler
+    from engines.runtime.telemetry.trace_recorder import TraceRecorder
+
+__all__ = ["OutputProcessor"]
+
+
+class OutputProcessor:
+    """The engine's outputs, finished requests' accounting and gauges.
+
+    Args:
+        requests: the engine's live requests by id (shared: the engine adds and removes them).
+        scheduler: whose running sequences the gauges count.
+        kv_pool: whose usage the gauges show.
+        metrics: the engine's metrics.
+        tracer: the event recorder, or None.
+    """
+
+    def __init__(self, requests: dict[str, RequestState], scheduler: "Scheduler", kv_pool: "KVCachePool",
+                 metrics: EngineMetrics, tracer: "TraceRecorder | None") -> None:
+        self.requests = requests
+        self.scheduler = scheduler
+        self.kv_pool = kv_pool
+        self.metrics = metrics
+        self.tracer = tracer
+
+    def outputs(self, touched: list[RequestState]) -> list[RequestOutput]:
+        """What the requests a step changed have to report, in the order they were touched;
+        refreshes the gauges."""
+        outputs = [o for state in dict.fromkeys(touched) if (o := self.collect(state)) is not None]
+        self.update_gauges()
+        return outputs
+
+    def collect(self, state: RequestState) -> RequestOutput | None:
+        """Turn what each choice produced since the last output into deltas (and usage when done)."""
+        choices = []
+        for seq in state.sequences:
+            reason_now = seq.finish_reason if seq.finished and not seq.finish_reported else None
+            if not seq.pending_ids and not seq.pending_text and reason_now is None:
+                continue
+            choices.append(ChoiceDelta(
+                index=seq.index,
+                text=seq.pending_text,
+                token_ids=seq.pending_ids,
+                logprobs=seq.pending_logprobs if state.params.logprobs else None,
+                finish_reason=reason_now,
+            ))
+            seq.pending_ids, seq.pending_text, seq.pending_logprobs = [], "", []
+            if reason_now is not None:
+                seq.finish_reported = True
+        usage = None
+        if state.finished:
+            usage = self._finish_request(state)
+        if not choices and usage is None:
+            return None
+        return RequestOutput(state.request_id, choices, usage, state.kv_block if usage is not None else None)
+
+    def _finish_request(self, state: RequestState) -> dict[str, Any]:
+        """Account for a request whose every choice ended (metrics, trace); returns its usage."""
+        completion = sum(s.num_output_tokens for s in state.sequences)
+        prompt = len(state.request.prompt)
+        aborted = all(s.finish_reason is FinishReason.ABORT for s in state.sequences)
+        rm = RequestMetrics(
+            prompt_tokens=prompt,
+            completion_tokens=completion,
+            prefill_tokens=state.prefill_tokens,
+            decode_tokens=state.decode_tokens,
+            jump_forward_tokens=state.jump_forward_tokens,
+            add_time=state.arrival_time,
+            first_scheduled_time=state.first_scheduled_time,
+            first_token_time=state.first_token_time,
+            finish_time=state.finish_time or time.perf_counter(),
+        )
+        if not aborted:
+            self.metrics.on_request_finished(rm)
+        # One reason, or the choices' several ("length,stop"); a plain str either way. (Every
+        # choice has ended, so each has its reason.)
+        finish_reason = ",".join(sorted({s.finish_reason for s in state.sequences if s.finish_reason is not None}))
+        extra = rm.as_usage_extra()
+        self.metrics.on_request_ended(RecentRequest(
+            request_id=state.request_id, finish_reason=finish_reason, prompt_tokens=prompt,
+            completion_tokens=completion,
+            queue_s=rm.queue_time_s if state.first_scheduled_time is not None else None,
+            ttft_s=rm.ttft_s if state.first_token_time is not None else None,
+            decode_tokens_per_s=extra.get("decode_tokens_per_s"), end_to_end_s=rm.end_to_end_latency_s,
+            finished_at=time.time(), disagg=describe_half(state.request)))
+        if self.tracer is not None:
+            if state.first_scheduled_time is None:  # aborted or dropped while waiting
+                self.tracer.add_event(state.request_id, "finish queue")
+            self.tracer.add_event(state.request_id, "finish", {
+                "finish_reason": finish_reason,
+                "prompt_tokens": prompt, "completion_tokens": completion,
+                "prefill_tokens": state.prefill_tokens,
+            })
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "extra": extra,
+        }
+
+    def update_gauges(self) -> None:
+        """Refresh the running/waiting and KV gauges after anything that may change them."""
+        usage = self.kv_pool.usage()
+        # Requests, not choices (a request has n). Counted from the running side, which is
+        # bounded by max_num_seqs, where the waiting queue may be long: every other live
+        # request waits, and a running one does too while a choice of its is unadmitted.
+        # Plain loops: the caches are cold after the forward pass, where a Counter and generators
+        # cost several times as much (docs/perf-log/cpu-anchors.md#2026-11-26-one-numba-call-a-step);
+        # a request of one choice needs no count of its choices.
+        running: dict[str, int] = {}
+        for seq in self.scheduler.running:
+            rid = seq.request.request_id
+            running[rid] = running.get(rid, 0) + 1
+        waiting = len(self.requests) - len(running)
+        for rid, n in running.items():
+            choices = self.requests[rid].sequences
+            if n < len(choices) and n < sum(not s.finished for s in choices):
+                waiting += 1
+        self.metrics.set_gauges(
+            num_running_requests=len(running),
+            num_waiting_requests=waiting,
+            kv_pages_used=usage.used_pages,
+            kv_pages_total=usage.total_pages,
+            prefix_cache_hit_rate=usage.hit_rate,
+        )
+
+    def live_requests(self) -> list[dict[str, Any]]:
+        """The requests in the engine now, oldest first: waiting for their first step, in their
+        prefill, or decoding (JSON-ready). Safe from any thread, mid-step included (a reader of
+        plain fields; a request that ends meanwhile may still show)."""
+        now = time.perf_counter()
+        out = []
+        for state in list(self.requests.values()):  # a copy taken in one go under the GIL
+            phase = ("waiting" if state.first_scheduled_time is None
+                     else "prefill" if state.first_token_time is None else "decode")
+            out.append({
+                "request_id": state.request_id, "phase": phase, "prompt_tokens": len(state.request.prompt),
+                "output_tokens": sum(seq.num_output_tokens for seq in state.sequences), "n": len(state.sequences),
+                "age_s": now - state.arrival_time,
+                "ttft_s": None if state.first_token_time is None else state.first_token_time - state.arrival_time,
+                "disagg": describe_half(state.request),
+            })
+        return out

@@ -1,0 +1,123 @@
+"""Running a request on its engine and gathering the reply: the whole reply once it ended, or
+its server-sent events as they come (``data: {...}`` ... ``data: [DONE]``).
+
+Streaming semantics are decided here. A client that goes away mid-request (Django cancels the
+view or the stream) aborts the request in its engine, freeing its KV pages; the first output is
+awaited before any reply is made, so a request the engine refuses still gets a proper 400
+instead of a broken stream; an engine that dies mid-stream is reported in-band.
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import orjson
+from pydantic import BaseModel
+
+from engines.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, ProtocolError, Usage
+from engines.registry import registry
+from engines.runtime import AsyncEngine, EngineDeadError, EngineRequestError, GenerationRequest, RequestOutput
+from engines.serving.shapers import ResponseShaper
+
+__all__ = ["SSE_DONE", "Reply", "collect", "generate", "metrics_events", "sse_events"]
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+#: A generation's reply: one whole object, or the SSE events of a stream.
+Reply = BaseModel | AsyncIterator[bytes]
+
+
+async def generate(
+    engine: AsyncEngine,
+    body: ChatCompletionRequest | CompletionRequest,
+    generation: GenerationRequest,
+    shaper: ResponseShaper,
+) -> Reply:
+    """Start the request; the SSE events of its stream, or its whole reply once it ended.
+
+    The first output is awaited before any reply is made, so a request the
+    engine refuses still gets a proper 400 instead of a broken stream.
+
+    A client that leaves meanwhile needs nothing here: Django cancels the view while it
+    awaits ``outputs``, so the cancellation lands inside ``AsyncEngine.generate``, whose
+    ``finally`` aborts the request (once) and frees its KV pages.
+    """
+    # Counted for a draining shutdown; a stream counts again while its body is written.
+    with registry.response_in_flight():
+        outputs = engine.generate(generation)
+        try:
+            first = await anext(outputs)
+        except EngineRequestError as exc:
+            raise ProtocolError(400, str(exc)) from None
+        if not body.stream:
+            return await collect(outputs, first, shaper)
+    return sse_events(outputs, first, shaper, body.include_usage)
+
+
+async def sse_events(
+    outputs: AsyncIterator[RequestOutput],
+    first: RequestOutput,
+    shaper: ResponseShaper,
+    include_usage: bool,
+) -> AsyncIterator[bytes]:
+    """The SSE body: one chunk per engine output, the usage chunk if asked, then ``[DONE]``.
+
+    When the client disconnects Django cancels this generator at its current ``await``
+    (or closes it at a ``yield``); ``finally`` then closes the engine's stream, whose own
+    ``finally`` aborts the request so its KV pages are freed at once.
+    """
+    # Counted while it is written, so a draining shutdown waits for its [DONE].
+    with registry.response_in_flight():
+        finished = False
+        try:
+            output: RequestOutput | None = first
+            while output is not None:
+                chunk = shaper.chunk(output)
+                if chunk is not None:
+                    yield _sse(chunk)
+                if output.finished:
+                    break
+                output = await anext(outputs, None)
+            finished = True
+            if include_usage:
+                yield _sse(shaper.usage_chunk())
+            yield SSE_DONE
+        except EngineDeadError as exc:
+            # Headers are gone already: report in-band, as OpenAI's streams do.
+            finished = True
+            yield b"data: " + orjson.dumps(ErrorResponse.from_status(503, str(exc)).stream_event()) + b"\n\n"
+            yield SSE_DONE
+        finally:
+            if not finished:
+                # Cancelled inside ``anext(outputs)``, the stream has closed itself and this is a no-op;
+                # closed at our ``yield``, the stream waits at its own and must be closed to abort.
+                await outputs.aclose()  # type: ignore[attr-defined]
+
+
+def _sse(model: BaseModel) -> bytes:
+    """One SSE event; the serializer writes JSON bytes directly (no str round trip per token)."""
+    return b"data: " + model.__pydantic_serializer__.to_json(model) + b"\n\n"
+
+
+async def collect(outputs: AsyncIterator[RequestOutput], first: RequestOutput, shaper: ResponseShaper) -> BaseModel:
+    """Gather every output of a non-streaming request into its one reply."""
+    shaper.absorb(first)
+    if not first.finished:
+        async for output in outputs:
+            shaper.absorb(output)
+    return shaper.response()
+
+
+async def metrics_events(engine: AsyncEngine, shaper: ResponseShaper) -> AsyncIterator[bytes]:
+    """MLC's ``query_engine_metrics``: one usage chunk (zero tokens, ``extra`` = engine metrics), then ``[DONE]``.
+
+    Never queued and never traced (MLC traces these and litters the trace with
+    ``chatcmpl-`` lanes; we don't).
+    """
+    usage = Usage(extra=await engine.metrics())
+    return _aiter([_sse(shaper.usage_chunk(usage)), SSE_DONE])
+
+
+async def _aiter(items: list[bytes]) -> AsyncIterator[bytes]:
+    # Django consumes a sync iterator on a worker thread (with a warning); this stays on the loop.
+    for item in items:
+        yield item

@@ -1,0 +1,224 @@
+"""From the engine's outputs to OpenAI's objects: one shaper per request, for its stream chunks
+or its one whole reply (``chat.completion`` / ``text_completion`` and their chunks)."""
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from typing import Literal
+
+from pydantic import BaseModel
+
+from engines.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+from engines.registry import registry
+from engines.runtime import AsyncEngine, ChoiceDelta, FinishReason, RequestOutput, TokenLogprob as EngineTokenLogprob
+
+__all__ = ["ChatShaper", "CompletionShaper", "ResponseShaper"]
+
+
+class ResponseShaper(ABC):
+    """Turns one request's engine outputs into OpenAI objects (chunks, or one final response).
+
+    Keeps what a reply needs across outputs: per-choice text and logprobs for the
+    non-streaming reply, which choices already sent their role, the final usage.
+    """
+
+    def __init__(self, request_id: str, engine: AsyncEngine, body: ChatCompletionRequest | CompletionRequest) -> None:
+        self.request_id = request_id
+        self.model = engine.name
+        self.tokenizer = engine.tokenizer
+        self.created = int(time.time())
+        # Chat asks with logprobs=true; completions with logprobs=0..5 (0: the chosen token only).
+        self.want_logprobs = body.logprobs is not None and body.logprobs is not False
+        self.usage: Usage | None = None
+        self._texts: dict[int, list[str]] = {}
+        self._logprobs: dict[int, list[EngineTokenLogprob]] = {}
+        self._finish: dict[int, FinishReason | None] = {}
+
+    # -- shared
+
+    def _record_usage(self, output: RequestOutput) -> None:
+        if output.usage is not None:
+            usage = dict(output.usage)
+            if not registry.options.enable_debug:
+                usage.pop("extra", None)  # request metrics are a debug feature, as in MLC
+            self.usage = Usage(**usage)
+
+    def absorb(self, output: RequestOutput) -> None:
+        """Accumulate an output for the non-streaming reply."""
+        for delta in output.choices:
+            self._texts.setdefault(delta.index, []).append(delta.text)
+            if delta.logprobs:
+                self._logprobs.setdefault(delta.index, []).extend(delta.logprobs)
+            if delta.finish_reason is not None or delta.index not in self._finish:
+                self._finish[delta.index] = delta.finish_reason
+        self._record_usage(output)
+
+    def token_text(self, token_id: int) -> str:
+        """A token's text for logprobs; OpenAI's ``bytes:\\xNN`` form for a partial UTF-8 character."""
+        raw = self.tokenizer.token_bytes(token_id)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+    def _skip(self, delta: ChoiceDelta) -> bool:
+        # Text held back (a possible stop string, half a UTF-8 character) leaves an empty delta;
+        # sending it would only cost the client a parse (MLC: "skip empty delta text").
+        return not delta.text and delta.finish_reason is None and not delta.logprobs
+
+    @abstractmethod
+    def chunk(self, output: RequestOutput) -> BaseModel | None:
+        """The stream chunk for one output, or None when it carries nothing to send."""
+
+    @abstractmethod
+    def usage_chunk(self, usage: Usage | None = None) -> BaseModel:
+        """The closing chunk with ``choices: []`` and the usage (the request's, unless given)."""
+
+    @abstractmethod
+    def response(self) -> BaseModel:
+        """The whole non-streaming reply, from everything :meth:`absorb` saw."""
+
+
+class ChatShaper(ResponseShaper):
+    """``chat.completion`` and ``chat.completion.chunk`` objects."""
+
+    def __init__(self, request_id: str, engine: AsyncEngine, body: ChatCompletionRequest) -> None:
+        super().__init__(request_id, engine, body)
+        self._role_sent: set[int] = set()
+
+    def _logprobs_of(self, items: list[EngineTokenLogprob] | None) -> ChatLogprobs | None:
+        if not self.want_logprobs:
+            return None
+        content = []
+        for item in items or ():
+            top = [
+                TopLogprob(token=self.token_text(tid), logprob=lp, bytes=list(self.tokenizer.token_bytes(tid)))
+                for tid, lp in item.top_logprobs
+            ]
+            content.append(
+                TokenLogprob(
+                    token=self.token_text(item.token_id),
+                    logprob=item.logprob,
+                    bytes=list(self.tokenizer.token_bytes(item.token_id)),
+                    top_logprobs=top,
+                )
+            )
+        return ChatLogprobs(content=content)
+
+    def chunk(self, output: RequestOutput) -> ChatCompletionChunk | None:
+        self._record_usage(output)
+        choices = []
+        for delta in output.choices:
+            if self._skip(delta):
+                continue
+            role: Literal["assistant"] | None = None
+            if delta.index not in self._role_sent:
+                self._role_sent.add(delta.index)
+                role = "assistant"
+            choices.append(
+                ChatStreamChoice(
+                    index=delta.index,
+                    delta=ChatDelta(role=role, content=delta.text or ("" if role else None)),
+                    logprobs=self._logprobs_of(delta.logprobs),
+                    finish_reason=delta.finish_reason,
+                )
+            )
+        if not choices:
+            return None
+        return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=choices)
+
+    def usage_chunk(self, usage: Usage | None = None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=self.request_id, created=self.created, model=self.model, choices=[], usage=usage or self.usage or Usage()
+        )
+
+    def response(self) -> ChatCompletionResponse:
+        choices = [
+            ChatChoice(
+                index=index,
+                message=ChatResponseMessage(content="".join(self._texts[index])),
+                logprobs=self._logprobs_of(self._logprobs.get(index)),
+                finish_reason=self._finish.get(index),
+            )
+            for index in sorted(self._texts)
+        ]
+        return ChatCompletionResponse(
+            id=self.request_id, created=self.created, model=self.model, choices=choices, usage=self.usage
+        )
+
+
+class CompletionShaper(ResponseShaper):
+    """``text_completion`` objects, streamed or whole."""
+
+    def __init__(self, request_id: str, engine: AsyncEngine, body: CompletionRequest) -> None:
+        super().__init__(request_id, engine, body)
+        # Logprob text offsets continue across chunks: each choice's text length so far.
+        self._offsets: dict[int, int] = {}
+
+    def _logprobs_of(self, items: list[EngineTokenLogprob] | None, offset: int) -> CompletionLogprobs | None:
+        if not self.want_logprobs:
+            return None
+        out = CompletionLogprobs()
+        for item in items or ():
+            text = self.token_text(item.token_id)
+            out.tokens.append(text)
+            out.token_logprobs.append(item.logprob)
+            out.top_logprobs.append({self.token_text(tid): lp for tid, lp in item.top_logprobs})
+            out.text_offset.append(offset)
+            offset += len(text)
+        return out
+
+    def chunk(self, output: RequestOutput) -> CompletionResponse | None:
+        self._record_usage(output)
+        choices = []
+        for delta in output.choices:
+            if self._skip(delta):
+                continue
+            offset = self._offsets.get(delta.index, 0)
+            choices.append(
+                CompletionChoice(
+                    index=delta.index,
+                    text=delta.text,
+                    logprobs=self._logprobs_of(delta.logprobs, offset),
+                    finish_reason=delta.finish_reason,
+                )
+            )
+            self._offsets[delta.index] = offset + len(delta.text)
+        if not choices:
+            return None
+        return CompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=choices)
+
+    def usage_chunk(self, usage: Usage | None = None) -> CompletionResponse:
+        return CompletionResponse(
+            id=self.request_id, created=self.created, model=self.model, choices=[], usage=usage or self.usage or Usage()
+        )
+
+    def response(self) -> CompletionResponse:
+        choices = [
+            CompletionChoice(
+                index=index,
+                text="".join(self._texts[index]),
+                logprobs=self._logprobs_of(self._logprobs.get(index), 0),
+                finish_reason=self._finish.get(index),
+            )
+            for index in sorted(self._texts)
+        ]
+        return CompletionResponse(
+            id=self.request_id, created=self.created, model=self.model, choices=choices, usage=self.usage
+        )

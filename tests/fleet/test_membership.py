@@ -1,0 +1,68 @@
+"""Our servers find each other in the shared Redis: announced, listed, gone after missed
+heartbeats (with when they were last seen), back when they beat again, stopped when they leave."""
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+import redis.asyncio as aioredis
+
+from engines.fleet.membership import EngineCard, Membership, ServerCard
+from tests.fleet.conftest import REDIS_URL
+
+
+def card(server: str, engines: int = 1) -> ServerCard:
+    return ServerCard(server=server, url=f"http://{server}/", version="test", roles=["engines"], started_at=0.0,
+                      engines=[EngineCard(name=f"e{i}", model="demo", backend="cpu", dtype="float32", mode="process",
+                                          tracing=True) for i in range(engines)])
+
+
+@pytest.fixture
+async def fleet():
+    client = aioredis.from_url(REDIS_URL)
+    name = f"test-{uuid.uuid4().hex[:8]}"
+    yield client, name
+    keys = [k async for k in client.scan_iter(f"fleet:{name}:*")]
+    if keys:
+        await client.delete(*keys)
+    await client.aclose()
+
+
+async def test_members_see_each_other_and_a_silent_one_goes(fleet):
+    client, name = fleet
+    a, b = Membership(client, name, heartbeat_s=0.1), Membership(client, name, heartbeat_s=0.1)
+    await a.announce(card("host-a:1", engines=2))
+    await b.announce(card("host-b:2"))
+    members = {m.card.server: m for m in await a.members()}
+    assert set(members) == {"host-a:1", "host-b:2"} and all(m.state == "up" for m in members.values())
+    assert [e.name for e in members["host-a:1"].card.engines] == ["e0", "e1"]
+    await asyncio.sleep(0.35)  # b misses three beats; a beats on
+    await a.announce(card("host-a:1", engines=2))
+    members = {m.card.server: m for m in await b.members()}
+    assert members["host-a:1"].state == "up" and members["host-b:2"].state == "gone"
+    assert members["host-b:2"].age_s >= 0.3
+    await b.announce(card("host-b:2"))
+    assert {m.card.server: m.state for m in await a.members()}["host-b:2"] == "up"  # back
+
+
+async def test_a_server_that_leaves_shows_as_stopped_and_the_long_gone_are_forgotten(fleet):
+    client, name = fleet
+    a = Membership(client, name, heartbeat_s=0.1, forget_after_s=0.5)
+    await a.announce(card("host-a:1"))
+    await a.leave()
+    assert [(m.card.server, m.state) for m in await a.members()] == [("host-a:1", "stopped")]
+    await asyncio.sleep(0.6)
+    assert await a.members() == []
+    assert not await client.exists(f"fleet:{name}:cards")
+
+
+async def test_the_heartbeat_loop_survives_a_redis_that_does_not_answer(fleet, caplog):
+    client, name = fleet
+    dead = aioredis.from_url("redis://127.0.0.1:1", socket_connect_timeout=0.05)
+    task = asyncio.create_task(Membership(dead, name, heartbeat_s=0.05).run(lambda: card("host-x:9")))
+    await asyncio.sleep(0.3)
+    assert not task.done()
+    task.cancel()
+    await dead.aclose()
+    assert sum("cannot announce" in r.message for r in caplog.records) == 1  # once per outage
