@@ -7,8 +7,10 @@ measurement) over ``--engines`` engines whose metrics are real ``EngineMetrics``
 observations every second. Measures, over ``--seconds``:
 
 * Redis commands and bytes in/out per server per second with nobody watching, then with
-  ``--boards`` members each holding a fleet page open (one ``FleetBoard`` read a second each):
-  a server's own traffic must not grow with the fleet's viewers;
+  ``--boards`` members each holding a fleet page open (a ``FleetBoard`` each: the rows pushed to
+  it, and one whole read a second): a server's own traffic must not grow with the fleet's viewers;
+* with pages open, a row's age when the board pushes it to its pages (its server read the engine
+  at ``at``): p50 and p99 (goal p99 <= 500 ms); and this process's CPU per server-second;
 * the time to assemble one fleet view (all servers, all rows, fleet percentiles) and its JSON size;
 * with ``--browser``, the grid's render time in Debian's chromium: a live ``manage.py serve`` in
   the same fleet, its fleet page open, every update's ``render()`` timed by the page itself.
@@ -29,9 +31,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from collections.abc import Iterable
 from types import SimpleNamespace
 from typing import Any
 
+import orjson
 from results_file import ResultsFile, add_results_option  # bench/ is the script's folder, first on sys.path
 from servers import free_port, launch
 
@@ -72,59 +76,88 @@ async def redis_info(client: Any) -> dict[str, int]:
                                             "total_net_output_bytes")}
 
 
-async def run_phase(clients: list[Any], publishers: list[Any], boards: list[Any], seconds: float,
-                    engines: list[list[SimulatedEngine]]) -> dict[str, float]:
-    rng = random.Random(0)
-    tasks = [asyncio.create_task(p.run()) for p in publishers]
-    viewers: list[Any] = []
-    for board in boards:
-        async def sink(text: str) -> None:
-            pass
-        viewer = object()
-        viewers.append((board, viewer))
+def _cpu_seconds(pid: int) -> float:
+    """A process's user + system CPU so far (``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _member_worker(args: argparse.Namespace, redis_url: str, fleet: str, first: int, stop: Any) -> None:
+    """One worker process publishing the simulated members ``first, first + workers, ...``."""
+    import django
+
+    django.setup()
+    asyncio.run(_publish_until(args, redis_url, fleet, stop, range(first, args.servers, args.workers)))
+
+
+def start_members(args: argparse.Namespace, redis_url: str, fleet: str) -> tuple[list[Any], Any]:
+    """The simulated members, in ``--workers`` processes (as real members are processes of their own)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    stop = context.Event()
+    workers = [context.Process(target=_member_worker, args=(args, redis_url, fleet, first, stop), daemon=True)
+               for first in range(args.workers)]
+    for worker in workers:
+        worker.start()
+    return workers, stop
+
+
+async def run_phase(args: argparse.Namespace, redis_url: str, fleet: str, boards: list[Any]) -> dict[str, float]:
+    """One phase: the members publishing for ``--seconds``, with these boards (pages) open here."""
+    import redis.asyncio as aioredis
+
+    client = aioredis.from_url(redis_url)
+    workers, stop = start_members(args, redis_url, fleet)
+    ages: list[float] = []
+
+    async def sink(text: str) -> None:
+        """A page: how old each pushed row is when it is sent (its server read it at ``at``)."""
+        message = orjson.loads(text)
+        if message.get("type") == "fleet_rows":
+            now = time.time()
+            ages.extend(now - row["at"] for row in message["rows"])
+
+    viewers = [(board, object()) for board in boards]
+    for board, viewer in viewers:
         board.watch(viewer, sink)
-    await asyncio.sleep(3.0)  # warm: every member announced, windows started
-    before = await redis_info(clients[0])
+    await asyncio.sleep(8.0)  # warm: workers started, every member announced, windows begun
+    before = await redis_info(client)
+    ages.clear()
+    cpu_members = sum(_cpu_seconds(w.pid) for w in workers)
+    cpu_pages = time.process_time()
     started = time.monotonic()
-    while time.monotonic() - started < seconds:
-        for group in engines:
-            for engine in group:
-                engine.feed(rng)
-        await asyncio.sleep(1.0)
+    await asyncio.sleep(args.seconds)
     elapsed = time.monotonic() - started
-    after = await redis_info(clients[0])
+    cpu_members = sum(_cpu_seconds(w.pid) for w in workers) - cpu_members
+    cpu_pages = time.process_time() - cpu_pages
+    after = await redis_info(client)
     for board, viewer in viewers:
         board.unwatch(viewer)
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    per = len(publishers) * elapsed
-    return {key: (after[key] - before[key]) / per for key in before} | {"elapsed_s": elapsed}
+    stop.set()
+    for worker in workers:
+        worker.join(30)
+    await client.aclose()
+    per = args.servers * elapsed
+    ages.sort()
+    latency = {"age_p50_ms": 1000 * ages[len(ages) // 2], "age_p99_ms": 1000 * ages[int(len(ages) * 0.99)]} \
+        if ages else {}
+    return {key: (after[key] - before[key]) / per for key in before} | {
+        "elapsed_s": elapsed, "cpu_ms": 1000 * cpu_members / per,
+        "pages_cpu_ms": 1000 * cpu_pages / elapsed / max(1, len(boards))} | latency
 
 
 async def measure(args: argparse.Namespace, redis_url: str, fleet: str) -> dict[str, Any]:
     import redis.asyncio as aioredis
 
     from engines.fleet.board import FleetBoard, fleet_view
-    from engines.fleet.membership import EngineCard, ServerCard
-    from engines.fleet.publisher import FleetPublisher
     from engines.fleet.store import RedisFleetStore
 
-    clients = [aioredis.from_url(redis_url) for _ in range(args.servers)]
-    engines = [[SimulatedEngine(f"engine-{e}") for e in range(args.engines)] for _ in range(args.servers)]
-    publishers = []
-    for index, (client, group) in enumerate(zip(clients, engines, strict=True)):
-        server = f"sim-{index:03d}:1"
-        card = ServerCard(server=server, url=f"http://10.0.{index // 250}.{index % 250}:8000", version="bench",
-                          roles=["engines"], started_at=time.time(),
-                          engines=[EngineCard(name=e.name, model="Llama-3.1-8B-Instruct", backend="cuda",
-                                              dtype="float16", mode="process", tracing=True) for e in group])
-        publishers.append(FleetPublisher(RedisFleetStore(client, fleet), server, lambda g=group: g,
-                                         lambda c=card: c))
-    boards = [FleetBoard(RedisFleetStore(clients[i], fleet), list) for i in range(args.boards)]
-    quiet = await run_phase(clients, publishers, [], args.seconds, engines)
-    watched = await run_phase(clients, publishers, boards, args.seconds, engines)
-    store = RedisFleetStore(clients[0], fleet)
+    client = aioredis.from_url(redis_url)
+    boards = [FleetBoard(RedisFleetStore(aioredis.from_url(redis_url), fleet), list) for _ in range(args.boards)]
+    quiet = await run_phase(args, redis_url, fleet, [])
+    watched = await run_phase(args, redis_url, fleet, boards)
+    store = RedisFleetStore(client, fleet)
     times, size = [], 0
     for _ in range(10):
         started = time.perf_counter()
@@ -133,8 +166,7 @@ async def measure(args: argparse.Namespace, redis_url: str, fleet: str) -> dict[
         times.append(time.perf_counter() - started)
         size = len(text)
     rows = len(view.rows)
-    for client in clients:
-        await client.aclose()
+    await client.aclose()
     return {"quiet": quiet, "watched": watched, "view_ms": 1000 * statistics.median(times), "view_bytes": size,
             "rows": rows}
 
@@ -184,6 +216,7 @@ def main() -> None:
     parser.add_argument("--servers", type=int, default=100)
     parser.add_argument("--engines", type=int, default=4, help="engines a server (default 4)")
     parser.add_argument("--boards", type=int, default=10, help="members with a fleet page open (default 10)")
+    parser.add_argument("--workers", type=int, default=4, help="processes the simulated members run in (default 4)")
     parser.add_argument("--seconds", type=float, default=20.0, help="length of each phase (default 20)")
     parser.add_argument("--browser", action="store_true", help="also time the page's grid in chromium")
     add_results_option(parser, "fleet")
@@ -203,8 +236,11 @@ def main() -> None:
         result = asyncio.run(measure(args, redis_url, fleet)) if not args.browser else None
         results = ResultsFile(args.results, "fleet")
         where = {"part": "browser" if args.browser else "redis", "servers": args.servers, "engines": args.engines}
+        if not args.browser:
+            where["boards"] = args.boards
         if result is not None:
-            for phase, label in (("quiet", "no page open"), ("watched", f"{args.boards} pages open")):
+            for phase, label in (("quiet", "no page open"),
+                                 ("watched", f"{args.boards} member{'s' if args.boards != 1 else ''} with pages open")):
                 r = result[phase]
                 kib_in, kib_out = r["total_net_input_bytes"] / 1024, r["total_net_output_bytes"] / 1024
                 print(f"{label}: per server per second {r['total_commands_processed']:.2f} Redis commands, "
@@ -214,6 +250,15 @@ def main() -> None:
                 results.add(f"Redis bytes in per server-second, {label}", r["total_net_input_bytes"], "bytes", **where)
                 results.add(f"Redis bytes out per server-second, {label}", r["total_net_output_bytes"], "bytes",
                             **where)
+                results.add(f"member CPU per server-second, {label}", r["cpu_ms"], "ms", **where)
+                if phase == "watched":
+                    results.add(f"CPU of a member's open pages per second, {label}", r["pages_cpu_ms"], "ms", **where)
+                if "age_p50_ms" in r:
+                    print(f"  a row's age when pushed to the pages: p50 {r['age_p50_ms']:.0f} ms, "
+                          f"p99 {r['age_p99_ms']:.0f} ms; CPU {r['cpu_ms']:.1f} ms per server-second, "
+                          f"{r['pages_cpu_ms']:.0f} ms a second for a member's pages")
+                    results.add(f"row age when pushed to a page, p50, {label}", r["age_p50_ms"], "ms", **where)
+                    results.add(f"row age when pushed to a page, p99, {label}", r["age_p99_ms"], "ms", **where)
             print(f"one fleet view: {result['rows']} rows assembled in {result['view_ms']:.1f} ms (median of 10), "
                   f"{result['view_bytes'] / 1024:.0f} KiB of JSON")
             results.add("fleet view assembly", result["view_ms"], "ms", **where)
@@ -241,20 +286,24 @@ def main() -> None:
         shutil.rmtree(data, ignore_errors=True)
 
 
-async def _publish_until(args: argparse.Namespace, redis_url: str, fleet: str, stop: Any) -> None:
-    """The simulated fleet publishing (for the browser phase) until ``stop`` is set."""
+async def _publish_until(args: argparse.Namespace, redis_url: str, fleet: str, stop: Any,
+                         indexes: Iterable[int] | None = None) -> None:
+    """Simulated members (``indexes``, default all) publishing until ``stop`` is set."""
     import redis.asyncio as aioredis
 
-    from engines.fleet.membership import ServerCard
+    from engines.fleet.membership import EngineCard, ServerCard
     from engines.fleet.publisher import FleetPublisher
     from engines.fleet.store import RedisFleetStore
 
     rng = random.Random(1)
-    engines = [[SimulatedEngine(f"engine-{e}") for e in range(args.engines)] for _ in range(args.servers)]
+    members = list(range(args.servers) if indexes is None else indexes)
+    engines = [[SimulatedEngine(f"engine-{e}") for e in range(args.engines)] for _ in members]
     tasks = []
-    for index, group in enumerate(engines):
-        card = ServerCard(server=f"sim-{index:03d}:1", url=f"http://10.0.0.{index}:8000", version="bench",
-                          roles=["engines"], engines=[], started_at=time.time())
+    for index, group in zip(members, engines, strict=True):
+        card = ServerCard(server=f"sim-{index:03d}:1", url=f"http://10.0.{index // 250}.{index % 250}:8000",
+                          version="bench", roles=["engines"], started_at=time.time(),
+                          engines=[EngineCard(name=e.name, model="Llama-3.1-8B-Instruct", backend="cuda",
+                                              dtype="float16", mode="process", tracing=True) for e in group])
         publisher = FleetPublisher(RedisFleetStore(aioredis.from_url(redis_url), fleet), card.server,
                                    lambda g=group: g, lambda c=card: c)
         tasks.append(asyncio.create_task(publisher.run()))

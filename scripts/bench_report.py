@@ -181,7 +181,7 @@ VIEWS = (
          where={"part": ("load",)}),
     View("disagg", "disagg", ("window_tokens",),
          metrics=("window", "K/V transfer", "plain loopback", "transfer/plain"), where={"part": ("transfer",)}),
-    View("fleet", "fleet", ("metric",), columns=("servers",), where={"part": ("redis",)}),
+    View("fleet", "fleet", ("metric",), columns=("servers", "boards"), where={"part": ("redis",)}),
     View("fleet", "fleet", ("metric", "servers", "engines"), columns=(), where={"part": ("browser",)}),
 )
 #: BENCHMARKS.md's blocks by name: the views whose tables each holds.

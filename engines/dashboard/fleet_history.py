@@ -54,7 +54,8 @@ def fleet_history(request: HttpRequest) -> HttpResponse:
     jobs = [{"at": job.created_at.timestamp(), "label": f"{job.action} by {job.requested_by}",
              "url": reverse("admin:engines_fleetjob_change", args=[job.pk])}
             for job in FleetJob.objects.filter(created_at__gte=since).order_by("created_at")[:500]]
-    shown = {"fleet": _display(figures["fleet"]), "servers": [_display(f) for f in figures["servers"]],
+    shown = {"fleet": _display(figures["fleet"]), "models": [_display(f) for f in figures["models"]],
+             "servers": [_display(f) for f in figures["servers"]],
              "engines": [_display(f) for f in figures["engines"]]}
     context = page_context(request, "Fleet history and SLOs", figures=shown, hours=hours, windows=WINDOWS_H,
                            ttft_ms=ttft_ms, itl_ms=itl_ms, period=period, rollups=len(rows), jobs=jobs,

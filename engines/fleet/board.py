@@ -12,22 +12,27 @@ import asyncio
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 from engines.fleet.aliases import ALIASES, ServerKind
 from engines.fleet.quantiles import fleet_quantile
-from engines.fleet.rows import (FLEET_WINDOW_QUANTITIES, EngineRow, FleetServer, FleetTotals, FleetUnavailable,
-                                FleetView, TotalQuantile)
+from engines.fleet.rows import (FLEET_WINDOW_QUANTITIES, EngineRow, FleetRowsUpdate, FleetServer, FleetTotals,
+                                FleetUnavailable, FleetView, ServerRows, TotalQuantile)
 from engines.fleet.store import FleetStore
 
 logger = logging.getLogger("engines.fleet")
 
 __all__ = ["FleetBoard", "ForeignTarget", "fleet_totals", "fleet_view"]
 
-#: Seconds between views sent to the fleet pages.
+#: Seconds between whole views sent to the fleet pages (members, attached servers, totals).
 VIEW_INTERVAL_S = 1.0
+#: Seconds between pushes of the rows servers published meanwhile: a row reaches a page within
+#: this long of its server reading its engines.
+PUSH_INTERVAL_S = 0.25
+#: Seconds after which an unbroken feed has brought every live server's rows at least once.
+FEED_COVERS_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -63,10 +68,14 @@ def fleet_totals(rows: Sequence[EngineRow], servers_up: int) -> FleetTotals:
                        generation_tokens=_total(rows, "generation_tokens"), quantiles=quantiles)
 
 
-async def fleet_view(store: FleetStore, foreign: Sequence[ForeignTarget], now: float | None = None) -> FleetView:
-    """Read the store once and assemble the view."""
-    members, rows_by_server, foreign_rows = await asyncio.gather(store.members(), store.all_rows(),
-                                                                 store.all_foreign())
+async def fleet_view(store: FleetStore, foreign: Sequence[ForeignTarget], now: float | None = None,
+                     held_rows: Mapping[str, ServerRows] | None = None) -> FleetView:
+    """Read the store once and assemble the view (with ``held_rows``, the servers' rows as the
+    caller holds them, from the store's feed, instead of reading them again)."""
+    async def held() -> Mapping[str, ServerRows]:
+        return held_rows if held_rows is not None else await store.all_rows()
+
+    members, rows_by_server, foreign_rows = await asyncio.gather(store.members(), held(), store.all_foreign())
     now = time.time() if now is None else now
     servers: list[FleetServer] = []
     rows: list[EngineRow] = []
@@ -104,8 +113,9 @@ async def fleet_view(store: FleetStore, foreign: Sequence[ForeignTarget], now: f
 
 
 class FleetBoard:
-    """Sends the fleet view to this process's fleet pages once a second while any is open
-    (one store read a second for all of them)."""
+    """Sends the fleet view to this process's fleet pages once a second while any is open (one
+    store read a second for all of them), and between views, every :data:`PUSH_INTERVAL_S`, the
+    rows servers published meanwhile (``FleetRowsUpdate``), from the store's feed."""
 
     def __init__(self, store: FleetStore, foreign: Callable[[], Sequence[ForeignTarget]],
                  interval_s: float = VIEW_INTERVAL_S) -> None:
@@ -115,37 +125,81 @@ class FleetBoard:
         self.viewers: dict[object, Callable[[str], Awaitable[None]]] = {}
         self.latest_text: str | None = None
         self._task: asyncio.Task[None] | None = None
+        self._feed_task: asyncio.Task[None] | None = None
+        self._fresh: dict[str, ServerRows] = {}
+        #: Every server's newest rows from the feed, and since when the feed has run unbroken: once
+        #: it has run past a rows interval, whole views use these rather than read them again.
+        self._held: dict[str, ServerRows] = {}
+        self._feed_since: float | None = None
         self._failing = False
 
     def watch(self, viewer: object, send: Callable[[str], Awaitable[None]]) -> None:
         """Send ``viewer`` every view (starting with the latest, if any) until :meth:`unwatch`."""
         self.viewers[viewer] = send
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._run(), name="fleet-board")
+            loop = asyncio.get_running_loop()
+            self._task = loop.create_task(self._run(), name="fleet-board")
+            self._feed_task = loop.create_task(self._follow(), name="fleet-board-feed")
 
     def unwatch(self, viewer: object) -> None:
         self.viewers.pop(viewer, None)
 
     async def view_text(self) -> str:
         """The view as JSON, engine rows without their histograms (what a page and fleet.json get)."""
-        view = await fleet_view(self.store, self.foreign())
+        since = self._feed_since
+        held = self._held if since is not None and time.monotonic() - since > FEED_COVERS_S else None
+        view = await fleet_view(self.store, self.foreign(), held_rows=held)
         return view.model_dump_json(exclude={"rows": {"__all__": {"windows"}}})
 
-    async def _run(self) -> None:
+    async def _follow(self) -> None:
+        """Keep the rows servers publish (the newest of each) until no page is open."""
         while self.viewers:
-            started = time.monotonic()
+            feed = self.store.rows_feed()
             try:
-                text = await self.view_text()
-                self._failing = False
-            except Exception as exc:  # noqa: BLE001 - the store is down: say so, keep trying
-                if not self._failing:
-                    logger.warning("fleet %s: cannot read the fleet (%s)", self.store.name, exc)
-                self._failing = True
-                text = FleetUnavailable(fleet=self.store.name, at=time.time(), error=str(exc)).model_dump_json()
-            self.latest_text = text
-            for send in list(self.viewers.values()):
-                try:
-                    await send(text)
-                except Exception:  # noqa: BLE001 - a closing socket: its consumer unwatches
-                    pass
-            await asyncio.sleep(max(0.0, self.interval_s - (time.monotonic() - started)))
+                self._held, self._feed_since = dict(await self.store.all_rows()), time.monotonic()
+                async for rows in feed:
+                    self._fresh[rows.server] = self._held[rows.server] = rows
+                    if not self.viewers:
+                        break
+            except Exception as exc:  # noqa: BLE001 - Redis went away: the views say so; retry
+                logger.info("fleet %s: the rows feed stopped (%s); resubscribing", self.store.name, exc)
+                await asyncio.sleep(1.0)
+            finally:
+                self._feed_since = None
+                await feed.aclose()
+
+    async def _send(self, text: str) -> None:
+        for send in list(self.viewers.values()):
+            try:
+                await send(text)
+            except Exception:  # noqa: BLE001 - a closing socket: its consumer unwatches
+                pass
+
+    async def _run(self) -> None:
+        try:
+            next_view = 0.0
+            while self.viewers:
+                now = time.monotonic()
+                if now >= next_view:
+                    next_view = now + self.interval_s
+                    self._fresh.clear()  # the view reads every server's newest rows itself
+                    try:
+                        text = await self.view_text()
+                        self._failing = False
+                    except Exception as exc:  # noqa: BLE001 - the store is down: say so, keep trying
+                        if not self._failing:
+                            logger.warning("fleet %s: cannot read the fleet (%s)", self.store.name, exc)
+                        self._failing = True
+                        text = FleetUnavailable(fleet=self.store.name, at=time.time(),
+                                                error=str(exc)).model_dump_json()
+                    self.latest_text = text
+                    await self._send(text)
+                elif self._fresh and not self._failing:
+                    fresh, self._fresh = self._fresh, {}
+                    rows = [row for server_rows in fresh.values() for row in server_rows.rows]
+                    update = FleetRowsUpdate(at=time.time(), rows=rows)
+                    await self._send(update.model_dump_json(exclude={"rows": {"__all__": {"windows"}}}))
+                await asyncio.sleep(min(PUSH_INTERVAL_S, max(0.0, next_view - time.monotonic())))
+        finally:
+            if self._feed_task is not None:
+                self._feed_task.cancel()

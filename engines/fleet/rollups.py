@@ -240,13 +240,18 @@ def _figures(label: str, rows: Sequence[Any], ttft_target_s: float, itl_target_s
 
 
 def slo_figures(rows: Sequence[Any], ttft_target_s: float, itl_target_s: float) -> dict[str, Any]:
-    """The fleet's, each server's and each engine's SLO figures over ``rows`` (rollups of one period)."""
+    """The fleet's, each model's, each server's and each engine's SLO figures over ``rows``
+    (rollups of one period)."""
     servers: dict[str, list[Any]] = {}
+    models: dict[str, list[Any]] = {}
     engines: dict[tuple[str, str], list[Any]] = {}
     for row in rows:
         servers.setdefault(row.server_name or row.server, []).append(row)
+        models.setdefault(row.model or row.engine, []).append(row)
         engines.setdefault((row.server_name or row.server, row.engine), []).append(row)
     return {"fleet": _figures("fleet", rows, ttft_target_s, itl_target_s),
+            "models": [_figures(f"model {name}", part, ttft_target_s, itl_target_s)
+                       for name, part in sorted(models.items())],
             "servers": [_figures(name, part, ttft_target_s, itl_target_s) for name, part in sorted(servers.items())],
             "engines": [_figures(f"{engine} @ {server}", part, ttft_target_s, itl_target_s)
                         for (server, engine), part in sorted(engines.items())]}

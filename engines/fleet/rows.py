@@ -16,8 +16,8 @@ from pydantic import BaseModel
 
 from engines.fleet.quantiles import Buckets
 
-__all__ = ["FLEET_WINDOW_QUANTITIES", "EngineRow", "FleetServer", "FleetTotals", "FleetView", "ServerRows",
-           "FleetRequest", "FleetSocketError", "FleetUnavailable", "TotalQuantile", "WindowHistogram"]
+__all__ = ["FLEET_WINDOW_QUANTITIES", "EngineRow", "FleetRequest", "FleetRowsUpdate", "FleetServer", "FleetSocketError",
+           "FleetTotals", "FleetUnavailable", "FleetView", "ServerRows", "TotalQuantile", "WindowHistogram"]
 
 #: The latencies whose last-minute histograms travel with a row, for the fleet's percentiles.
 FLEET_WINDOW_QUANTITIES = ("ttft", "itl")
@@ -140,3 +140,12 @@ class FleetSocketError(BaseModel):
 
     type: Literal["error"] = "error"
     error: str
+
+
+class FleetRowsUpdate(BaseModel):
+    """Between two views, the rows servers published meanwhile (engine rows without their
+    histograms): the page replaces those rows and leaves the rest."""
+
+    type: Literal["fleet_rows"] = "fleet_rows"
+    at: float
+    rows: list[EngineRow]

@@ -11,13 +11,16 @@ Under ``fleet:<FLEET_NAME>:`` besides the membership keys (``membership``):
 * ``lease:<what>``: a key held by the member doing a job for the whole fleet (polling one
   foreign server), so that N members poll it once, and another takes over when it stops.
 
-A page reads the two hashes once a second while anyone watches: per server and second, Redis
-carries one write and, per member with viewers, one read, whatever the number of viewers.
+The rows are also published on the channel of the hash's name: a member with fleet pages open
+subscribes and forwards each server's rows within :data:`~engines.fleet.board.PUSH_INTERVAL_S`,
+and reads the hashes once a second for the whole view. Per server and second, Redis carries one
+write and, per member with pages open, one delivery, whatever the number of viewers.
 """
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncGenerator
 from typing import Any, Protocol
 
 import orjson
@@ -42,6 +45,7 @@ class FleetStore(Protocol):
     async def leave(self) -> None: ...
     async def members(self) -> list[Member]: ...
     async def put_rows(self, rows: ServerRows) -> None: ...
+    def rows_feed(self) -> AsyncGenerator[ServerRows, None]: ...
     async def all_rows(self) -> dict[str, ServerRows]: ...
     async def put_foreign(self, server: str, rows: ServerRows) -> None: ...
     async def all_foreign(self) -> dict[str, ServerRows]: ...
@@ -85,7 +89,29 @@ class RedisFleetStore:
         return await self.membership.members()
 
     async def put_rows(self, rows: ServerRows) -> None:
-        await self.redis.hset(self.rows_key, rows.server, rows.model_dump_json())
+        """Keep the rows (for a page that opens, and /fleet.json) and push them to the members
+        with pages open: one round trip."""
+        data = rows.model_dump_json()
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(self.rows_key, rows.server, data)
+        pipe.publish(self.rows_key, data)
+        await pipe.execute()
+
+    async def rows_feed(self) -> AsyncGenerator[ServerRows, None]:
+        """Every server's rows as it publishes them, until the iterator is closed."""
+        pubsub = self.redis.pubsub()
+        await pubsub.subscribe(self.rows_key)
+        try:
+            while True:
+                message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
+                if message is None or message.get("type") != "message":
+                    continue
+                try:
+                    yield ServerRows.model_validate_json(message["data"])
+                except ValidationError:
+                    continue  # a member of another version
+        finally:
+            await pubsub.aclose()
 
     async def all_rows(self) -> dict[str, ServerRows]:
         return _decode_rows(await self.redis.hgetall(self.rows_key))
@@ -143,6 +169,7 @@ class LocalFleetStore:
         self._rows: dict[str, ServerRows] = {}
         self._foreign: dict[str, ServerRows] = {}
         self._controls: dict[str, asyncio.Queue[str]] = {}
+        self._feeds: list[asyncio.Queue[ServerRows]] = []
 
     async def announce(self, card: ServerCard) -> None:
         self._card, self._left = card, False
@@ -158,6 +185,17 @@ class LocalFleetStore:
 
     async def put_rows(self, rows: ServerRows) -> None:
         self._rows[rows.server] = rows
+        for feed in self._feeds:
+            feed.put_nowait(rows)
+
+    async def rows_feed(self) -> AsyncGenerator[ServerRows, None]:
+        feed: asyncio.Queue[ServerRows] = asyncio.Queue()
+        self._feeds.append(feed)
+        try:
+            while True:
+                yield await feed.get()
+        finally:
+            self._feeds.remove(feed)
 
     async def all_rows(self) -> dict[str, ServerRows]:
         return dict(self._rows)

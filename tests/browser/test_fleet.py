@@ -4,6 +4,7 @@ that stops shows as stopped. Screenshots in ``var/screenshots/fleet-*.png``."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -133,14 +134,42 @@ async def test_two_servers_and_a_foreign_one_in_one_grid_from_either(fleet_serve
         await page_b.wait_for_timeout(500)
         await page_b.screenshot(path=str(SHOTS / "fleet-merged-timeline.png"), full_page=True)
         await page_b.goto(f"{second.base}/dashboard/fleet/")
-        # The first server stops: the second shows it stopped, with when it was last seen.
-        first.stop()
+        # A profile of the first server's engine, started and stopped from the second's page.
+        await page_b.wait_for_selector('tr.fleet-row[data-engine="demo"] input[type=checkbox]')
+        await page_b.check('tr.fleet-row[data-engine="demo"] input[type=checkbox]')
+        for action, said in (("profile_start", "profiling"), ("profile_stop", "saved")):
+            await page_b.click(f'#fleet-actions button[data-action="{action}"]')
+            await page_b.wait_for_function(
+                "() => document.getElementById('fleet-job-title').textContent.includes('finished')", timeout=30000)
+            message = await page_b.text_content("#fleet-job-body tr td:last-child")
+            assert said in message, message
+            if action == "profile_start":
+                await page_b.evaluate("() => { document.getElementById('fleet-job-title').textContent = ''; }")
+                reply = httpx.post(f"{first.base}/v1/completions",
+                                   json={"model": "demo", "prompt": "Hi", "max_tokens": 4}, timeout=60)
+                assert reply.status_code == 200
+        # A llama.cpp server: what it does not export reads "n/e", never 0.
+        llama = FakeServer("llama.cpp")
+        try:
+            await page_b.fill("#attach-url", llama.url)
+            await page_b.fill("#attach-name", "llama-cpp-1")
+            await page_b.click("#fleet-attach input[type=submit]")
+            ne = 'tr.fleet-row[data-server^="foreign-"] [data-field="ttft"]'
+            await page_b.wait_for_function(
+                f"""() => [...document.querySelectorAll('{ne}')].some(td => td.textContent === 'n/e')""",
+                timeout=30000)
+            await page_b.screenshot(path=str(SHOTS / "fleet-not-exported.png"), full_page=True)
+        finally:
+            llama.close()
+        # The first server is killed (no goodbye): the second shows it gone, with when it was last seen.
+        first.process.send_signal(signal.SIGKILL)
+        first.process.wait(10)
         await page_b.wait_for_function(
             """() => [...document.querySelectorAll('#fleet-body tr.fleet-group .state')]
-                     .some(el => el.textContent === 'stopped')""", timeout=30000)
-        detail = await page_b.text_content("#fleet-body tr.fleet-group:has(.state[data-state=stopped])")
+                     .some(el => el.textContent === 'gone')""", timeout=30000)
+        detail = await page_b.text_content("#fleet-body tr.fleet-group:has(.state[data-state=gone])")
         assert "last seen" in detail
-        await page_b.screenshot(path=str(SHOTS / "fleet-one-stopped.png"), full_page=True)
+        await page_b.screenshot(path=str(SHOTS / "fleet-one-gone.png"), full_page=True)
         assert errors_a == [] and errors_b == []
     finally:
         foreign.close()

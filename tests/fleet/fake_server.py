@@ -14,8 +14,8 @@ __all__ = ["FakeServer"]
 class FakeServer:
     """A real HTTP server on a free port that answers as ``behaviour`` says and counts polls."""
 
-    def __init__(self) -> None:
-        self.behaviour = "vllm"
+    def __init__(self, behaviour: str = "vllm") -> None:
+        self.behaviour = behaviour  # "vllm", "llama.cpp", "redirect" or "html"
         self.polls = 0
         self.posts: list[tuple[str, str]] = []  # (path, Authorization header) of each POST
         owner = self
@@ -25,7 +25,7 @@ class FakeServer:
                 pass
 
             def do_GET(self) -> None:
-                if self.path == "/version":
+                if self.path == "/version" and owner.behaviour != "llama.cpp":
                     self._send(200, b'{"version": "0.11.0"}', "application/json")
                     return
                 if self.path != "/metrics":
@@ -37,6 +37,8 @@ class FakeServer:
                     self.send_header("Location", "http://elsewhere/metrics")
                     self.send_header("Content-Length", "0")
                     self.end_headers()
+                elif owner.behaviour == "llama.cpp":
+                    self._send(200, expo.llama_cpp().encode(), "text/plain; version=0.0.4")
                 elif owner.behaviour == "html":
                     self._send(200, b"<html>login</html>", "text/html")
                 else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import time
 
 import numpy as np
 import orjson
@@ -153,3 +154,29 @@ async def test_a_board_whose_redis_is_gone_says_the_feed_is_interrupted() -> Non
     await client.aclose()
     message = orjson.loads(got[0])
     assert message["type"] == "fleet_unavailable" and message["fleet"] == "down" and message["error"]
+
+
+async def test_a_page_gets_a_servers_new_rows_within_a_push_interval_not_a_second(store) -> None:
+    from engines.fleet.board import PUSH_INTERVAL_S, FleetBoard
+
+    await store.announce(card("a:1"))
+    await store.put_rows(ServerRows(server="a:1", at=0.0, rows=[row("a:1", running=1)]))
+    board = FleetBoard(store, list, interval_s=5.0)  # whole views seldom: the rows come by the feed
+    got: list[dict] = []
+
+    async def send(text: str) -> None:
+        got.append(orjson.loads(text))
+
+    board.watch(object(), send)
+    await asyncio.sleep(0.3)
+    assert got[0]["type"] == "fleet" and got[0]["rows"][0]["figures"]["running"] == 1
+    published = time.time()
+    await store.put_rows(ServerRows(server="a:1", at=published, rows=[row("a:1", running=7)]))
+    while not any(m["type"] == "fleet_rows" for m in got):
+        assert time.time() - published < 2 * PUSH_INTERVAL_S + 0.3, got
+        await asyncio.sleep(0.02)
+    (update,) = [m for m in got if m["type"] == "fleet_rows"]
+    assert update["rows"][0]["figures"]["running"] == 7 and "windows" not in update["rows"][0]
+    assert update["at"] - published <= 2 * PUSH_INTERVAL_S
+    board.viewers.clear()
+    await asyncio.sleep(0.3)

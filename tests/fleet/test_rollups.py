@@ -90,4 +90,5 @@ def test_slo_figures_per_engine_server_and_fleet() -> None:
     assert fleet.ttft["p99"] == expected.value
     assert fleet.itl == {"p50": None, "p90": None, "p99": None, "within": None}
     assert [s.label for s in figures["servers"]] == ["a", "b"] and figures["servers"][0].requests == 400
+    assert [m.label for m in figures["models"]] == ["model x", "model y"] and figures["models"][1].requests == 100
     assert [e.label for e in figures["engines"]] == ["x @ a", "y @ b"]

@@ -299,7 +299,7 @@ async def test_the_history_page_shows_slos_for_the_fleet_each_server_and_engine(
     a_row = html[html.index('data-label="a:1"'):]
     assert '<td class="num" data-slo="ttft-within">90.0 %</td>' in a_row[:a_row.index("</tr>")]  # (25*95+5*65)/3000
     assert '<td class="num" data-slo="itl-within">90.0 %</td>' in fleet_row  # 90 of every 100 gaps within 50 ms
-    assert 'data-label="demo @ a:1"' in html and 'data-label="b:2"' in html
+    assert 'data-label="demo @ a:1"' in html and 'data-label="b:2"' in html and 'data-label="model llama"' in html
     assert '"jobs": [{"at":' in html or '"jobs":[{"at":' in html.replace(" ", "")
     clamped = await page.get("/dashboard/fleet/history/?hours=abc&ttft_ms=-5")
     assert clamped.status_code == 200 and "TTFT ≤ 1 ms" in clamped.text  # bad numbers: default or bound

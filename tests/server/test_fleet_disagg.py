@@ -149,3 +149,35 @@ async def screenshot_timeline(base: str, path: str, request_id: str) -> None:
         await page.screenshot(path=str(SHOTS / "fleet-disagg-timeline.png"), full_page=True)
         await browser.close()
     assert errors == []
+
+
+def test_one_of_ours_without_redis_joins_by_url(fleet, tmp_path) -> None:
+    """A server of ours outside the fleet's Redis (its own SQLite, no REDIS_URL) attached by URL:
+    read through the alias table as kind "ours", every quantity exported, its reset a /debug call."""
+    _, decode, _, _ = fleet
+    loner = start_server(SERVE, tmp_path / "loner")
+    try:
+        page = staff_browser(decode)
+        headers = {"X-CSRFToken": page.cookies["csrftoken"]}
+        attached = page.post("/dashboard/fleet/attach/", headers=headers, json={"url": loner.base, "name": "loner"})
+        assert attached.status_code == 201 and attached.json()["kind"] == "ours", attached.text
+        deadline = time.monotonic() + 30
+        while True:
+            view = decode.http.get("/fleet.json").json()
+            rows = [r for r in view["rows"] if r["kind"] == "ours" and r["server"].startswith("foreign-")]
+            if (rows and rows[0]["figures"].get("generation_tokens") is not None) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        (row,) = rows
+        assert row["engine"] == "demo" and row["state"] == "up" and row["not_exported"] == []
+        job = page.post("/dashboard/fleet/jobs/", headers=headers, json={"action": "reset", "targets": [
+            {"server": row["server"], "engine": "demo"}]})
+        deadline = time.monotonic() + 30
+        while True:
+            state = page.get(job.json()["url"]).json()
+            if state["finished_at"] is not None or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert [(t["state"], t["message"]) for t in state["targets"]] == [("done", "POST /debug/reset_engine: 200")]
+    finally:
+        loner.stop()

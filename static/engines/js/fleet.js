@@ -264,6 +264,12 @@ function onMessage(message) {
     notice.hidden = true;
     document.body.dataset.feed = "live";
     render();
+  } else if (message.type === "fleet_rows" && latest) {
+    // Rows servers published since the last view: replace those, keep the rest.
+    const fresh = new Map(message.rows.map((row) => [`${row.server}\u0000${row.engine}`, row]));
+    latest.rows = latest.rows.map((row) => fresh.get(`${row.server}\u0000${row.engine}`) || row);
+    latest.at = message.at;
+    render();
   } else if (message.type === "fleet_unavailable") {
     notice.hidden = false;
     notice.textContent = `The live feed is interrupted: ${message.error}. The figures below are from ` +
