@@ -41,8 +41,18 @@ def fleet_history(request: HttpRequest) -> HttpResponse:
     since = now - dt.timedelta(hours=hours)
     rows = list(FleetRollup.objects.filter(period=period, start__gte=since).order_by("start"))
     figures = slo_figures(rows, ttft_ms / 1000, itl_ms / 1000)
+    # The charts: the fleet, or one server ("server:NAME") or one model ("model:NAME").
+    servers = sorted({r.server_name or r.server for r in rows})
+    models = sorted({r.model or r.engine for r in rows})
+    choices = [("", "the fleet"), *((f"server:{n}", f"server {n}") for n in servers),
+               *((f"model:{n}", f"model {n}") for n in models)]
+    of = request.GET.get("of", "")
+    of = of if of in dict(choices) else ""
+    kind, _, name = of.partition(":")
+    charted = [r for r in rows if not of or (kind == "server" and (r.server_name or r.server) == name)
+               or (kind == "model" and (r.model or r.engine) == name)]
     by_start: dict[dt.datetime, list[Any]] = {}
-    for row in rows:
+    for row in charted:
         by_start.setdefault(row.start, []).append(row)
     seconds = 60.0 if period == "minute" else 3600.0
     series: list[list[float | None]] = []
@@ -59,6 +69,7 @@ def fleet_history(request: HttpRequest) -> HttpResponse:
              "engines": [_display(f) for f in figures["engines"]]}
     context = page_context(request, "Fleet history and SLOs", figures=shown, hours=hours, windows=WINDOWS_H,
                            ttft_ms=ttft_ms, itl_ms=itl_ms, period=period, rollups=len(rows), jobs=jobs,
+                           choices=choices, of=of, charted=dict(choices)[of],
                            chart={"window": hours * 3600, "series": series, "jobs": jobs})
     return render(request, "dashboard/fleet_history.html", context)
 

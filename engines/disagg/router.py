@@ -23,6 +23,7 @@ from typing import Any
 import httpx
 import orjson
 
+from engines.disagg.router_trace import RouterTrace
 from engines.protocol import ErrorResponse
 
 logger = logging.getLogger("engines.disagg")
@@ -67,6 +68,8 @@ class DisaggRouter:
     transport: httpx.AsyncBaseTransport | None = None
     #: Requests this router has in flight on each decode server (what "least loaded" means).
     in_flight: dict[str, int] = field(init=False)
+    #: The router's own spans of each request's calls, for the fleet's merged timeline.
+    trace: RouterTrace = field(init=False, repr=False)
     _next_prefill: Iterator[str] = field(init=False, repr=False)
     _client: httpx.AsyncClient | None = field(default=None, init=False, repr=False)
 
@@ -76,6 +79,7 @@ class DisaggRouter:
         self.prefill_urls = [u.rstrip("/") for u in self.prefill_urls]
         self.decode_urls = [u.rstrip("/") for u in self.decode_urls]
         self.in_flight = {u: 0 for u in self.decode_urls}
+        self.trace = RouterTrace()
         self._next_prefill = itertools.cycle(self.prefill_urls)
 
     @property
@@ -131,20 +135,28 @@ class DisaggRouter:
     async def _run(self, decode: str, payload: dict[str, Any]) -> RoutedReply:
         """The three calls for one attempt."""
         user = payload["user"]
+        routed = self.trace.now_us()
         # prep_recv and remote_send answer plain JSON: the client's streaming options are for start_generate.
         quiet = {k: v for k, v in payload.items() if k not in ("stream", "stream_options")}
+        started = self.trace.now_us()
         prep = await self._call(decode, "/microserving/prep_recv", {**quiet, "end": -1})
         matched, length = prep["prefix_matched_length"], prep["prompt_length"]
+        self.trace.span(user, "prep_recv", started, {"server": decode, "prefix_matched": matched, "prompt": length})
         if matched < length - 1:
             prefill = next(self._next_prefill)
+            started = self.trace.now_us()
             await self._call(prefill, "/microserving/remote_send", {
                 **quiet, "begin": matched, "end": -1, "kv_addr_info": prep["kv_append_metadata"], "recv_rank": 0})
+            self.trace.span(user, "remote_send", started, {"server": prefill, "begin": matched})
         logger.debug("request %s: prefix %d of %d on %s", user, matched, length, decode)
         request = self.client.build_request("POST", decode + "/microserving/start_generate",
                                             content=orjson.dumps({**payload, "begin": length - 1}),
                                             headers={"Content-Type": "application/json"})
+        started = self.trace.now_us()
         try:
             response = await self.client.send(request, stream=True)
+            self.trace.span(user, "start_generate", started, {"server": decode, "status": response.status_code})
+            self.trace.span("", "route", routed, {"request": user, "decode": decode})
         except httpx.HTTPError as exc:
             raise RouterError(
                 502, _error_body(502, f"the decode server {decode} could not be reached: {exc!r}")) from exc

@@ -34,7 +34,7 @@ from engines.fleet.store import FleetStore
 
 logger = logging.getLogger("engines.fleet")
 
-__all__ = ["ANSWER_S", "ControlCommand", "ControlListener", "JobRequest", "job_state", "submit_job"]
+__all__ = ["ANSWER_S", "ROUTER_ENGINE", "ControlCommand", "ControlListener", "JobRequest", "job_state", "submit_job"]
 
 #: Seconds a target may wait for its server's acknowledgement.
 ANSWER_S = 15.0
@@ -42,6 +42,8 @@ ANSWER_S = 15.0
 FOREIGN_TIMEOUT_S = 60.0
 #: The most targets one job may name.
 MAX_TARGETS = 1000
+#: The engine name a ``--router disagg`` server lists for its own lane (its trace: save, clear).
+ROUTER_ENGINE = "router"
 
 Action = Literal["reset", "save_trace", "clear_trace", "profile_start", "profile_stop"]
 
@@ -123,6 +125,9 @@ async def run_here(command: ControlCommand, here: str = "", clock: ClockOffset |
     from engines.registry import registry
 
     engine = registry.get(command.engine)
+    if engine is None and command.engine == ROUTER_ENGINE and registry.router is not None:
+        await run_on_router(command, registry.router.trace, here, clock)
+        return
     if engine is None:
         await update_target(command.target, "error", f"no engine {command.engine!r} on this server")
         return
@@ -145,6 +150,29 @@ async def run_here(command: ControlCommand, here: str = "", clock: ClockOffset |
             result |= {"server": here, "clock_offset_us": clock.offset_s * 1e6,
                        "clock_uncertainty_us": clock.uncertainty_s * 1e6}
         await update_target(command.target, "done", str(result.get("message", "")), result)
+
+
+async def run_on_router(command: ControlCommand, trace: Any, here: str, clock: ClockOffset | None) -> None:
+    """A target on the router's own lane: its trace saved (as a record, for the merged timeline)
+    or cleared; it has nothing to reset or profile."""
+    await update_target(command.target, "ack")
+    if command.action == "clear_trace":
+        await update_target(command.target, "done", f"cleared {trace.clear()} spans")
+        return
+    if command.action != "save_trace":
+        await update_target(command.target, "error", f"the router has no {command.action}: act on its engines' servers")
+        return
+    if not len(trace):
+        await update_target(command.target, "error", "the router routed no request since its trace was cleared")
+        return
+    from engines.history import asave_trace
+
+    record = await asave_trace(trace.export(), engine=ROUTER_ENGINE, model=ROUTER_ENGINE, backend="router",
+                               source="dashboard", note=command.note)
+    result: dict[str, Any] = {"record_id": record.pk, "event_count": record.event_count, "server": here}
+    if clock is not None:
+        result |= {"clock_offset_us": clock.offset_s * 1e6, "clock_uncertainty_us": clock.uncertainty_s * 1e6}
+    await update_target(command.target, "done", f"saved {record.event_count} events", result)
 
 
 async def run_foreign(command: ControlCommand, server: ForeignTarget, client: httpx.AsyncClient) -> None:

@@ -99,11 +99,12 @@ class FleetPublisher:
 
     def __init__(self, store: FleetStore, server: str, engines: Callable[[], Iterable[Any]],
                  card: Callable[[], ServerCard], rows_interval_s: float = ROWS_INTERVAL_S,
-                 heartbeat_s: float = HEARTBEAT_S) -> None:
+                 heartbeat_s: float = HEARTBEAT_S, extra: Callable[[], list[EngineRow]] = list) -> None:
         self.store = store
         self.server = server
         self.engines = engines
         self.card = card
+        self.extra = extra  # rows of what is not an engine (the router's)
         self.rows_interval_s = rows_interval_s
         self.heartbeat_s = heartbeat_s
         self._readers: dict[str, EngineRowReader] = {}
@@ -125,7 +126,7 @@ class FleetPublisher:
         for gone in set(self._readers) - {engine.name for engine in engines}:
             del self._readers[gone]
         clock = self.clock.best
-        return ServerRows(server=self.server, at=time.time(), rows=rows,
+        return ServerRows(server=self.server, at=time.time(), rows=rows + self.extra(),
                           clock_offset_s=clock.offset_s if clock else None,
                           clock_uncertainty_s=clock.uncertainty_s if clock else None)
 

@@ -20,11 +20,13 @@ from django.conf import settings
 import engines
 from engines.dashboard.messages import SERVER_ID
 from engines.fleet.board import FleetBoard, ForeignTarget
-from engines.fleet.controls import ControlListener
+from engines.fleet.aliases import QUANTITIES
+from engines.fleet.controls import ROUTER_ENGINE, ControlListener
 from engines.fleet.membership import EngineCard, ServerCard
 from engines.fleet.polling import TARGETS_REFRESH_S, ForeignPolling
 from engines.fleet.publisher import FleetPublisher
 from engines.fleet.rollups import RollupWriter
+from engines.fleet.rows import EngineRow
 from engines.fleet.store import FleetStore, LocalFleetStore, RedisFleetStore
 from engines.registry import registry
 
@@ -52,11 +54,24 @@ def server_card() -> ServerCard:
                                 mode="process" if engine.process else "thread", tracing=engine.tracing_enabled,
                                 kv_cache=engine.kv_cache.describe() if engine.kv_cache else "",
                                 weights=str(getattr(engine, "source_format", ""))))
+    if registry.router is not None:  # the router's own lane: a job may save its trace
+        cards.append(EngineCard(name=ROUTER_ENGINE, model="", backend="router", dtype="", mode="thread", tracing=True))
     roles = _server["roles"]
     if roles is None:
-        roles = (["engines"] if cards else []) + (["router"] if registry.router is not None else [])
+        serves = ["engines"] if any(True for _ in registry) else []
+        roles = serves + (["router"] if registry.router is not None else [])
     return ServerCard(server=SERVER_ID, url=_server["url"], version=engines.__version__, roles=roles,
                       engines=cards, started_at=_STARTED_AT)
+
+
+def router_rows() -> list[EngineRow]:
+    """The router's row (requests in flight through it), when this server routes."""
+    router = registry.router
+    if router is None:
+        return []
+    return [EngineRow(server=SERVER_ID, engine=ROUTER_ENGINE, model="", state="running", at=time.time(),
+                      figures={"running": float(sum(router.in_flight.values()))},
+                      not_exported=[q for q in QUANTITIES if q != "running"])]
 
 
 def _load_targets() -> list[ForeignTarget]:
@@ -92,7 +107,7 @@ class FleetService:
         self.store = store if store is not None else make_store()
         self.targets: list[ForeignTarget] = []
         self.board = FleetBoard(self.store, lambda: self.targets)
-        self.publisher = FleetPublisher(self.store, SERVER_ID, lambda: list(registry), server_card)
+        self.publisher = FleetPublisher(self.store, SERVER_ID, lambda: list(registry), server_card, extra=router_rows)
         self.polling = ForeignPolling(self.store, SERVER_ID, lambda: self.targets)
         self.controls = ControlListener(self.store, SERVER_ID, lambda: self.publisher.clock.best)
         self.rollups = RollupWriter(self.store, SERVER_ID, lambda: {t.id: t.name for t in self.targets},

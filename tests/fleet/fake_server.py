@@ -15,7 +15,7 @@ class FakeServer:
     """A real HTTP server on a free port that answers as ``behaviour`` says and counts polls."""
 
     def __init__(self, behaviour: str = "vllm") -> None:
-        self.behaviour = behaviour  # "vllm", "llama.cpp", "redirect" or "html"
+        self.behaviour = behaviour  # "vllm", "sglang", "llama.cpp", "redirect" or "html"
         self.polls = 0
         self.posts: list[tuple[str, str]] = []  # (path, Authorization header) of each POST
         owner = self
@@ -25,7 +25,10 @@ class FakeServer:
                 pass
 
             def do_GET(self) -> None:
-                if self.path == "/version" and owner.behaviour != "llama.cpp":
+                if self.path == "/get_server_info" and owner.behaviour == "sglang":
+                    self._send(200, b'{"version": "0.5.6", "tp_size": 1}', "application/json")
+                    return
+                if self.path == "/version" and owner.behaviour == "vllm":
                     self._send(200, b'{"version": "0.11.0"}', "application/json")
                     return
                 if self.path != "/metrics":
@@ -37,6 +40,9 @@ class FakeServer:
                     self.send_header("Location", "http://elsewhere/metrics")
                     self.send_header("Content-Length", "0")
                     self.end_headers()
+                elif owner.behaviour == "sglang":  # the "_" separator of some 2025-26 releases
+                    body = expo.sglang("_", running=3, ttfts=[0.15, 0.3]).encode()
+                    self._send(200, body, "text/plain; version=0.0.4")
                 elif owner.behaviour == "llama.cpp":
                     self._send(200, expo.llama_cpp().encode(), "text/plain; version=0.0.4")
                 elif owner.behaviour == "html":
@@ -47,7 +53,9 @@ class FakeServer:
 
             def do_POST(self) -> None:
                 owner.posts.append((self.path, self.headers.get("Authorization", "")))
-                known = self.path in ("/reset_prefix_cache", "/start_profile", "/stop_profile")
+                routes = {"vllm": ("/reset_prefix_cache", "/start_profile", "/stop_profile"),
+                          "sglang": ("/flush_cache", "/start_profile", "/stop_profile")}
+                known = self.path in routes.get(owner.behaviour, ())
                 self._send(200 if known else 404, b"" if known else b'{"detail": "Not Found"}', "application/json")
 
             def _send(self, status: int, body: bytes, kind: str) -> None:

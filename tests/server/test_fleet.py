@@ -9,6 +9,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 
 import httpx
+import orjson
 import pytest
 from asgiref.sync import sync_to_async
 from django.core.management import CommandError, call_command
@@ -301,5 +302,31 @@ async def test_the_history_page_shows_slos_for_the_fleet_each_server_and_engine(
     assert '<td class="num" data-slo="itl-within">90.0 %</td>' in fleet_row  # 90 of every 100 gaps within 50 ms
     assert 'data-label="demo @ a:1"' in html and 'data-label="b:2"' in html and 'data-label="model llama"' in html
     assert '"jobs": [{"at":' in html or '"jobs":[{"at":' in html.replace(" ", "")
+    one = (await page.get("/dashboard/fleet/history/?hours=1&ttft_ms=100&of=server:a:1")).text
+    assert "<h2>Server a:1 per minute</h2>" in one and '<option value="model:llama">model llama</option>' in one
+    chart = orjson.loads(one[one.index('<script id="fleet-history" type="application/json">') + 51:
+                             one.index("</script>", one.index('id="fleet-history"'))])
+    assert min(row[3] for row in chart["series"]) == pytest.approx(65.0, abs=0.1)  # a's five slow minutes
+    unknown = (await page.get("/dashboard/fleet/history/?of=server:nope")).text
+    assert "<h2>The fleet per minute</h2>" in unknown
     clamped = await page.get("/dashboard/fleet/history/?hours=abc&ttft_ms=-5")
     assert clamped.status_code == 200 and "TTFT ≤ 1 ms" in clamped.text  # bad numbers: default or bound
+
+
+async def test_an_sglang_server_read_and_reset_through_its_own_routes(page: httpx.AsyncClient) -> None:
+    sglang = FakeServer("sglang")
+    try:
+        headers = await csrf(page)
+        attached = await page.post("/dashboard/fleet/attach/", headers=headers, json={"url": sglang.url})
+        assert attached.status_code == 201 and attached.json()["kind"] == "sglang", attached.text
+        server = f"foreign-{attached.json()['id']}"
+        view = await fleet_json(page, lambda v: any(r["server"] == server and r["state"] == "up" for r in v["rows"]))
+        (row,) = [r for r in view["rows"] if r["server"] == server]
+        assert row["kind"] == "sglang" and row["figures"]["running"] == 3 and row["model"] == "Qwen/Qwen2.5-7B-Instruct"
+        done = await job(page, headers, {"action": "reset", "targets": [{"server": server, "engine": row["engine"]}]})
+        assert [(t["state"], t["message"]) for t in done["targets"]] == [("done", "POST /flush_cache: 200")]
+        refused = await job(page, headers, {"action": "clear_trace", "targets": [{"server": server, "engine": "m"}]})
+        assert refused["targets"][0]["message"] == "SGLang records no event trace here"
+        assert [path for path, _ in sglang.posts] == ["/flush_cache"]
+    finally:
+        sglang.close()

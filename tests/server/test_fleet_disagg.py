@@ -77,7 +77,7 @@ def staff_browser(server: Server) -> httpx.Client:
 
 def test_one_disaggregated_request_on_one_timeline_across_the_fleet(fleet) -> None:
     prefill, decode, router, name = fleet
-    # The three members see one another; the router has no engine.
+    # The three members see one another; the router lists its own lane, not an engine of a model.
     deadline = time.monotonic() + 30
     while True:
         view = decode.http.get("/fleet.json").json()
@@ -86,8 +86,9 @@ def test_one_disaggregated_request_on_one_timeline_across_the_fleet(fleet) -> No
             break
         time.sleep(0.5)
     assert view["fleet"] == name and set(by_port) == {prefill.port, decode.port, router.port}
-    assert by_port[router.port]["roles"] == ["router"] and by_port[router.port]["engines"] == 0
+    assert by_port[router.port]["roles"] == ["router"] and by_port[router.port]["engines"] == 1
     prefill_id, decode_id = by_port[prefill.port]["server"], by_port[decode.port]["server"]
+    router_id = by_port[router.port]["server"]
 
     done = router.openai.completions.create(model="demo", prompt=list(range(300, 352)), max_tokens=8,
                                             temperature=0, user="fleet-e2e")
@@ -96,7 +97,8 @@ def test_one_disaggregated_request_on_one_timeline_across_the_fleet(fleet) -> No
     page = staff_browser(decode)
     headers = {"X-CSRFToken": page.cookies["csrftoken"]}
     submitted = page.post("/dashboard/fleet/jobs/", headers=headers, json={"action": "save_trace", "targets": [
-        {"server": prefill_id, "engine": "demo"}, {"server": decode_id, "engine": "demo"}]})
+        {"server": prefill_id, "engine": "demo"}, {"server": decode_id, "engine": "demo"},
+        {"server": router_id, "engine": "router"}]})
     assert submitted.status_code == 201, submitted.text
     deadline = time.monotonic() + 60
     while True:
@@ -104,7 +106,7 @@ def test_one_disaggregated_request_on_one_timeline_across_the_fleet(fleet) -> No
         if job["finished_at"] is not None or time.monotonic() > deadline:
             break
         time.sleep(0.3)
-    assert [t["state"] for t in job["targets"]] == ["done", "done"], job
+    assert [t["state"] for t in job["targets"]] == ["done", "done", "done"], job
     # Each server measured its clock against Redis's, to well under a millisecond on one machine.
     assert all(abs(t["result"]["clock_offset_us"]) < 50_000 and t["result"]["clock_uncertainty_us"] < 50_000
                for t in job["targets"])
@@ -112,22 +114,26 @@ def test_one_disaggregated_request_on_one_timeline_across_the_fleet(fleet) -> No
     merged = page.get(f"/dashboard/fleet/jobs/{job['id']}/trace.json").json()
     events = merged["traceEvents"]
     pids = {ev["args"]["name"]: ev["pid"] for ev in events if ev.get("name") == "process_name"}
-    assert set(pids) == {f"demo @ {prefill_id}", f"demo @ {decode_id}"}
+    assert set(pids) == {f"demo @ {prefill_id}", f"demo @ {decode_id}", f"router @ {router_id}"}
     flows = [ev for ev in events if ev.get("ph") in ("s", "f") and ev.get("name", "").startswith("request fleet-e2e")]
     starts = {ev["id"]: ev for ev in flows if ev["ph"] == "s"}
     hops = [(starts[ev["id"]], ev) for ev in flows if ev["ph"] == "f"]
     assert len(hops) >= 2 and len(starts) == len(hops), flows
     prefill_pid, decode_pid = pids[f"demo @ {prefill_id}"], pids[f"demo @ {decode_id}"]
-    # The path as it ran: the decode server readies its pages, the prefill server computes and
-    # sends the K/V, the decode server adopts it and generates; each hop forward in time.
-    assert (hops[0][0]["pid"], hops[0][1]["pid"]) == (decode_pid, prefill_pid)
-    assert (hops[-1][0]["pid"], hops[-1][1]["pid"]) == (prefill_pid, decode_pid)
+    router_pid = pids[f"router @ {router_id}"]
+    # The path as it ran: the router asks the decode server to ready its pages, the prefill server
+    # to compute and send the K/V, the decode server to adopt it and generate; each hop forward in time.
+    path = [hops[0][0]["pid"]] + [f["pid"] for _, f in hops]
+    assert path[0] == router_pid and path[-1] == decode_pid, path
+    servers_in_order = [pid for i, pid in enumerate(path) if pid != router_pid]
+    assert servers_in_order[0] == decode_pid and prefill_pid in servers_in_order, path
+    assert servers_in_order.index(prefill_pid) < len(servers_in_order) - 1  # decode again after prefill
     assert all(s["ts"] <= f["ts"] for s, f in hops)
     request_id = re.sub(r"^request ", "", hops[0][0]["name"])
     lanes = [ev for ev in events if ev.get("name") == "thread_name" and ev["args"]["name"] == request_id]
-    assert {ev["pid"] for ev in lanes} == set(pids.values())  # its lane on both servers
+    assert {ev["pid"] for ev in lanes} == set(pids.values())  # its lane on all three servers
     timeline = page.get(f"/dashboard/fleet/jobs/{job['id']}/timeline/")
-    assert timeline.status_code == 200 and "2 traces" in timeline.text
+    assert timeline.status_code == 200 and "3 traces" in timeline.text
     asyncio.run(screenshot_timeline(decode.base, f"/dashboard/fleet/jobs/{job['id']}/timeline/", request_id))
 
 
@@ -145,7 +151,7 @@ async def screenshot_timeline(base: str, path: str, request_id: str) -> None:
         await page.goto(base + path)
         await page.wait_for_function("() => window.timeline && window.timeline.stats.ready === true", timeout=30000)
         labels = await page.evaluate("() => window.timeline.model.lanes.map((lane) => lane.label)")
-        assert labels.count(request_id) == 2, labels          # its lane on each server
+        assert labels.count(request_id) == 3, labels          # its lane on each server
         await page.screenshot(path=str(SHOTS / "fleet-disagg-timeline.png"), full_page=True)
         await browser.close()
     assert errors == []
