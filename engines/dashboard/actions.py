@@ -12,7 +12,7 @@ from typing import Any
 from django.urls import reverse
 
 from engines.dashboard.messages import ActionRequest
-from engines.history import EmptyTraceError, TraceUnavailableError, asave_engine_trace
+from engines.history import EmptyTraceError, HistoryUnavailableError, TraceUnavailableError, asave_engine_trace
 from engines.profiling import start_profile, stop_profile
 from engines.runtime import AsyncEngine, EngineDeadError, ProfilerStateError
 
@@ -20,7 +20,8 @@ __all__ = ["EXPECTED_FAILURES", "run_action"]
 
 #: What an action may fail with for a reason the user can act on (the engine is down, it records
 #: no trace, a profile is already running, ...).
-EXPECTED_FAILURES = (EngineDeadError, TraceUnavailableError, EmptyTraceError, ProfilerStateError, ValueError)
+EXPECTED_FAILURES = (EngineDeadError, TraceUnavailableError, EmptyTraceError, HistoryUnavailableError,
+                     ProfilerStateError, ValueError)
 
 Progress = Callable[[str], Awaitable[None]]
 

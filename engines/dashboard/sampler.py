@@ -16,6 +16,7 @@ from collections import deque
 from typing import Any
 
 from channels.layers import get_channel_layer
+from redis.exceptions import RedisError
 
 from engines.dashboard.messages import SERVER_ID, EngineHistory, EngineSnapshot, chart_values, engine_group
 from engines.profiling import profile_state
@@ -23,6 +24,10 @@ from engines.registry import EngineRegistry, registry as served_engines
 from engines.runtime import AsyncEngine, EngineDeadError
 
 logger = logging.getLogger(__name__)
+
+
+class LayerUnavailableError(Exception):
+    """The channel layer (Redis) did not take a snapshot: the server serves on, the pages wait."""
 
 __all__ = ["EngineSampler", "SamplerHub", "hub_for"]
 
@@ -89,16 +94,28 @@ class EngineSampler:
         # Serialised once here, not once per viewer: the layer copies (in memory) or packs (Redis)
         # a string for each socket far more cheaply than a nested dict, and the consumer forwards it.
         self.latest_text = snap.model_dump_json()
-        await self.layer.group_send(self.group, {"type": "engine.snapshot", "text": self.latest_text})
+        try:
+            await self.layer.group_send(self.group, {"type": "engine.snapshot", "text": self.latest_text})
+        except (ConnectionError, OSError, RedisError) as exc:
+            raise LayerUnavailableError(str(exc)) from exc
         return snap
 
     async def run(self) -> None:
         """Publish until cancelled: every :data:`WATCHED_INTERVAL_S` while watched, else every
         :data:`IDLE_INTERVAL_S` or as soon as a viewer comes."""
+        layer_down = False
         while True:
             self._wake.clear()
             try:
                 await self.publish()
+                if layer_down:
+                    logger.info("dashboard: the channel layer answers again; engine %s is live", self.engine.name)
+                layer_down = False
+            except LayerUnavailableError as exc:  # Redis away: said once an outage, tried every sample
+                if not layer_down:
+                    logger.warning("dashboard: the channel layer does not answer (%s); engine %s's pages are "
+                                   "not live until it does", exc, self.engine.name)
+                layer_down = True
             except Exception:  # noqa: BLE001 - one failed read or send must not end the engine's dashboard
                 logger.exception("dashboard: sampling engine %s failed", self.engine.name)
             interval = WATCHED_INTERVAL_S if self.viewers else IDLE_INTERVAL_S

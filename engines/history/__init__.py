@@ -21,6 +21,7 @@ columns, declared once), ``payload`` (gzip storage with a CRC, for traces and pr
 from engines.history.analysis import TraceAnalysis, TraceFormatError, analyze_trace
 from engines.history.capture import (
     EmptyTraceError,
+    HistoryUnavailableError,
     TraceUnavailableError,
     asave_engine_trace,
     asave_metrics_snapshot,
@@ -40,6 +41,7 @@ from engines.history.retention import RetentionResult, apply_retention, prune_me
 
 __all__ = [
     "EmptyTraceError",
+    "HistoryUnavailableError",
     "PayloadError",
     "RetentionResult",
     "TraceAnalysis",

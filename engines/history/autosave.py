@@ -34,7 +34,9 @@ import math
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from engines.history.capture import asave_engine_trace, asave_metrics_snapshot
+from django.db import DatabaseError
+
+from engines.history.capture import HistoryUnavailableError, asave_engine_trace, asave_metrics_snapshot
 from engines.models import MetricsSnapshot, TraceRecord
 
 if TYPE_CHECKING:  # the runtime (numba and all) loads only where engines are built
@@ -204,5 +206,11 @@ async def _logged(action: Action, engine: "AsyncEngine") -> None:
         await action(engine)
     except EngineDeadError:
         pass  # died mid-action: the same
+    except HistoryUnavailableError as exc:  # the database is away: said once a try, resumes by itself
+        logger.warning("history autosave: %s of engine %s waits for the database: %s", action.__name__,
+                       engine.name, exc)
+    except DatabaseError as exc:  # it went away between the check and the save
+        logger.warning("history autosave: %s of engine %s failed, the database went away: %s", action.__name__,
+                       engine.name, exc)
     except Exception:
         logger.exception("history autosave: %s of engine %s failed", action.__name__, engine.name)

@@ -170,6 +170,25 @@ class TraceUnavailableError(Exception):
     """
 
 
+class HistoryUnavailableError(Exception):
+    """The history's database does not answer (PostgreSQL restarting, a network cut): nothing was
+    saved, and a trace was not taken from its engine (the views answer a 503)."""
+
+
+def _check_database() -> None:
+    """Raise :class:`HistoryUnavailableError` unless the default database answers a query."""
+    from django.db import DatabaseError
+
+    try:
+        with connections["default"].cursor() as cursor:
+            cursor.execute("SELECT 1")
+    except DatabaseError as exc:
+        connections["default"].close()  # a broken connection is not reused after the outage
+        raise HistoryUnavailableError(f"the trace history's database does not answer ({exc}".strip()
+                                      + "): nothing was saved or taken from the engine; try again when it is back"
+                                      ) from None
+
+
 class EmptyTraceError(Exception):
     """The engine recorded no event since its trace was last cleared or saved: a record of it
     would be empty (the views answer a 409)."""
@@ -244,6 +263,8 @@ async def asave_engine_trace(
     (the autosave's quiet windows), else :class:`EmptyTraceError` says so.
     """
     engine, metadata = _engine_trace_metadata(engine, note=note, tags=tags, source=source)
+    # Asked first, so that a trace is not taken (and, with ``clear``, lost) when it cannot be stored.
+    await sync_to_async(_closing_connections(_check_database), thread_sensitive=False)()
     raw = await engine.dump_trace(clear, skip_empty=True)
     if raw is None:
         if skip_empty:

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from engines.history import (
     MAX_NOTE_CHARS,
     EmptyTraceError,
+    HistoryUnavailableError,
     MAX_TAGS,
     TraceUnavailableError,
     asave_engine_trace,
@@ -152,6 +153,8 @@ async def save_event_trace(request: HttpRequest) -> HttpResponse:
                                           source=TraceRecord.Source.API)
     except EmptyTraceError as exc:
         raise ProtocolError(409, f"{exc}.") from None
+    except HistoryUnavailableError as exc:
+        raise ProtocolError(503, f"{exc}.") from None
     return json_response({
         "id": record.pk,
         "admin_url": reverse("admin:engines_tracerecord_change", args=[record.pk]),

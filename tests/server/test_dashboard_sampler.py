@@ -101,3 +101,28 @@ async def test_a_snapshot_says_when_the_server_drains_and_history_keeps_five_min
     assert history.engine == "slow" and len(history.at) == 2 and history.fields == list(CHART_FIELDS)
     assert history.values[0][CHART_FIELDS.index("num_running_requests")] == 0.0
     assert history.values[0][CHART_FIELDS.index("ttft_s.last_60s.p50")] is None  # not in this engine's metrics
+
+
+async def test_a_channel_layer_that_is_away_is_said_once_and_the_sampler_goes_on(caplog, monkeypatch) -> None:
+    """Redis stopped under the channel layer: one warning an outage (no traceback every sample),
+    the snapshots go on being taken, and it says when the layer answers again."""
+    import socket
+
+    from channels_redis.core import RedisChannelLayer
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setattr(sampler_module, "IDLE_INTERVAL_S", 0.05)
+    down = RedisChannelLayer(hosts=[{"address": f"redis://127.0.0.1:{port}/0"}])
+    sampler = EngineSampler(SlowEngine(0.0), down)
+    task = asyncio.create_task(sampler.run())
+    await asyncio.sleep(0.6)
+    sampler.layer = Layer()  # back
+    await asyncio.sleep(0.2)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    warnings = [r for r in caplog.records if "channel layer does not answer" in r.getMessage()]
+    assert len(warnings) == 1 and not any(r.exc_info for r in caplog.records)
+    assert any("answers again" in r.getMessage() for r in caplog.records)
+    assert sampler.latest is not None and sampler.layer.sent  # snapshots were taken throughout

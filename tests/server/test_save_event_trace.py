@@ -210,3 +210,27 @@ def test_sync_python_api(engines) -> None:
     assert engine.engine.tracer.event_count == 0
     with pytest.raises(TraceUnavailableError, match='"demo" is not served'):
         save_engine_trace(TRACED)  # nothing registered outside the serve fixture
+
+
+async def test_a_save_while_the_database_is_away_is_a_503_and_takes_nothing(client: httpx.AsyncClient,
+                                                                             monkeypatch) -> None:
+    """The database refusing connections (PostgreSQL restarting): a clear 503, and the engine's
+    trace is not taken, not even with ``clear``: it is all there for the next save."""
+    from django.db import OperationalError
+    from django.db.backends.base.base import BaseDatabaseWrapper
+
+    await generate(client, "kept-through-outage")
+    before = (await client.post("/debug/dump_event_trace", json={"model": TRACED})).json()["traceEvents"]
+
+    def refused(self, *args, **kwargs) -> None:
+        raise OperationalError("connection refused")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(BaseDatabaseWrapper, "ensure_connection", refused)
+        response = await client.post("/debug/save_event_trace", json={"model": TRACED, "clear": True})
+    error = assert_error(response, 503)
+    assert "database does not answer" in error["message"] and "nothing was saved or taken" in error["message"]
+    after = (await client.post("/debug/dump_event_trace", json={"model": TRACED})).json()["traceEvents"]
+    assert len(after) >= len(before)  # nothing was cleared
+    saved = await client.post("/debug/save_event_trace", json={"model": TRACED, "clear": True})
+    assert saved.status_code == 200 and saved.json()["requests"] >= 1
