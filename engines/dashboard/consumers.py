@@ -110,16 +110,16 @@ class StaffSocket(AsyncWebsocketConsumer, Generic[RequestT]):
 
     async def open(self) -> None:
         """Accept (or refuse) a staff member's socket."""
-        raise NotImplementedError
+        raise NotImplementedError  # each socket's own (StaffSocket is a base, never routed)
 
     async def handle(self, request: RequestT) -> None:
         """Act on a valid message."""
-        raise NotImplementedError
+        raise NotImplementedError  # each socket's own (StaffSocket is a base, never routed)
 
     async def reject(self, message: str, raw: Any) -> None:
         """Tell the browser its message was not taken and why; ``raw`` is the message when it
         was JSON at least, else None."""
-        raise NotImplementedError
+        raise NotImplementedError  # each socket's own (StaffSocket is a base, never routed)
 
 
 #: Outcomes of actions whose socket closed before they ended, per user and engine, for their

@@ -108,7 +108,7 @@ class EngineCall:
     def run(self, engine: "Engine", send: "Send") -> Any:
         """Carry the call out on ``engine`` and return the reply's value; outputs it causes go
         through ``send`` first, so they reach their streams before the caller hears back."""
-        raise NotImplementedError
+        raise NotImplementedError  # every call class defines its own; a base instance is never sent
 
 
 @dataclass(frozen=True)
