@@ -34,7 +34,6 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "debugsite.settings")
 django_asgi_app = get_asgi_application()
 
 from asgiref.sync import ThreadSensitiveContext  # noqa: E402
-from channels.auth import AuthMiddlewareStack  # noqa: E402
 from channels.routing import ProtocolTypeRouter, URLRouter  # noqa: E402
 from django.core.exceptions import DisallowedHost  # noqa: E402
 from django.core.handlers.asgi import ASGIHandler  # noqa: E402
@@ -48,6 +47,7 @@ from engines.api_routes import api_route  # noqa: E402
 from engines.auth import APIKeyMiddleware, ASGIApp, Receive, Scope, Send, routed_path  # noqa: E402
 from engines.dashboard.routing import websocket_urlpatterns  # noqa: E402
 from engines.dashboard.same_origin import SameOriginValidator  # noqa: E402
+from engines.dashboard.socket_auth import socket_auth_stack  # noqa: E402
 from engines.protocol.errors import ProtocolError  # noqa: E402
 from engines.views.api import error_response  # noqa: E402
 
@@ -121,9 +121,10 @@ application = ProtocolTypeRouter({
     # Static files (the admin's, the dashboard's, the vendored uPlot) straight from the app folders,
     # under serve and a bare Daphne alike, DEBUG on or off: no collectstatic, no CDN.
     "http": APIKeyMiddleware(PathRouter(APIHandler(), ASGIStaticFilesHandler(django_asgi_app))),
-    # The dashboard's sockets: the browser's session (staff only, checked by the consumer), and
-    # only from this server's own pages (scheme, host and port), so that no other site, nor a page
-    # on another port of this machine, can open one with the user's cookie.
+    # The dashboard's sockets: the browser's session (staff only, checked by the consumer; closed
+    # with a code while the database that holds it does not answer), and only from this server's
+    # own pages (scheme, host and port), so that no other site, nor a page on another port of this
+    # machine, can open one with the user's cookie.
     # (The patterns are Django's URLPattern to a type checker: engines/dashboard/routing.py says why.)
-    "websocket": SameOriginValidator(AuthMiddlewareStack(URLRouter(websocket_urlpatterns))),  # type: ignore[arg-type]
+    "websocket": SameOriginValidator(socket_auth_stack(URLRouter(websocket_urlpatterns))),  # type: ignore[arg-type]
 })

@@ -58,6 +58,9 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    # A 503 page, not a 500, for a view that found the database away (the staff check reads the
+    # session and the user there, lazily, in the view): engines/history/middleware.py.
+    "engines.history.middleware.HistoryOutageMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -89,6 +92,7 @@ DATABASES = {
     "default": dj_database_url.config(
         env="DATABASE_URL",
         default=f"sqlite:///{VAR_DIR / 'db.sqlite3'}",
+        # A connection a request: after the database was away, the next request connects afresh.
         conn_max_age=0,
     )
 }

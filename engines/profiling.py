@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from django.urls import reverse
 from pydantic import BaseModel
 
+from engines.history.capture import acheck_database
+from engines.history.outage import HistoryUnavailableError
 from engines.history.profiles import asave_profile, aset_profile_note
 from engines.runtime import AsyncEngine, ProfilerStateError, ProfileStatus
 
@@ -25,6 +27,8 @@ logger = logging.getLogger("engines.profiling")
 
 #: Seconds between two looks at a running profile (has it stopped by itself?).
 WATCH_INTERVAL_S = 0.5
+#: Seconds between asks while the database is away and a profile that stopped by itself waits for it.
+DATABASE_RETRY_S = 5.0
 #: A profile nobody stops ends after this long (seconds), and is saved.
 DEFAULT_MAX_SECONDS = 60.0
 
@@ -106,6 +110,7 @@ async def stop_profile(engine: AsyncEngine, *, note: str = "", source: str | Non
                     await aset_profile_note(state.last.id, note)
                 return state.last
             raise ProfilerStateError("no profile is running: start one first")
+        await acheck_database()  # a 503 leaves the profile running, to be stopped once the database is back
         watcher.cancel()
         state.watcher = None
         return await _save(engine, state, note=note, source=source or state.source)
@@ -123,6 +128,7 @@ async def _watch(engine: AsyncEngine, state: _EngineProfiles) -> None:
             return
         if state.status.finished or not state.status.running:
             break
+    await _database_back(engine)
     async with state.lock:
         if state.watcher is asyncio.current_task():
             try:
@@ -131,6 +137,22 @@ async def _watch(engine: AsyncEngine, state: _EngineProfiles) -> None:
                 logger.info("engine %s: %s", engine.name, exc)
             except Exception:  # noqa: BLE001 - logged; the next start begins afresh
                 logger.exception("engine %s: the profile that stopped by itself could not be saved", engine.name)
+
+
+async def _database_back(engine: AsyncEngine) -> None:
+    """Wait for the history's database before taking a profile that stopped by itself: the engine
+    keeps its result meanwhile, so an outage delays the record instead of losing it."""
+    said = False
+    while True:
+        try:
+            await acheck_database()
+            return
+        except HistoryUnavailableError as exc:
+            if not said:
+                logger.warning("engine %s: its profile stopped; it is saved when the database is back (%s)",
+                               engine.name, exc)
+                said = True
+        await asyncio.sleep(DATABASE_RETRY_S)
 
 
 async def _save(engine: AsyncEngine, state: _EngineProfiles, *, note: str, source: str) -> ProfileSaved:

@@ -188,6 +188,10 @@ VIEWS = (
                   "row age when pushed to a page, p99, 1 member with pages open",
                   "member CPU per server-second, no page open", "fleet view assembly")),
     View("fleet", "fleet", ("metric", "servers", "engines"), columns=(), where={"part": ("browser",)}),
+    View("soak", "soak", ("metric",), columns=("run",), where={"minutes": ("30.0",)},
+         metrics=("requests", "tokens", "faults", "checks failed", "server RSS, first window",
+                  "server RSS, last window", "engine RSS, first window", "engine RSS, last window",
+                  "event-loop lag p99 outside faults")),
 )
 #: BENCHMARKS.md's blocks by name: the views whose tables each holds.
 BLOCKS: dict[str, list[View]] = {}

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up (virtualenv + pinned dependencies) and run the whole test suite: the linter and the type
-# checker (their settings and paths in pyproject.toml), every test on SQLite, then the suites that
-# use the database again on PostgreSQL. With arguments: pytest with those, no lint, types or PostgreSQL pass.
+# checker (their settings and paths in pyproject.toml), every test on SQLite, then the tests that
+# use the database again on PostgreSQL (--database-only: tests/conftest.py). With arguments:
+# pytest with those, no lint, types or PostgreSQL pass.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/venv.sh dev
@@ -25,8 +26,8 @@ fi
 status=0
 python -m pytest "$@" || status=$?
 if [ "$status" -eq 0 ] && [ $# -eq 0 ]; then
-  echo "== the suites that use the database, again on PostgreSQL =="
+  echo "== the tests that use the database, again on PostgreSQL =="
   DATABASE_URL="${PG_TEST_URL:-postgres://postgres@127.0.0.1:5432/postgres}" \
-    python -m pytest -p no:cacheprovider tests/history tests/server tests/fleet || status=$?
+    python -m pytest -p no:cacheprovider --database-only tests/history tests/server tests/fleet || status=$?
 fi
 exit "$status"

@@ -25,3 +25,30 @@ def async_db_connections_closed(django_db_setup, django_db_blocker) -> Iterator[
 
     if SyncToAsync.single_thread_executor is not None:
         SyncToAsync.single_thread_executor.submit(connections.close_all).result()
+
+
+#: Fixtures that give a test the database (pytest-django's, and this suite's); not
+#: ``django_db_blocker``, which pytest-django's own autouse fixtures pull into every test.
+DATABASE_FIXTURES = frozenset({"db", "transactional_db", "django_db_setup", "live_server",
+                               "async_db_connections_closed"})
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--database-only", action="store_true",
+                     help="run only the tests that use the database (the PostgreSQL pass of scripts/test.sh)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """With ``--database-only``, keep the tests that touch the database: a ``django_db`` mark or a
+    database fixture. (Server subprocesses get ``DATABASE_URL`` only where a test gives it one,
+    and those tests use PostgreSQL in both passes.)"""
+    if not config.getoption("--database-only"):
+        return
+    kept, dropped = [], []
+    for item in items:
+        uses = (item.get_closest_marker("django_db") is not None
+                or bool(DATABASE_FIXTURES & set(getattr(item, "fixturenames", ()))))
+        (kept if uses else dropped).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept

@@ -9,9 +9,10 @@ stays open. Every message either way is a model of ``messages`` or ``timeline_me
 
 ``/ws/engines/`` watches every served engine (the overview), ``/ws/engines/<name>/`` one engine
 (:class:`DashboardConsumer`). Snapshots come from the process's samplers (``sampler``) through
-the channel layer; this consumer only forwards them. Actions (``reset``, ``save_trace``,
-``clear_trace``, ``profile_start``, ``profile_stop``) run as tasks of their own, so a slow one
-(saving a million-event trace) never blocks the socket, and report back with ``ack``,
+the channel layer; this consumer only forwards them, and says (``feed``: ``feed.FeedWatch``) when
+they stop arriving, the layer (Redis) away, and when they come again. Actions (``reset``,
+``save_trace``, ``clear_trace``, ``profile_start``, ``profile_stop``) run as tasks of their own, so
+a slow one (saving a million-event trace) never blocks the socket, and report back with ``ack``,
 ``progress``, ``done`` or ``error`` events carrying the request's ``id``.
 
 An action acknowledged is carried out even if its socket closes meanwhile (a page reloaded
@@ -24,10 +25,11 @@ recorder takes it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, ClassVar, Generic, TypeVar
 
 import orjson
@@ -35,8 +37,10 @@ from channels.generic.websocket import AsyncWebsocketConsumer
 from pydantic import BaseModel, ValidationError
 
 from engines.dashboard.actions import EXPECTED_FAILURES, run_action
+from engines.dashboard.feed import RETRY_S, FeedWatch, layer_reason
 from engines.dashboard.messages import SERVER_ID, ActionEvent, ActionEventType, ActionRequest, engine_group
-from engines.dashboard.sampler import hub_for
+from engines.dashboard.sampler import LAYER_ERRORS, LayerUnavailableError, hub_for
+from engines.dashboard.socket_auth import database_away
 from engines.dashboard.timeline_messages import (TimelineError, TimelineHello, TimelineRequest, TimelineRestarted,
                                                  TraceDeltaHeader)
 from engines.protocol.json_body import JSONTooDeepError, loads_bounded
@@ -45,12 +49,14 @@ from engines.runtime import AsyncEngine, EngineDeadError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CLOSE_FORBIDDEN", "CLOSE_NOT_FOUND", "DashboardConsumer", "RefusedSocket", "StaffSocket",
-           "TimelineConsumer"]
+__all__ = ["CLOSE_FORBIDDEN", "CLOSE_NOT_FOUND", "CLOSE_UNAVAILABLE", "DashboardConsumer", "RefusedSocket",
+           "StaffSocket", "TimelineConsumer"]
 
-#: Close codes (the 4000s are the application's): not a staff user; no such engine or route.
+#: Close codes (the 4000s are the application's): not a staff user; no such engine or route; the
+#: database that holds the session does not answer (the page tries again).
 CLOSE_FORBIDDEN = 4403
 CLOSE_NOT_FOUND = 4404
+CLOSE_UNAVAILABLE = 4503
 
 RequestT = TypeVar("RequestT", bound=BaseModel)
 
@@ -83,16 +89,21 @@ class StaffSocket(AsyncWebsocketConsumer, Generic[RequestT]):
     example: ClassVar[str]
 
     async def connect(self) -> None:
+        away = database_away(self.scope)
+        if away is not None:  # whether it is a staff member's is unknown: said, and the page tries again
+            await self.refuse(CLOSE_UNAVAILABLE, f"the database does not answer ({away})")
+            return
         if not is_staff(self.scope):
             await self.refuse(CLOSE_FORBIDDEN)
             return
         await self.open()
 
-    async def refuse(self, code: int) -> None:
-        """Close the socket with ``code`` before it carries anything."""
+    async def refuse(self, code: int, reason: str | None = None) -> None:
+        """Close the socket with ``code`` (and ``reason``) before it carries anything."""
         # Accepted, then closed: a browser sees the close code (a refused handshake shows none).
         await self.accept()
-        await self.close(code=code)
+        # A close frame's reason holds 123 bytes (RFC 6455); the page shows its own words anyway.
+        await self.close(code=code, reason=reason.encode()[:123].decode(errors="ignore") if reason else None)
 
     async def receive(self, text_data: str | None = None, bytes_data: bytes | None = None) -> None:
         try:
@@ -140,6 +151,10 @@ class DashboardConsumer(StaffSocket[ActionRequest]):
     watched: tuple[str, ...] = ()
     #: Set once the socket closed: the outcomes of its actions then wait for the user's next socket.
     closed = False
+    #: Whether the snapshots arrive (None on a socket that watches no engine).
+    feed: FeedWatch | None = None
+    #: The last read of the socket's channel in the layer failed: the next waits :data:`RETRY_S`.
+    _layer_failing = False
 
     async def open(self) -> None:
         user = self._user_pk()
@@ -154,13 +169,17 @@ class DashboardConsumer(StaffSocket[ActionRequest]):
         hub = hub_for(registry)
         await self.accept()
         for engine_name in self.watched:
-            await self.channel_layer.group_add(engine_group(engine_name), self.channel_name)
             sampler = hub.get(engine_name)
             if sampler is not None:
                 sampler.watch()
-                if sampler.latest_text is not None:  # the page shows something at once: charts full
+                # The page shows something at once, charts full: this process's sampler holds it,
+                # so it comes even while the layer does not answer.
+                if sampler.latest_text is not None:
                     await self.send(text_data=sampler.history_text())
                     await self.send(text_data=sampler.latest_text)
+        if self.watched:  # joins the engines' groups, and says whether the feed is live
+            self.feed = FeedWatch(self._send_text, self._join_groups)
+            await self.feed.start()
         if name is not None:  # an engine's page: what its actions asked on an earlier page came to
             _open_pages.setdefault((user, name), set()).add(self)
             waiting = _undelivered.pop((user, name), None)
@@ -170,6 +189,8 @@ class DashboardConsumer(StaffSocket[ActionRequest]):
     async def disconnect(self, code: int) -> None:
         # The actions under way go on (they were acknowledged); their outcome waits for the next socket.
         self.closed = True
+        if self.feed is not None:
+            self.feed.stop()
         user = self.scope.get("user")
         if self.engine_name is not None and user is not None:
             pages = _open_pages.get((user.pk, self.engine_name))
@@ -179,16 +200,60 @@ class DashboardConsumer(StaffSocket[ActionRequest]):
                     del _open_pages[(user.pk, self.engine_name)]
         hub = hub_for(registry)
         for engine_name in self.watched:
-            await self.channel_layer.group_discard(engine_group(engine_name), self.channel_name)
             sampler = hub.samplers.get(engine_name)
             if sampler is not None:
                 sampler.unwatch()
+        try:
+            for engine_name in self.watched:
+                await self.channel_layer.group_discard(engine_group(engine_name), self.channel_name)
+        except LAYER_ERRORS:
+            pass  # Redis away: it forgets the membership itself (channels_redis's group expiry)
 
     # ---------------------------------------------------------------- from the layer
+
+    # Channels reads the socket's channel in the layer through ``channel_receive`` (set as the
+    # consumer starts), and an exception there ends the consumer: a traceback and a closed socket,
+    # again at every reconnect while Redis is away. Wrapped, a failed read is a message of its own.
+    @property
+    def channel_receive(self) -> Callable[[], Awaitable[Any]]:
+        """What Channels awaits for the layer's next message: :meth:`_receive_from_layer`."""
+        return self._receive_from_layer
+
+    @channel_receive.setter
+    def channel_receive(self, receive: Callable[[], Awaitable[Any]]) -> None:
+        self._read_layer = receive
+
+    async def _receive_from_layer(self) -> Any:
+        """The layer's next message for the socket, or a ``feed.layer_failed`` one when the read
+        fails; after a failure the next read waits :data:`RETRY_S` (Redis fails at once)."""
+        if self._layer_failing:
+            await asyncio.sleep(RETRY_S)
+        try:
+            message = await self._read_layer()
+        except LAYER_ERRORS as exc:
+            self._layer_failing = True
+            return {"type": "feed.layer_failed", "reason": layer_reason(exc)}
+        self._layer_failing = False
+        return message
 
     async def engine_snapshot(self, event: dict[str, Any]) -> None:
         # An EngineSnapshot's JSON, serialised once by the sampler that took it (any server's).
         await self.send(text_data=event["text"])
+        if self.feed is not None:
+            await self.feed.arrived()
+
+    async def feed_layer_failed(self, event: dict[str, Any]) -> None:
+        # From _receive_from_layer, never from the layer itself.
+        if self.feed is not None:
+            await self.feed.failed(event["reason"])
+
+    async def _join_groups(self) -> None:
+        for engine_name in self.watched:
+            await self.channel_layer.group_add(engine_group(engine_name), self.channel_name)
+
+    async def _send_text(self, text: str) -> None:
+        if not self.closed:
+            await self.send(text_data=text)
 
     # ---------------------------------------------------------------- from the browser
 
@@ -225,7 +290,8 @@ class DashboardConsumer(StaffSocket[ActionRequest]):
             await self._event("done", request, engine=engine.name, result=result)
             sampler = hub_for(registry).samplers.get(engine.name)
             if sampler is not None:  # show the effect (counters at zero after a reset) at once
-                await sampler.publish()
+                with contextlib.suppress(LayerUnavailableError):  # Redis away: the feed says so
+                    await sampler.publish()
 
     async def _progress(self, request: ActionRequest, engine: AsyncEngine, message: str) -> None:
         await self._event("progress", request, engine=engine.name, message=message)

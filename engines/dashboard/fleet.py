@@ -13,7 +13,6 @@ from django.views.decorators.csrf import csrf_protect
 from django.views.decorators.http import require_POST
 
 from engines.dashboard.frame import data_error, page_context
-from asgiref.sync import sync_to_async
 from pydantic import ValidationError
 
 from engines.dashboard.consumers import validation_message
@@ -25,6 +24,7 @@ from engines.fleet.service import fleet_service
 from engines.history.downloads import gzip_json_response, read_payload
 from engines.history.payload import PayloadError, compress_json, decompress_json
 from engines.views.api import InvalidBody, json_body
+from engines.db_calls import in_db_thread
 
 __all__ = ["fleet_attach", "fleet_detach", "fleet_job", "fleet_job_submit", "fleet_job_timeline", "fleet_job_trace",
            "fleet_page"]
@@ -102,7 +102,7 @@ async def fleet_job_submit(request: HttpRequest) -> HttpResponse:
 @staff_member_required
 async def fleet_job(request: HttpRequest, pk: int) -> HttpResponse:
     """A job and each target's state: ``pending``, ``ack``, ``progress``, ``done`` or ``error``."""
-    state = await sync_to_async(job_state, thread_sensitive=False)(pk)
+    state = await in_db_thread(job_state)(pk)
     if state is None:
         return data_error(f"no fleet job #{pk}", 404)
     return JsonResponse(state)

@@ -16,6 +16,9 @@ class FleetConsumer(StaffSocket[FleetRequest]):
 
     request_model = FleetRequest
     example = '{"action": "refresh"}'
+    #: It talks to no group (the board calls it back): no channel of its own in the layer, whose
+    #: reads would end the socket with a traceback while Redis is away.
+    channel_layer_alias = "fleet-sockets-use-no-layer"
     watching = False
 
     async def open(self) -> None:

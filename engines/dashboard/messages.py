@@ -7,6 +7,8 @@ Server to browser, each a JSON object with a ``type``:
   a socket opens (so a page's charts start full, not empty).
 * ``ack``, ``progress``, ``done``, ``error``: :class:`ActionEvent`, about the action the browser
   sent with that ``id`` (``error`` without an ``id``: a message that could not be read at all).
+* ``feed``: :class:`FeedEvent`, whether the snapshots arrive: once when a socket opens, then at each
+  change (``interrupted`` while the channel layer does not carry them, ``live`` when they come again).
 
 Browser to server: :class:`ActionRequest`. Every snapshot names the server process it came from
 (:data:`SERVER_ID`), so that servers sharing a Redis channel layer can feed one fleet-wide view.
@@ -25,7 +27,7 @@ from engines.history import MAX_NOTE_CHARS, MAX_TAGS
 from engines.profiling import ProfileState
 
 __all__ = ["CHART_FIELDS", "SERVER_ID", "ActionEvent", "ActionEventType", "ActionRequest", "EngineHistory",
-           "EngineSnapshot", "engine_group", "chart_values"]
+           "EngineSnapshot", "FeedEvent", "FeedState", "engine_group", "chart_values"]
 
 #: This server process, as snapshots name it: host and process id.
 SERVER_ID = f"{socket.gethostname()}:{os.getpid()}"
@@ -100,6 +102,21 @@ class ActionEvent(BaseModel):
     result: dict[str, Any] | None = None
     #: The outcome of an action asked on an earlier socket of this user, which closed before it ended.
     earlier: bool | None = None
+
+
+#: A :class:`FeedEvent`'s ``state``.
+FeedState = Literal["live", "interrupted"]
+
+
+class FeedEvent(BaseModel):
+    """Whether the socket's snapshots arrive (``engines.dashboard.feed``): ``interrupted``, with the
+    ``reason``, while the channel layer that carries them does not answer or none came for a while
+    (the page marks its figures stale), ``live`` again with the next snapshot."""
+
+    type: Literal["feed"] = "feed"
+    state: FeedState
+    reason: str | None = None
+    at: float  # Unix seconds: when this server saw it change
 
 
 #: The metrics the engine page's and the overview's charts draw, as paths into a snapshot's

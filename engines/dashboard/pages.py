@@ -21,8 +21,9 @@ from django.views.decorators.csrf import csrf_protect
 
 from engines.dashboard.frame import page_context
 from engines.dashboard.local_login import LOCAL_USERNAME
+from engines.history.outage import OUTAGE_ERRORS
 from engines.registry import registry
-from engines.views.api import AsyncView
+from engines.views.api import AsyncView, database_unavailable
 
 __all__ = ["engine_facts", "engine_page", "local_login", "overview", "playground", "playground_endpoint"]
 
@@ -106,8 +107,14 @@ def playground_endpoint(view: AsyncView) -> AsyncView:
     # that mark would switch off the check this endpoint exists to make.
     @staff_member_required
     @csrf_protect
-    async def endpoint(request: HttpRequest) -> HttpResponseBase:
+    async def staff_endpoint(request: HttpRequest) -> HttpResponseBase:
         return await view(request)
+
+    async def endpoint(request: HttpRequest) -> HttpResponseBase:
+        try:
+            return await staff_endpoint(request)
+        except OUTAGE_ERRORS as exc:  # the staff check reads the session: the API's 503, not the pages'
+            return database_unavailable(exc)
 
     endpoint.__doc__ = f"The playground's {view.__name__}."
     return endpoint

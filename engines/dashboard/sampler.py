@@ -29,7 +29,11 @@ logger = logging.getLogger(__name__)
 class LayerUnavailableError(Exception):
     """The channel layer (Redis) did not take a snapshot: the server serves on, the pages wait."""
 
-__all__ = ["EngineSampler", "SamplerHub", "hub_for"]
+
+#: What the channel layer raises while Redis does not answer (redis-py's errors, or the socket's).
+LAYER_ERRORS: tuple[type[Exception], ...] = (ConnectionError, OSError, RedisError)
+
+__all__ = ["LAYER_ERRORS", "EngineSampler", "LayerUnavailableError", "SamplerHub", "hub_for"]
 
 #: Seconds between snapshots while someone watches (the charts move at 4 Hz).
 WATCHED_INTERVAL_S = 0.25
@@ -96,7 +100,7 @@ class EngineSampler:
         self.latest_text = snap.model_dump_json()
         try:
             await self.layer.group_send(self.group, {"type": "engine.snapshot", "text": self.latest_text})
-        except (ConnectionError, OSError, RedisError) as exc:
+        except LAYER_ERRORS as exc:
             raise LayerUnavailableError(str(exc)) from exc
         return snap
 

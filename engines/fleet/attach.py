@@ -6,10 +6,10 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import httpx
-from asgiref.sync import sync_to_async
 
 from engines.fleet.aliases import ServerKind
 from engines.fleet.foreign import ForeignReader, PollError, fetch_metrics, probe_kind
+from engines.db_calls import in_db_thread
 
 __all__ = ["AttachError", "Attached", "attach_server", "check_url"]
 
@@ -86,5 +86,5 @@ async def attach_server(url: str, name: str = "", api_key: str = "", poll_interv
         return ForeignServer.objects.create(name=name, url=url, api_key=api_key, kind=kind, version=version,
                                             poll_interval_s=poll_interval_s, attached_by=attached_by)
 
-    server = await sync_to_async(save, thread_sensitive=False)()
+    server = await in_db_thread(save)()
     return Attached(server.pk, server.name, server.url, kind, version, metrics_error)

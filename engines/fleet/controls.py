@@ -23,7 +23,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import httpx
-from asgiref.sync import sync_to_async
 from django.utils import timezone
 from pydantic import BaseModel, Field, StrictBool, StrictInt, StrictStr
 
@@ -31,6 +30,7 @@ from engines.fleet.aliases import ALIASES, ServerKind
 from engines.fleet.board import ForeignTarget
 from engines.fleet.clock import ClockOffset
 from engines.fleet.store import FleetStore
+from engines.db_calls import in_db_thread
 
 logger = logging.getLogger("engines.fleet")
 
@@ -90,7 +90,7 @@ def _update(target: int, state: str, message: str = "", result: dict[str, Any] |
 
 async def update_target(target: int, state: str, message: str = "", result: dict[str, Any] | None = None) -> None:
     """Write a target's state (and finish its job when it was the last one running)."""
-    await sync_to_async(_update, thread_sensitive=False)(target, state, message, result)
+    await in_db_thread(_update)(target, state, message, result)
 
 
 def _fail_unanswered(targets: Sequence[int]) -> None:
@@ -227,7 +227,7 @@ async def submit_job(store: FleetStore, here: str, request: JobRequest, user: st
             for t in request.targets)
         return job.pk, [row.pk for row in rows]
 
-    job, target_ids = await sync_to_async(create, thread_sensitive=False)()
+    job, target_ids = await in_db_thread(create)()
     by_id = {server.id: server for server in foreign}
     remote: list[int] = []
     for target, pk in zip(request.targets, target_ids, strict=True):
@@ -253,7 +253,7 @@ async def submit_job(store: FleetStore, here: str, request: JobRequest, user: st
 
 async def _watch(targets: list[int]) -> None:
     await asyncio.sleep(ANSWER_S)
-    await sync_to_async(_fail_unanswered, thread_sensitive=False)(targets)
+    await in_db_thread(_fail_unanswered)(targets)
 
 
 _running: set[asyncio.Task[None]] = set()

@@ -23,11 +23,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from asgiref.sync import sync_to_async
 
 from engines.fleet.quantiles import Buckets, fleet_quantile
 from engines.fleet.rows import EngineRow, WindowHistogram
 from engines.fleet.store import FleetStore
+from engines.db_calls import in_db_thread
 
 logger = logging.getLogger("engines.fleet")
 
@@ -173,7 +173,7 @@ class RollupWriter:
         now = time.time() if now is None else now
         start = _minute_start(now)
         if self.minute is not None and start != self.minute and self.engines:
-            await sync_to_async(_write_minute, thread_sensitive=False)(
+            await in_db_thread(_write_minute)(
                 self.minute, list(self.engines.values()), self.keep_minutes_h, self.keep_hours_d)
             self.engines = {}
         self.minute = start

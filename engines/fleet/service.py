@@ -14,7 +14,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from asgiref.sync import sync_to_async
 from django.conf import settings
 
 import engines
@@ -29,6 +28,7 @@ from engines.fleet.rollups import RollupWriter
 from engines.fleet.rows import EngineRow
 from engines.fleet.store import FleetStore, LocalFleetStore, RedisFleetStore
 from engines.registry import registry
+from engines.db_calls import in_db_thread
 
 logger = logging.getLogger("engines.fleet")
 
@@ -84,7 +84,7 @@ def _load_targets() -> list[ForeignTarget]:
 
 async def foreign_targets() -> list[ForeignTarget]:
     """The attached servers, from the database."""
-    return await sync_to_async(_load_targets, thread_sensitive=False)()
+    return await in_db_thread(_load_targets)()
 
 
 def make_store() -> FleetStore:

@@ -16,12 +16,12 @@ Modules: ``analysis`` (trace -> summaries, pure Python), ``columns`` (the reques
 columns, declared once), ``payload`` (gzip storage with a CRC, for traces and profiles alike),
 ``downloads`` (reading a stored payload back, checked: the one download), ``capture`` (saving),
 ``profiles`` (saving profiles), ``retention``, ``report`` (detail and compare tables),
-``autosave`` (the periodic trace windows and metrics snapshots of ``manage.py serve``).
+``autosave`` (the periodic trace windows and metrics snapshots of ``manage.py serve``), ``outage`` (the
+database going away, said once) with ``middleware`` (the pages' 503 meanwhile).
 """
 from engines.history.analysis import TraceAnalysis, TraceFormatError, analyze_trace
 from engines.history.capture import (
     EmptyTraceError,
-    HistoryUnavailableError,
     TraceUnavailableError,
     asave_engine_trace,
     asave_metrics_snapshot,
@@ -35,6 +35,7 @@ from engines.history.capture import (
     traced_engine,
     validate_note,
 )
+from engines.history.outage import HistoryUnavailableError
 from engines.history.payload import PayloadError
 from engines.history.report import TraceComparison, compare_records, trace_report
 from engines.history.retention import RetentionResult, apply_retention, prune_metrics_snapshots

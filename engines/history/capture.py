@@ -14,6 +14,7 @@ and bulk-inserts its request summaries; then retention for that engine runs.
 """
 from __future__ import annotations
 
+import functools
 import gc
 import math
 from collections.abc import Callable, Iterator
@@ -23,14 +24,16 @@ from datetime import datetime
 from typing import TYPE_CHECKING, Any, Iterable, Literal, Mapping, ParamSpec, TypeVar, overload
 
 import orjson
-from asgiref.sync import sync_to_async
 from django.db import connections, transaction
 from django.db.models import CharField, Model
 from django.utils import timezone
 
+from engines.db_calls import in_db_thread
 from engines.history.analysis import RequestStats, TraceFormatError, analyze_trace, trace_events
+from engines.history.outage import HistoryUnavailableError, database_reason
 from engines.history.payload import compress_json
 from engines.history.retention import apply_retention, prune_metrics_snapshots
+from engines.malloc_tuning import trim_malloc
 from engines.models import MetricsSnapshot, RequestSummary, TraceRecord
 from engines.registry import registry
 
@@ -157,8 +160,9 @@ async def asave_trace(
     retention: bool = True,
 ) -> TraceRecord:
     """:func:`save_trace` on a worker thread with its own database connection, so the
-    event loop keeps serving while a large trace is parsed, compressed and inserted."""
-    save = sync_to_async(_closing_connections(save_trace), thread_sensitive=False)
+    event loop keeps serving while a large trace is parsed, compressed and inserted; the freed
+    parse is handed back to the OS there too (:func:`~engines.malloc_tuning.trim_malloc`)."""
+    save = in_db_thread(_trimming(save_trace))
     return await save(trace, engine=engine, model=model, backend=backend, source=source, note=note, tags=tags,
                       captured_at=captured_at, retention=retention)
 
@@ -170,9 +174,10 @@ class TraceUnavailableError(Exception):
     """
 
 
-class HistoryUnavailableError(Exception):
-    """The history's database does not answer (PostgreSQL restarting, a network cut): nothing was
-    saved, and a trace was not taken from its engine (the views answer a 503)."""
+async def acheck_database() -> None:
+    """Raise :class:`HistoryUnavailableError` unless the history's database answers a query:
+    asked before a trace or a profile is taken from an engine, so none is taken to be lost."""
+    await in_db_thread(_check_database)()
 
 
 def _check_database() -> None:
@@ -184,8 +189,8 @@ def _check_database() -> None:
             cursor.execute("SELECT 1")
     except DatabaseError as exc:
         connections["default"].close()  # a broken connection is not reused after the outage
-        raise HistoryUnavailableError(f"the trace history's database does not answer ({exc}".strip()
-                                      + "): nothing was saved or taken from the engine; try again when it is back"
+        raise HistoryUnavailableError(f"the history's database does not answer ({database_reason(exc)}): "
+                                      "nothing was saved or taken from the engine; try again when it is back"
                                       ) from None
 
 
@@ -264,7 +269,7 @@ async def asave_engine_trace(
     """
     engine, metadata = _engine_trace_metadata(engine, note=note, tags=tags, source=source)
     # Asked first, so that a trace is not taken (and, with ``clear``, lost) when it cannot be stored.
-    await sync_to_async(_closing_connections(_check_database), thread_sensitive=False)()
+    await acheck_database()
     raw = await engine.dump_trace(clear, skip_empty=True)
     if raw is None:
         if skip_empty:
@@ -309,7 +314,7 @@ def save_metrics_snapshot(engine: str, model: str, metrics: Mapping[str, Any], *
 async def asave_metrics_snapshot(engine: str, model: str, metrics: Mapping[str, Any],
                                  **kwargs: Any) -> MetricsSnapshot:
     """:func:`save_metrics_snapshot` on a worker thread."""
-    return await sync_to_async(_closing_connections(save_metrics_snapshot), thread_sensitive=False)(
+    return await in_db_thread(save_metrics_snapshot)(
         engine, model, metrics, **kwargs)
 
 
@@ -390,16 +395,14 @@ _P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 
-def _closing_connections(func: Callable[_P, _R]) -> Callable[_P, _R]:
-    """Run ``func`` and close the worker thread's database connections afterwards:
-    pool threads outlive the call, and an idle connection per thread would leak."""
+def _trimming(func: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Run ``func``, then give the allocator's free pages back: a save frees a parse of tens of MB."""
+    @functools.wraps(func)
     def run(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         try:
             return func(*args, **kwargs)
         finally:
-            connections.close_all()
-    run.__name__ = func.__name__
-    run.__doc__ = func.__doc__
+            trim_malloc()
     return run
 
 

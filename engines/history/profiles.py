@@ -10,13 +10,13 @@ from datetime import datetime, timezone as dt_timezone
 from typing import Any
 
 import orjson
-from asgiref.sync import sync_to_async
 from django.db import transaction
 
-from engines.history.capture import _closing_connections, _finite_json, validate_note
+from engines.history.capture import _finite_json, validate_note
 from engines.history.payload import compress_json
 from engines.history.retention import apply_profile_retention
 from engines.models import ProfileRecord
+from engines.db_calls import in_db_thread
 
 __all__ = ["asave_profile", "aset_profile_note", "save_profile"]
 
@@ -50,7 +50,7 @@ def save_profile(profile: dict[str, Any], *, engine: str, source: str = ProfileR
 async def asave_profile(profile: dict[str, Any], *, engine: str, source: str = ProfileRecord.Source.API,
                         note: str = "", retention: bool = True) -> ProfileRecord:
     """:func:`save_profile` on a worker thread with its own database connection."""
-    save = sync_to_async(_closing_connections(save_profile), thread_sensitive=False)
+    save = in_db_thread(save_profile)
     return await save(profile, engine=engine, source=source, note=note, retention=retention)
 
 

@@ -95,6 +95,7 @@ _EXPORTS: dict[str, str] = {
     "epoch_anchor_ns": "telemetry.trace_recorder",
     "EngineMetrics": "telemetry.metrics",
     "HistogramSnapshot": "telemetry.metrics",
+    "LatencyDistribution": "telemetry.metrics",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -143,7 +144,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names resolve l
     from engines.runtime.model.forward_batch import ForwardBatch
     from engines.runtime.model.llama import LlamaModel
     from engines.runtime.model.tokenizer import ChatTemplateError, Tokenizer
-    from engines.runtime.telemetry.metrics import EngineMetrics, HistogramSnapshot
+    from engines.runtime.telemetry.metrics import EngineMetrics, HistogramSnapshot, LatencyDistribution
     from engines.runtime.telemetry.profiler import ProfileResult, ProfilerStateError, ProfileStatus, \
         measure_host_bandwidth
     from engines.runtime.telemetry.trace_recorder import TraceDelta, TraceRecorder, epoch_anchor_ns

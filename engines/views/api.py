@@ -25,6 +25,7 @@ from django.http import HttpRequest, HttpResponse, HttpResponseBase, StreamingHt
 from django.views.decorators.csrf import csrf_exempt
 from pydantic import BaseModel
 
+from engines.history.outage import OUTAGE_ERRORS, history_outage, request_message, said_once
 from engines.protocol.errors import ErrorResponse, ProtocolError
 from engines.protocol.json_body import JSONTooDeepError, loads_bounded
 from engines.registry import registry
@@ -32,8 +33,8 @@ from engines.runtime import EngineDeadError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncView", "InvalidBody", "api_not_found", "api_view", "debug_gated", "error_response", "json_body",
-           "json_response", "reply_response", "sse_response"]
+__all__ = ["AsyncView", "InvalidBody", "api_not_found", "api_view", "database_unavailable", "debug_gated",
+           "error_response", "json_body", "json_response", "reply_response", "sse_response"]
 
 #: An ``async def`` view (what Django's ``path()`` takes: a coroutine function, not any awaitable).
 AsyncView = Callable[..., Coroutine[Any, Any, HttpResponseBase]]
@@ -91,6 +92,14 @@ def error_response(error: ProtocolError) -> HttpResponse:
     return json_response(error.response().model_dump(), status=error.status)
 
 
+def database_unavailable(exc: BaseException) -> HttpResponse:
+    """503 in the error shape for a request that found the history's database away (a profile
+    saved, a session read): said in the log once an outage (``engines.history.outage``)."""
+    response = error_response(ProtocolError(503, request_message(history_outage.failed(exc))))
+    said_once(response)
+    return response
+
+
 def api_view(*methods: str) -> Callable[[AsyncView], AsyncView]:
     """Make an async view a JSON API endpoint.
 
@@ -99,8 +108,8 @@ def api_view(*methods: str) -> Callable[[AsyncView], AsyncView]:
     any :class:`ProtocolError` it raises becomes its error reply, as does a body over
     Django's ``DATA_UPLOAD_MAX_MEMORY_SIZE`` (413, raised on reading it) and an engine
     that died (503 with the runtime's message; any engine call may raise it, so views
-    need not catch it). An unexpected exception is logged and answered 500 in the same
-    shape, never as HTML.
+    need not catch it), as is a database that does not answer (503, :func:`database_unavailable`).
+    An unexpected exception is logged and answered 500 in the same shape, never as HTML.
     """
     allowed = frozenset(m.upper() for m in methods)
     if "GET" in allowed:  # HTTP requires HEAD wherever GET works (the server drops the body)
@@ -120,6 +129,8 @@ def api_view(*methods: str) -> Callable[[AsyncView], AsyncView]:
                 return error_response(exc)
             except EngineDeadError as exc:
                 return error_response(ProtocolError(503, str(exc)))
+            except OUTAGE_ERRORS as exc:
+                return database_unavailable(exc)
             except RequestDataTooBig:
                 limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
                 return error_response(ProtocolError(

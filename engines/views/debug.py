@@ -222,6 +222,8 @@ async def _stop_builtin(request: HttpRequest, engine: AsyncEngine) -> ProfileSav
     try:
         validate_note(note)
         return await stop_profile(engine, note=note)
+    except HistoryUnavailableError as exc:  # asked first: the profile runs on, to be stopped again
+        raise ProtocolError(503, f"{exc}; the profile is still running.") from None
     except ValueError as exc:  # ProfilerStateError is not one
         raise ProtocolError(400, f'Invalid "note": {exc}.') from None
     except ProfilerStateError as exc:

@@ -33,6 +33,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
+from engines.loop_lag import loop_lag
 from engines.registry import registry
 from engines.runtime import AsyncEngine, EngineDeadError, HistogramSnapshot
 from engines.views.api import api_view, json_response
@@ -236,7 +237,20 @@ def exposition_registry(readings: list[EngineReading], engines: Iterable[AsyncEn
     ``engines``."""
     exposition = CollectorRegistry(auto_describe=False)
     exposition.register(EngineCollector(readings, engines))
+    exposition.register(ServerCollector())
     return exposition
+
+
+class ServerCollector(Collector):
+    """The serving process's own figures: its event loop's lag (:mod:`engines.loop_lag`), once probed."""
+
+    def collect(self) -> Iterator[Metric]:
+        snap = loop_lag.histogram()
+        if snap.count:
+            family = HistogramMetricFamily("event_loop_lag_seconds",
+                                           "How late the server's event loop ran a 100 ms timer.")
+            family.add_metric([], [(floatToGoString(le), float(n)) for le, n in snap.cumulative()], sum_value=snap.sum)
+            yield family
 
 
 @api_view("GET")
@@ -297,4 +311,4 @@ async def stats(request: HttpRequest) -> HttpResponse:
             "ttft_p50_s": m["ttft_s"]["p50"],
             "ttft_p99_s": m["ttft_s"]["p99"],
         }
-    return json_response({"engines": engines})
+    return json_response({"engines": engines, "event_loop_lag": loop_lag.summary()})

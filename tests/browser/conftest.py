@@ -69,7 +69,9 @@ class LiveServer:
 
 
 @pytest.fixture(scope="module")
-def dashboard_server(tmp_path_factory) -> Iterator[LiveServer]:
+def dashboard_server(tmp_path_factory, request: pytest.FixtureRequest) -> Iterator[LiveServer]:
+    """The built-in models served with a superuser; a test module's ``EXTRA_SERVE_ARGS`` add to
+    ``serve``'s arguments."""
     if not Path(CHROMIUM).exists():
         pytest.fail(f"{CHROMIUM} is missing: scripts/test.sh installs Debian's chromium")
     var = tmp_path_factory.mktemp("var")
@@ -83,7 +85,8 @@ def dashboard_server(tmp_path_factory) -> Iterator[LiveServer]:
     # The built-in models, as scripts/serve.sh serves them: the real one first, the demo beside it.
     command = manage + ["serve", "--model", "smollm2", "--model", "demo", "--enable-debug", "--enable-tracing",
                         "--port", str(port), "--backend", "cpu",
-                        "--max-num-seqs", "8", "--max-total-tokens", "4096", "--drain-timeout", "1"]
+                        "--max-num-seqs", "8", "--max-total-tokens", "4096", "--drain-timeout", "1",
+                        *getattr(request.module, "EXTRA_SERVE_ARGS", [])]
     server = LiveServer(command, env, f"http://127.0.0.1:{port}")
     yield server
     server.stop()
@@ -103,18 +106,25 @@ async def sign_in(page, base: str, next_path: str = "/dashboard/") -> list[str]:
 
 
 @pytest.fixture
-async def page(dashboard_server: LiveServer) -> AsyncIterator:
+async def browser() -> AsyncIterator:
+    """Debian's chromium under Playwright, closed after the test."""
     from playwright.async_api import async_playwright
 
     SHOTS.mkdir(parents=True, exist_ok=True)
     async with async_playwright() as pw:
         browser = await pw.chromium.launch(executable_path=CHROMIUM)
-        context = await browser.new_context(viewport={"width": 1400, "height": 1000})
-        page = await context.new_page()
-        errors = await sign_in(page, dashboard_server.base)
-        yield page
-        assert errors == [], errors  # no script error on any page
+        yield browser
         await browser.close()
+
+
+@pytest.fixture
+async def page(dashboard_server: LiveServer, browser) -> AsyncIterator:
+    """A 1400 px page signed in as the superuser; the test fails on any script error."""
+    context = await browser.new_context(viewport={"width": 1400, "height": 1000})
+    page = await context.new_page()
+    errors = await sign_in(page, dashboard_server.base)
+    yield page
+    assert errors == [], errors  # no script error on any page
 
 
 def load(base: str, stop: threading.Event, clients: int = 4) -> threading.Thread:

@@ -8,13 +8,13 @@ import signal
 import subprocess
 import sys
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import httpx
 import pytest
 import redis
 
-from tests.browser.conftest import CHROMIUM, PASSWORD, REPO, SHOTS, LiveServer, free_port, sign_in
+from tests.browser.conftest import PASSWORD, REPO, SHOTS, LiveServer, free_port, sign_in
 from tests.fleet.conftest import REDIS_URL
 from tests.fleet.fake_server import FakeServer
 
@@ -47,17 +47,6 @@ def fleet_servers(tmp_path_factory) -> Iterator[tuple[LiveServer, LiveServer, st
     keys = list(client.scan_iter(f"fleet:{name}:*"))
     if keys:
         client.delete(*keys)
-
-
-@pytest.fixture
-async def browser() -> AsyncIterator:
-    from playwright.async_api import async_playwright
-
-    SHOTS.mkdir(parents=True, exist_ok=True)
-    async with async_playwright() as pw:
-        browser = await pw.chromium.launch(executable_path=CHROMIUM)
-        yield browser
-        await browser.close()
 
 
 async def signed_in(browser, base: str):

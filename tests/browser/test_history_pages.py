@@ -23,6 +23,8 @@ from tests.browser.conftest import SHOTS, LiveServer, load
 pytestmark = pytest.mark.slow
 
 WIDTHS = (1400, 900)
+#: Metrics snapshots every 2 s (serve's default is 10): the charts' points come in seconds.
+EXTRA_SERVE_ARGS = ["--metrics-snapshot-interval", "2"]
 
 # What lies outside the window or outside the box that clips it (a change list's table scrolls
 # inside its .results box): the document's overflow, and each visible cell past either edge.
@@ -96,7 +98,7 @@ async def test_the_history_pages_fit_at_1400_and_900_px(page, dashboard_server: 
             trace = saved.json()
             first = take_profile(http, "before", 16)
             second = take_profile(http, "after", 8)
-        # Snapshots every 10 s while the load changes the metrics: a few points to chart.
+        # Snapshots every 2 s while the load changes the metrics: a few points to chart.
         deadline = time.monotonic() + 90
         while snapshot_count(dashboard_server, "demo") < 4:
             assert time.monotonic() < deadline, "no metrics snapshots while serving"

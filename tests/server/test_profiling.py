@@ -96,3 +96,48 @@ async def test_a_profile_that_stops_by_itself_is_saved(client: httpx.AsyncClient
     stopped = await client.post("/debug/profile_stop", json={"model": UNTRACED})
     assert stopped.status_code == 200 and stopped.json()["profile_id"] == record.pk
     assert_error(await client.post("/debug/profile_stop", json={"model": UNTRACED}), 409)
+
+
+def _database_away(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The history's database does not answer (as ``_check_database`` finds when PostgreSQL is down)."""
+    from engines.history import capture
+    from engines.history.outage import HistoryUnavailableError
+
+    def away() -> None:
+        raise HistoryUnavailableError("the history's database does not answer (connection refused)")
+    monkeypatch.setattr(capture, "_check_database", away)
+
+
+async def test_a_stop_while_the_database_is_away_keeps_the_profile_running(
+        client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert (await client.post("/debug/profile_start", json={"model": TRACED})).status_code == 200
+    await load(client)
+    with monkeypatch.context() as patch:
+        _database_away(patch)
+        refused = await client.post("/debug/profile_stop", json={"model": TRACED})
+        assert_error(refused, 503)
+        assert "still running" in refused.json()["message"]
+        assert profile_state(registry.get(TRACED)).running  # nothing was taken from the engine
+    stopped = await client.post("/debug/profile_stop", json={"model": TRACED})
+    assert stopped.status_code == 200, stopped.text
+    assert (await ProfileRecord.objects.aget(pk=stopped.json()["profile_id"])).steps > 0
+
+
+async def test_a_profile_that_stops_by_itself_while_the_database_is_away_is_saved_when_it_is_back(
+        client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    from engines import profiling
+
+    monkeypatch.setattr(profiling, "DATABASE_RETRY_S", 0.1)
+    before = await ProfileRecord.objects.acount()
+    with monkeypatch.context() as patch:
+        _database_away(patch)
+        assert (await client.post("/debug/profile_start", json={"model": UNTRACED, "max_steps": 3})).status_code == 200
+        await load(client, model=UNTRACED)
+        await asyncio.sleep(1.5)  # stopped by itself; waiting for the database
+        assert await ProfileRecord.objects.acount() == before
+    for _ in range(300):
+        if await ProfileRecord.objects.acount() > before:
+            break
+        await asyncio.sleep(0.1)
+    record = await sync_to_async(ProfileRecord.objects.latest)("id")
+    assert record.engine == UNTRACED and record.steps == 3 and record.stopped_by == "max_steps"

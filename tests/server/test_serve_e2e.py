@@ -96,6 +96,11 @@ def test_metrics_parse_as_prometheus_exposition(server: Server) -> None:
     assert families["time_to_first_token_seconds"].type == "histogram"
     assert _value(families["time_to_first_token_seconds"], "time_to_first_token_seconds_count", model="demo") == 2
     assert _value(families["num_requests_running"], "num_requests_running", model="demo") == 0
+    # The server's own event loop, probed since it started listening (engines.loop_lag).
+    assert families["event_loop_lag_seconds"].type == "histogram"
+    assert _value(families["event_loop_lag_seconds"], "event_loop_lag_seconds_count") > 0
+    lag = server.http.get("/stats").json()["event_loop_lag"]
+    assert lag["probes"] > 0 and 0 <= lag["p50_ms_1m"] <= lag["max_ms_1m"]
 
 
 def test_reset_brings_metrics_back_to_zero(server: Server) -> None:

@@ -39,6 +39,8 @@ from engines.dashboard.sampler import hub_for
 from engines.fleet import service as fleet
 from engines.fleet.service import fleet_service
 from engines.history.autosave import HistoryAutosave
+from engines.loop_lag import loop_lag
+from engines.malloc_tuning import tune_malloc
 from engines.registry import (
     ENGINE_MODES,
     ModelSpec,
@@ -176,6 +178,7 @@ class Command(BaseCommand):
         sizing.add_argument("--prefill-chunk-size", type=int, help="per-step token budget (prefill + decode)")
 
     def handle(self, *args: Any, **options: Any) -> None:
+        tune_malloc()  # before Daphne's and the savers' threads exist: see engines.malloc_tuning
         host, port, api_key = options["host"], options["port"], options["api_key"]
         if api_key is not None and not api_key.strip():
             # A blank key would pass the "a key is set" check below and protect nothing.
@@ -338,6 +341,7 @@ class Command(BaseCommand):
             loop = asyncio.get_event_loop()
             autosave.start(loop)
             loop.call_soon(lambda: hub_for(registry).start())  # the dashboard's samplers, once it runs
+            loop.call_soon(loop_lag.start)
             fleet.configure(f"http://{host}:{port}")
             loop.call_soon(lambda: fleet_service().start())  # this server in the fleet, once it runs
             stopper = GracefulStop(loop, drain_timeout_s, self.stdout)

@@ -1,14 +1,37 @@
-// A dashboard websocket that comes back: reconnects with backoff and shows its state in the header.
+// A dashboard websocket that comes back: reconnects with backoff and shows its state in the header,
+// and whether the snapshots it carries arrive (the server's `feed` messages).
 
 const indicator = () => document.getElementById("connection");
 
-function showState(state, text) {
-  document.body.dataset.live = state; // the page fades while what it shows may be stale
+function showIndicator(state, text) {
   const el = indicator();
   if (el) {
     el.dataset.state = state;
     el.textContent = text;
   }
+}
+
+function showState(state, text) {
+  document.body.dataset.live = state; // the page fades while what it shows may be stale
+  showIndicator(state, text);
+}
+
+/**
+ * The server's word on the snapshots (`feed`): while the channel layer that carries them does not
+ * answer, the page says so over its figures (#feed-notice) and fades them (body[data-feed]); the
+ * next `live` clears both. `lastAt` is the newest snapshot's time, what the figures show.
+ */
+function showFeed(message, lastAt) {
+  const interrupted = message.state === "interrupted";
+  document.body.dataset.feed = message.state;
+  const notice = document.getElementById("feed-notice");
+  if (notice) {
+    notice.hidden = !interrupted;
+    const since = lastAt ? new Date(lastAt * 1000).toLocaleTimeString() : "before this page opened";
+    notice.textContent = interrupted ? `The live feed is interrupted: ${message.reason}. The figures below are ` +
+      `from ${since}; they come back by themselves when it answers.` : "";
+  }
+  showIndicator(interrupted ? "interrupted" : "open", interrupted ? "live feed interrupted" : "live");
 }
 
 /**
@@ -18,6 +41,7 @@ function showState(state, text) {
 export function connect(path, onMessage) {
   let socket = null;
   let delay = 500;
+  let lastAt = null; // the newest snapshot's time (Unix s)
   const url = `${location.protocol === "https:" ? "wss" : "ws"}://${location.host}${path}`;
 
   function open() {
@@ -34,6 +58,11 @@ export function connect(path, onMessage) {
       } catch {
         return;
       }
+      if (message.type === "feed") {
+        showFeed(message, lastAt);
+        return;
+      }
+      if (message.type === "snapshot") lastAt = Math.max(lastAt || 0, message.at);
       onMessage(message);
     });
     socket.addEventListener("close", (event) => {
@@ -46,7 +75,9 @@ export function connect(path, onMessage) {
         return;
       }
       const seconds = Math.round(delay / 100) / 10;
-      showState("retrying", `disconnected; reconnecting in ${seconds} s`);
+      // 4503: the database that holds the session does not answer; it is asked again, as after a drop.
+      const why = event.code === 4503 ? "the database does not answer" : "disconnected";
+      showState("retrying", `${why}; reconnecting in ${seconds} s`);
       setTimeout(open, delay);
       delay = Math.min(delay * 2, 15000);
     });
