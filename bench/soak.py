@@ -122,6 +122,13 @@ def engine_pid(server_pid: int) -> int | None:
     return None
 
 
+def digest_pid(server_pid: int) -> int | None:
+    for pid in children(server_pid):
+        if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            return pid
+    return None
+
+
 @dataclass
 class Run:
     """Everything the soak saw, for the checks."""
@@ -153,6 +160,9 @@ async def sample(http: httpx.AsyncClient, server: subprocess.Popen, started: flo
     pid = engine_pid(server.pid)
     if pid:
         figures["engine"] = process_figures(pid)
+    digest = digest_pid(server.pid)
+    if digest:  # the trace digest process (engines.history.digest): replaced every 20 saves, so not judged
+        figures["digest"] = process_figures(digest)
     try:
         text = (await http.get("/metrics", timeout=10)).text
     except httpx.HTTPError:
@@ -253,7 +263,7 @@ async def soak(args: argparse.Namespace, services: Services, server: subprocess.
         loader = asyncio.create_task(load(base, run.tally, stop, args.clients, args.burst, args.burst_every))
         ws_base = base.replace("http://", "ws://")
         viewing = asyncio.create_task(run.viewers.run(ws_base, cookie, base, stop))
-        started = run.viewers.started = time.monotonic()
+        started = run.viewers.started = run.tally.started = time.monotonic()
         end = started + args.minutes * 60
         next_fault, turn = started + args.fault_every, 0
         while time.monotonic() < end:
@@ -288,19 +298,26 @@ async def _feed_back(viewers: Viewers) -> None:
         await asyncio.sleep(1)
 
 
-def stored_payloads(services: Services, table: str, ids: list[int]) -> list[str]:
-    """Every acknowledged record in PostgreSQL, its payload's CRC intact."""
+def stored_payloads(services: Services, table: str, ids: list[int]) -> tuple[list[str], int]:
+    """Every acknowledged record in PostgreSQL, and every record at all whole (its payload's CRC
+    intact; a trace with as many request summaries as it says): the problems, and the records read."""
     import psycopg
 
-    missing = []
+    problems = []
     with psycopg.connect(services.env["DATABASE_URL"]) as conn:
-        for pk in ids:
+        stored = {row[0] for row in conn.execute(f"SELECT id FROM {table}")}
+        problems += [f"{table} #{pk} acknowledged, not stored" for pk in ids if pk not in stored]
+        for pk in sorted(stored):
             row = conn.execute(f"SELECT payload, payload_crc32 FROM {table} WHERE id = %s", (pk,)).fetchone()
-            if row is None:
-                missing.append(f"{table} #{pk} acknowledged, not stored")
-            elif row[1] is None or zlib.crc32(bytes(row[0])) != row[1]:
-                missing.append(f"{table} #{pk}: CRC mismatch")
-    return missing
+            if row is None or row[1] is None or zlib.crc32(bytes(row[0])) != row[1]:
+                problems.append(f"{table} #{pk}: its payload does not match its CRC")
+        if table == "engines_tracerecord":
+            for pk, said, held in conn.execute(
+                    "SELECT t.id, t.request_count, count(s.id) FROM engines_tracerecord t LEFT JOIN "
+                    "engines_requestsummary s ON s.trace_id = t.id GROUP BY t.id, t.request_count"):
+                if said != held:
+                    problems.append(f"trace #{pk}: {said} requests, {held} summaries stored")
+    return problems, len(stored)
 
 
 def reconcile(services: Services, tally: Tally) -> dict[str, Any]:
@@ -381,11 +398,14 @@ def checks(run: Run, services: Services, log_text: str, args: argparse.Namespace
             idle.get("kv_pages_used") == 0 and idle.get("num_running_requests") == 0
             and idle.get("num_waiting_requests") == 0,
             {k: idle.get(k) for k in ("kv_pages_used", "num_running_requests", "num_waiting_requests")}),
-        "every acknowledged trace save and profile stored whole":
-            (not (lost := stored_payloads(services, "engines_tracerecord", run.saves)
-                  + stored_payloads(services, "engines_profilerecord", run.profiles)),
-             lost or f"{len(run.saves)} saves, {len(run.profiles)} profiles"),
     }
+    (trace_problems, traces), (profile_problems, profiles) = (
+        stored_payloads(services, "engines_tracerecord", run.saves),
+        stored_payloads(services, "engines_profilerecord", run.profiles))
+    out["every acknowledged save and profile stored, every record whole, with its request summaries"] = (
+        not trace_problems and not profile_problems,
+        (trace_problems + profile_problems)[:5] or f"{len(run.saves)} saves and {len(run.profiles)} profiles "
+                                                   f"acknowledged; {traces} traces and {profiles} profiles stored")
     rec = reconcile(services, tally)
     out["history agrees with the clients (no phantom request, same token counts)"] = (
         not rec["phantom"] and not rec["mismatched"] and rec["matched"] > 0, rec)
@@ -489,10 +509,12 @@ def report(args: argparse.Namespace, run: Run, table: dict[str, tuple[bool, Any]
     """The checks as a table, the figures into ``--results`` and everything into ``--json``."""
     tally = run.tally
     kv = [s["kv_pages_used"] for s in run.samples if "kv_pages_used" in s]
+    digest_rss = [s["digest"]["rss_mib"] for s in run.samples if "digest" in s]
     print(f"{args.minutes:g} min: {tally.requests} requests ({tally.structured} structured, {tally.multi} with n > 1, "
           f"{tally.slow} read slowly, {tally.dropped} dropped mid-stream), {tally.tokens} tokens, statuses "
           f"{dict(sorted(tally.status.items()))}, {len(run.faults)} faults, "
-          f"KV pages in use max {max(kv, default=0):.0f}")
+          f"KV pages in use max {max(kv, default=0):.0f}, "
+          f"trace digest process RSS max {max(digest_rss, default=0):.0f} MiB")
     for status, examples in sorted(tally.examples.items()):
         print(f"  {status}: {' | '.join(e[:150] for e in examples)}")
     for f in run.faults:

@@ -25,6 +25,7 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 class Tally:
     """What the clients saw."""
 
+    started: float = field(default_factory=time.monotonic)
     requests: int = 0
     tokens: int = 0
     dropped: int = 0
@@ -46,8 +47,18 @@ class Tally:
         self.status[status] = self.status.get(status, 0) + 1
         if status != 200 and len(self.examples.setdefault(status, [])) < 3:
             self.examples[status].append(what[:300])
-        if status >= 500 and status != 503:
+        if status >= 500 and (status != 503 or not _json_error(what)):
             self.bad.append(f"{status}: {what[:200]}")
+
+
+def _json_error(body: str) -> bool:
+    """Whether a reply's body is the server's JSON error (OpenAI's shape or MLC's flat one)."""
+    try:
+        reply = json.loads(body)
+    except ValueError:
+        return False
+    error = reply.get("error", reply) if isinstance(reply, dict) else None
+    return isinstance(error, dict) and bool(error.get("message"))
 
 
 def request_body(rng: random.Random, request_id: str) -> tuple[str, dict[str, Any]]:
@@ -89,6 +100,7 @@ async def one_request(client: httpx.AsyncClient, tally: Tally, rng: random.Rando
     structured = "response_format" in body
     tally.structured += structured
     tally.multi += body.get("n", 1) > 1
+    phase = "sent"
     try:
         if not body["stream"]:
             reply = await client.post(path, json=body)
@@ -105,10 +117,12 @@ async def one_request(client: httpx.AsyncClient, tally: Tally, rng: random.Rando
                 tally.saw(reply.status_code, (await reply.aread()).decode(errors="replace"))
                 return reply.status_code
             tally.saw(200)
+            phase = "streaming"
             await _read_stream(reply, body, request_id, tally, drop=drop, slow=slow)
             return 200
     except httpx.HTTPError as exc:
-        tally.bad.append(f"transport: {type(exc).__name__}: {exc}"[:200])
+        tally.bad.append(f"transport at {time.monotonic() - tally.started:.0f} s, {phase}, {path}, "
+                         f"stream {body['stream']}, n {body.get('n', 1)}: {type(exc).__name__}: {exc}"[:300])
         return 0
 
 

@@ -104,7 +104,7 @@ def bench_save(events: int, repeat: int, results: ResultsFile) -> dict[str, Any]
 
     from engines.history import save_trace
     from engines.history.analysis import analyze_trace
-    from engines.history.capture import _gc_paused
+    from engines.history.digest import _gc_paused
     from engines.history.payload import compress_json
     from django.db import connection
 

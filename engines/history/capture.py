@@ -7,31 +7,27 @@ waits on it. ``asave_engine_trace`` (and its sync twin ``save_engine_trace``) ta
 trace of a live engine, optionally emptying it, and saves that: it is what
 ``POST /debug/save_event_trace`` and the ``--trace-autosave`` loop call.
 
-The steps, and why in this order: serialise the trace once (orjson); start gzip on a
-worker thread (zlib releases the GIL, so it overlaps the next step on a second core);
-walk the events for summaries and statistics; then one transaction inserts the record
-and bulk-inserts its request summaries; then retention for that engine runs.
+The steps, and why in this order: the trace is digested (:mod:`engines.history.digest`:
+serialised once with orjson, gzip on a worker thread overlapping the walk over the events for
+summaries and statistics; in a server, in a process of its own); then one transaction inserts
+the record and bulk-inserts its request summaries; then retention for that engine runs.
 """
 from __future__ import annotations
 
 import functools
-import gc
 import math
-from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from collections.abc import Callable
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, Iterable, Literal, Mapping, ParamSpec, TypeVar, overload
 
-import orjson
 from django.db import connections, transaction
 from django.db.models import CharField, Model
 from django.utils import timezone
 
 from engines.db_calls import in_db_thread
-from engines.history.analysis import RequestStats, TraceFormatError, analyze_trace, trace_events
+from engines.history.analysis import RequestStats
+from engines.history.digest import DigestProcess, digest_trace
 from engines.history.outage import HistoryUnavailableError, database_reason
-from engines.history.payload import compress_json
 from engines.history.retention import apply_retention, prune_metrics_snapshots
 from engines.malloc_tuning import trim_malloc
 from engines.models import MetricsSnapshot, RequestSummary, TraceRecord
@@ -41,7 +37,25 @@ if TYPE_CHECKING:  # the runtime (numba and all) loads only where engines are bu
     from engines.runtime import AsyncEngine
 
 SUMMARY_BATCH_SIZE = 2000
-_compressor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="trace-gzip")
+#: Where trace bytes are digested: here, or in a process of the server's (start_digest_process).
+_digest_process: DigestProcess | None = None
+
+
+def start_digest_process() -> None:
+    """Digest saved trace bytes in a process of their own from now on (``manage.py serve``:
+    engines.history.digest says why); started at once."""
+    global _digest_process
+    if _digest_process is None:
+        _digest_process = DigestProcess()
+        _digest_process.warm()
+
+
+def stop_digest_process() -> None:
+    """Digest in this process again; the digest process ends."""
+    global _digest_process
+    if _digest_process is not None:
+        _digest_process.close()
+        _digest_process = None
 
 
 def _max_chars(model: type[Model], name: str) -> int:
@@ -92,31 +106,10 @@ def save_trace(
     note = validate_note(note)
     tag_text = normalize_tags(tags)
 
-    # The collector stays paused over parsing and analysis: see _gc_paused.
-    with _gc_paused():
-        if isinstance(trace, (bytes, bytearray, memoryview)):
-            raw = bytes(trace)
-            try:
-                parsed = orjson.loads(raw)
-            except orjson.JSONDecodeError as exc:
-                raise TraceFormatError(f"the trace is not valid JSON: {exc}") from exc
-            trace_events(parsed)
-        else:
-            parsed = trace
-            trace_events(parsed)  # fail on a non-trace before spending time on it
-            try:
-                raw = orjson.dumps(parsed, option=orjson.OPT_SERIALIZE_NUMPY)
-            except TypeError as exc:
-                raise TraceFormatError(f"the trace cannot be serialised as JSON: {exc}") from exc
-
-        compressing = _compressor.submit(compress_json, raw)
-        try:
-            analysis = analyze_trace(parsed)
-        finally:
-            stored = compressing.result()  # never leave the worker busy behind an exception
-        # Free a trace parsed here by reference counting, before the collector resumes
-        # and would walk its millions of objects once more.
-        del parsed
+    if isinstance(trace, (bytes, bytearray, memoryview)) and _digest_process is not None:
+        analysis, stored = _digest_process.digest(bytes(trace))
+    else:
+        analysis, stored = digest_trace(trace)
     other = analysis.other_data
     backend = (backend or str(other.get("backend") or ""))[:_MAX_BACKEND]
 
@@ -369,26 +362,6 @@ def _summary_rows(record: TraceRecord, requests: list[RequestStats]) -> list[Req
             preemptions=r.preemptions,
         ))
     return rows
-
-
-@contextmanager
-def _gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector while a large trace is parsed and walked.
-
-    Parsing a million events allocates millions of dicts, and the allocation bursts
-    trigger collections that walk every young object again and again, several times the
-    parse's own work; resumed between parsing and the analysis, the collector slows the
-    whole save as much (bench/trace_history.py; docs/perf-log/code-comments.md#gc-paused).
-    Nothing built here forms reference cycles. The
-    collector is re-enabled only if it was on (another thread may be doing the same).
-    """
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 _P = ParamSpec("_P")

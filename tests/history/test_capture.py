@@ -128,16 +128,16 @@ def test_metrics_snapshot():
 
 @pytest.mark.django_db(transaction=True)
 async def test_async_wrappers_run_off_the_event_loop(monkeypatch):
-    import engines.history.capture as capture
+    import engines.history.digest as digest
 
     threads: list[int] = []
-    real_analyze = capture.analyze_trace
+    real_analyze = digest.analyze_trace
 
     def spying_analyze(trace):
         threads.append(threading.get_ident())
         return real_analyze(trace)
 
-    monkeypatch.setattr(capture, "analyze_trace", spying_analyze)
+    monkeypatch.setattr(digest, "analyze_trace", spying_analyze)
     record = await asave_trace(serving_trace(num_requests=2), engine="eng-async", model="demo", note="async")
     assert threads and threads[0] != threading.get_ident()
     stored = await TraceRecord.objects.filter(pk=record.pk).values_list("request_count", "note").aget()

@@ -21,3 +21,28 @@ async def test_a_websocket_to_any_other_path_is_refused(path: str, caplog) -> No
     assert not connected and code == CLOSE_NOT_FOUND
     await communicator.disconnect()
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_a_message_to_a_browser_already_gone_is_dropped_not_raised() -> None:
+    """A tab killed without a close frame: Daphne's send raises Disconnected until the disconnect
+    reaches the consumer; the consumer's sends drop it (no traceback), other errors still raise."""
+    from autobahn.exception import Disconnected
+
+    from engines.dashboard.consumers import sends_unless_gone
+
+    sent: list[dict] = []
+
+    async def gone(message: dict) -> None:
+        raise Disconnected("Attempt to send on a closed protocol")
+
+    async def broken(message: dict) -> None:
+        raise RuntimeError("a bug")
+
+    async def open_(message: dict) -> None:
+        sent.append(message)
+
+    await sends_unless_gone(gone)({"type": "websocket.send", "text": "{}"})
+    await sends_unless_gone(open_)({"type": "websocket.send", "text": "{}"})
+    assert sent == [{"type": "websocket.send", "text": "{}"}]
+    with pytest.raises(RuntimeError):
+        await sends_unless_gone(broken)({"type": "websocket.send", "text": "{}"})

@@ -39,6 +39,7 @@ from engines.dashboard.sampler import hub_for
 from engines.fleet import service as fleet
 from engines.fleet.service import fleet_service
 from engines.history.autosave import HistoryAutosave
+from engines.history.capture import start_digest_process, stop_digest_process
 from engines.loop_lag import loop_lag
 from engines.malloc_tuning import tune_malloc
 from engines.registry import (
@@ -215,6 +216,8 @@ class Command(BaseCommand):
                 self._load_engines(specs, options)
             if options["enable_debug"]:
                 logger.info("Enable debug endpoint and debug_config in requests...")
+            if options["enable_tracing"]:
+                start_digest_process()  # trace saves parse out of this process: engines.history.digest
             autosave = HistoryAutosave(registry, trace_interval_s=options["trace_autosave"],
                                        metrics_interval_s=options["metrics_snapshot_interval"])
             links = functools.partial(self._print_urls, host, port, options["enable_debug"], api_key, autosave)
@@ -225,6 +228,7 @@ class Command(BaseCommand):
             signal.signal(signal.SIGTERM, previous_term)
             had_engines = len(registry) > 0
             registry.shutdown_all()
+            stop_digest_process()
             if had_engines:
                 self.stdout.write("Engines stopped. Bye.")
 
