@@ -522,7 +522,7 @@ def report(args: argparse.Namespace, run: Run, table: dict[str, tuple[bool, Any]
     for name, (ok, detail) in table.items():
         print(f"  [{'ok' if ok else 'FAIL'}] {name}: {detail}")
     results = ResultsFile(args.results, "soak")
-    where = {"minutes": args.minutes, "fault_every": args.fault_every, "outage": args.outage, "run": args.label}
+    where = {"minutes": args.minutes, "fault_every": args.fault_every, "outage": args.outage, "soak": args.label}
     results.add("requests", tally.requests, "requests", **where)
     results.add("tokens", tally.tokens, "tokens", **where)
     results.add("faults", len(run.faults), "faults", **where)

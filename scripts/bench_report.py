@@ -188,7 +188,7 @@ VIEWS = (
                   "row age when pushed to a page, p99, 1 member with pages open",
                   "member CPU per server-second, no page open", "fleet view assembly")),
     View("fleet", "fleet", ("metric", "servers", "engines"), columns=(), where={"part": ("browser",)}),
-    View("soak", "soak", ("metric",), columns=("run",), where={"minutes": ("30.0",)},
+    View("soak", "soak", ("metric",), columns=("soak",), where={"minutes": ("30.0",)},
          metrics=("requests", "tokens", "faults", "checks failed", "server RSS, first window",
                   "server RSS, last window", "engine RSS, first window", "engine RSS, last window",
                   "event-loop lag p99 outside faults")),
