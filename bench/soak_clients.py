@@ -100,7 +100,7 @@ async def one_request(client: httpx.AsyncClient, tally: Tally, rng: random.Rando
     structured = "response_format" in body
     tally.structured += structured
     tally.multi += body.get("n", 1) > 1
-    phase = "sent"
+    phase, began = "sent", time.monotonic()
     try:
         if not body["stream"]:
             reply = await client.post(path, json=body)
@@ -121,8 +121,9 @@ async def one_request(client: httpx.AsyncClient, tally: Tally, rng: random.Rando
             await _read_stream(reply, body, request_id, tally, drop=drop, slow=slow)
             return 200
     except httpx.HTTPError as exc:
-        tally.bad.append(f"transport at {time.monotonic() - tally.started:.0f} s, {phase}, {path}, "
-                         f"stream {body['stream']}, n {body.get('n', 1)}: {type(exc).__name__}: {exc}"[:300])
+        now = time.monotonic()
+        tally.bad.append(f"transport at {now - tally.started:.0f} s, {phase} {now - began:.1f} s before, {path}, "
+                         f"stream {body['stream']}, n {body.get('n', 1)}: {type(exc).__name__}: {exc!r}"[:300])
         return 0
 
 

@@ -237,12 +237,14 @@ def build_engines(
     restart: bool = True,
     kv_listen: "KVListenSpec | None" = None,
     progress: Callable[[str], None] | None = None,
+    keep_quantized: bool = False,
 ) -> list["AsyncEngine"]:
     """Load each checkpoint and make an (unstarted) engine for it; ``process=True`` runs each
     engine loop in its own process (the checkpoint's weights are then loaded there, not here);
     ``restart=False`` leaves an engine that dies dead instead of restarting it; ``kv_listen``
     gives each engine a K/V listener (a fixed port: the next engine takes the next port);
-    ``progress`` hears what a built-in model's first use prepares.
+    ``progress`` hears what a built-in model's first use prepares; ``keep_quantized`` keeps a GGUF's
+    Q8_0/Q4_0/Q4_1 matrices quantized (the CPU kernels read them so).
 
     Raises :class:`RegistryError` for two specs with one served name, and lets
     ``CheckpointError`` (whose message names the file at fault) through.
@@ -253,7 +255,7 @@ def build_engines(
     names: set[str] = set()
     for spec in specs:
         path = builtin_model_path(spec.source, progress=progress) if spec.builtin else Path(spec.source).expanduser()
-        checkpoint = load_checkpoint(path, load_weights=not process)
+        checkpoint = load_checkpoint(path, load_weights=not process, keep_quantized=keep_quantized)
         name = spec.name or (spec.source if spec.builtin else checkpoint.name)
         if name in names:
             raise RegistryError(
@@ -265,6 +267,7 @@ def build_engines(
                 checkpoint, name, config=config, backend=backend, dtype=dtype, enable_tracing=enable_tracing,
                 process=process, restart=RestartPolicy(enabled=restart),
                 kv_listen=kv_listen and replace(kv_listen, port=kv_listen.port and kv_listen.port + len(engines)),
+                keep_quantized=keep_quantized,
             )
         )
     return engines
@@ -347,6 +350,7 @@ def configure_from_env(env: dict[str, str] | None = None) -> EngineRegistry:
         config,
         backend=env.get("ENGINES_BACKEND", "auto"),
         dtype=env.get("ENGINES_DTYPE", "float32"),
+        keep_quantized=env.get("ENGINES_WEIGHTS_DTYPE") == "gguf",
         enable_tracing=_env_flag(env, "ENGINES_ENABLE_TRACING"),
         process=engine_mode(env.get("ENGINES_ENGINE_MODE", "process")),
         restart=_env_flag(env, "ENGINES_RESTART", default=True),

@@ -49,6 +49,7 @@ def engine_facts(engine: Any) -> dict[str, Any]:
         "config": [
             ("checkpoint", str(checkpoint.path)),
             ("weights", engine.source_format),
+            ("weights in memory", engine.weights_format),
             ("architecture", f"{model.model_type}: {model.num_hidden_layers} layers, hidden {model.hidden_size}, "
                              f"{model.num_attention_heads} heads / {model.num_key_value_heads} KV heads, "
                              f"head dim {model.head_dim}, intermediate {model.intermediate_size}"),

@@ -292,6 +292,7 @@ async def stats(request: HttpRequest) -> HttpResponse:
         reading = readings.get(engine.name)
         life = engine.status.as_dict()
         fixed = {"backend": engine.backend_name, "weights": engine.source_format,
+                 "weights_in_memory": engine.weights_format,
                  "kv_cache": engine.kv_cache.as_dict() if engine.kv_cache else None}
         if reading is None:  # dead or restarting: nothing to read
             engines[engine.name] = {**fixed, "alive": False, **life}

@@ -56,6 +56,7 @@ async def test_an_engine_page_shows_its_configuration_and_an_unknown_one_is_404(
     # The KV pool as allocated and why (the tests size it by tokens), and what the weights came from.
     assert "2,048 tokens (128 pages of 16), 32 MiB; --max-total-tokens 2048" in html
     assert "<td>safetensors</td>" in html
+    assert "weights in memory" in html and "<td>float32</td>" in html
     assert f"/admin/engines/tracerecord/?engine__exact={TRACED}" in html
     assert missing.status_code == 404
 

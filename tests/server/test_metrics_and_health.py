@@ -133,7 +133,8 @@ async def test_debug_routes_on_a_dead_engine_are_503_not_500(serve, stopped_engi
         stats = (await http.get("/stats")).json()["engines"]["stopped"]
         kv = stats.pop("kv_cache")  # what it had allocated, still said
         assert kv["tokens"] == stopped_engine.kv_cache.tokens and kv["rule"] == "max_total_tokens"
-        assert stats == {"backend": "cpu", "weights": "safetensors", "alive": False, "state": "stopped",
+        assert stats == {"backend": "cpu", "weights": "safetensors", "weights_in_memory": "float32",
+                         "alive": False, "state": "stopped",
                          "reason": None, "restarts": 0}
         exposition = (await http.get("/metrics")).text
         assert 'engine_up{model="stopped",state="stopped"} 0.0' in exposition

@@ -6,7 +6,10 @@ One server for the module; the tests run in file order and build on each other
 from __future__ import annotations
 
 import json
+import os
+import selectors
 import signal
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -113,6 +116,33 @@ def test_reset_brings_metrics_back_to_zero(server: Server) -> None:
     assert _value(families["time_to_first_token_seconds"], "time_to_first_token_seconds_count", model="demo") == 0
 
 
+def test_a_burst_of_connections_waits_in_the_listen_queue(server: Server) -> None:
+    """While the server is not accepting (stopped here; busy in real life), 300 clients connecting
+    at once all complete their handshakes: the listen queue holds them (Twisted's default of 50
+    dropped the SYNs past 51, and those clients waited a second or more for a retransmission)."""
+    clients = 300
+    sockets = [socket.socket() for _ in range(clients)]
+    selector = selectors.DefaultSelector()
+    os.kill(server.process.pid, signal.SIGSTOP)
+    try:
+        for sock in sockets:
+            sock.setblocking(False)
+            sock.connect_ex(("127.0.0.1", server.port))
+            selector.register(sock, selectors.EVENT_WRITE)
+        connected, deadline = 0, time.monotonic() + 0.8  # under the first SYN retransmission (1 s)
+        while connected < clients and time.monotonic() < deadline:
+            for key, _ in selector.select(timeout=0.1):
+                selector.unregister(key.fileobj)
+                connected += key.fileobj.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0
+    finally:
+        os.kill(server.process.pid, signal.SIGCONT)
+        selector.close()
+        for sock in sockets:
+            sock.close()
+    assert connected == clients
+    assert server.http.get("/health").status_code == 200  # and the server goes on as before
+
+
 def test_sigterm_drains_then_stops_engines_and_exits_cleanly(server: Server) -> None:
     """SIGTERM with streams in flight: new requests get 503; after the drain timeout every stream
     still running ends as a reset ends it (finish_reason "abort", then [DONE]); the engine (and its
@@ -149,7 +179,7 @@ def test_sigterm_drains_then_stops_engines_and_exits_cleanly(server: Server) -> 
     output = server.output()
     assert "Engines stopped." in output and "Ended 3 unfinished request(s)" in output
     assert "Traceback" not in output
-    assert "demo: cpu backend, tracing on, own process" in output
+    assert "demo: cpu backend, weights float32, tracing on, own process" in output
     # The engine's and the digest's processes stop with the server, not left behind (multiprocessing's
     # resource tracker follows once the server's end of its pipe closes: a moment later).
     deadline = time.monotonic() + 10

@@ -108,9 +108,28 @@ async def test_stop_strings_cut_real_text_where_they_start(api: httpx.AsyncClien
 async def test_stats_and_models_name_the_real_model(api: httpx.AsyncClient, smollm2_engine: AsyncEngine) -> None:
     stats = (await api.get("/stats")).json()["engines"][MODEL]
     assert stats["weights"] == "GGUF F32 x61, Q4_1 x210, Q8_0 x1"
+    assert stats["weights_in_memory"] == "float32"  # dequantized unless --weights-dtype gguf
     kv = stats["kv_cache"]
     # Sized for the model: as many bytes as its float32 weights, far below a fixed 65,536 tokens.
     assert kv["rule"] == "auto" and kv["tokens"] >= 8192 and kv["bytes"] < 1 << 30
     assert kv["bytes"] == kv["tokens"] * 2 * 30 * 3 * 64 * 4
     models = (await api.get("/v1/models")).json()["data"]
     assert [m["id"] for m in models] == [MODEL]
+
+
+async def test_weights_kept_quantized_in_an_engine_process_give_the_same_answer(serve) -> None:
+    """``--weights-dtype gguf``: the engine process loads the file's Q4_1 and Q8_0 matrices as they
+    are, /stats says so, and the answer is the dequantized engine's."""
+    (engine,) = build_engines([ModelSpec.parse(f"{MODEL}:{MODEL}-q")],
+                              EngineConfig(max_num_seqs=2, prefill_chunk_size=256),
+                              backend="cpu", process=True, keep_quantized=True)
+    engine.start()
+    try:
+        async with serve(enable_debug=True, serving=[engine]) as http:
+            stats = (await http.get("/stats")).json()["engines"][f"{MODEL}-q"]
+            assert stats["weights_in_memory"] == "Q4_1 x210, Q8_0 x1"
+            reply = (await http.post(CHAT, json={**ask("What is the capital of France?", max_tokens=64),
+                                                 "model": f"{MODEL}-q"})).json()
+            assert reply["choices"][0]["message"]["content"] == "The capital of France is Paris."
+    finally:
+        engine.shutdown()

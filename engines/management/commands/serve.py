@@ -158,6 +158,10 @@ class Command(BaseCommand):
                             help="a server that decodes (repeatable; the least loaded is picked)")
         parser.add_argument("--dtype", choices=("float32", "float16"), default="float32",
                             help="weight and KV-cache dtype (default float32)")
+        parser.add_argument("--weights-dtype", choices=("gguf", "float32", "float16"),
+                            help="gguf: keep a GGUF's Q8_0, Q4_0 and Q4_1 matrices as the file holds them, read "
+                                 "quantized by the CPU kernels (a quarter to an eighth of float32's memory); "
+                                 "float32 or float16: dequantize them (default: --dtype's)")
         history = parser.add_argument_group("trace history")
         history.add_argument("--trace-autosave", type=seconds, default=0, metavar="SECONDS",
                              help="every SECONDS, save each engine's event trace into the history and clear it, "
@@ -263,6 +267,10 @@ class Command(BaseCommand):
                         "prefill_chunk_size")
             if options[key] is not None
         }
+        if options["weights_dtype"] not in (None, "gguf", options["dtype"]):
+            raise CommandError(f"--weights-dtype {options['weights_dtype']} with --dtype {options['dtype']}: "
+                               "dequantized weights are stored in --dtype (or keep a GGUF's quantized: "
+                               "--weights-dtype gguf)")
         try:
             prepare_kernels(options["backend"], progress=lambda line: self._say(f"  {line}"))
         except RuntimeError as exc:
@@ -281,6 +289,7 @@ class Command(BaseCommand):
                 kv_listen=KVListenSpec(options["host"], options["kv_port"], options["api_key"])
                 if options["enable_debug"] else None,
                 progress=lambda message: self._say(f"  {message}..."),
+                keep_quantized=options["weights_dtype"] == "gguf",
             )
             configure(engines, enable_debug=options["enable_debug"], api_key=options["api_key"])
         except (CheckpointError, RegistryError, ValueError, RuntimeError) as exc:
@@ -289,7 +298,8 @@ class Command(BaseCommand):
         for engine in registry:
             tracing = "tracing on" if engine.tracing_enabled else "tracing off"
             where = "own process" if engine.process else "server thread"
-            self.stdout.write(f"  {engine.name}: {engine.backend_name} backend, {tracing}, {where}; "
+            self.stdout.write(f"  {engine.name}: {engine.backend_name} backend, weights {engine.weights_format}, "
+                              f"{tracing}, {where}; "
                               f"KV cache {engine.kv_cache.describe() if engine.kv_cache else 'starting'}")
 
     def _say(self, line: str) -> None:
@@ -354,7 +364,8 @@ class Command(BaseCommand):
 
         server = Server(
             application=application,  # static files included (debugsite.asgi)
-            endpoints=build_endpoint_description_strings(host=host, port=port),
+            endpoints=[f"{endpoint}:backlog={LISTEN_BACKLOG}"
+                       for endpoint in build_endpoint_description_strings(host=host, port=port)],
             # Not Twisted's handlers, which stop the reactor at once and cut every stream: ours drain
             # first (GracefulStop); the clean-up after run() is the same either way.
             signal_handlers=False,
@@ -379,6 +390,14 @@ class Command(BaseCommand):
         if protocol == "http" and action == "complete":
             self.stdout.write(f"{details['method']} {details['path']} {details['status']} "
                               f"{details['time_taken'] * 1000:.1f}ms")
+
+
+#: Connections the kernel holds for the server before it accepts them (Twisted's default is 50). A
+#: burst of a few hundred clients connecting at once overflowed 50: the kernel dropped their SYNs,
+#: and each waited for its retransmission, a second or more, and longer when the loop was busy
+#: (bench/soak.py's bursts of 200; the kernel's ListenOverflows counter). The kernel caps it at
+#: net.core.somaxconn (4,096 on current kernels).
+LISTEN_BACKLOG = 1024
 
 
 class GracefulStop:

@@ -94,12 +94,14 @@ class AsyncEngine:
             0.5 s, 1 s, 2 s, ... at most 30 s; left dead after 5 deaths in 10 minutes);
             ``RestartPolicy(enabled=False)`` leaves a dead engine dead.
         kv_listen: run a K/V listener for this engine (disaggregated serving across servers).
+        keep_quantized: an engine process loads a GGUF's Q8_0/Q4_0/Q4_1 matrices quantized (a
+            thread engine uses ``checkpoint`` as loaded: load it with ``keep_quantized`` too).
     """
 
     def __init__(self, checkpoint: Checkpoint, name: str, config: EngineConfig | None = None,
                  backend: str = "auto", dtype: str = "float32", enable_tracing: bool = False,
                  *, process: bool = False, restart: RestartPolicy | None = None,
-                 kv_listen: KVListenSpec | None = None) -> None:
+                 kv_listen: KVListenSpec | None = None, keep_quantized: bool = False) -> None:
         self.name = name
         self.checkpoint = checkpoint
         self.tokenizer = checkpoint.tokenizer
@@ -116,7 +118,7 @@ class AsyncEngine:
         self._server_events: list[ServerTraceEvent] = []
         self._tracing_requested = enable_tracing
         self._spec = EngineSpec(checkpoint.path, name, self.config, backend, dtype, enable_tracing,
-                                trace_clock.epoch_anchor_ns(), kv_listen)
+                                trace_clock.epoch_anchor_ns(), kv_listen, keep_quantized=keep_quantized)
         self._supervisor = Supervisor(name, restart or RestartPolicy(), self.restart)
         self._restart_lock = threading.Lock()
         self._generation = 0  # which transport's messages count; a stale one's death is old news
@@ -394,6 +396,12 @@ class AsyncEngine:
         """What the weights were read from ("safetensors", "GGUF Q4_1 x210, ..."); the checkpoint's own
         until the engine has started."""
         return self._info.source_format if self._info and self._info.source_format else self.checkpoint.source_format
+
+    @property
+    def weights_format(self) -> str:
+        """What the weights are held as: the dtype, or the ggml types kept quantized
+        ("Q4_1 x210, Q8_0 x1"); "pending" until the engine has started."""
+        return self._info.weights_format if self._info and self._info.weights_format else "pending"
 
     @property
     def kv_port(self) -> int | None:

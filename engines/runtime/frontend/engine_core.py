@@ -100,7 +100,8 @@ def engine_info(engine: Engine) -> EngineInfo:
     """The :class:`EngineInfo` of a built engine."""
     return EngineInfo(engine.model.backend_name, engine.model.dtype, engine.vocab_size,
                       engine.max_seq_len, engine.tracer is not None, engine.model.kv_bytes_per_token,
-                      kv_cache=engine.kv_size, source_format=engine.checkpoint.source_format)
+                      kv_cache=engine.kv_size, source_format=engine.checkpoint.source_format,
+                      weights_format=engine.model.weights_format)
 
 
 class EngineCore:
@@ -274,7 +275,7 @@ def run_engine_process(conn: Any, spec: EngineSpec) -> None:
     trace_clock.set_epoch_anchor_ns(spec.epoch_anchor_ns)
     shorten_gil_switch()
     try:
-        checkpoint = load_checkpoint(spec.checkpoint_path)
+        checkpoint = load_checkpoint(spec.checkpoint_path, keep_quantized=spec.keep_quantized)
         engine = create_engine(checkpoint, spec.name, spec.config, spec.backend, spec.dtype, spec.enable_tracing)
         warm_up(engine)
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which raises it

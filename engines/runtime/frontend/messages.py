@@ -69,6 +69,8 @@ class EngineInfo:
     kv_cache: KVCacheSize | None = None
     #: What the weights were read from ("safetensors", "GGUF Q4_1 x210, ...").
     source_format: str = ""
+    #: What they are held as: the dtype, or the ggml types kept quantized ("Q4_1 x210, Q8_0 x1").
+    weights_format: str = ""
 
     @property
     def max_kv_transfer_bytes(self) -> int:
@@ -89,6 +91,8 @@ class EngineSpec:
     epoch_anchor_ns: int = 0
     #: Listen for K/V other servers send (disaggregated serving); None: no listener.
     kv_listen: KVListenSpec | None = None
+    #: Keep a GGUF's Q8_0/Q4_0/Q4_1 matrices quantized (``load_checkpoint(keep_quantized=...)``).
+    keep_quantized: bool = False
 
 
 # ----------------------------------------------------------------- calls (answered by Reply)

@@ -23,8 +23,11 @@ import numpy as np
 from numba import cuda
 
 from engines.runtime.model.cpu_pool import CpuPool
+from engines.runtime.model.gguf.dequantize import half_table
 from engines.runtime.model.host_memory import aligned_copy, aligned_empty, available_bytes
-from engines.runtime.model.kernels import (add_rmsnorm, argmax, attention, embedding, matmul, rope_kv, run_attention,
+from engines.runtime.model.quantized_weight import HostWeight, QuantizedWeight
+from engines.runtime.model.kernels import (add_rmsnorm, argmax, attention, embedding, matmul, quantized_matmul,
+                                           rope_kv, run_attention,
                                            silu_mul)
 
 if TYPE_CHECKING:
@@ -186,20 +189,26 @@ class CpuBackend:
         """``cudaProfilerStart``/``Stop``: a GPU's alone."""
         raise ValueError("the CUDA profiler needs the cuda backend")
 
-    def to_storage(self, array: np.ndarray, dtype: str) -> np.ndarray:
-        """A C-contiguous copy of ``array`` in storage dtype ``dtype``, aligned by ``host_memory``."""
+    def to_storage(self, array: HostWeight, dtype: str) -> HostWeight:
+        """A C-contiguous copy of ``array`` in storage dtype ``dtype``, aligned by ``host_memory``
+        (a quantized weight as it is: its kernels read it so, whatever ``dtype``)."""
+        if isinstance(array, QuantizedWeight):
+            return array
         return aligned_copy(array, _check_dtype(dtype, self.dtypes, self.name))
 
-    def store_linear(self, weight: np.ndarray, dtype: str) -> np.ndarray:
+    def store_linear(self, weight: HostWeight, dtype: str) -> HostWeight:
         """A linear layer's ``[out, in]`` weight, kept in that layout (what ``matmul`` reads)."""
         return self.to_storage(weight, dtype)
 
-    def store_layers(self, make: Callable[[int], np.ndarray], count: int, dtype: str, linear: bool) -> np.ndarray:
+    def store_layers(self, make: Callable[[int], HostWeight], count: int, dtype: str, linear: bool) -> Any:
         """One weight of every layer (``make(i)`` for layer ``i``) in a single ``[count, ...]``
         array, whose ``[i]`` is layer ``i``'s (a C-contiguous view): what a whole compiled step
         (``cpu_step``) indexes by layer. Filled layer by layer, so loading never holds the
-        weight twice. ``linear`` weights keep their ``[out, in]`` layout, as in :meth:`store_linear`."""
+        weight twice. ``linear`` weights keep their ``[out, in]`` layout, as in :meth:`store_linear`;
+        quantized ones stay a list of :class:`QuantizedWeight`, one a layer."""
         first = self.to_storage(make(0), dtype)
+        if isinstance(first, QuantizedWeight):
+            return [first, *(make(i) for i in range(1, count))]
         stacked = aligned_empty((count, *first.shape), first.dtype)
         stacked[0] = first
         for i in range(1, count):
@@ -224,8 +233,12 @@ class CpuBackend:
         """A copy the caller owns (workspace buffers are overwritten by the next step)."""
         return array.copy()
 
-    def embedding(self, token_ids: np.ndarray, table: np.ndarray, out: np.ndarray) -> None:
-        """``out[t] = table[token_ids[t]]``."""
+    def embedding(self, token_ids: np.ndarray, table: np.ndarray | QuantizedWeight, out: np.ndarray) -> None:
+        """``out[t] = table[token_ids[t]]`` (a quantized table's rows dequantized)."""
+        if isinstance(table, QuantizedWeight):
+            quantized_matmul.quantized_embedding_cpu(token_ids, table.quants, table.scales, table.minima,
+                                                     half_table(), out)
+            return
         embedding.embedding_gather_cpu(token_ids, table, out)
 
     def gather_rows(self, source: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
@@ -240,8 +253,12 @@ class CpuBackend:
         (docs/perf-log/cpu-anchors.md#2026-11-25-long-weight-streams)."""
         add_rmsnorm.add_rmsnorm_cpu(x, residual, rows, weight, eps, out)
 
-    def matmul(self, x: np.ndarray, weight: np.ndarray, bias: np.ndarray, out: np.ndarray) -> None:
-        """``out = x @ W.T + bias`` for ``weight`` from :meth:`store_linear` (``bias`` may be empty)."""
+    def matmul(self, x: np.ndarray, weight: np.ndarray | QuantizedWeight, bias: np.ndarray, out: np.ndarray) -> None:
+        """``out = x @ W.T + bias`` for ``weight`` from :meth:`store_linear` (``bias`` may be empty),
+        read quantized where it is."""
+        if isinstance(weight, QuantizedWeight):
+            quantized_matmul.quantized_matmul_cpu(x, weight, bias, out)
+            return
         matmul.matmul_cpu(x, weight, bias, out)
 
     def rope_kv_append(self, qkv: np.ndarray, step: StepInputs, cos: np.ndarray, sin: np.ndarray,
@@ -494,16 +511,18 @@ class CudaBackend:
             builder.end_building()
         return builder.complete()
 
-    def to_storage(self, array: np.ndarray, dtype: str) -> Array:
+    def to_storage(self, array: HostWeight, dtype: str) -> Array:
         """``array`` in storage dtype ``dtype``, copied to the device."""
+        if isinstance(array, QuantizedWeight):  # LlamaModel says so first, with the way out
+            raise ValueError("the cuda backend does not read quantized weights yet")
         return cuda.to_device(np.ascontiguousarray(array, dtype=_check_dtype(dtype, self.dtypes, self.name)))
 
-    def store_linear(self, weight: np.ndarray, dtype: str) -> Array:
+    def store_linear(self, weight: HostWeight, dtype: str) -> Array:
         """A linear layer's ``[out, in]`` weight, transposed to ``[in, out]`` for coalesced
         loads, on the device."""
-        return self.to_storage(weight.T, dtype)
+        return self.to_storage(weight if isinstance(weight, QuantizedWeight) else weight.T, dtype)
 
-    def store_layers(self, make: Callable[[int], np.ndarray], count: int, dtype: str, linear: bool) -> Sequence[Array]:
+    def store_layers(self, make: Callable[[int], HostWeight], count: int, dtype: str, linear: bool) -> Sequence[Array]:
         """One weight of every layer (``make(i)`` for layer ``i``), a device array each (linear
         ones transposed as by :meth:`store_linear`): graphs replay per-layer launches, and one
         array per layer keeps the host's staging copy to a layer."""

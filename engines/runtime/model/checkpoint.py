@@ -27,6 +27,7 @@ import numpy as np
 from engines.runtime.model.config import CheckpointError, ModelConfig, expected_tensor_shapes
 from engines.runtime.model.gguf.container import is_gguf_file
 from engines.runtime.model.gguf.model import read_gguf_model
+from engines.runtime.model.quantized_weight import QuantizedWeight
 from engines.runtime.model.tokenizer import Tokenizer
 
 __all__ = ["Checkpoint", "CheckpointError", "load_checkpoint", "expected_tensor_shapes", "read_safetensors"]
@@ -53,7 +54,9 @@ class Checkpoint:
     path: Path
     name: str                          # folder name, "demo", or a GGUF file's name without .gguf
     config: ModelConfig
-    weights: Mapping[str, np.ndarray]  # HF tensor names -> float32 (or float16) host arrays
+    # HF tensor names -> float32 (or float16) host arrays; a GGUF's matrices loaded with
+    # keep_quantized stay in their block quantization (QuantizedWeight)
+    weights: Mapping[str, np.ndarray | QuantizedWeight]
     tokenizer: Tokenizer
     eos_token_ids: tuple[int, ...]     # from generation_config.json / config.json / tokenizer_config.json
     chat_template: str | None          # Jinja source from tokenizer_config.json
@@ -67,8 +70,11 @@ class Checkpoint:
         return int(sum(w.size for w in self.weights.values()))
 
 
-def load_checkpoint(path: str | Path, *, load_weights: bool = True) -> Checkpoint:
+def load_checkpoint(path: str | Path, *, load_weights: bool = True, keep_quantized: bool = False) -> Checkpoint:
     """Load and validate the Hugging Face checkpoint folder, or the GGUF file, at ``path``.
+
+    ``keep_quantized``: a GGUF's matrices in a type the kernels read quantized stay so
+    (``gguf.model.read_gguf_model``); a safetensors checkpoint has none.
 
     ``load_weights=False`` reads everything but the tensors (``weights`` is then empty): what a
     server process needs to tokenize and validate requests while the engine process holds the
@@ -84,7 +90,7 @@ def load_checkpoint(path: str | Path, *, load_weights: bool = True) -> Checkpoin
     if not folder.exists():
         raise CheckpointError(f"checkpoint {folder} does not exist")
     if folder.is_file() and (folder.suffix.lower() == ".gguf" or is_gguf_file(folder)):
-        return _load_gguf(folder, load_weights)
+        return _load_gguf(folder, load_weights, keep_quantized)
     if not folder.is_dir():
         raise CheckpointError(f"{folder} is neither a checkpoint folder (one that holds config.json) nor a GGUF file")
 
@@ -123,8 +129,8 @@ def load_checkpoint(path: str | Path, *, load_weights: bool = True) -> Checkpoin
     )
 
 
-def _load_gguf(file: Path, load_weights: bool) -> Checkpoint:
-    model = read_gguf_model(file, load_weights=load_weights)
+def _load_gguf(file: Path, load_weights: bool, keep_quantized: bool) -> Checkpoint:
+    model = read_gguf_model(file, load_weights=load_weights, keep_quantized=keep_quantized)
     try:
         tokenizer = Tokenizer.from_json(model.tokenizer_json, model.tokenizer_config)
     except CheckpointError as exc:

@@ -17,6 +17,7 @@ once per sublayer.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
@@ -29,6 +30,7 @@ from engines.runtime.model.config import CheckpointError, ModelConfig, expected_
 from engines.runtime.model.forward_batch import ForwardBatch
 from engines.runtime.model.kernels.rope_kv import rope_tables
 from engines.runtime.model.layer_weights import LayerWeights
+from engines.runtime.model.quantized_weight import HostWeight, QuantizedWeight
 from engines.runtime.model.kv_storage import PagedKVCache
 from engines.runtime.model.step_inputs import IdentityRows, step_inputs
 
@@ -122,8 +124,8 @@ class DecoderLayer:
 class LlamaModel:
     """A Llama-family causal LM whose weights live on ``backend`` in storage ``dtype``."""
 
-    def __init__(self, config: ModelConfig, weights: Mapping[str, np.ndarray], backend: str = "auto",
-                 dtype: str = "float32") -> None:
+    def __init__(self, config: ModelConfig, weights: Mapping[str, HostWeight],
+                 backend: str = "auto", dtype: str = "float32") -> None:
         """Check ``weights`` (HF tensor names) against ``config`` and move them to the backend.
 
         Raises :class:`CheckpointError` naming the first missing or misshapen tensor, and
@@ -134,10 +136,21 @@ class LlamaModel:
         self.backend: Backend = select_backend(backend, dtype)
         self.backend_name = self.backend.name
         self.dtype = dtype
+        quantized = {name: w.ggml_type for name, w in weights.items() if isinstance(w, QuantizedWeight)}
+        if quantized and not isinstance(self.backend, CpuBackend):
+            raise ValueError(f"weights kept quantized ({', '.join(sorted(set(quantized.values())))}) are read by "
+                             f"the CPU kernels only: on the {self.backend.name} backend load them as float32 or "
+                             "float16")
+        #: The weights' storage: ``dtype``, or the ggml types kept quantized and how many
+        #: matrices each ("Q4_1 x210, Q8_0 x1"; the others in ``dtype``).
+        self.weights_format = ", ".join(f"{kind} x{n}" for kind, n in sorted(Counter(quantized.values()).items())) \
+            or dtype
         itemsize = np.dtype(dtype).itemsize
-        #: The stored weights' bytes (a tied LM head counted once; the norms, kept float32, as ``dtype``).
-        self.weight_bytes = sum(int(w.size) for name, w in weights.items()
-                                if not (name == "lm_head.weight" and config.tie_word_embeddings)) * itemsize
+        #: The stored weights' bytes (a tied LM head counted once; the norms, kept float32, as ``dtype``;
+        #: a quantized weight's own bytes).
+        self.weight_bytes = sum(w.nbytes if isinstance(w, QuantizedWeight) else int(w.size) * itemsize
+                                for name, w in weights.items()
+                                if not (name == "lm_head.weight" and config.tie_word_embeddings))
         #: K and V bytes one token takes in every layer of the KV cache.
         self.kv_bytes_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * itemsize
         if isinstance(self.backend, CudaBackend):
@@ -145,7 +158,7 @@ class LlamaModel:
             self.backend.attention_threads(config.num_attention_heads // config.num_key_value_heads, config.head_dim)
         be, c = self.backend, config
 
-        def store(array: np.ndarray) -> Array:
+        def store(array: HostWeight) -> Array:
             return be.to_storage(array, dtype)
 
         def norm(name: str) -> Array:
@@ -157,16 +170,21 @@ class LlamaModel:
         self.eps = np.float32(c.rms_norm_eps)
         self.embed_tokens = store(weights["model.embed_tokens.weight"])
 
-        def layers(make: Callable[[int], np.ndarray], linear: bool = False, kind: str = dtype) -> Sequence[Array]:
+        def layers(make: Callable[[int], HostWeight], linear: bool = False, kind: str = dtype) -> Sequence[Array]:
             # (The CPU's is one [layers, ...] array: a sequence of layers, if not a typing.Sequence.)
-            return be.store_layers(make, c.num_hidden_layers, kind, linear)  # type: ignore[return-value]
+            return be.store_layers(make, c.num_hidden_layers, kind, linear)
 
-        def tensor(i: int, name: str) -> np.ndarray:
+        def tensor(i: int, name: str) -> HostWeight:
             return weights[f"model.layers.{i}.{name}"]
 
-        def fused(i: int, names: list[str]) -> np.ndarray:
-            # HF's [out, in] matrices (or biases), concatenated along out: one matmul for q/k/v, one for gate/up.
-            return np.concatenate([tensor(i, name) for name in names], axis=0)
+        def fused(i: int, names: list[str]) -> HostWeight:
+            # HF's [out, in] matrices (or biases), concatenated along out: one matmul for q/k/v, one for gate/up
+            # (quantized ones of one type stay quantized; a mix is dequantized).
+            parts = [tensor(i, name) for name in names]
+            kept = [p for p in parts if isinstance(p, QuantizedWeight)]
+            if len(kept) == len(parts) and len({p.ggml_type for p in kept}) == 1:
+                return QuantizedWeight.concatenate(kept)
+            return np.concatenate([p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts], axis=0)
 
         qkv = [f"self_attn.{n}_proj" for n in "qkv"]
         self.layer_weights = LayerWeights(
@@ -204,8 +222,9 @@ class LlamaModel:
         self.logit_rows_workspace = Workspace(be, widths)  # the last layer's logit rows (``_logit_rows``)
         self._identity_rows = IdentityRows()
         # Small steps on the CPU run as one compiled function (the model's own backend only: a
-        # profiler's timed one launches kernel by kernel).
-        self.cpu_step = CpuDecodeStep(self, be) if isinstance(be, CpuBackend) else None
+        # profiler's timed one launches kernel by kernel), for float weights: quantized ones launch
+        # kernel by kernel too, until the compiled step reads them.
+        self.cpu_step = CpuDecodeStep(self, be) if isinstance(be, CpuBackend) and not quantized else None
         # Distinct objects that tell a greedy step's graph from a logits step's.
         self._greedy_marker, self._logits_marker = object(), object()
 
@@ -302,7 +321,7 @@ class LlamaModel:
             raise ValueError("this KV cache was not made by this model's new_kv_cache()")
 
 
-def _check_weights(config: ModelConfig, weights: Mapping[str, np.ndarray]) -> None:
+def _check_weights(config: ModelConfig, weights: Mapping[str, HostWeight]) -> None:
     """Raise :class:`CheckpointError` for the first tensor ``config`` needs that is missing or
     has the wrong shape (``lm_head.weight`` is optional when embeddings are tied)."""
     for name, shape in expected_tensor_shapes(config).items():

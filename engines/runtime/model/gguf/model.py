@@ -24,6 +24,7 @@ import numpy as np
 from engines.runtime.model.config import CheckpointError, ModelConfig, expected_tensor_shapes
 from engines.runtime.model.gguf.container import GGUFFile, GGUFTensor, read_gguf
 from engines.runtime.model.gguf.dequantize import DEQUANTIZABLE, dequantize
+from engines.runtime.model.quantized_weight import QUANTIZED_TYPES, QuantizedWeight
 from engines.runtime.model.gguf.vocabulary import tokenizer_files_from_gguf
 
 __all__ = ["GGUFModel", "SUPPORTED_ARCHITECTURES", "read_gguf_model"]
@@ -63,15 +64,19 @@ class GGUFModel:
     path: Path
     hf_config: dict[str, Any]            # as a config.json would hold it
     config: ModelConfig
-    weights: dict[str, np.ndarray]       # Hugging Face names -> float32 (F16 tensors stay float16)
+    # Hugging Face names -> float32 (F16 tensors stay float16), or, with keep_quantized, the linear
+    # weights and the embedding in Q8_0, Q4_0 or Q4_1 as they are (QuantizedWeight)
+    weights: dict[str, np.ndarray | QuantizedWeight]
     tokenizer_json: str
     tokenizer_config: dict[str, Any]     # as a tokenizer_config.json would hold it
     eos_token_ids: tuple[int, ...]
     tensor_types: dict[str, int]         # ggml type name -> how many tensors have it (what the file holds)
 
 
-def read_gguf_model(path: str | Path, *, load_weights: bool = True) -> GGUFModel:
+def read_gguf_model(path: str | Path, *, load_weights: bool = True, keep_quantized: bool = False) -> GGUFModel:
     """Read a GGUF file into a :class:`GGUFModel`; ``load_weights=False`` reads the metadata only.
+    ``keep_quantized`` keeps the matrices the kernels read quantized (``QUANTIZED_TYPES``) as the
+    file holds them, repacked (:class:`QuantizedWeight`); every other tensor is dequantized.
 
     Raises :class:`CheckpointError` for anything this engine cannot serve exactly.
     """
@@ -101,7 +106,7 @@ def read_gguf_model(path: str | Path, *, load_weights: bool = True) -> GGUFModel
         if unreadable:
             raise CheckpointError(f"{file.name} has tensors of ggml type {', '.join(unreadable)}; this engine reads "
                                   f"{', '.join(sorted(DEQUANTIZABLE))}")
-        weights = _read_weights(gguf, mapping, config, arch) if load_weights else {}
+        weights = _read_weights(gguf, mapping, config, arch, keep_quantized) if load_weights else {}
         return GGUFModel(
             path=file.resolve(), hf_config=hf_config, config=config, weights=weights,
             tokenizer_json=tokenizer_json, tokenizer_config=tokenizer_config,
@@ -193,10 +198,16 @@ def _tensor_names(file: Path, gguf: GGUFFile, config: ModelConfig) -> dict[str, 
 
 
 def _read_weights(gguf: GGUFFile, mapping: dict[str, GGUFTensor], config: ModelConfig,
-                  arch: str) -> dict[str, np.ndarray]:
-    weights: dict[str, np.ndarray] = {}
+                  arch: str, keep_quantized: bool) -> dict[str, np.ndarray | QuantizedWeight]:
+    weights: dict[str, np.ndarray | QuantizedWeight] = {}
     for hf, tensor in mapping.items():
-        array = dequantize(gguf.tensor_bytes(tensor), tensor.ggml_type, tensor.shape, keep_float16=True)
+        array: np.ndarray | QuantizedWeight
+        if keep_quantized and _kept_quantized(hf, tensor):
+            out_features, in_features = tensor.shape
+            array = QuantizedWeight.from_blocks(gguf.tensor_bytes(tensor), tensor.ggml_type,
+                                                (out_features, in_features))
+        else:
+            array = dequantize(gguf.tensor_bytes(tensor), tensor.ggml_type, tensor.shape, keep_float16=True)
         if arch in _PERMUTED_QK:
             if hf.endswith("q_proj.weight") or hf.endswith("q_proj.bias"):
                 array = _unpermute_rope_rows(array, config.num_attention_heads)
@@ -206,11 +217,21 @@ def _read_weights(gguf: GGUFFile, mapping: dict[str, GGUFTensor], config: ModelC
     return weights
 
 
-def _unpermute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
-    """Undo llama.cpp's ``permute``: each head's rows back from interleaved pairs to two halves."""
+def _kept_quantized(hf: str, tensor: GGUFTensor) -> bool:
+    """Whether the kernels read this tensor quantized: a matrix (a linear layer's weight, the LM head
+    or the embedding table, which the embedding gather dequantizes a row at a time) of a type they read."""
+    return (tensor.ggml_type.name in QUANTIZED_TYPES and len(tensor.shape) == 2
+            and (hf.endswith("_proj.weight") or hf in ("lm_head.weight", "model.embed_tokens.weight")))
+
+
+def _unpermute_rope_rows(w: np.ndarray | QuantizedWeight, heads: int) -> np.ndarray | QuantizedWeight:
+    """Undo llama.cpp's ``permute``: each head's rows back from interleaved pairs to two halves
+    (a quantized weight's rows move whole, with their blocks)."""
     rows = w.shape[0]
-    rest = w.shape[1:]
-    return np.ascontiguousarray(w.reshape(heads, rows // heads // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape))
+    order = np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(-1)
+    if isinstance(w, QuantizedWeight):
+        return w.rows(order)
+    return np.ascontiguousarray(w[order])
 
 
 def _eos_token_ids(meta: dict[str, Any]) -> tuple[int, ...]:

@@ -3,7 +3,8 @@
 One module per op. A module holds the ``*_cuda`` kernel(s), the ``*_cpu`` twin computing
 the same thing on the host, and ``CUDA_SIGNATURES``: the signatures the CUDA backend
 launches each kernel with, where ``{dt}`` stands for the weight/KV storage dtype
-(``float32`` or ``float16``). ``compile_check`` compiles every one of them for a real GPU.
+(``float32`` or ``float16``), or for what the module's own ``SIGNATURE_DTYPES`` lists (the
+quantized kernels: their quants' dtype). ``compile_check`` compiles every one of them for a real GPU.
 
 Conventions shared by all kernels: activations are float32 and C-contiguous; weights and
 KV pages are in the storage dtype and are widened to float32 before any arithmetic, so
@@ -20,11 +21,12 @@ from engines.runtime.model.kernels import (
     kv_window,
     matmul,
     add_rmsnorm,
+    quantized_matmul,
     rope_kv,
     silu_mul,
 )
 
-KERNEL_MODULES = (embedding, add_rmsnorm, matmul, rope_kv, attention, silu_mul, argmax, kv_window)
+KERNEL_MODULES = (embedding, add_rmsnorm, matmul, quantized_matmul, rope_kv, attention, silu_mul, argmax, kv_window)
 STORAGE_DTYPES = ("float32", "float16")
 
 __all__ = ["KERNEL_MODULES", "STORAGE_DTYPES"]

@@ -43,11 +43,13 @@ def kernel_signatures() -> tuple[list[tuple[str, CUDADispatcher, str]], list[str
     for module in KERNEL_MODULES:
         short = module.__name__.rsplit(".", 1)[-1]
         for kernel, template in module.CUDA_SIGNATURES.items():
-            variants = sorted({template.format(dt=dt) for dt in STORAGE_DTYPES})
+            dtypes = getattr(module, "SIGNATURE_DTYPES", STORAGE_DTYPES)
+            variants = sorted({template.format(dt=dt) for dt in dtypes})
             out.extend((f"{short}.{kernel.py_func.__name__}", kernel, sig) for sig in variants)
         unlisted.extend(
             f"{short}.{attr}" for attr, value in vars(module).items()
             if isinstance(value, CUDADispatcher) and value not in module.CUDA_SIGNATURES
+            and not value.targetoptions.get("device")  # a device function compiles inside its kernels
         )
     return out, unlisted
 

@@ -259,6 +259,99 @@ def swiglu_block(x, w, out, block, q):
     out[block + q] = s1 / (float32(1.0) + exp_f32(-s1)) * s3
 
 
+@njit(inline="always", fastmath=_FASTMATH)
+def four_weight_rows(x, w0, w1, w2, w3, out, n0, n1, n2, n3, four_row_blocks):
+    """Every row of ``x`` against four weight rows ``w0 .. w3`` (1-D), into output columns
+    ``n0 .. n3``: :func:`matmul_rows_cpu`'s work for one block (no bias), which the quantized
+    kernels (``quantized_matmul``) run on weight rows they dequantized. Rows in fours (sixteen
+    accumulators) where ``four_row_blocks``, then in pairs (eight), then the odd one."""
+    rows, inner = x.shape
+    rows4 = rows - rows % 4 if four_row_blocks else 0
+    for m in range(0, rows4, 4):
+        x0 = x[m]
+        x1 = x[m + 1]
+        x2 = x[m + 2]
+        x3 = x[m + 3]
+        s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = float32(0.0)
+        s20 = s21 = s22 = s23 = s30 = s31 = s32 = s33 = float32(0.0)
+        for k in range(inner):
+            a0 = x0[k]
+            a1 = x1[k]
+            a2 = x2[k]
+            a3 = x3[k]
+            b0 = w0[k]
+            b1 = w1[k]
+            b2 = w2[k]
+            b3 = w3[k]
+            s00 += a0 * b0
+            s01 += a0 * b1
+            s02 += a0 * b2
+            s03 += a0 * b3
+            s10 += a1 * b0
+            s11 += a1 * b1
+            s12 += a1 * b2
+            s13 += a1 * b3
+            s20 += a2 * b0
+            s21 += a2 * b1
+            s22 += a2 * b2
+            s23 += a2 * b3
+            s30 += a3 * b0
+            s31 += a3 * b1
+            s32 += a3 * b2
+            s33 += a3 * b3
+        out[m, n0] = s00
+        out[m, n1] = s01
+        out[m, n2] = s02
+        out[m, n3] = s03
+        out[m + 1, n0] = s10
+        out[m + 1, n1] = s11
+        out[m + 1, n2] = s12
+        out[m + 1, n3] = s13
+        out[m + 2, n0] = s20
+        out[m + 2, n1] = s21
+        out[m + 2, n2] = s22
+        out[m + 2, n3] = s23
+        out[m + 3, n0] = s30
+        out[m + 3, n1] = s31
+        out[m + 3, n2] = s32
+        out[m + 3, n3] = s33
+    # The rows left in pairs (eight accumulators), then the odd one.
+    for m in range(rows4, rows - 1, 2):
+        x0 = x[m]
+        x1 = x[m + 1]
+        s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = float32(0.0)
+        for k in range(inner):
+            a0 = x0[k]
+            a1 = x1[k]
+            b0 = w0[k]
+            b1 = w1[k]
+            b2 = w2[k]
+            b3 = w3[k]
+            s00 += a0 * b0
+            s01 += a0 * b1
+            s02 += a0 * b2
+            s03 += a0 * b3
+            s10 += a1 * b0
+            s11 += a1 * b1
+            s12 += a1 * b2
+            s13 += a1 * b3
+        out[m, n0] = s00
+        out[m, n1] = s01
+        out[m, n2] = s02
+        out[m, n3] = s03
+        out[m + 1, n0] = s10
+        out[m + 1, n1] = s11
+        out[m + 1, n2] = s12
+        out[m + 1, n3] = s13
+    if (rows - rows4) % 2:
+        m = rows - 1
+        s0, s1, s2, s3 = _row_dot_four(x[m], w0, w1, w2, w3)
+        out[m, n0] = s0
+        out[m, n1] = s1
+        out[m, n2] = s2
+        out[m, n3] = s3
+
+
 @njit(nogil=True, cache=True, parallel=True, fastmath=_FASTMATH)
 def matmul_rows_cpu(x, w, bias, out, four_row_blocks=FOUR_ROW_BLOCKS):
     """``out = x @ w.T + bias`` for few rows of ``x``, ``w`` in ``[out, in]`` layout.
@@ -277,98 +370,12 @@ def matmul_rows_cpu(x, w, bias, out, four_row_blocks=FOUR_ROW_BLOCKS):
     vectors where the CPU has them (``vector_width``: at 8 to 32 rows the loop is bound by
     arithmetic).
     """
-    rows, inner = x.shape
     cols = w.shape[0]
-    rows4 = rows - rows % 4 if four_row_blocks else 0
     q = cols // 4
     for block in prange(q):
         prefer_wide_vectors()
-        n0 = block
-        n1 = block + q
-        n2 = block + 2 * q
-        n3 = block + 3 * q
-        w0 = w[n0]
-        w1 = w[n1]
-        w2 = w[n2]
-        w3 = w[n3]
-        for m in range(0, rows4, 4):
-            x0 = x[m]
-            x1 = x[m + 1]
-            x2 = x[m + 2]
-            x3 = x[m + 3]
-            s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = float32(0.0)
-            s20 = s21 = s22 = s23 = s30 = s31 = s32 = s33 = float32(0.0)
-            for k in range(inner):
-                a0 = x0[k]
-                a1 = x1[k]
-                a2 = x2[k]
-                a3 = x3[k]
-                b0 = w0[k]
-                b1 = w1[k]
-                b2 = w2[k]
-                b3 = w3[k]
-                s00 += a0 * b0
-                s01 += a0 * b1
-                s02 += a0 * b2
-                s03 += a0 * b3
-                s10 += a1 * b0
-                s11 += a1 * b1
-                s12 += a1 * b2
-                s13 += a1 * b3
-                s20 += a2 * b0
-                s21 += a2 * b1
-                s22 += a2 * b2
-                s23 += a2 * b3
-                s30 += a3 * b0
-                s31 += a3 * b1
-                s32 += a3 * b2
-                s33 += a3 * b3
-            out[m, n0] = s00
-            out[m, n1] = s01
-            out[m, n2] = s02
-            out[m, n3] = s03
-            out[m + 1, n0] = s10
-            out[m + 1, n1] = s11
-            out[m + 1, n2] = s12
-            out[m + 1, n3] = s13
-            out[m + 2, n0] = s20
-            out[m + 2, n1] = s21
-            out[m + 2, n2] = s22
-            out[m + 2, n3] = s23
-            out[m + 3, n0] = s30
-            out[m + 3, n1] = s31
-            out[m + 3, n2] = s32
-            out[m + 3, n3] = s33
-        # The rows left in pairs (eight accumulators), then the odd one.
-        for m in range(rows4, rows - 1, 2):
-            x0 = x[m]
-            x1 = x[m + 1]
-            s00 = s01 = s02 = s03 = s10 = s11 = s12 = s13 = float32(0.0)
-            for k in range(inner):
-                a0 = x0[k]
-                a1 = x1[k]
-                b0 = w0[k]
-                b1 = w1[k]
-                b2 = w2[k]
-                b3 = w3[k]
-                s00 += a0 * b0
-                s01 += a0 * b1
-                s02 += a0 * b2
-                s03 += a0 * b3
-                s10 += a1 * b0
-                s11 += a1 * b1
-                s12 += a1 * b2
-                s13 += a1 * b3
-            out[m, n0] = s00
-            out[m, n1] = s01
-            out[m, n2] = s02
-            out[m, n3] = s03
-            out[m + 1, n0] = s10
-            out[m + 1, n1] = s11
-            out[m + 1, n2] = s12
-            out[m + 1, n3] = s13
-        if (rows - rows4) % 2:  # the bias comes after every block, below
-            row_blocks(x[rows - 1], w, bias[:0], out[rows - 1], block, block + 1)
+        four_weight_rows(x, w[block], w[block + q], w[block + 2 * q], w[block + 3 * q], out,
+                         block, block + q, block + 2 * q, block + 3 * q, four_row_blocks)
     _last_columns(x, w, out, 4 * q)
     _add_bias(out, bias, 0, cols)
 
