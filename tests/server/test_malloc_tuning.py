@@ -1,15 +1,14 @@
-"""glibc's allocator settings for the server (engines.malloc_tuning): taken on Linux, harmless twice."""
+"""glibc's allocator settings for the server (engines.malloc_tuning): taken (the project runs on
+Linux, with glibc), harmless twice."""
 from __future__ import annotations
 
 import ctypes
-import sys
 
 import pytest
 
 from engines import malloc_tuning
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt exists on Linux only")
 def test_glibc_takes_the_settings_and_trims() -> None:
     assert malloc_tuning.tune_malloc() is True
     assert malloc_tuning.tune_malloc() is True  # serve may run twice in one process (tests)

@@ -80,6 +80,10 @@ def test_serve_serves_both_built_in_models_by_default_and_takes_kv_cache_bytes(m
     assert seen["options"]["kv_cache_bytes"] == 256 << 20
     with pytest.raises(CommandError):  # one way of sizing the KV cache at a time
         call_command("serve", "--kv-cache-bytes", "1G", "--num-pages", "8")
+    call_command("serve", "--weights-dtype", "gguf")
+    assert seen["options"]["weights_dtype"] == "gguf"
+    with pytest.raises(CommandError, match="dequantized weights are stored in --dtype"):
+        call_command("serve", "--weights-dtype", "float16")  # with --dtype float32
 
 
 def test_registry_lookup_never_guesses() -> None:
@@ -156,11 +160,13 @@ def test_configure_from_env_builds_and_starts_engines() -> None:
         kv_port = sock.getsockname()[1]
     env = {"ENGINES_MODELS": "demo:env-demo", "ENGINES_ENABLE_DEBUG": "1", "ENGINES_ENABLE_TRACING": "yes",
            "ENGINES_BACKEND": "cpu", "ENGINES_MAX_NUM_SEQS": "2", "ENGINES_MAX_TOTAL_TOKENS": "512", "API_KEY": "k",
-           "ENGINES_KV_PORT": str(kv_port)}
+           "ENGINES_KV_PORT": str(kv_port), "ENGINES_WEIGHTS_DTYPE": "gguf"}
     reg = configure_from_env(env)
     try:
         engine = reg.get("env-demo")
         assert reg.model_names() == ["env-demo"] and engine.is_alive
+        assert engine._spec.keep_quantized  # the demo is safetensors: nothing to keep, its weights stay float32
+        assert engine.weights_format == "float32"
         assert engine.tracing_enabled and engine.config.max_num_seqs == 2
         assert reg.options == ServerOptions(enable_debug=True, api_key="k")
         assert engine.kv_port == kv_port  # debug on: the engine's K/V listener, on the port asked for

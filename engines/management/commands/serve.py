@@ -160,7 +160,7 @@ class Command(BaseCommand):
                             help="weight and KV-cache dtype (default float32)")
         parser.add_argument("--weights-dtype", choices=("gguf", "float32", "float16"),
                             help="gguf: keep a GGUF's Q8_0, Q4_0 and Q4_1 matrices as the file holds them, read "
-                                 "quantized by the CPU kernels (a quarter to an eighth of float32's memory); "
+                                 "quantized by the CPU kernels (a quarter to a seventh of float32's memory); "
                                  "float32 or float16: dequantize them (default: --dtype's)")
         history = parser.add_argument_group("trace history")
         history.add_argument("--trace-autosave", type=seconds, default=0, metavar="SECONDS",
@@ -207,6 +207,10 @@ class Command(BaseCommand):
                                "--decode-url (servers run with --enable-debug), and no --model.")
         if (options["prefill_url"] or options["decode_url"]) and not options["router"]:
             raise CommandError("--prefill-url and --decode-url belong to a router: add --router disagg.")
+        if options["weights_dtype"] not in (None, "gguf", options["dtype"]):
+            raise CommandError(f"--weights-dtype {options['weights_dtype']} with --dtype {options['dtype']}: "
+                               "dequantized weights are stored in --dtype (or keep a GGUF's quantized: "
+                               "--weights-dtype gguf)")
         specs = [] if options["router"] else self._model_specs(options["models"] or list(builtin_model_names()))
 
         # Until Daphne installs its own handlers, SIGTERM must unwind like Ctrl-C: a migration
@@ -267,10 +271,6 @@ class Command(BaseCommand):
                         "prefill_chunk_size")
             if options[key] is not None
         }
-        if options["weights_dtype"] not in (None, "gguf", options["dtype"]):
-            raise CommandError(f"--weights-dtype {options['weights_dtype']} with --dtype {options['dtype']}: "
-                               "dequantized weights are stored in --dtype (or keep a GGUF's quantized: "
-                               "--weights-dtype gguf)")
         try:
             prepare_kernels(options["backend"], progress=lambda line: self._say(f"  {line}"))
         except RuntimeError as exc:

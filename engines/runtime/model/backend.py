@@ -233,7 +233,7 @@ class CpuBackend:
         """A copy the caller owns (workspace buffers are overwritten by the next step)."""
         return array.copy()
 
-    def embedding(self, token_ids: np.ndarray, table: np.ndarray | QuantizedWeight, out: np.ndarray) -> None:
+    def embedding(self, token_ids: np.ndarray, table: HostWeight, out: np.ndarray) -> None:
         """``out[t] = table[token_ids[t]]`` (a quantized table's rows dequantized)."""
         if isinstance(table, QuantizedWeight):
             quantized_matmul.quantized_embedding_cpu(token_ids, table.quants, table.scales, table.minima,
@@ -253,7 +253,7 @@ class CpuBackend:
         (docs/perf-log/cpu-anchors.md#2026-11-25-long-weight-streams)."""
         add_rmsnorm.add_rmsnorm_cpu(x, residual, rows, weight, eps, out)
 
-    def matmul(self, x: np.ndarray, weight: np.ndarray | QuantizedWeight, bias: np.ndarray, out: np.ndarray) -> None:
+    def matmul(self, x: np.ndarray, weight: HostWeight, bias: np.ndarray, out: np.ndarray) -> None:
         """``out = x @ W.T + bias`` for ``weight`` from :meth:`store_linear` (``bias`` may be empty),
         read quantized where it is."""
         if isinstance(weight, QuantizedWeight):
@@ -520,7 +520,8 @@ class CudaBackend:
     def store_linear(self, weight: HostWeight, dtype: str) -> Array:
         """A linear layer's ``[out, in]`` weight, transposed to ``[in, out]`` for coalesced
         loads, on the device."""
-        return self.to_storage(weight if isinstance(weight, QuantizedWeight) else weight.T, dtype)
+        # (A quantized weight goes to to_storage as it is, which refuses it.)
+        return self.to_storage(weight.T if isinstance(weight, np.ndarray) else weight, dtype)
 
     def store_layers(self, make: Callable[[int], HostWeight], count: int, dtype: str, linear: bool) -> Sequence[Array]:
         """One weight of every layer (``make(i)`` for layer ``i``), a device array each (linear

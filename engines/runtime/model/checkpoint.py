@@ -27,7 +27,7 @@ import numpy as np
 from engines.runtime.model.config import CheckpointError, ModelConfig, expected_tensor_shapes
 from engines.runtime.model.gguf.container import is_gguf_file
 from engines.runtime.model.gguf.model import read_gguf_model
-from engines.runtime.model.quantized_weight import QuantizedWeight
+from engines.runtime.model.quantized_weight import HostWeight
 from engines.runtime.model.tokenizer import Tokenizer
 
 __all__ = ["Checkpoint", "CheckpointError", "load_checkpoint", "expected_tensor_shapes", "read_safetensors"]
@@ -56,7 +56,7 @@ class Checkpoint:
     config: ModelConfig
     # HF tensor names -> float32 (or float16) host arrays; a GGUF's matrices loaded with
     # keep_quantized stay in their block quantization (QuantizedWeight)
-    weights: Mapping[str, np.ndarray | QuantizedWeight]
+    weights: Mapping[str, HostWeight]
     tokenizer: Tokenizer
     eos_token_ids: tuple[int, ...]     # from generation_config.json / config.json / tokenizer_config.json
     chat_template: str | None          # Jinja source from tokenizer_config.json

@@ -24,7 +24,7 @@ import numpy as np
 from engines.runtime.model.config import CheckpointError, ModelConfig, expected_tensor_shapes
 from engines.runtime.model.gguf.container import GGUFFile, GGUFTensor, read_gguf
 from engines.runtime.model.gguf.dequantize import DEQUANTIZABLE, dequantize
-from engines.runtime.model.quantized_weight import QUANTIZED_TYPES, QuantizedWeight
+from engines.runtime.model.quantized_weight import QUANTIZED_TYPES, HostWeight, QuantizedWeight
 from engines.runtime.model.gguf.vocabulary import tokenizer_files_from_gguf
 
 __all__ = ["GGUFModel", "SUPPORTED_ARCHITECTURES", "read_gguf_model"]
@@ -66,7 +66,7 @@ class GGUFModel:
     config: ModelConfig
     # Hugging Face names -> float32 (F16 tensors stay float16), or, with keep_quantized, the linear
     # weights and the embedding in Q8_0, Q4_0 or Q4_1 as they are (QuantizedWeight)
-    weights: dict[str, np.ndarray | QuantizedWeight]
+    weights: dict[str, HostWeight]
     tokenizer_json: str
     tokenizer_config: dict[str, Any]     # as a tokenizer_config.json would hold it
     eos_token_ids: tuple[int, ...]
@@ -198,10 +198,10 @@ def _tensor_names(file: Path, gguf: GGUFFile, config: ModelConfig) -> dict[str, 
 
 
 def _read_weights(gguf: GGUFFile, mapping: dict[str, GGUFTensor], config: ModelConfig,
-                  arch: str, keep_quantized: bool) -> dict[str, np.ndarray | QuantizedWeight]:
-    weights: dict[str, np.ndarray | QuantizedWeight] = {}
+                  arch: str, keep_quantized: bool) -> dict[str, HostWeight]:
+    weights: dict[str, HostWeight] = {}
     for hf, tensor in mapping.items():
-        array: np.ndarray | QuantizedWeight
+        array: HostWeight
         if keep_quantized and _kept_quantized(hf, tensor):
             out_features, in_features = tensor.shape
             array = QuantizedWeight.from_blocks(gguf.tensor_bytes(tensor), tensor.ggml_type,
@@ -224,7 +224,7 @@ def _kept_quantized(hf: str, tensor: GGUFTensor) -> bool:
             and (hf.endswith("_proj.weight") or hf in ("lm_head.weight", "model.embed_tokens.weight")))
 
 
-def _unpermute_rope_rows(w: np.ndarray | QuantizedWeight, heads: int) -> np.ndarray | QuantizedWeight:
+def _unpermute_rope_rows(w: HostWeight, heads: int) -> HostWeight:
     """Undo llama.cpp's ``permute``: each head's rows back from interleaved pairs to two halves
     (a quantized weight's rows move whole, with their blocks)."""
     rows = w.shape[0]

@@ -200,7 +200,7 @@ def _last_columns(x, w, out, first):
 
 
 @njit(nogil=True, cache=True)
-def _add_bias(out, bias, first, end):
+def add_bias(out, bias, first, end):
     """``out[:, first:end] += bias[first:end]`` (nothing for a zero-length bias)."""
     if bias.shape[0] > 0:
         for m in range(out.shape[0]):
@@ -247,7 +247,7 @@ def row_last_columns(x, w, bias, out):
     """The columns :func:`row_blocks` leaves (past ``4 * (out // 4)``) of one row (2-D views, one row)."""
     first = 4 * (w.shape[0] // 4)
     _last_columns(x, w, out, first)
-    _add_bias(out, bias, first, w.shape[0])
+    add_bias(out, bias, first, w.shape[0])
 
 
 @njit(inline="always", fastmath=_FASTMATH, error_model="numpy")
@@ -377,7 +377,7 @@ def matmul_rows_cpu(x, w, bias, out, four_row_blocks=FOUR_ROW_BLOCKS):
         four_weight_rows(x, w[block], w[block + q], w[block + 2 * q], w[block + 3 * q], out,
                          block, block + q, block + 2 * q, block + 3 * q, four_row_blocks)
     _last_columns(x, w, out, 4 * q)
-    _add_bias(out, bias, 0, cols)
+    add_bias(out, bias, 0, cols)
 
 
 @njit(nogil=True, cache=True, parallel=True, fastmath=_FASTMATH, error_model="numpy")

@@ -24,7 +24,7 @@ import numpy as np
 from numba import cuda, float32, get_num_threads, njit, prange
 
 from engines.runtime.model.gguf.dequantize import half_table
-from engines.runtime.model.kernels.matmul import CPU_ROWS_KERNEL_MAX_ROWS, FOUR_ROW_BLOCKS, four_weight_rows
+from engines.runtime.model.kernels.matmul import CPU_ROWS_KERNEL_MAX_ROWS, FOUR_ROW_BLOCKS, add_bias, four_weight_rows
 from engines.runtime.model.kernels.vector_width import prefer_wide_vectors
 from engines.runtime.model.quantized_weight import BLOCK, QuantizedWeight
 
@@ -96,10 +96,7 @@ def quantized_matmul_rows_cpu(x, quants, scales, minima, table, bias, out, chunk
             for k in range(inner):
                 s += x[m, k] * row[k]
             out[m, n] = s
-    if bias.shape[0] > 0:
-        for m in range(rows):
-            for n in range(cols):
-                out[m, n] += bias[n]
+    add_bias(out, bias, 0, cols)
 
 
 @njit(nogil=True, cache=True)
