@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 # ``kernels`` package transformers looks for.
 sys.path[0] = str(REPO)
 
+from bench.pipe_worker import PipeWorker  # noqa: E402
 from bench.results_file import add_results_option, ResultsFile  # noqa: E402
 
 
@@ -92,7 +92,7 @@ def make_checkpoint(args: argparse.Namespace) -> tuple[Path, Path]:
     return hf, ct2
 
 
-class Worker:
+class Worker(PipeWorker):
     """One engine in a process of its own (``--worker NAME``), as a user would run it: numba's,
     torch's and CTranslate2's thread pools never share a process (in one, the compiled CPU step
     ran well below its own speed on two threads: docs/perf-log/cpu-anchors.md#2026-11-25-compiled-cpu-step).
@@ -100,28 +100,8 @@ class Worker:
 
     def __init__(self, args: argparse.Namespace, name: str, threads: int) -> None:
         command = [sys.executable, __file__, "--worker", name, "--worker-threads", str(threads), *forwarded(args)]
-        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO,
-                                        env={**os.environ, "PYTHONPATH": str(REPO)})
-        self.variants: list[str] = self._read()["variants"]
-
-    def _read(self) -> dict:
-        assert self.process.stdout is not None
-        line = self.process.stdout.readline()
-        if not line:
-            raise SystemExit(f"a worker ({self.process.args[3]}) stopped: exit {self.process.wait()}")
-        return json.loads(line)
-
-    def ask(self, **command: Any) -> dict:
-        """Send one command (a JSON line) and wait for its answer."""
-        assert self.process.stdin is not None
-        self.process.stdin.write(json.dumps(command) + "\n")
-        self.process.stdin.flush()
-        return self._read()
-
-    def close(self) -> None:
-        assert self.process.stdin is not None
-        self.process.stdin.close()
-        self.process.wait()
+        super().__init__(command, name, str(REPO), {**os.environ, "PYTHONPATH": str(REPO)})
+        self.variants: list[str] = self.ready["variants"]
 
 
 def worker(args: argparse.Namespace) -> None:

@@ -21,7 +21,12 @@ import sys
 import time
 from pathlib import Path
 
-from results_file import add_results_option, ResultsFile  # bench/ is the script's folder, first on sys.path
+if __name__ == "__main__":
+    # The repository, not bench/, first on the path, as the benches that import this module have it
+    # (bench/kernels.py would shadow the ``kernels`` package transformers looks for).
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+
+from bench.results_file import add_results_option, ResultsFile  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -43,7 +48,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 ARGS = parse_args() if __name__ == "__main__" else None
 if ARGS is not None:
-    from cpu_threads import use_threads  # bench/ is the script's folder, first on sys.path
+    from bench.cpu_threads import use_threads
 
     use_threads(ARGS.threads)
 

@@ -244,7 +244,7 @@ def build_engines(
     ``restart=False`` leaves an engine that dies dead instead of restarting it; ``kv_listen``
     gives each engine a K/V listener (a fixed port: the next engine takes the next port);
     ``progress`` hears what a built-in model's first use prepares; ``keep_quantized`` keeps a GGUF's
-    Q8_0/Q4_0/Q4_1 matrices quantized (the CPU kernels read them so).
+    matrices quantized (the CPU kernels read them so; QuantizedWeight.from_file).
 
     Raises :class:`RegistryError` for two specs with one served name, and lets
     ``CheckpointError`` (whose message names the file at fault) through.

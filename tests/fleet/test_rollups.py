@@ -42,7 +42,9 @@ async def test_a_minute_of_samples_becomes_one_row_an_hour_its_minutes_and_old_r
 
     store = LocalFleetStore()
     await store.announce(ServerCard(server="s:1", url="http://s", version="t", roles=[], engines=[], started_at=0))
-    hour = dt.datetime(2026, 11, 27, 10, 0, tzinfo=dt.timezone.utc).timestamp()
+    # The last hour whole (say 10:00-11:00), not a fixed date: rows older than the retention go.
+    hour = (dt.datetime.now(dt.timezone.utc).replace(minute=0, second=0, microsecond=0)
+            - dt.timedelta(hours=1)).timestamp()
     writer = RollupWriter(store, "s:1", sample_s=10.0)
     ttft = histogram((0.1, 1.0), np.array([0.05, 0.5]))
     for second, running in ((3540, 2.0), (3550, 4.0), (3560, 6.0)):   # 10:59:00-10:59:20

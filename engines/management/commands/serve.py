@@ -159,9 +159,10 @@ class Command(BaseCommand):
         parser.add_argument("--dtype", choices=("float32", "float16"), default="float32",
                             help="weight and KV-cache dtype (default float32)")
         parser.add_argument("--weights-dtype", choices=("gguf", "float32", "float16"),
-                            help="gguf: keep a GGUF's Q8_0, Q4_0 and Q4_1 matrices as the file holds them, read "
-                                 "quantized by the CPU kernels (a quarter to a seventh of float32's memory); "
-                                 "float32 or float16: dequantize them (default: --dtype's)")
+                            help="gguf: keep a GGUF's matrices quantized, read by the CPU's integer kernels (Q8_0, "
+                                 "Q4_0, Q4_1 as the file holds them; Q4_K as Q4_1, other block types as Q8_0): a "
+                                 "quarter to a sixth of float32's memory, and faster; float32 or float16: "
+                                 "dequantize them (default: --dtype's)")
         history = parser.add_argument_group("trace history")
         history.add_argument("--trace-autosave", type=seconds, default=0, metavar="SECONDS",
                              help="every SECONDS, save each engine's event trace into the history and clear it, "

@@ -94,7 +94,7 @@ class AsyncEngine:
             0.5 s, 1 s, 2 s, ... at most 30 s; left dead after 5 deaths in 10 minutes);
             ``RestartPolicy(enabled=False)`` leaves a dead engine dead.
         kv_listen: run a K/V listener for this engine (disaggregated serving across servers).
-        keep_quantized: an engine process loads a GGUF's Q8_0/Q4_0/Q4_1 matrices quantized (a
+        keep_quantized: an engine process loads a GGUF's matrices quantized (a
             thread engine uses ``checkpoint`` as loaded: load it with ``keep_quantized`` too).
     """
 

@@ -91,7 +91,7 @@ class EngineSpec:
     epoch_anchor_ns: int = 0
     #: Listen for K/V other servers send (disaggregated serving); None: no listener.
     kv_listen: KVListenSpec | None = None
-    #: Keep a GGUF's Q8_0/Q4_0/Q4_1 matrices quantized (``load_checkpoint(keep_quantized=...)``).
+    #: Keep a GGUF's matrices quantized (``load_checkpoint(keep_quantized=...)``).
     keep_quantized: bool = False
 
 

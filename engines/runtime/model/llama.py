@@ -136,13 +136,15 @@ class LlamaModel:
         self.backend: Backend = select_backend(backend, dtype)
         self.backend_name = self.backend.name
         self.dtype = dtype
-        quantized = {name: w.ggml_type for name, w in weights.items() if isinstance(w, QuantizedWeight)}
+        quantized = {name: w.ggml_type + (f" from {w.converted_from}" if w.converted_from else "")
+                     for name, w in weights.items() if isinstance(w, QuantizedWeight)}
         if quantized and not isinstance(self.backend, CpuBackend):
             raise ValueError(f"weights kept quantized ({', '.join(sorted(set(quantized.values())))}) are read by "
                              f"the CPU kernels only: on the {self.backend.name} backend load them as float32 or "
                              "float16")
         #: The weights' storage: ``dtype``, or the ggml types kept quantized and how many
-        #: matrices each ("Q4_1 x210, Q8_0 x1"; the others in ``dtype``).
+        #: matrices each ("Q4_1 x210, Q8_0 x1"; "Q4_1 from Q4_K x.." where the loader converted the
+        #: file's type; the others in ``dtype``).
         self.weights_format = ", ".join(f"{kind} x{n}" for kind, n in sorted(Counter(quantized.values()).items())) \
             or dtype
         itemsize = np.dtype(dtype).itemsize
@@ -179,10 +181,11 @@ class LlamaModel:
 
         def fused(i: int, names: list[str]) -> HostWeight:
             # HF's [out, in] matrices (or biases), concatenated along out: one matmul for q/k/v, one for gate/up
-            # (quantized ones of one type stay quantized; a mix is dequantized).
+            # (quantized ones stay quantized, as Q8_0 where their types differ; a float with a quantized
+            # one is dequantized).
             parts = [tensor(i, name) for name in names]
             kept = [p for p in parts if isinstance(p, QuantizedWeight)]
-            if len(kept) == len(parts) and len({p.ggml_type for p in kept}) == 1:
+            if len(kept) == len(parts):
                 return QuantizedWeight.concatenate(kept)
             return np.concatenate([p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts], axis=0)
 

