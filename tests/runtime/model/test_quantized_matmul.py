@@ -121,7 +121,7 @@ def test_cpu_paths_against_the_reference(rng: np.random.Generator, ggml_type: st
     """``quantized_matmul_cpu``: a decode step's rows through the int8-activation kernel
     (``quantized_dot``), more rows through sgemm on dequantized panels (more columns than one
     panel, the last one partial), each against its plain path."""
-    w = weight(rng, ggml_type, quantized_matmul.PANEL_ROWS + 37, 96)
+    w = weight(rng, ggml_type, quantized_matmul.panel_rows(96) + 37, 96)
     bias = rng.standard_normal(w.shape[0]).astype(np.float32)
     x = rng.standard_normal((rows, 96)).astype(np.float32)
     out = np.full((rows, w.shape[0]), np.nan, np.float32)

@@ -35,11 +35,15 @@ from engines.runtime.model.kernels.vector_width import prefer_wide_vectors
 from engines.runtime.model.quantized_weight import BLOCK, QuantizedWeight
 
 __all__ = ["dequantize_rows_cpu", "quantized_embedding_cpu", "quantized_gemv_cuda", "quantized_matmul_cpu",
-           "quantized_matmul_reference", "quantized_matmul_rows_cpu", "rows_kernel_chunks"]
+           "quantized_matmul_reference", "quantized_matmul_rows_cpu", "panel_rows", "rows_kernel_chunks"]
 
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
-#: Weight rows a prefill dequantizes at a time for sgemm (a float32 panel of ~2 MB at in = 2048).
-PANEL_ROWS = 256
+#: A prefill's float32 panel of dequantized weight rows for sgemm, in bytes (``panel_rows``): larger
+#: panels let BLAS use its threads: 256-row panels (0.6 MB at SmolLM2's in = 576) gained 1.1x from a
+#: second thread in a 512-token prefill, 8 MB ones 1.5x (docs/perf-log/quantized-weights.md).
+PANEL_BYTES = 8 << 20
+#: The fewest rows a panel has, however long the rows.
+PANEL_MIN_ROWS = 256
 #: Chunks of four-row blocks per numba thread in the rows kernel: each chunk allocates its tile once.
 CHUNKS_PER_THREAD = 8
 _dequantize_q8_0, _dequantize_q4_0, _dequantize_q4_1 = (DEQUANTIZE_ROWS[kind] for kind in ("Q8_0", "Q4_0", "Q4_1"))
@@ -135,6 +139,11 @@ def dequantize_rows_cpu(quants, scales, minima, table, first, out):
             _dequantize_q4_1(quants[n], scales[n], minima[n], out[r])
 
 
+def panel_rows(inner: int) -> int:
+    """Weight rows of ``inner`` elements a prefill dequantizes at a time (``PANEL_BYTES`` of float32)."""
+    return max(PANEL_MIN_ROWS, PANEL_BYTES // (4 * inner))
+
+
 def quantized_matmul_cpu(x: np.ndarray, weight: QuantizedWeight, bias: np.ndarray, out: np.ndarray) -> None:
     """CPU ``out = x @ W.T + bias`` (float32 ``x`` and ``out``): :func:`quantized_matmul_rows_cpu` up
     to ``matmul.CPU_ROWS_KERNEL_MAX_ROWS`` rows, BLAS sgemm on dequantized panels beyond."""
@@ -144,10 +153,11 @@ def quantized_matmul_cpu(x: np.ndarray, weight: QuantizedWeight, bias: np.ndarra
                                rows_kernel_chunks())
         return
     cols = weight.shape[0]
-    panel = np.empty((min(PANEL_ROWS, cols), x.shape[1]), np.float32)
+    rows = panel_rows(x.shape[1])
+    panel = np.empty((min(rows, cols), x.shape[1]), np.float32)
     product = np.empty((x.shape[0], panel.shape[0]), np.float32)
-    for first in range(0, cols, PANEL_ROWS):
-        count = min(PANEL_ROWS, cols - first)
+    for first in range(0, cols, rows):
+        count = min(rows, cols - first)
         dequantize_rows_cpu(weight.quants, weight.scales, weight.minima, table, first, panel[:count])
         np.matmul(x, panel[:count].T, out=product[:, :count])
         out[:, first:first + count] = product[:, :count]
