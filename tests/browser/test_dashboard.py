@@ -71,7 +71,12 @@ async def test_engine_page_charts_controls_and_history_link(page, dashboard_serv
             "() => [...document.querySelectorAll('#metrics th')].some(th => th.textContent === 'num_running_requests'"
             " && Number(th.nextElementSibling.textContent) > 0)", timeout=30000)
         await page.wait_for_selector("#recent tbody tr:not(.empty) a >> text=history", timeout=30000)
-        # MLC's rates are since-reset averages over step time, unlike the live charts: the label says so.
+        # MLC's rates are since-reset averages over step time, unlike the live charts: the label says so
+        # (the rates' rows come with the first stats after a step of each kind: waited for, not raced).
+        await page.wait_for_function(
+            "() => [...document.querySelectorAll('#metrics th')].some(th => th.textContent.startsWith("
+            "'decode_tokens_per_s')) && [...document.querySelectorAll('#metrics th')].some(th => "
+            "th.textContent.startsWith('prefill_tokens_per_s'))", timeout=30000)
         headers = await page.locator("#metrics th").all_text_contents()
         assert "prefill_tokens_per_s (prefill tokens ÷ prefill step time, since reset)" in headers
         assert "decode_tokens_per_s (decode tokens ÷ decode step time, since reset)" in headers
