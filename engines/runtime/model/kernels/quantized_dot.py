@@ -47,7 +47,7 @@ from engines.runtime.model.quantized_weight import BLOCK, QuantizedWeight
 
 __all__ = ["ISA", "ROW_DOTS", "available_isas", "quantize_activations_cpu", "quantize_activations_reference",
            "quantized_dot_reference", "quantized_dot_rows_cpu", "row_dots", "spread_scales_cpu", "weight_kind",
-           "DEQUANTIZE_ROWS"]
+           "DEQUANTIZE_ROWS", "dequantize_rows_cpu"]
 
 #: Largest activation magnitude after quantization: [-127, 127], so that ``-xq`` never overflows.
 XQ_MAX = 127
@@ -410,6 +410,7 @@ def _make_ir_dequantize_row(kind: str) -> Callable:
 
 #: ``kind -> dequantize(wq_row, ws_row, wm_row, out_row)``: a weight row as float32, in vector IR.
 DEQUANTIZE_ROWS: dict[str, Callable] = {kind: _make_ir_dequantize_row(kind) for kind in KINDS}
+_dequantize_q8_0, _dequantize_q4_0, _dequantize_q4_1 = (DEQUANTIZE_ROWS[kind] for kind in KINDS)
 
 
 #: ``isa -> kind -> (one, four)``: the row dots of each implementation (see "the plain row dots").
@@ -484,6 +485,23 @@ def quantized_dot_rows_cpu(x, quants, scales, minima, table, bias, out, chunks):
         _dots_of_rows(kind, quants, scales, minima, table, xq, xd8, xs8, out, chunk * cols // chunks,
                       (chunk + 1) * cols // chunks)
     add_bias(out, bias, 0, cols)
+
+
+@njit(nogil=True, cache=True, parallel=True)
+def dequantize_rows_cpu(quants, scales, minima, table, first, out):
+    """Rows ``first .. first + len(out) - 1`` of the weight as float32 into ``out`` (a prefill's panel
+    for ``quantized_matmul.quantized_matmul_cpu``), a block a vector (``DEQUANTIZE_ROWS``: the
+    loader's values exactly; ``table`` unused, kept for the plain twins' arguments). Here, beside the
+    IR it calls: numba's cache keys a compiled function by its own file."""
+    kind = weight_kind(quants, scales, minima)
+    for r in prange(out.shape[0]):
+        n = first + r
+        if kind == 0:
+            _dequantize_q8_0(quants[n], scales[n], minima[n], out[r])
+        elif kind == 1:
+            _dequantize_q4_0(quants[n], scales[n], minima[n], out[r])
+        else:
+            _dequantize_q4_1(quants[n], scales[n], minima[n], out[r])
 
 
 def row_dots(isa: str, kind: str) -> Callable:

@@ -30,7 +30,8 @@ from numba import cuda, float32, get_num_threads, njit, prange
 
 from engines.runtime.model.gguf.dequantize import half_table
 from engines.runtime.model.kernels.matmul import CPU_ROWS_KERNEL_MAX_ROWS, FOUR_ROW_BLOCKS, add_bias, four_weight_rows
-from engines.runtime.model.kernels.quantized_dot import DEQUANTIZE_ROWS, quantized_dot_rows_cpu, weight_kind
+# (dequantize_rows_cpu lives beside the IR it calls: numba's cache keys a function by its own file.)
+from engines.runtime.model.kernels.quantized_dot import dequantize_rows_cpu, quantized_dot_rows_cpu
 from engines.runtime.model.kernels.vector_width import prefer_wide_vectors
 from engines.runtime.model.quantized_weight import BLOCK, QuantizedWeight
 
@@ -46,7 +47,6 @@ PANEL_BYTES = 8 << 20
 PANEL_MIN_ROWS = 256
 #: Chunks of four-row blocks per numba thread in the rows kernel: each chunk allocates its tile once.
 CHUNKS_PER_THREAD = 8
-_dequantize_q8_0, _dequantize_q4_0, _dequantize_q4_1 = (DEQUANTIZE_ROWS[kind] for kind in ("Q8_0", "Q4_0", "Q4_1"))
 GEMV_ROWS = 8  # rows of x a CUDA block multiplies (eight accumulators a lane)
 GEMV_MAX_WARPS = 8  # largest blockDim.y of the GEMV (output columns a block)
 WARP = 32
@@ -122,21 +122,6 @@ def rows_kernel_chunks() -> int:
     thread that finishes last waits little (numba's thread count, read here: read in compiled code,
     it would keep the kernel out of numba's cache)."""
     return CHUNKS_PER_THREAD * get_num_threads()
-
-
-@njit(nogil=True, cache=True, parallel=True)
-def dequantize_rows_cpu(quants, scales, minima, table, first, out):
-    """Rows ``first .. first + len(out) - 1`` of the weight as float32 into ``out`` (a prefill's panel),
-    a block a vector (``quantized_dot.DEQUANTIZE_ROWS``: the loader's values exactly)."""
-    kind = weight_kind(quants, scales, minima)
-    for r in prange(out.shape[0]):
-        n = first + r
-        if kind == 0:
-            _dequantize_q8_0(quants[n], scales[n], minima[n], out[r])
-        elif kind == 1:
-            _dequantize_q4_0(quants[n], scales[n], minima[n], out[r])
-        else:
-            _dequantize_q4_1(quants[n], scales[n], minima[n], out[r])
 
 
 def panel_rows(inner: int) -> int:
