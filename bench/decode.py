@@ -8,6 +8,13 @@ metadata upload, the forward pass and copying the greedy ids back.
 
     python bench/decode.py                                   # CPU, demo model, batch 1 8 32
     python bench/decode.py --backend cuda --torch-device cuda --dtype float16
+    python bench/decode.py --backend cuda --torch-device cuda --dtype float16 \
+        --random-llama /tmp/llama-1b --torch-compile --profile     # the GPU issue's table
+
+On the GPU the table gives the bytes a step must read (weights and the KV cache) over its time as
+a share of the card's peak (``--peak-gbs``, by default the device's memory clock times its bus
+width); ``--profile`` adds each kernel's time and bandwidth from the built-in profiler
+(``engines.runtime.telemetry.profiler``: each launch between two CUDA events, no graph).
 
 Threads: ``--threads`` (default: all cores) is given to torch, OpenBLAS and numba alike;
 it must be set before numpy is imported, which is why the arguments are parsed first.
@@ -40,8 +47,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="CPU threads for both (default: all)")
     parser.add_argument("--torch-device", default="cpu", help="torch device for transformers (cpu, cuda)")
-    parser.add_argument("--peak-gbs", type=float, default=3350.0,
-                        help="device memory bandwidth peak in GB/s for the cuda report (default: H100 SXM)")
+    parser.add_argument("--peak-gbs", type=float, default=None,
+                        help="device memory bandwidth peak in GB/s for the cuda report (default: the device's own, "
+                             "from its memory clock and bus width)")
+    parser.add_argument("--random-llama", metavar="DIR", default=None,
+                        help="decode a random Llama of TinyLlama-1.1B's shape saved in DIR (made there first if "
+                             "DIR has no config.json; needs the torch device to hold it)")
+    parser.add_argument("--torch-compile", action="store_true",
+                        help="also time transformers under torch.compile (mode reduce-overhead) with a static KV cache")
+    parser.add_argument("--profile", action="store_true",
+                        help="after each batch size, a per-kernel table of a few steps from the built-in profiler")
+    parser.add_argument("--engines-from", metavar="DIR", default=None,
+                        help="import the engine from DIR instead of this checkout (an A/B against an older tree)")
     add_results_option(parser, "decode")
     return parser.parse_args(argv)
 
@@ -50,7 +67,7 @@ ARGS = parse_args() if __name__ == "__main__" else None
 if ARGS is not None:
     from bench.cpu_threads import use_threads
 
-    use_threads(ARGS.threads)
+    use_threads(ARGS.threads, ARGS.engines_from)
 
 import numpy as np  # noqa: E402  (after the thread settings above)
 import torch  # noqa: E402
@@ -118,6 +135,75 @@ class TorchDecoder:
         return self.next_ids.cpu().numpy()
 
 
+class CompiledTorchDecoder:
+    """The same greedy decoding under ``torch.compile`` (reduce-overhead: CUDA graphs) with
+    transformers' static KV cache, the fastest plain-PyTorch decode loop transformers offers."""
+
+    def __init__(self, model: torch.nn.Module, prompts: np.ndarray, device: str, max_len: int) -> None:
+        from transformers import StaticCache
+
+        self.model = model
+        batch, prompt_len = prompts.shape
+        self.cache = StaticCache(config=model.config, max_cache_len=max_len)
+        self.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+        with torch.inference_mode():
+            ids = torch.from_numpy(prompts.astype(np.int64)).to(device)
+            out = model(input_ids=ids, past_key_values=self.cache, use_cache=True,
+                        cache_position=torch.arange(prompt_len, device=device))
+        self.position = prompt_len
+        self.device = device
+        self.next_ids = out.logits[:, -1].argmax(-1)
+
+    def step(self) -> np.ndarray:
+        """One decode step for every sequence; returns the new greedy ids on the host."""
+        with torch.inference_mode():
+            position = torch.tensor([self.position], device=self.device)
+            out = self.forward(input_ids=self.next_ids[:, None].clone(), past_key_values=self.cache, use_cache=True,
+                               cache_position=position)
+        self.position += 1
+        self.next_ids = out.logits[:, -1].argmax(-1)
+        return self.next_ids.cpu().numpy()
+
+
+def make_random_llama(folder: Path, device: str) -> None:
+    """A Llama of TinyLlama-1.1B's shape with random weights (float16), saved as transformers
+    saves one: the issue's 1.1B model, made where it runs (nothing downloads)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                         num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, rms_norm_eps=1e-5,
+                         tie_word_embeddings=False, torch_dtype="float16")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(torch.float16)
+    model.save_pretrained(folder)
+    from tokenizers import models, Tokenizer  # a word-level vocabulary: the bench feeds token ids
+
+    Tokenizer(models.WordLevel({f"w{i}": i for i in range(config.vocab_size)}, unk_token="w0")).save(
+        str(folder / "tokenizer.json"))
+
+
+def profile_steps(model: LlamaModel, decoder: "OurDecoder", batch: int, steps: int,
+                  peak_gbs: float | None) -> list[dict]:
+    """``steps`` decode steps under the built-in profiler; its per-kernel rows."""
+    from engines.runtime import ProfiledBackend, StepProfiler
+
+    plain = model.backend
+    profiler = StepProfiler()
+    model.use_backend(ProfiledBackend(plain, profiler))
+    try:
+        for _ in range(steps):
+            profiler.begin_step()
+            decoder.step()
+            profiler.lap("forward")
+            profiler.end_step(batch, batch, 0)
+    finally:
+        model.use_backend(plain)
+    result = profiler.result(engine="bench", model="", backend=plain.name, device=plain.device_name(),
+                             peak_gbs=peak_gbs, peak_source="", config={})
+    return result.kernels
+
+
 def weight_bytes(model: LlamaModel) -> int:
     """Bytes of every matrix a decode step streams (norms and biases are negligible)."""
     c = model.config
@@ -129,6 +215,10 @@ def weight_bytes(model: LlamaModel) -> int:
 def main(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     path = demo_checkpoint_path() if args.model == "demo" else Path(args.model)
+    if args.random_llama:
+        path = Path(args.random_llama)
+        if not (path / "config.json").exists():
+            make_random_llama(path, args.torch_device)
     ckpt = load_checkpoint(path)
     ours_model = LlamaModel.from_checkpoint(ckpt, backend=args.backend, dtype=args.dtype)
     torch_dtype = torch.float16 if args.dtype == "float16" else torch.float32
@@ -139,45 +229,107 @@ def main(args: argparse.Namespace) -> int:
           f"{torch.__version__} eager on {args.torch_device}; {args.threads} threads; prompt {args.prompt_len}, "
           f"{args.warmup} warm-up + {args.steps} timed steps")
 
-    rows = []
+    if args.engines_from:
+        import engines
+
+        print(f"engine imported from {Path(engines.__file__).parent}")
+    on_gpu = ours_model.backend_name == "cuda"
+    peak_gbs = args.peak_gbs
+    if on_gpu and peak_gbs is None:
+        peak_gbs = ours_model.backend.peak_bandwidth()[0]
+    if on_gpu:
+        print(f"device {ours_model.backend.device_name()}: peak {peak_gbs:.0f} GB/s; a device-to-device copy through "
+              f"torch moves {copy_bandwidth(args.torch_device):.0f} GB/s (bytes read + written)")
+    rows, compiled_rows, profiles = [], {}, {}
     rng = np.random.default_rng(0)
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         prompts = rng.integers(0, c.vocab_size, (batch, args.prompt_len))
-        ours = OurDecoder(ours_model, prompts, args.prompt_len + args.warmup + args.steps + 1)
+        max_len = args.prompt_len + args.warmup + args.steps + 1
+        ours = OurDecoder(ours_model, prompts, max_len + (8 if args.profile else 0))
         theirs = TorchDecoder(torch_model, prompts, args.torch_device)
-        ours_times, torch_times, agree = [], [], 0
+        decoders = [ours.step, theirs.step]
+        if args.torch_compile:
+            try:
+                compiled = CompiledTorchDecoder(torch_model, prompts, args.torch_device, max_len + 8)
+                for _ in range(3):  # compiles and records its graphs outside the timed steps
+                    compiled.step()
+                decoders.append(compiled.step)
+            except Exception as exc:  # noqa: BLE001 - a torch/transformers that cannot do it is a reported result
+                print(f"batch {batch}: torch.compile with a static cache failed: {type(exc).__name__}: {exc}")
+        times: list[list[float]] = [[] for _ in decoders]
+        agree = 0
         for i in range(args.warmup + args.steps):
-            t0 = time.perf_counter()
-            a = ours.step()
-            t1 = time.perf_counter()
-            b = theirs.step()
-            t2 = time.perf_counter()
-            agree += int((a == b).all())
-            if i >= args.warmup:
-                ours_times.append(t1 - t0)
-                torch_times.append(t2 - t1)
-        ours_step, torch_step = statistics.median(ours_times), statistics.median(torch_times)
+            ids = []
+            for d, step in enumerate(decoders):  # alternated, so that all see the same machine load
+                t0 = time.perf_counter()
+                ids.append(step())
+                if i >= args.warmup:
+                    times[d].append(time.perf_counter() - t0)
+            agree += int((ids[0] == ids[1]).all())
+        ours_step, torch_step = statistics.median(times[0]), statistics.median(times[1])
+        if len(times) > 2:
+            compiled_rows[batch] = batch / statistics.median(times[2])
         context = args.prompt_len + args.warmup + args.steps // 2
         kv_bytes = batch * context * 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * np.dtype(
             args.dtype).itemsize
         rows.append((batch, batch / ours_step, batch / torch_step, torch_step / ours_step,
                      (weight_bytes(ours_model) + kv_bytes) / ours_step / 1e9, agree, args.warmup + args.steps))
+        if args.profile:
+            profiles[batch] = (ours_step, profile_steps(ours_model, ours, batch, 5, peak_gbs))
 
-    print(f"\n{'batch':>5} {'ours tok/s':>11} {'torch tok/s':>12} {'ratio':>7} {'ours GB/s':>10} "
-          f"{'same greedy ids':>16}")
+    for batch, (step_s, kernels) in profiles.items():
+        total = sum(k["total_us"] for k in kernels) or 1.0
+        print(f"\nbatch {batch}: per-kernel profile over 5 steps (each launch alone, no graph); the graphed step "
+              f"took {step_s * 1e6:.0f} us, the kernels alone {total / 5:.0f} us a step")
+        print(f"{'kernel':<22} {'calls/step':>10} {'us/step':>9} {'share':>6} {'p50 us':>8} {'GB/s':>8} {'of peak':>8}")
+        for k in kernels:
+            peak = f"{100 * k['peak_fraction']:.1f}%" if k["peak_fraction"] is not None else "-"
+            share = 100 * k["total_us"] / total
+            print(f"{k['name']:<22} {k['calls'] / 5:>10.0f} {k['total_us'] / 5:>9.1f} {share:>5.1f}% "
+                  f"{k['p50_us']:>8.1f} {k['gbs']:>8.0f} {peak:>8}")
+
+    compiled_header = f" {'compiled tok/s':>14} {'ours/compiled':>13}" if compiled_rows else ""
+    peak_header = f" {'of peak':>8}" if on_gpu else ""
+    print(f"\n{'batch':>5} {'ours tok/s':>11} {'torch tok/s':>12} {'ratio':>7}{compiled_header} {'ours GB/s':>10}"
+          f"{peak_header} {'same greedy ids':>16}")
     results = ResultsFile(args.results, "decode")
     setting = {"model": ckpt.name, "backend": ours_model.backend_name, "dtype": args.dtype, "threads": args.threads}
     for batch, ours_tps, torch_tps, ratio, gbs, agree, steps in rows:
-        print(f"{batch:>5} {ours_tps:>11.1f} {torch_tps:>12.1f} {ratio:>6.2f}x {gbs:>10.1f} {agree:>9}/{steps} steps")
+        compiled = compiled_rows.get(batch)
+        compiled_cells = ""
+        if compiled_rows:
+            compiled_cells = (f" {compiled:>14.1f} {ours_tps / compiled:>12.2f}x" if compiled is not None
+                              else f" {'failed':>14} {'-':>13}")
+        share = f" {100 * gbs / peak_gbs:>7.1f}%" if on_gpu and peak_gbs else ""
+        print(f"{batch:>5} {ours_tps:>11.1f} {torch_tps:>12.1f} {ratio:>6.2f}x{compiled_cells} {gbs:>10.1f}{share} "
+              f"{agree:>9}/{steps} steps")
         for metric, value, unit in (("ours", ours_tps, "tok/s"), ("transformers", torch_tps, "tok/s"),
                                     ("ours/transformers", ratio, "ratio"), ("ours, weights + KV read", gbs, "GB/s")):
             results.add(metric, value, unit, batch=batch, **setting)
-    if ours_model.backend_name == "cuda":
-        batch, _, _, _, gbs, _, _ = rows[-1]
-        print(f"\nbatch {batch}: {gbs:.0f} GB/s of weights + KV streamed per step = "
-              f"{100 * gbs / args.peak_gbs:.1f}% of a {args.peak_gbs:.0f} GB/s peak")
-        results.add("ours, share of the memory's peak", 100 * gbs / args.peak_gbs, "%", batch=batch, **setting)
+        if compiled is not None:
+            results.add("transformers compiled", compiled, "tok/s", batch=batch, **setting)
+            results.add("ours/transformers compiled", ours_tps / compiled, "ratio", batch=batch, **setting)
+        if on_gpu and peak_gbs:
+            results.add("ours, share of the memory's peak", 100 * gbs / peak_gbs, "%", batch=batch, **setting)
     return 0
+
+
+def copy_bandwidth(device: str, nbytes: int = 2 << 30) -> float:
+    """GB/s of a device-to-device copy of ``nbytes`` through torch (bytes read plus written),
+    the best of five after a warm-up: the ceiling the decode's share is read against."""
+    source = torch.empty(nbytes // 2, dtype=torch.float16, device=device).normal_()
+    target = torch.empty_like(source)
+    target.copy_(source)
+    best = float("inf")
+    for _ in range(5):
+        began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        began.record()
+        target.copy_(source)
+        ended.record()
+        ended.synchronize()
+        best = min(best, began.elapsed_time(ended) / 1e3)
+    del source, target
+    return 2 * nbytes / best / 1e9
 
 
 if __name__ == "__main__":

@@ -146,6 +146,10 @@ ANCHOR_COLUMNS = ("ours", "CTranslate2", "transformers", "ours/CT2")
 VIEWS = (
     View("decode", "decode", ("machine", "model", "dtype", "threads"), columns=("batch", "metric"),
          metrics=("ours", "transformers", "ours/transformers", "ours, weights + KV read")),
+    View("decode-gpu", "decode", ("machine", "model", "dtype"), columns=("batch", "metric"),
+         metrics=("ours", "transformers compiled", "ours/transformers compiled", "ours, weights + KV read",
+                  "ours, share of the memory's peak"),
+         where={"backend": ("cuda",), "dtype": ("float16",), "batch": ("1", "8", "32")}),
     View("engine", "engine_throughput", ("machine", "dtype", "workload", "requests", "of two runs"),
          metrics=("generated", "total", "wall", "tracing off", "tracing on", "on/off")),
     View("engine", "trace_recorder", ("metric", "events"), columns=("workload",)),

@@ -90,6 +90,8 @@ _EXPORTS: dict[str, str] = {
     "TraceRecorder": "telemetry.trace_recorder",
     "TraceDelta": "telemetry.trace_recorder",
     "ProfileResult": "telemetry.profiler",
+    "ProfiledBackend": "telemetry.profiler",
+    "StepProfiler": "telemetry.profiler",
     "ProfileStatus": "telemetry.profiler",
     "ProfilerStateError": "telemetry.profiler",
     "measure_host_bandwidth": "telemetry.profiler",
@@ -147,6 +149,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names resolve l
     from engines.runtime.model.llama import LlamaModel
     from engines.runtime.model.tokenizer import ChatTemplateError, Tokenizer
     from engines.runtime.telemetry.metrics import EngineMetrics, HistogramSnapshot, LatencyDistribution
-    from engines.runtime.telemetry.profiler import ProfileResult, ProfilerStateError, ProfileStatus, \
-        measure_host_bandwidth
+    from engines.runtime.telemetry.profiler import ProfiledBackend, ProfileResult, ProfilerStateError, \
+        ProfileStatus, StepProfiler, measure_host_bandwidth
     from engines.runtime.telemetry.trace_recorder import TraceDelta, TraceRecorder, epoch_anchor_ns

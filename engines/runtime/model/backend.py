@@ -28,7 +28,7 @@ from engines.runtime.model.host_memory import aligned_copy, aligned_empty, avail
 from engines.runtime.model.quantized_weight import HostWeight, QuantizedWeight
 from engines.runtime.model.kernels import (add_rmsnorm, argmax, attention, embedding, matmul, quantized_matmul,
                                            rope_kv, run_attention,
-                                           silu_mul)
+                                           silu_mul, wide_load)
 
 if TYPE_CHECKING:
     from engines.runtime.telemetry.profiler import ProfiledBackend
@@ -346,19 +346,20 @@ class LaunchShapes:
 
     row_threads: int              # add_rmsnorm, argmax, embedding, silu_mul
     attention_threads: int        # keys scored per chunk
-    gemv_block: tuple[int, int]   # (output columns, input-dimension slices)
+    gemv_block: tuple[int, int]   # (lanes a warp: 32 on a GPU, warps = output columns)
     tile_block: tuple[int, int]   # tiled matmul; the block tile is 4x this
     gemv_max_rows: int            # matmuls with at most this many rows use the GEMV kernel
+    attention_min_blocks: int     # attention splits a group's q heads across blocks below this many
 
 
-# Real GPUs: enough threads in flight to hide memory latency (a GEMV block of 32 x 32
-# threads keeps 4 loads in flight per thread).
-GPU_LAUNCH_SHAPES = LaunchShapes(row_threads=128, attention_threads=64, gemv_block=(32, 32),
-                                 tile_block=(16, 16), gemv_max_rows=32)
+# Real GPUs: enough threads in flight to hide memory latency (a GEMV warp keeps two 16-byte
+# loads a lane in flight; four warps a block, so a 2048-column layer is 512 blocks).
+GPU_LAUNCH_SHAPES = LaunchShapes(row_threads=128, attention_threads=64, gemv_block=(32, 4),
+                                 tile_block=(16, 16), gemv_max_rows=32, attention_min_blocks=264)
 # The simulator runs one Python thread per CUDA thread: the smallest blocks that still
 # exercise every code path (several threads per reduction, several slices, partial tiles).
 SIMULATOR_LAUNCH_SHAPES = LaunchShapes(row_threads=8, attention_threads=8, gemv_block=(8, 2),
-                                       tile_block=(2, 2), gemv_max_rows=4)
+                                       tile_block=(2, 2), gemv_max_rows=4, attention_min_blocks=8)
 
 
 class _LaunchableKernel:
@@ -518,14 +519,12 @@ class CudaBackend:
         return cuda.to_device(np.ascontiguousarray(array, dtype=_check_dtype(dtype, self.dtypes, self.name)))
 
     def store_linear(self, weight: HostWeight, dtype: str) -> Array:
-        """A linear layer's ``[out, in]`` weight, transposed to ``[in, out]`` for coalesced
-        loads, on the device."""
-        # (A quantized weight goes to to_storage as it is, which refuses it.)
-        return self.to_storage(weight.T if isinstance(weight, np.ndarray) else weight, dtype)
+        """A linear layer's ``[out, in]`` weight on the device, as it is (``kernels.matmul``)."""
+        return self.to_storage(weight, dtype)
 
     def store_layers(self, make: Callable[[int], HostWeight], count: int, dtype: str, linear: bool) -> Sequence[Array]:
         """One weight of every layer (``make(i)`` for layer ``i``), a device array each (linear
-        ones transposed as by :meth:`store_linear`): graphs replay per-layer launches, and one
+        ones as by :meth:`store_linear`): graphs replay per-layer launches, and one
         array per layer keeps the host's staging copy to a layer."""
         store = self.store_linear if linear else self.to_storage
         return [store(make(i), dtype) for i in range(count)]
@@ -585,15 +584,15 @@ class CudaBackend:
 
     def matmul(self, x: Array, weight: Array, bias: Array, out: Array) -> None:
         """``out = x @ W.T + bias`` for ``weight`` from :meth:`store_linear`: GEMV kernel for
-        few rows, tiled kernel otherwise."""
-        w_t = weight
-        rows, cols = x.shape[0], w_t.shape[1]
-        if rows <= self.shapes.gemv_max_rows:
-            bx, by = self.shapes.gemv_block
-            self._gemv(self._stream, (_blocks(cols, bx), _blocks(rows, matmul.GEMV_ROWS)), (bx, by), x, w_t, bias, out)
+        few rows (whose rows load in whole 16-byte chunks), tiled kernel otherwise."""
+        rows, cols = x.shape[0], weight.shape[0]
+        if rows <= self.shapes.gemv_max_rows and wide_load.loadable(weight):
+            lanes, warps = self.shapes.gemv_block
+            self._gemv(self._stream, (_blocks(rows, matmul.GEMV_ROWS), _blocks(cols, warps)), (lanes, warps), x,
+                       weight, bias, out)
         else:
             bx, by = self.shapes.tile_block
-            self._tiled(self._stream, (_blocks(cols, 4 * bx), _blocks(rows, 4 * by)), (bx, by), x, w_t, bias, out)
+            self._tiled(self._stream, (_blocks(cols, 4 * bx), _blocks(rows, 4 * by)), (bx, by), x, weight, bias, out)
 
     def rope_kv_append(self, qkv: Array, step: StepInputs, cos: Array, sin: Array,
                        k_cache: Array, v_cache: Array, layer: int, num_q_heads: int) -> None:
@@ -606,9 +605,18 @@ class CudaBackend:
                   layer: int, num_q_heads: int, scale: np.float32, out: Array) -> None:
         """Causal paged attention of every new token over its sequence's cached keys."""
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[4]
-        threads = self.attention_threads(num_q_heads // num_kv_heads, head_dim)
-        self._attention(self._stream, (qkv.shape[0], num_kv_heads), (threads,), qkv, step.positions, step.token_seq,
-                        step.page_table, k_cache, v_cache, layer, num_q_heads, scale, out)
+        group = num_q_heads // num_kv_heads
+        threads = self.attention_threads(group, head_dim)
+        blocks = qkv.shape[0] * num_kv_heads
+        # Too few (token, kv head) blocks to fill the GPU (a decode step): the group's q heads
+        # go to blocks of their own, as many as it takes (a divisor of the group).
+        splits = 1
+        while splits < group and blocks * splits < self.shapes.attention_min_blocks:
+            splits += 1
+            while group % splits:
+                splits += 1
+        self._attention(self._stream, (qkv.shape[0], num_kv_heads, splits), (threads,), qkv, step.positions,
+                        step.token_seq, step.page_table, k_cache, v_cache, layer, num_q_heads, scale, out)
 
     def attention_threads(self, group: int, head_dim: int) -> int:
         """Threads per attention block: the configured count, or more if the group's

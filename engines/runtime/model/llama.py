@@ -210,9 +210,10 @@ class LlamaModel:
                                             mlp_block))
         self.norm = norm("model.norm.weight")
         head = weights.get("lm_head.weight")
-        if head is None or c.tie_word_embeddings:
-            head = weights["model.embed_tokens.weight"]
-        self.lm_head_w = be.store_linear(head, dtype)
+        # A tied head is the embedding table itself: both backends keep linear weights [out, in],
+        # the table's own layout, so one copy serves the gather and the LM head.
+        self.lm_head_w = (self.embed_tokens if head is None or c.tie_word_embeddings
+                          else be.store_linear(head, dtype))
         self.no_bias = no_bias
         q_dim = c.num_attention_heads * c.head_dim
         widths = {

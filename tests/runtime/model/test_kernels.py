@@ -110,7 +110,9 @@ def test_add_rmsnorm(rng: np.random.Generator, mode: str) -> None:
 
 MATMUL_CASES = {
     # (rows, inner, cols): inner and cols deliberately not multiples of the tile/block sizes.
-    "gemv": [(1, 4096, 4096), (5, 4096, 1000), (16, 1024, 14336)] if REAL_GPU else [(1, 19, 10), (11, 40, 21)],
+    # gemv: inner a multiple of 8 loads in 16-byte chunks; 19 and 4100 go to the tiled kernel.
+    "gemv": ([(1, 4096, 4096), (5, 4096, 1000), (16, 1024, 14336), (3, 2048, 32000), (9, 5632, 2048), (2, 4100, 7)]
+             if REAL_GPU else [(1, 19, 10), (11, 40, 21), (1, 48, 5), (9, 24, 3)]),
     "tiled": [(64, 4096, 4096), (333, 4096, 1027)] if REAL_GPU else [(9, 40, 21)],
 }
 

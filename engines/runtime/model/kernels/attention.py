@@ -25,10 +25,15 @@ ATTN_MAX_PAIRS = 16      # (q head, dim) outputs per thread: group * head_dim <=
 
 @cuda.jit(cache=True)
 def paged_attention_cuda(qkv, positions, token_seq, page_table, k_cache, v_cache, layer, num_q_heads, scale, out):
-    """Grid ``(num_tokens, num_kv_heads)``, block ``(threads,)``; ``head_dim`` a multiple of 4.
+    """Grid ``(num_tokens, num_kv_heads, splits)``, block ``(threads,)``; ``head_dim`` a multiple
+    of 4, ``splits`` a divisor of the group (``num_q_heads // num_kv_heads``).
 
-    Block (t, kv head) serves all q heads of the group, so each key and value is read from
-    memory once per group. Keys are taken ``blockDim.x`` at a time with an online softmax:
+    Block (t, kv head, z) serves q heads ``z * sub .. (z + 1) * sub`` of the group (``sub =
+    group // splits``), so each key and value is read from memory once per ``sub`` q heads. A
+    decode step has too few (token, kv head) pairs to fill the GPU and each block's threads
+    work through their keys and outputs one after another, so there ``splits`` is the group
+    (one q head a block: eight times less work a thread for a group of eight), and the other
+    blocks of the group re-read the same keys from L2. Keys are taken ``blockDim.x`` at a time with an online softmax:
     thread i scores key ``c0 + i`` against every q head of the group; one thread per head
     folds the chunk into the running max and sum (rescaling by ``alpha``); then the threads
     update the output accumulators, thread-strided over ``(head, dim)`` pairs so that
@@ -50,9 +55,9 @@ def paged_attention_cuda(qkv, positions, token_seq, page_table, k_cache, v_cache
     num_kv_heads = k_cache.shape[2]
     page_size = k_cache.shape[3]
     head_dim = k_cache.shape[4]
-    group = num_q_heads // num_kv_heads
+    group = num_q_heads // num_kv_heads // cuda.gridDim.z  # this block's q heads
     pairs = group * head_dim
-    q_base = kv_head * pairs
+    q_base = (kv_head * cuda.gridDim.z + cuda.blockIdx.z) * pairs
     seq = token_seq[t]
     num_keys = positions[t] + 1
 

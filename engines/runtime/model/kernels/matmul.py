@@ -1,16 +1,16 @@
 """Matrix multiply ``out = x @ W.T + bias`` for a linear layer ``W[out_features, in_features]``.
 
-Each backend stores W in the layout its kernels stream best. The GPU keeps it transposed,
-``w_t[in, out]``: consecutive threads read consecutive output columns of one input row, so
-every weight load is coalesced. The CPU keeps transformers' own ``w[out, in]``: a dot
-product over ``in`` reads both operands contiguously, which is what LLVM vectorises.
+Both backends keep transformers' own layout, ``w[out, in]``: a dot product over ``in`` reads
+both operands contiguously, which is what LLVM vectorises on the CPU and what lets a warp on
+the GPU read a weight row in 16-byte chunks (:mod:`.wide_load`).
 
-Two CUDA kernels share the GPU layout:
+Two CUDA kernels:
 
-* :func:`matmul_tiled_cuda` for many rows (prefill): shared-memory tiles, each thread
-  computing a 4x4 block of outputs, so each weight tile is read once per 4*blockDim.y rows.
-* :func:`gemv_cuda` for few rows (decode): no tiles to fill, the whole block streams the
-  weight once per ``GEMV_ROWS`` rows, splitting the input dimension across ``blockDim.y``.
+* :func:`gemv_cuda` for few rows (decode): a warp per output column streams its weight row
+  once per ``GEMV_ROWS`` rows of x, eight weights a load; the lanes' sums meet by shuffles.
+* :func:`matmul_tiled_cuda` for many rows (prefill), and for rows :func:`gemv_cuda` cannot
+  load in whole chunks: shared-memory tiles, each thread computing a 4x4 block of outputs, so
+  each weight tile is read once per 4*blockDim.y rows.
 
 Both accumulate in float32 whatever the weight dtype. ``bias`` is a zero-length array when
 the layer has none.
@@ -27,28 +27,32 @@ import numpy as np
 from numba import cuda, float32, njit, prange
 
 from engines.runtime.model.kernels.fast_exp import exp_f32
+from engines.runtime.model.kernels.wide_load import CHUNK, load8, SIMULATED
 from engines.runtime.model.kernels.vector_width import has_512_bit_vectors, prefer_wide_vectors
 
 # Inner dimension of a shared-memory tile; a block tile is (4*blockDim.y) x (4*blockDim.x).
 TILE_K = 16
 TILE_MAX = 64  # largest block tile side: blockDim up to (16, 16)
-# Rows of x one GEMV block multiplies, kept in eight scalar accumulators per thread: a
+W_TILE_COLS = TILE_MAX + 1  # a padding column (matmul_tiled_cuda)
+# Rows of x one GEMV block multiplies, kept in eight scalar accumulators per lane: a
 # decode batch of up to 8 streams the weights once; a larger one re-reads them once per 8
 # rows (from L2, where they fit).
 GEMV_ROWS = 8
-GEMV_MAX_COLS = 32    # largest blockDim.x (output columns per block)
-GEMV_MAX_SLICES = 32  # largest blockDim.y (slices of the input dimension per column)
+GEMV_MAX_WARPS = 8    # largest blockDim.y (output columns per block, a warp each)
+GEMV_MAX_LANES = 32   # blockDim.x: a warp on a GPU
 
 
 @cuda.jit(cache=True)
-def matmul_tiled_cuda(x, w_t, bias, out):
-    """Tiled ``out = x @ w_t + bias``. Block ``(bx, by)`` with bx, by <= 16; grid
-    ``(ceil(N / (4*bx)), ceil(M / (4*by)))``. Thread (tx, ty) owns rows ``ty + i*by`` and
+def matmul_tiled_cuda(x, w, bias, out):
+    """Tiled ``out = x @ w.T + bias`` from ``w[out, in]``. Block ``(bx, by)`` with bx, by <= 16;
+    grid ``(ceil(N / (4*bx)), ceil(M / (4*by)))``. Thread (tx, ty) owns rows ``ty + i*by`` and
     columns ``tx + j*bx`` of the block tile (i, j < 4): strided, so that a warp reads
     consecutive shared-memory columns without bank conflicts.
     """
     x_tile = cuda.shared.array((TILE_MAX, TILE_K), float32)
-    w_tile = cuda.shared.array((TILE_K, TILE_MAX), float32)
+    # One padding column: the loads below write a column of TILE_K elements per weight row,
+    # which without it would all fall in one shared-memory bank.
+    w_tile = cuda.shared.array((TILE_K, W_TILE_COLS), float32)
     acc = cuda.local.array(16, float32)
     bx = cuda.blockDim.x
     by = cuda.blockDim.y
@@ -62,12 +66,12 @@ def matmul_tiled_cuda(x, w_t, bias, out):
     n0 = cuda.blockIdx.x * tile_n
     rows = x.shape[0]
     inner = x.shape[1]
-    cols = w_t.shape[1]
+    cols = w.shape[0]
     for e in range(16):
         acc[e] = float32(0.0)
     for k0 in range(0, inner, TILE_K):
-        # Consecutive threads load consecutive k of one x row, then consecutive n of one
-        # w_t row: coalesced global reads. Out-of-range elements load as zero.
+        # Consecutive threads load consecutive k of one x row, and of one w row: coalesced
+        # global reads. Out-of-range elements load as zero.
         for e in range(tid, tile_m * TILE_K, nthreads):
             r = e // TILE_K
             c = e % TILE_K
@@ -76,11 +80,11 @@ def matmul_tiled_cuda(x, w_t, bias, out):
                 v = x[m0 + r, k0 + c]
             x_tile[r, c] = v
         for e in range(tid, TILE_K * tile_n, nthreads):
-            r = e // tile_n
-            c = e % tile_n
+            c = e // TILE_K
+            r = e % TILE_K
             v = float32(0.0)
             if k0 + r < inner and n0 + c < cols:
-                v = float32(w_t[k0 + r, n0 + c])
+                v = float32(w[n0 + c, k0 + r])
             w_tile[r, c] = v
         cuda.syncthreads()
         for kk in range(TILE_K):
@@ -101,77 +105,108 @@ def matmul_tiled_cuda(x, w_t, bias, out):
                 out[m, n] = v
 
 
-@cuda.jit(cache=True)
-def gemv_cuda(x, w_t, bias, out):
-    """Few-row ``out = x @ w_t + bias``. Block ``(cols, slices)`` (cols <= 32, slices <= 32),
-    grid ``(ceil(N / cols), ceil(M / GEMV_ROWS))``.
+@cuda.jit(device=True, inline=True)
+def _dot8(w, x, m, k):
+    """The dot of eight weights (a :func:`wide_load.load8` tuple) with ``x[m, k:k + 8]``."""
+    v = load8(x, m, k)
+    return (w[0] * v[0] + w[1] * v[1] + w[2] * v[2] + w[3] * v[3]
+            + w[4] * v[4] + w[5] * v[5] + w[6] * v[6] + w[7] * v[7])
 
-    Thread (tx, ty) sums input indices ``k = ty, ty + slices, ...`` for column ``n`` and up
-    to ``GEMV_ROWS`` rows; a warp (fixed ty) reads one contiguous run of a w_t row, and all
-    its threads read the same x element (a broadcast). A skinny product is bound by memory
-    latency, not bandwidth, so each iteration issues four independent weight loads before
-    using them. The slices are summed through shared memory at the end.
+
+@cuda.jit(device=True, inline=True)
+def _dot16(wa, wb, has_b, x, m, ka, kb):
+    """``_dot8`` of chunk ``a``, plus chunk ``b``'s when it exists (``has_b``)."""
+    total = _dot8(wa, x, m, ka)
+    if has_b:
+        total += _dot8(wb, x, m, kb)
+    return total
+
+
+@cuda.jit(device=True, inline=True)
+def _accumulate(acc, r, nrows, wa, wb, has_b, x, m0, ka, kb):
+    """Row ``r``'s accumulator after the two chunks, if the block has that row."""
+    if r < nrows:
+        acc += _dot16(wa, wb, has_b, x, m0 + r, ka, kb)
+    return acc
+
+
+@cuda.jit(device=True, inline=True)
+def _store_row(v, r, nrows, partial, warp, lane, lanes, out, m0, n, cols, add):
+    """Row ``r``'s sum over the lanes, plus ``add`` (the bias), into ``out`` (by lane 0)."""
+    if r < nrows:
+        total = _lanes_sum(v, partial, warp, r, lane, lanes)
+        if lane == 0 and n < cols:
+            out[m0 + r, n] = total + add
+
+
+@cuda.jit(device=True, inline=True)
+def _lanes_sum(v, partial, warp, r, lane, lanes):
+    """The sum of ``v`` over the warp's lanes, valid in lane 0. On a GPU by shuffles; the
+    simulator has none, so there through ``partial[warp, r, :]`` in shared memory."""
+    if SIMULATED:
+        partial[warp, r, lane] = v
+        cuda.syncthreads()
+        total = float32(0.0)
+        if lane == 0:
+            for i in range(lanes):
+                total += partial[warp, r, i]
+        cuda.syncthreads()
+        return total
+    for offset in (16, 8, 4, 2, 1):
+        v += cuda.shfl_xor_sync(0xFFFFFFFF, v, offset)
+    return v
+
+
+@cuda.jit(cache=True)
+def gemv_cuda(x, w, bias, out):
+    """Few-row ``out = x @ w.T + bias`` from ``w[out, in]``, rows of 16-byte multiples
+    (``wide_load.loadable``). Block ``(32, warps)`` (on the simulator ``(lanes, warps)``, warps
+    <= ``GEMV_MAX_WARPS``), grid ``(ceil(M / GEMV_ROWS), ceil(N / warps))``.
+
+    A warp owns one output column ``n`` (one weight row) for up to ``GEMV_ROWS`` rows of ``x``:
+    its lanes read the row in 16-byte chunks (eight float16 or float32 weights a load,
+    :func:`wide_load.load8`), two chunks a lane before either is used, so that a warp keeps
+    1 KB (float16) in flight; each lane keeps one accumulator a row, summed across the warp
+    at the end. The row groups are the grid's fastest dimension, so the groups that read one
+    weight row run side by side and the re-reads of a larger batch come from L2.
     """
-    partial = cuda.shared.array((GEMV_MAX_SLICES, GEMV_ROWS, GEMV_MAX_COLS), float32)
-    tx = cuda.threadIdx.x
-    ty = cuda.threadIdx.y
-    slices = cuda.blockDim.y
-    n = cuda.blockIdx.x * cuda.blockDim.x + tx
-    m0 = cuda.blockIdx.y * GEMV_ROWS
-    rows = x.shape[0]
+    partial = cuda.shared.array((GEMV_MAX_WARPS, GEMV_ROWS, GEMV_MAX_LANES), float32)  # the simulator's sums
+    lane = cuda.threadIdx.x
+    warp = cuda.threadIdx.y
+    lanes = cuda.blockDim.x
+    n = cuda.blockIdx.y * cuda.blockDim.y + warp
+    m0 = cuda.blockIdx.x * GEMV_ROWS
     inner = x.shape[1]
-    cols = w_t.shape[1]
-    # Rows past the end re-read the last row and are dropped at the end, and input indices
-    # past the end re-read the last one with a zero weight: cheaper than branches in the
-    # inner loop.
-    last_row = rows - 1
-    r0 = m0
-    r1 = min(m0 + 1, last_row)
-    r2 = min(m0 + 2, last_row)
-    r3 = min(m0 + 3, last_row)
-    r4 = min(m0 + 4, last_row)
-    r5 = min(m0 + 5, last_row)
-    r6 = min(m0 + 6, last_row)
-    r7 = min(m0 + 7, last_row)
+    cols = w.shape[0]
+    nrows = min(GEMV_ROWS, x.shape[0] - m0)
     a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = float32(0.0)
     if n < cols:
-        last_k = inner - 1
-        for k0 in range(ty, inner, 4 * slices):
-            k1 = min(k0 + slices, last_k)
-            k2 = min(k0 + 2 * slices, last_k)
-            k3 = min(k0 + 3 * slices, last_k)
-            w0 = float32(w_t[k0, n])
-            w1 = float32(w_t[k1, n]) * float32(k0 + slices <= last_k)
-            w2 = float32(w_t[k2, n]) * float32(k0 + 2 * slices <= last_k)
-            w3 = float32(w_t[k3, n]) * float32(k0 + 3 * slices <= last_k)
-            a0 += x[r0, k0] * w0 + x[r0, k1] * w1 + x[r0, k2] * w2 + x[r0, k3] * w3
-            a1 += x[r1, k0] * w0 + x[r1, k1] * w1 + x[r1, k2] * w2 + x[r1, k3] * w3
-            a2 += x[r2, k0] * w0 + x[r2, k1] * w1 + x[r2, k2] * w2 + x[r2, k3] * w3
-            a3 += x[r3, k0] * w0 + x[r3, k1] * w1 + x[r3, k2] * w2 + x[r3, k3] * w3
-            a4 += x[r4, k0] * w0 + x[r4, k1] * w1 + x[r4, k2] * w2 + x[r4, k3] * w3
-            a5 += x[r5, k0] * w0 + x[r5, k1] * w1 + x[r5, k2] * w2 + x[r5, k3] * w3
-            a6 += x[r6, k0] * w0 + x[r6, k1] * w1 + x[r6, k2] * w2 + x[r6, k3] * w3
-            a7 += x[r7, k0] * w0 + x[r7, k1] * w1 + x[r7, k2] * w2 + x[r7, k3] * w3
-    partial[ty, 0, tx] = a0
-    partial[ty, 1, tx] = a1
-    partial[ty, 2, tx] = a2
-    partial[ty, 3, tx] = a3
-    partial[ty, 4, tx] = a4
-    partial[ty, 5, tx] = a5
-    partial[ty, 6, tx] = a6
-    partial[ty, 7, tx] = a7
-    cuda.syncthreads()
-    # Thread row ty finishes output rows m0 + ty, m0 + ty + slices, ... (a block may have
-    # fewer slices than GEMV_ROWS).
-    for r in range(ty, GEMV_ROWS, slices):
-        m = m0 + r
-        if m < rows and n < cols:
-            total = float32(0.0)
-            for s in range(slices):
-                total += partial[s, r, tx]
-            if bias.shape[0] > 0:
-                total += float32(bias[n])
-            out[m, n] = total
+        stride = lanes * CHUNK
+        for ka in range(lane * CHUNK, inner, 2 * stride):
+            kb = ka + stride
+            has_b = kb < inner
+            wa = load8(w, n, ka)
+            wb = load8(w, n, kb if has_b else ka)
+            a0 = _accumulate(a0, 0, nrows, wa, wb, has_b, x, m0, ka, kb)
+            a1 = _accumulate(a1, 1, nrows, wa, wb, has_b, x, m0, ka, kb)
+            a2 = _accumulate(a2, 2, nrows, wa, wb, has_b, x, m0, ka, kb)
+            a3 = _accumulate(a3, 3, nrows, wa, wb, has_b, x, m0, ka, kb)
+            a4 = _accumulate(a4, 4, nrows, wa, wb, has_b, x, m0, ka, kb)
+            a5 = _accumulate(a5, 5, nrows, wa, wb, has_b, x, m0, ka, kb)
+            a6 = _accumulate(a6, 6, nrows, wa, wb, has_b, x, m0, ka, kb)
+            a7 = _accumulate(a7, 7, nrows, wa, wb, has_b, x, m0, ka, kb)
+    add = float32(0.0)
+    if n < cols and bias.shape[0] > 0:
+        add = float32(bias[n])
+    # Every lane takes part in each sum (the shuffles need the whole warp); lane 0 writes.
+    _store_row(a0, 0, nrows, partial, warp, lane, lanes, out, m0, n, cols, add)
+    _store_row(a1, 1, nrows, partial, warp, lane, lanes, out, m0, n, cols, add)
+    _store_row(a2, 2, nrows, partial, warp, lane, lanes, out, m0, n, cols, add)
+    _store_row(a3, 3, nrows, partial, warp, lane, lanes, out, m0, n, cols, add)
+    _store_row(a4, 4, nrows, partial, warp, lane, lanes, out, m0, n, cols, add)
+    _store_row(a5, 5, nrows, partial, warp, lane, lanes, out, m0, n, cols, add)
+    _store_row(a6, 6, nrows, partial, warp, lane, lanes, out, m0, n, cols, add)
+    _store_row(a7, 7, nrows, partial, warp, lane, lanes, out, m0, n, cols, add)
 
 
 # Row counts up to which matmul_rows_cpu beats OpenBLAS on a 2-core Xeon, for in/out features
