@@ -13,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from engines.runtime.model.llama import LlamaModel  # noqa: E402
 from engines.runtime.model.checkpoint import Checkpoint, expected_tensor_shapes, load_checkpoint  # noqa: E402
 from engines.runtime.model.config import CheckpointError  # noqa: E402
 from engines.runtime.model.demo_model import train_demo_tokenizer  # noqa: E402
@@ -122,6 +123,11 @@ def test_tied_embeddings_need_no_lm_head(tmp_path: Path) -> None:
     ckpt = load_checkpoint(tmp_path)
     assert ckpt.config.tie_word_embeddings and "lm_head.weight" not in ckpt.weights
     _assert_weights_equal(ckpt, reference)
+    # Both backends keep linear weights [out, in], the embedding table's layout: a tied head is
+    # the table itself, one copy in memory.
+    for backend in ("cpu", "cuda"):
+        model = LlamaModel.from_checkpoint(ckpt, backend=backend)
+        assert model.lm_head_w is model.embed_tokens, backend
 
 
 def test_eos_ids_from_every_source(broken: Path) -> None:

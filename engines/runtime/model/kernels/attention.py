@@ -33,8 +33,10 @@ def paged_attention_cuda(qkv, positions, token_seq, page_table, k_cache, v_cache
     decode step has too few (token, kv head) pairs to fill the GPU and each block's threads
     work through their keys and outputs one after another, so there ``splits`` is the group
     (one q head a block: eight times less work a thread for a group of eight), and the other
-    blocks of the group re-read the same keys from L2. Keys are taken ``blockDim.x`` at a time with an online softmax:
-    thread i scores key ``c0 + i`` against every q head of the group; one thread per head
+    blocks of the group re-read the same keys from L2.
+
+    Keys are taken ``blockDim.x`` at a time with an online softmax: thread i scores key
+    ``c0 + i`` against every q head of the block; one thread per head
     folds the chunk into the running max and sum (rescaling by ``alpha``); then the threads
     update the output accumulators, thread-strided over ``(head, dim)`` pairs so that
     neighbouring threads read neighbouring values of a V row.
