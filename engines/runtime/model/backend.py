@@ -25,15 +25,17 @@ from numba import cuda
 from engines.runtime.model.cpu_pool import CpuPool
 from engines.runtime.model.gguf.dequantize import half_table
 from engines.runtime.model.host_memory import aligned_copy, aligned_empty, available_bytes
+from engines.runtime.model.interleaved_weight import InterleavedWeight, interleavable
 from engines.runtime.model.quantized_weight import HostWeight, QuantizedWeight
-from engines.runtime.model.kernels import (add_rmsnorm, argmax, attention, embedding, matmul, quantized_matmul,
-                                           rope_kv, run_attention,
-                                           silu_mul, wide_load)
+from engines.runtime.model.kernels import (add_rmsnorm, argmax, attention, embedding, interleaved_dot, matmul,
+                                           quantized_matmul, rope_kv, run_attention, silu_mul, wide_load)
 
 if TYPE_CHECKING:
     from engines.runtime.telemetry.profiler import ProfiledBackend
 
 Array = Any  # numpy.ndarray on the CPU backend, a numba DeviceNDArray on the CUDA backend
+#: A weight as the CPU backend keeps it: float, or quantized (interleaved where its rows allow).
+CpuWeight = Union[np.ndarray, QuantizedWeight, InterleavedWeight]
 # What a model launches through: a backend, or the profiler's timed wrapper of one.
 Backend = Union["CpuBackend", "CudaBackend", "ProfiledBackend"]
 
@@ -189,14 +191,15 @@ class CpuBackend:
         """``cudaProfilerStart``/``Stop``: a GPU's alone."""
         raise ValueError("the CUDA profiler needs the cuda backend")
 
-    def to_storage(self, array: HostWeight, dtype: str) -> HostWeight:
+    def to_storage(self, array: HostWeight, dtype: str) -> CpuWeight:
         """A C-contiguous copy of ``array`` in storage dtype ``dtype``, aligned by ``host_memory``
-        (a quantized weight as it is: its kernels read it so, whatever ``dtype``)."""
+        (a quantized weight whatever ``dtype``, its rows interleaved where they come in whole groups:
+        what the integer dots read, ``kernels.interleaved_dot``)."""
         if isinstance(array, QuantizedWeight):
-            return array
+            return InterleavedWeight.from_quantized(array) if interleavable(array) else array
         return aligned_copy(array, _check_dtype(dtype, self.dtypes, self.name))
 
-    def store_linear(self, weight: HostWeight, dtype: str) -> HostWeight:
+    def store_linear(self, weight: HostWeight, dtype: str) -> CpuWeight:
         """A linear layer's ``[out, in]`` weight, kept in that layout (what ``matmul`` reads)."""
         return self.to_storage(weight, dtype)
 
@@ -205,10 +208,10 @@ class CpuBackend:
         array, whose ``[i]`` is layer ``i``'s (a C-contiguous view): what a whole compiled step
         (``cpu_step``) indexes by layer. Filled layer by layer, so loading never holds the
         weight twice. ``linear`` weights keep their ``[out, in]`` layout, as in :meth:`store_linear`;
-        quantized ones stay a list of :class:`QuantizedWeight`, one a layer."""
+        quantized ones stay a list, one a layer (as :meth:`to_storage` keeps them)."""
         first = self.to_storage(make(0), dtype)
-        if isinstance(first, QuantizedWeight):
-            return [first, *(make(i) for i in range(1, count))]
+        if isinstance(first, (QuantizedWeight, InterleavedWeight)):
+            return [first, *(self.to_storage(make(i), dtype) for i in range(1, count))]
         stacked = aligned_empty((count, *first.shape), first.dtype)
         stacked[0] = first
         for i in range(1, count):
@@ -233,8 +236,12 @@ class CpuBackend:
         """A copy the caller owns (workspace buffers are overwritten by the next step)."""
         return array.copy()
 
-    def embedding(self, token_ids: np.ndarray, table: HostWeight, out: np.ndarray) -> None:
+    def embedding(self, token_ids: np.ndarray, table: CpuWeight, out: np.ndarray) -> None:
         """``out[t] = table[token_ids[t]]`` (a quantized table's rows dequantized)."""
+        if isinstance(table, InterleavedWeight):
+            interleaved_dot.interleaved_embedding_cpu(token_ids, table.quants, table.scales, table.minima,
+                                                      half_table(), out)
+            return
         if isinstance(table, QuantizedWeight):
             quantized_matmul.quantized_embedding_cpu(token_ids, table.quants, table.scales, table.minima,
                                                      half_table(), out)
@@ -253,9 +260,14 @@ class CpuBackend:
         (docs/perf-log/cpu-anchors.md#2026-11-25-long-weight-streams)."""
         add_rmsnorm.add_rmsnorm_cpu(x, residual, rows, weight, eps, out)
 
-    def matmul(self, x: np.ndarray, weight: HostWeight, bias: np.ndarray, out: np.ndarray) -> None:
+    def matmul(self, x: np.ndarray, weight: CpuWeight, bias: np.ndarray, out: np.ndarray) -> None:
         """``out = x @ W.T + bias`` for ``weight`` from :meth:`store_linear` (``bias`` may be empty),
-        read quantized where it is."""
+        read quantized where it is (interleaved: the integer dots at every row count, a prefill's too:
+        2-3x BLAS sgemm's speed on the same matrix, docs/perf-log/quantized-weights.md)."""
+        if isinstance(weight, InterleavedWeight):
+            interleaved_dot.interleaved_dot_rows_cpu(x, weight.quants, weight.scales, weight.minima, half_table(),
+                                                     bias, out, interleaved_dot.chunks())
+            return
         if isinstance(weight, QuantizedWeight):
             quantized_matmul.quantized_matmul_cpu(x, weight, bias, out)
             return

@@ -28,7 +28,7 @@ import numpy as np
 from engines.runtime.model.gguf.dequantize import dequantize
 from engines.runtime.model.gguf.quant_types import GGML_TYPE_BY_NAME, GGMLType
 
-__all__ = ["BLOCK", "CONVERTED_TYPES", "HostWeight", "QUANTIZED_TYPES", "QuantizedWeight"]
+__all__ = ["BLOCK", "BlockArrays", "CONVERTED_TYPES", "HostWeight", "QUANTIZED_TYPES", "QuantizedWeight"]
 
 #: Elements in one block of every type here.
 BLOCK = 32
@@ -41,20 +41,21 @@ _LAYOUT = {"Q8_0": (0, None, 2), "Q4_0": (0, None, 2), "Q4_1": (0, 2, 4)}
 
 
 @dataclass(frozen=True)
-class QuantizedWeight:
-    """One ``[out, in]`` weight in the repacked block layout (the module's docstring)."""
+class BlockArrays:
+    """A quantized ``[out, in]`` weight's three arrays, in some layout (a subclass's): the parts
+    every layout shares."""
 
     ggml_type: str
     quants: np.ndarray
     scales: np.ndarray
     minima: np.ndarray
-    #: The file's type where the loader converted the tensor (:meth:`from_file`), else "".
+    #: The file's type where the loader converted the tensor (:meth:`QuantizedWeight.from_file`), else "".
     converted_from: str = ""
 
     @property
     def shape(self) -> tuple[int, int]:
         """``(out, in)``: the float matrix this weight stands for."""
-        return self.scales.shape[0], self.scales.shape[1] * BLOCK
+        raise NotImplementedError
 
     @property
     def size(self) -> int:
@@ -66,6 +67,16 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         """The bytes the kernels read: the file's, to the byte."""
         return self.quants.nbytes + self.scales.nbytes + self.minima.nbytes
+
+
+@dataclass(frozen=True)
+class QuantizedWeight(BlockArrays):
+    """One ``[out, in]`` weight in the repacked block layout (the module's docstring)."""
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(out, in)``: the float matrix this weight stands for."""
+        return self.scales.shape[0], self.scales.shape[1] * BLOCK
 
     @classmethod
     def from_blocks(cls, raw: np.ndarray, ggml_type: GGMLType | str, shape: tuple[int, int]) -> QuantizedWeight:

@@ -43,11 +43,13 @@ def test_the_files_matrices_stay_as_the_file_holds_them(kept: Checkpoint, dequan
 
 
 def test_the_quantized_model_answers_as_the_dequantized_one(kept: Checkpoint, dequantized: Checkpoint) -> None:
-    """Decode steps, and the head of a prefill (one row each), quantize the activations to int8
-    (``kernels.quantized_dot``), which costs some accuracy, bounded here: fed the float32 model's
-    greedy tokens, the quantized model's top token agrees at 97-98% of the steps (measured: 250 of
-    256 over four prompts), its logits off by 0.15 on average (logits span about 30). The engine
-    answers right, from a fifth of the bytes."""
+    """Every matmul of a quantized weight, prefill and decode, quantizes the activations to int8
+    blocks (``kernels.interleaved_dot``), as llama.cpp does for these types; that costs some
+    accuracy, bounded here: fed the float32 model's greedy tokens, the quantized model's top token
+    agrees at 94-96% of the steps (measured: 90 of 96 here, 245 of 256 over 64 steps a prompt),
+    its logits off by 0.19 on average (logits span about 30). The engine's answer is llama.cpp's
+    on the same file: llama-cpp-python 0.3.36's greedy chat completion of the first prompt is
+    "L'Étoile, la Cité, la Nation, ..." (the float32 model's names Paris), from a fifth of the bytes."""
     quantized_model = LlamaModel.from_checkpoint(kept, backend="cpu")
     float_model = LlamaModel.from_checkpoint(dequantized, backend="cpu")
     assert quantized_model.weights_format == "Q4_1 x210, Q8_0 x1" and float_model.weights_format == "float32"
@@ -56,7 +58,7 @@ def test_the_quantized_model_answers_as_the_dequantized_one(kept: Checkpoint, de
                                      add_special_tokens=False) for p in PROMPTS]
     engine = Engine(quantized_model, kept, EngineConfig(max_num_seqs=4, num_pages=64, prefill_chunk_size=256))
     results = run_all(engine, [request(f"p{i}", ids, max_tokens=24) for i, ids in enumerate(prompts)])
-    assert "Paris" in kept.tokenizer.decode(results["p0"].tokens)
+    assert kept.tokenizer.decode(results["p0"].tokens).startswith("L'Étoile, la Cité, l")
 
     agree, steps, mean_differences, max_differences = 0, 0, [], []
     models = (quantized_model, float_model)
@@ -76,6 +78,8 @@ def test_the_quantized_model_answers_as_the_dequantized_one(kept: Checkpoint, de
             difference = np.abs(logits[0] - logits[1])
             mean_differences.append(difference.mean())
             max_differences.append(difference.max())
+    print(f"top token agrees at {agree} of {steps} steps; logits off by {np.mean(mean_differences):.3f} on "
+          f"average, {max(max_differences):.3f} at most")
     assert agree >= 0.9 * steps, (agree, steps)
     assert np.mean(mean_differences) < 0.3 and max(max_differences) < 3.0, (np.mean(mean_differences),
                                                                               max(max_differences))

@@ -45,9 +45,10 @@ from numba.extending import intrinsic
 from engines.runtime.model.kernels.matmul import add_bias
 from engines.runtime.model.quantized_weight import BLOCK, QuantizedWeight
 
-__all__ = ["ISA", "ROW_DOTS", "available_isas", "quantize_activations_cpu", "quantize_activations_reference",
-           "quantized_dot_reference", "quantized_dot_rows_cpu", "row_dots", "spread_scales_cpu", "weight_kind",
-           "DEQUANTIZE_ROWS", "dequantize_rows_cpu"]
+__all__ = ["ISA", "Q8_0_OFFSET", "ROW_DOTS", "available_isas", "quantize_activations_cpu",
+           "quantize_activations_reference", "quantized_activations", "quantized_dot_reference",
+           "quantized_dot_rows_cpu", "row_dots", "spread_scales_cpu", "weight_kind", "DEQUANTIZE_ROWS",
+           "dequantize_rows_cpu", "offset_activations_cpu", "takes_offset_activations"]
 
 #: Largest activation magnitude after quantization: [-127, 127], so that ``-xq`` never overflows.
 XQ_MAX = 127
@@ -105,6 +106,21 @@ def quantize_activations_cpu(x, xq, xd, xs):
                 total += q
             xd[m, b] = d
             xs[m, b] = d * float32(total)
+
+
+@njit(inline="always")
+def quantized_activations(x, offset):
+    """``x`` quantized by :func:`quantize_activations_cpu` into new arrays ``(xq, xd, xs)``, ``xq``
+    offset (:func:`offset_activations_cpu`) where ``offset``: what a kernel's call starts with."""
+    rows, inner = x.shape
+    blocks = inner // BLOCK
+    xq = np.empty((rows, inner), np.int8)
+    xd = np.empty((rows, blocks), np.float32)
+    xs = np.empty((rows, blocks), np.float32)
+    quantize_activations_cpu(x, xq, xd, xs)
+    if offset:
+        offset_activations_cpu(xq)
+    return xq, xd, xs
 
 
 def quantize_activations_reference(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -202,6 +218,25 @@ def _plain_four(one: Callable) -> Callable:
 # ----------------------------------------------------------------------- the IR row dots
 
 
+def takes_offset_activations(isa: str, kind: str) -> bool:
+    """Whether ``isa``'s ``kind`` dots read the activations as ``xq + 128`` (unsigned bytes, the
+    int8 bits with the top one flipped: :func:`offset_activations_cpu`) rather than ``xq``: Q8_0
+    with VNNI, whose ``vpdpbusd`` then multiplies them by the signed quants as they are, starting
+    each block pair's sums from ``-128 sum(q)`` (made once a weight row for all its activation
+    rows): three instructions a row fewer than the sign trick (``|q|``, ``x`` negated where
+    ``q < 0``), which a many-row product pays for every row (docs/perf-log/quantized-weights.md)."""
+    return isa == "vnni" and kind == "Q8_0"
+
+
+@njit(nogil=True, cache=True)
+def offset_activations_cpu(xq):
+    """``xq + 128`` in place, as unsigned bytes in ``xq``'s int8 array (its top bit flipped)."""
+    flat = xq.reshape(-1).view(np.uint8)
+    for i in range(flat.shape[0]):
+        flat[i] ^= np.uint8(128)
+
+
+
 def _vector(element: ir.Type, count: int) -> ir.VectorType:
     return ir.VectorType(element, count)
 
@@ -235,15 +270,20 @@ def _spread_halves(builder: ir.IRBuilder, base: ir.Value, b: ir.Value, count: in
                                                               [i // LANES for i in range(LANES * count)]))
 
 
+def _signed_weights(builder: ir.IRBuilder, weights: ir.Value, b: ir.Value, count: int) -> ir.Value:
+    """Q8_0 blocks ``b .. b + count - 1``'s quants as ``32 count`` signed bytes."""
+    return _load_vector(builder, weights, builder.mul(b, _constant(BLOCK, b)), _vector(_I8, BLOCK * count))
+
+
 def _weights_as_unsigned(builder: ir.IRBuilder, kind: str, weights: ir.Value, b: ir.Value,
                          count: int) -> tuple[ir.Value, ir.Value | None]:
     """Blocks ``b .. b + count - 1``'s weights as ``32 count`` unsigned bytes, and for Q8_0 the
     signed ones, whose signs the activations then take (``|q| * (x sign q) = q x``; llama.cpp's
-    trick: the instructions multiply unsigned by signed bytes, and ``q + 128`` with a correction
-    cost a load and an FMA more a row, and overflows ``vpmaddubsw``'s int16 pair sums)."""
+    trick on AVX2, where ``x + 128`` would overflow ``vpmaddubsw``'s int16 pair sums; with VNNI,
+    Q8_0 takes offset activations instead: ``OFFSET_ACTIVATIONS``)."""
     size = BLOCK * count
     if kind == "Q8_0":
-        q = _load_vector(builder, weights, builder.mul(b, _constant(BLOCK, b)), _vector(_I8, size))
+        q = _signed_weights(builder, weights, b, count)
         absolute = _declare(builder, f"llvm.abs.v{size}i8", _vector(_I8, size), [_vector(_I8, size), ir.IntType(1)])
         return builder.call(absolute, [q, ir.Constant(ir.IntType(1), 0)]), q  # |-128| wraps to 128: right unsigned
     half = BLOCK // 2
@@ -256,14 +296,18 @@ def _weights_as_unsigned(builder: ir.IRBuilder, kind: str, weights: ir.Value, b:
     return builder.shuffle_vector(low, high, ir.Constant(_vector(_I32, size), order)), None
 
 
-def _dot_lanes(builder: ir.IRBuilder, isa: str, unsigned: ir.Value, signed: ir.Value, count: int) -> ir.Value:
-    """The byte products of ``count`` blocks summed in eight int32 lanes a block (``<8 count x i32>``)."""
+def _dot_lanes(builder: ir.IRBuilder, isa: str, unsigned: ir.Value, signed: ir.Value, count: int,
+               start: ir.Value | None = None) -> ir.Value:
+    """The byte products of ``count`` blocks summed in eight int32 lanes a block (``<8 count x i32>``),
+    added to ``start`` (VNNI only; zeros if none)."""
     lanes = _vector(_I32, LANES * count)
     if isa == "vnni":
         bits = 256 * count
         dpbusd = _declare(builder, f"llvm.x86.avx512.vpdpbusd.{bits}", lanes, [lanes] * 3)
-        return builder.call(dpbusd, [ir.Constant(lanes, [0] * (LANES * count)), builder.bitcast(unsigned, lanes),
-                                     builder.bitcast(signed, lanes)])
+        if start is None:
+            start = ir.Constant(lanes, [0] * (LANES * count))
+        return builder.call(dpbusd, [start, builder.bitcast(unsigned, lanes), builder.bitcast(signed, lanes)])
+    assert start is None, "the AVX2 dots start from zero"
     pairs = _vector(_I16, BLOCK // 2)
     maddubs = _declare(builder, "llvm.x86.avx2.pmadd.ub.sw", pairs, [_vector(_I8, BLOCK)] * 2)
     maddwd = _declare(builder, "llvm.x86.avx2.pmadd.wd", _vector(_I32, LANES), [pairs] * 2)
@@ -286,10 +330,12 @@ def _make_ir_row_dot(kind: str, isa: str, rows: int) -> Callable:
     load of the spread scales and a multiply, and one or two FMAs (the scaled dot; the minimum's or
     offset's correction, ``xs / 8`` in each of eight lanes times the weight's ``m`` or ``-8 d``).
     Each row's sum is ``ROW_CHAINS // rows`` accumulators over interleaved pairs: one FMA chain
-    would make the loop wait out the FMA's latency every pair. The plain dots' arguments (``table``
-    unused: the CPU converts the scales)."""
+    would make the loop wait out the FMA's latency every pair. Q8_0 with VNNI reads offset
+    activations (:func:`takes_offset_activations`). The plain dots' arguments (``table`` unused:
+    the CPU converts the scales)."""
     chains = max(1, ROW_CHAINS // rows)
     offset = {"Q4_0": -8.0, "Q4_1": 1.0, "Q8_0": 0.0}[kind]
+    offset_x = takes_offset_activations(isa, kind)
 
     @intrinsic
     def row_dot(typingctx, wq, ws, wm, table, xq, xd8, xs8, m):  # noqa: ANN001, ANN202
@@ -314,7 +360,13 @@ def _make_ir_row_dot(kind: str, isa: str, rows: int) -> Callable:
             def blocks_at(b: ir.Value, count: int, chain: int) -> None:
                 floats = _vector(_F32, LANES * count)
                 fma = _declare(builder, f"llvm.fma.v{LANES * count}f32", floats, [floats] * 3)
-                unsigned, q = _weights_as_unsigned(builder, kind, weights, b, count)
+                start = None
+                if offset_x:  # the rows' dots start from -128 sum(q), a lane's part of it each
+                    unsigned, q = _signed_weights(builder, weights, b, count), None
+                    bytes128 = ir.Constant(_vector(_I8, BLOCK * count), [-128] * (BLOCK * count))
+                    start = builder.neg(_dot_lanes(builder, isa, bytes128, unsigned, count))
+                else:
+                    unsigned, q = _weights_as_unsigned(builder, kind, weights, b, count)
                 d = _spread_halves(builder, ws_.data, b, count)
                 correction = None
                 if kind == "Q4_1":
@@ -329,7 +381,10 @@ def _make_ir_row_dot(kind: str, isa: str, rows: int) -> Callable:
                         zeros = ir.Constant(_vector(_I8, BLOCK * count), [0] * (BLOCK * count))
                         negative = builder.icmp_signed("<", q, zeros)
                         x = builder.select(negative, builder.neg(x), x)
-                    dot = builder.sitofp(_dot_lanes(builder, isa, unsigned, x, count), floats)
+                    if offset_x:  # (x + 128) q - 128 q
+                        dot = builder.sitofp(_dot_lanes(builder, isa, x, unsigned, count, start), floats)
+                    else:
+                        dot = builder.sitofp(_dot_lanes(builder, isa, unsigned, x, count), floats)
                     scale = builder.fmul(d, _load_vector(builder, scales_x[r], lane, floats))
                     acc = accumulators[count][r][chain]
                     total = builder.call(fma, [dot, scale, builder.load(acc)])
@@ -422,6 +477,8 @@ ROW_DOTS: dict[str, dict[str, tuple[Callable, Callable]]] = {
 }
 #: The implementation this CPU runs (the first of :func:`available_isas`).
 ISA = available_isas()[0]
+#: Whether this CPU's Q8_0 dots read offset activations.
+Q8_0_OFFSET = takes_offset_activations(ISA, "Q8_0")
 (_q8_0_one, _q8_0_four), (_q4_0_one, _q4_0_four), (_q4_1_one, _q4_1_four) = (ROW_DOTS[ISA][kind] for kind in KINDS)
 
 
@@ -469,17 +526,13 @@ def quantized_dot_rows_cpu(x, quants, scales, minima, table, bias, out, chunks):
     """``out = x @ W.T + bias`` for few rows of float32 ``x``, ``W`` quantized, ``x`` quantized to
     int8 first (see the module's docstring); the weight rows in ``chunks`` parts over numba's threads,
     each weight row read once for all rows of ``x``, each block unpacked once for four of them."""
-    rows, inner = x.shape
-    blocks = inner // BLOCK
-    xq = np.empty((rows, inner), np.int8)
-    xd = np.empty((rows, blocks), np.float32)
-    xs = np.empty((rows, blocks), np.float32)
-    quantize_activations_cpu(x, xq, xd, xs)
+    kind = weight_kind(quants, scales, minima)
+    xq, xd, xs = quantized_activations(x, kind == 0 and Q8_0_OFFSET)
+    rows, blocks = xd.shape
     xd8 = np.empty((rows, LANES * blocks), np.float32)
     xs8 = np.empty((rows, LANES * blocks), np.float32)
     spread_scales_cpu(xd, xs, xd8, xs8)
     cols = scales.shape[0]
-    kind = weight_kind(quants, scales, minima)
     chunks = max(1, min(cols, chunks))
     for chunk in prange(chunks):
         _dots_of_rows(kind, quants, scales, minima, table, xq, xd8, xs8, out, chunk * cols // chunks,
@@ -510,9 +563,13 @@ def row_dots(isa: str, kind: str) -> Callable:
     a time, then one: both dots): the tests run every implementation this CPU has on one input
     through it (not cached: a closure)."""
     one, four = ROW_DOTS[isa][kind]
+    offset = takes_offset_activations(isa, kind)
 
     @njit(error_model="numpy")
     def run(quants, scales, minima, table, xq, xd, xs, out):  # noqa: ANN001, ANN202
+        if offset:
+            xq = xq.copy()
+            offset_activations_cpu(xq)
         xd8 = np.empty((xd.shape[0], LANES * xd.shape[1]), np.float32)
         xs8 = np.empty((xd.shape[0], LANES * xd.shape[1]), np.float32)
         spread_scales_cpu(xd, xs, xd8, xs8)

@@ -1,6 +1,9 @@
-"""``out = x @ W.T + bias`` with ``W`` kept quantized (``quantized_weight.QuantizedWeight``: Q8_0,
-Q4_0, Q4_1), dequantized in the kernel: memory holds, and a decode step reads, the file's bytes,
-not float32's four per element (a quarter of them for Q8_0, an eighth for Q4_0).
+"""``out = x @ W.T + bias`` with ``W`` kept quantized in the row-major layout
+(``quantized_weight.QuantizedWeight``: Q8_0, Q4_0, Q4_1), dequantized in the kernel: memory holds,
+and a decode step reads, the file's bytes, not float32's four per element (a quarter of them for
+Q8_0, an eighth for Q4_0). The CPU backend reads a matrix whose rows come in whole groups of 16
+interleaved instead (``interleaved_dot``, faster at every row count); what is here serves the rest,
+and the CUDA backend's layout.
 
 On the CPU, a decode step's few rows (up to ``matmul.CPU_ROWS_KERNEL_MAX_ROWS``) go through
 ``quantized_dot.quantized_dot_rows_cpu``: the activations quantized to int8 too, each block's dot
