@@ -121,7 +121,8 @@ async def test_weights_kept_quantized_in_an_engine_process_answer_as_llama_cpp_d
     """``--weights-dtype gguf``: the engine process loads the file's Q4_1 and Q8_0 matrices as they
     are, /stats says so, and the answer begins as llama.cpp's on the same file (llama-cpp-python
     0.3.36, greedy: "L'Étoile, la Cité, la Nation, ..."): its int8 activations, llama.cpp's too,
-    part from the dequantized engine's "Paris" (tests/runtime/model/test_quantized_model.py)."""
+    part from the dequantized engine's "Paris" (tests/runtime/model/test_quantized_model.py says
+    why only the first word is asserted)."""
     (engine,) = build_engines([ModelSpec.parse(f"{MODEL}:{MODEL}-q")],
                               EngineConfig(max_num_seqs=2, prefill_chunk_size=256),
                               backend="cpu", process=True, keep_quantized=True)
@@ -132,6 +133,6 @@ async def test_weights_kept_quantized_in_an_engine_process_answer_as_llama_cpp_d
             assert stats["weights_in_memory"] == "Q4_1 x210, Q8_0 x1"
             reply = (await http.post(CHAT, json={**ask("What is the capital of France?", max_tokens=64),
                                                  "model": f"{MODEL}-q"})).json()
-            assert reply["choices"][0]["message"]["content"].startswith("L'Étoile, la Cité, l")
+            assert reply["choices"][0]["message"]["content"].startswith("L'Étoile")
     finally:
         engine.shutdown()

@@ -26,7 +26,7 @@ from engines.runtime.model.cpu_pool import CpuPool
 from engines.runtime.model.gguf.dequantize import half_table
 from engines.runtime.model.host_memory import aligned_copy, aligned_empty, available_bytes
 from engines.runtime.model.interleaved_weight import InterleavedWeight, interleavable
-from engines.runtime.model.quantized_weight import HostWeight, QuantizedWeight
+from engines.runtime.model.quantized_weight import BLOCK, BlockArrays, HostWeight, QuantizedWeight
 from engines.runtime.model.kernels import (add_rmsnorm, argmax, attention, embedding, interleaved_dot, matmul,
                                            quantized_matmul, rope_kv, run_attention, silu_mul, wide_load)
 
@@ -402,6 +402,17 @@ def _blocks(n: int, per_block: int) -> int:
     return max(1, -(-n // per_block))
 
 
+@dataclass(frozen=True)
+class DeviceQuantizedWeight(BlockArrays):
+    """A :class:`QuantizedWeight`'s arrays copied to the GPU as they are (the same row-major
+    layout): what the CUDA backend's quantized kernels read."""
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(out, in)``: the float matrix this weight stands for."""
+        return self.scales.shape[0], self.scales.shape[1] * BLOCK
+
+
 class CudaBackend:
     """numba.cuda kernels on the GPU (or on the simulator, for tests).
 
@@ -430,8 +441,7 @@ class CudaBackend:
         self.shapes = shapes or (SIMULATOR_LAUNCH_SHAPES if self.simulated else GPU_LAUNCH_SHAPES)
 
         def bind(module: Any, kernel: Any) -> _LaunchableKernel:
-            signature = module.CUDA_SIGNATURES[kernel].format(dt=self.dtype)
-            return _LaunchableKernel(kernel, signature, self.simulated)
+            return self._bind(module, kernel, self.dtype)
 
         self._embedding = bind(embedding, embedding.embedding_gather_cuda)
         self._add_rmsnorm = bind(add_rmsnorm, add_rmsnorm.add_rmsnorm_cuda)
@@ -441,6 +451,10 @@ class CudaBackend:
         self._attention = bind(attention, attention.paged_attention_cuda)
         self._silu_mul = bind(silu_mul, silu_mul.silu_mul_cuda)
         self._argmax = bind(argmax, argmax.argmax_cuda)
+        # The quantized weights' kernels, by (kernel, quants dtype), compiled at their first use:
+        # most models have none. And every half as float32, the scales' table, on the device.
+        self._quantized: dict[tuple[Any, str], _LaunchableKernel] = {}
+        self._half_table: Array | None = None
         # The step metadata is packed into one pinned host buffer and copied up at once.
         self._meta_host = cuda.pinned_array(4096, np.int32)
         self._meta_device = cuda.device_array(4096, np.int32)
@@ -524,10 +538,26 @@ class CudaBackend:
             builder.end_building()
         return builder.complete()
 
+    def _bind(self, module: Any, kernel: Any, dt: str) -> _LaunchableKernel:
+        return _LaunchableKernel(kernel, module.CUDA_SIGNATURES[kernel].format(dt=dt), self.simulated)
+
+    def _quantized_kernel(self, kernel: Any, weight: "DeviceQuantizedWeight") -> _LaunchableKernel:
+        key = (kernel, str(weight.quants.dtype))
+        if key not in self._quantized:
+            self._quantized[key] = self._bind(quantized_matmul, kernel, key[1])
+        return self._quantized[key]
+
+    def _scales_table(self) -> Array:
+        if self._half_table is None:
+            self._half_table = cuda.to_device(half_table())
+        return self._half_table
+
     def to_storage(self, array: HostWeight, dtype: str) -> Array:
-        """``array`` in storage dtype ``dtype``, copied to the device."""
-        if isinstance(array, QuantizedWeight):  # LlamaModel says so first, with the way out
-            raise ValueError("the cuda backend does not read quantized weights yet")
+        """``array`` in storage dtype ``dtype``, copied to the device (a quantized weight's blocks as
+        they are, whatever ``dtype``: :class:`DeviceQuantizedWeight`)."""
+        if isinstance(array, QuantizedWeight):
+            quants, scales, minima = (cuda.to_device(a) for a in (array.quants, array.scales, array.minima))
+            return DeviceQuantizedWeight(array.ggml_type, quants, scales, minima, array.converted_from)
         return cuda.to_device(np.ascontiguousarray(array, dtype=_check_dtype(dtype, self.dtypes, self.name)))
 
     def store_linear(self, weight: HostWeight, dtype: str) -> Array:
@@ -585,8 +615,13 @@ class CudaBackend:
         return array.copy_to_host()
 
     def embedding(self, token_ids: Array, table: Array, out: Array) -> None:
-        """``out[t] = table[token_ids[t]]``, widened to float32."""
+        """``out[t] = table[token_ids[t]]``, widened to float32 (a quantized table's rows dequantized)."""
         threads = self.shapes.row_threads
+        if isinstance(table, DeviceQuantizedWeight):
+            self._quantized_kernel(quantized_matmul.quantized_embedding_cuda, table)(
+                self._stream, (out.shape[0], _blocks(out.shape[1], threads)), (threads,), token_ids, table.quants,
+                table.scales, table.minima, self._scales_table(), out)
+            return
         self._embedding(self._stream, (out.shape[0], _blocks(out.shape[1], threads)), (threads,), token_ids, table, out)
 
     def add_rmsnorm(self, x: Array, residual: Array, rows: Array, weight: Array, eps: np.float32, out: Array) -> None:
@@ -596,8 +631,15 @@ class CudaBackend:
 
     def matmul(self, x: Array, weight: Array, bias: Array, out: Array) -> None:
         """``out = x @ W.T + bias`` for ``weight`` from :meth:`store_linear`: GEMV kernel for
-        few rows (whose rows load in whole 16-byte chunks), tiled kernel otherwise."""
+        few rows (whose rows load in whole 16-byte chunks), tiled kernel otherwise; a quantized
+        weight through its GEMV at every row count (``quantized_matmul.quantized_gemv_cuda``)."""
         rows, cols = x.shape[0], weight.shape[0]
+        if isinstance(weight, DeviceQuantizedWeight):
+            warps = min(self.shapes.gemv_block[1], quantized_matmul.GEMV_MAX_WARPS)
+            self._quantized_kernel(quantized_matmul.quantized_gemv_cuda, weight)(
+                self._stream, (_blocks(cols, warps), _blocks(rows, quantized_matmul.GEMV_ROWS)), (32, warps), x,
+                weight.quants, weight.scales, weight.minima, self._scales_table(), bias, out)
+            return
         if rows <= self.shapes.gemv_max_rows and wide_load.loadable(weight):
             lanes, warps = self.shapes.gemv_block
             self._gemv(self._stream, (_blocks(rows, matmul.GEMV_ROWS), _blocks(cols, warps)), (lanes, warps), x,

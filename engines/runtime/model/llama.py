@@ -138,10 +138,6 @@ class LlamaModel:
         self.dtype = dtype
         quantized = {name: w.ggml_type + (f" from {w.converted_from}" if w.converted_from else "")
                      for name, w in weights.items() if isinstance(w, QuantizedWeight)}
-        if quantized and not isinstance(self.backend, CpuBackend):
-            raise ValueError(f"weights kept quantized ({', '.join(sorted(set(quantized.values())))}) are read by "
-                             f"the CPU kernels only: on the {self.backend.name} backend load them as float32 or "
-                             "float16")
         #: The weights' storage: ``dtype``, or the ggml types kept quantized and how many
         #: matrices each ("Q4_1 x210, Q8_0 x1"; "Q4_1 from Q4_K x.." where the loader converted the
         #: file's type; the others in ``dtype``).

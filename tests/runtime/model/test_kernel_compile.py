@@ -32,11 +32,12 @@ def test_every_kernel_compiles_for_sm90() -> None:
     # quants dtypes): 19 signatures today.
     assert compiled == {
         "embedding.embedding_gather_cuda", "add_rmsnorm.add_rmsnorm_cuda", "matmul.matmul_tiled_cuda",
-        "matmul.gemv_cuda", "quantized_matmul.quantized_gemv_cuda",
+        "matmul.gemv_cuda", "quantized_matmul.quantized_gemv_cuda", "quantized_matmul.quantized_embedding_cuda",
         "rope_kv.rope_kv_append_cuda", "attention.paged_attention_cuda",
         "silu_mul.silu_mul_cuda", "argmax.argmax_cuda", "kv_window.kv_window_gather_cuda",
         "kv_window.kv_window_scatter_cuda",
     }, report
     assert sum("float16" in line for line in lines) == 7, report
-    assert sum("quantized_gemv_cuda" in line for line in lines) == 2, report
+    assert sum("quantized_gemv_cuda" in line for line in lines) == 2, report  # int8 (Q8_0), uint8 (nibbles)
+    assert sum("quantized_embedding_cuda" in line for line in lines) == 2, report
     assert all(line.startswith("ok") for line in lines), report

@@ -152,6 +152,25 @@ def test_cuda_gemv_against_its_cpu_twin(rng: np.random.Generator, ggml_type: str
     np.testing.assert_allclose(got.copy_to_host(), twin, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.usefixtures("quick_simulator_barriers")
+@pytest.mark.parametrize("ggml_type", QUANTIZED_TYPES)
+def test_cuda_embedding_against_its_cpu_twin(rng: np.random.Generator, ggml_type: str) -> None:
+    """Rows gathered twice and out of order, a row past the last block of threads; the loader's
+    values (the CPU twin's are exact; a GPU may fuse Q4_1's product and sum)."""
+    vocab, inner = (4096, 4096) if REAL_GPU else (9, 64)
+    w = weight(rng, ggml_type, vocab, inner)
+    ids = np.array([vocab - 1, 0, 3, 3], np.int32)
+    threads = 128 if REAL_GPU else 8
+    got = cuda.to_device(np.full((ids.size, inner), np.nan, np.float32))
+    quantized_matmul.quantized_embedding_cuda[(ids.size, -(-inner // threads)), (threads,)](
+        cuda.to_device(ids), cuda.to_device(w.quants), cuda.to_device(w.scales), cuda.to_device(w.minima),
+        cuda.to_device(half_table()), got)
+    twin = np.empty((ids.size, inner), np.float32)
+    quantized_matmul.quantized_embedding_cpu(ids, w.quants, w.scales, w.minima, half_table(), twin)
+    np.testing.assert_array_equal(twin, w.dequantize()[ids])
+    np.testing.assert_allclose(got.copy_to_host(), twin, rtol=1e-6, atol=1e-7)
+
+
 def k_quant_blocks(rng: np.random.Generator, ggml_type: str, out: int, inner: int) -> np.ndarray:
     """A K-quant tensor's bytes: random quants and scale bytes, finite small fp16 super-block scales
     (Q4_K: d and dmin first; Q6_K: d last)."""

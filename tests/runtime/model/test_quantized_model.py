@@ -47,9 +47,12 @@ def test_the_quantized_model_answers_as_the_dequantized_one(kept: Checkpoint, de
     blocks (``kernels.interleaved_dot``), as llama.cpp does for these types; that costs some
     accuracy, bounded here: fed the float32 model's greedy tokens, the quantized model's top token
     agrees at 94-96% of the steps (measured: 90 of 96 here, 245 of 256 over 64 steps a prompt),
-    its logits off by 0.19 on average (logits span about 30). The engine's answer is llama.cpp's
-    on the same file: llama-cpp-python 0.3.36's greedy chat completion of the first prompt is
-    "L'Étoile, la Cité, la Nation, ..." (the float32 model's names Paris), from a fifth of the bytes."""
+    its logits off by 0.19 on average (logits span about 30). The engine's answer begins as
+    llama.cpp's on the same file: llama-cpp-python 0.3.36's greedy chat completion of the first
+    prompt is "L'Étoile, la Cité, la Nation, ..." (the float32 model names Paris), from a fifth of
+    the bytes. Only its first word is asserted: int8 rounding turns a difference of one float
+    rounding anywhere upstream (an FMA contracted or not) into a different int8 now and then, and
+    this answer's third word then flips between "Cité" and "Marseillaise" (both seen)."""
     quantized_model = LlamaModel.from_checkpoint(kept, backend="cpu")
     float_model = LlamaModel.from_checkpoint(dequantized, backend="cpu")
     assert quantized_model.weights_format == "Q4_1 x210, Q8_0 x1" and float_model.weights_format == "float32"
@@ -58,7 +61,7 @@ def test_the_quantized_model_answers_as_the_dequantized_one(kept: Checkpoint, de
                                      add_special_tokens=False) for p in PROMPTS]
     engine = Engine(quantized_model, kept, EngineConfig(max_num_seqs=4, num_pages=64, prefill_chunk_size=256))
     results = run_all(engine, [request(f"p{i}", ids, max_tokens=24) for i, ids in enumerate(prompts)])
-    assert kept.tokenizer.decode(results["p0"].tokens).startswith("L'Étoile, la Cité, l")
+    assert kept.tokenizer.decode(results["p0"].tokens).startswith("L'Étoile")
 
     agree, steps, mean_differences, max_differences = 0, 0, [], []
     models = (quantized_model, float_model)
@@ -85,6 +88,43 @@ def test_the_quantized_model_answers_as_the_dequantized_one(kept: Checkpoint, de
                                                                               max(max_differences))
 
 
-def test_quantized_weights_are_refused_off_the_cpu(kept: Checkpoint) -> None:
-    with pytest.raises(ValueError, match="CPU kernels only"):
-        LlamaModel.from_checkpoint(kept, backend="cuda")
+@pytest.mark.usefixtures("quick_simulator_barriers")
+def test_the_cuda_backend_reads_quantized_weights_as_the_cpu_reads_them_dequantized(tmp_path: Path) -> None:
+    """A tiny checkpoint (rows of whole blocks) with its matrices in each kept type, the embedding
+    and tied head in Q8_0: on the CUDA backend (the simulator here) kept quantized, its blocks read
+    by ``quantized_gemv_cuda`` and ``quantized_embedding_cuda``, against the CPU's float32 model of
+    the same values (float activations both: only the sums' order differs); a prefill and a decode
+    step."""
+    import dataclasses
+
+    import gguf
+
+    from engines.runtime.model.backend import DeviceQuantizedWeight
+    from tests.runtime.model.test_model_parity import PagedSequences, save_tiny_checkpoint
+
+    checkpoint = load_checkpoint(save_tiny_checkpoint(tmp_path, "llama", vocab=32, hidden=32, layers=1, tied=True,
+                                                      seed=11, intermediate=64))
+    # (q/k/v and gate/up are fused: of one type each, so that the fused matrix keeps the values.)
+    kinds = {"q_proj": "Q4_0", "k_proj": "Q4_0", "v_proj": "Q4_0", "o_proj": "Q8_0", "gate_proj": "Q4_1",
+             "up_proj": "Q4_1", "down_proj": "Q4_0", "embed_tokens": "Q8_0"}
+    kept_weights: dict = {}
+    for name, values in checkpoint.weights.items():
+        kind = next((k for part, k in kinds.items() if f".{part}." in name), None)
+        kept_weights[name] = values if kind is None else QuantizedWeight.from_blocks(
+            gguf.quants.quantize(values, gguf.GGMLQuantizationType[kind]).reshape(-1), kind, values.shape)
+    dequantized = {name: w.dequantize() if isinstance(w, QuantizedWeight) else w for name, w in kept_weights.items()}
+    gpu = LlamaModel.from_checkpoint(dataclasses.replace(checkpoint, weights=kept_weights), backend="cuda")
+    cpu = LlamaModel.from_checkpoint(dataclasses.replace(checkpoint, weights=dequantized), backend="cpu")
+    assert gpu.weights_format == "Q4_0 x4, Q4_1 x2, Q8_0 x2" and cpu.weights_format == "float32"
+    assert isinstance(gpu.lm_head_w, DeviceQuantizedWeight) and gpu.lm_head_w is gpu.embed_tokens
+    prompts = [[1, 2, 3], [30]]
+    kv_gpu, kv_cpu = gpu.new_kv_cache(12, 4), cpu.new_kv_cache(12, 4)
+    seqs = PagedSequences(prompts, 12, seed=3)
+    prefill = seqs.batch(prompts, all_logits=True)
+    want = cpu.forward(prefill, kv_cpu)
+    np.testing.assert_allclose(gpu.forward(prefill, kv_gpu), want, rtol=1e-4, atol=1e-4)
+    seqs.advance(prompts)
+    new = [[int(t)] for t in want[prefill.query_starts[1:] - 1].argmax(-1)]
+    decode = seqs.batch(new)
+    want = cpu.forward(decode, kv_cpu)
+    np.testing.assert_allclose(gpu.forward(decode, kv_gpu), want, rtol=1e-4, atol=1e-4)

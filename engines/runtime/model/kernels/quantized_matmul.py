@@ -18,10 +18,12 @@ n + 2q, n + 3q``), dequantized into a small float32 tile that stays in L1, then
 the CPU's decode path until the integer one beat it (0.6x float32's speed at one row:
 docs/perf-log/quantized-weights.md).
 
-The CUDA twin, :func:`quantized_gemv_cuda`, is the decode kernel: a warp per output column reads
-its quantized row (consecutive lanes, consecutive bytes), each lane dequantizing its element in
-registers for up to ``GEMV_ROWS`` rows of ``x``, and the lanes' sums are added at the end. Both accumulate
-in float32. Scales go through ``half_table`` (every half as float32): exact, subnormals included.
+The CUDA backend's kernels: :func:`quantized_gemv_cuda` for every row count (a prefill's rows in
+groups of ``GEMV_ROWS``) and :func:`quantized_embedding_cuda` for the table's rows. The GEMV: a
+warp per output column reads its quantized row (consecutive lanes, consecutive bytes), each lane
+dequantizing its element in registers for up to ``GEMV_ROWS`` rows of ``x``, and the lanes' sums
+are added at the end. Both accumulate in float32. Scales go through ``half_table`` (every half as
+float32): exact, subnormals included.
 
 The reference for both is the dequantize-then-float32 path: ``QuantizedWeight.dequantize`` (the
 loader's own dequantization of the file's blocks) and a float32 matmul (tests diff them).
@@ -38,8 +40,9 @@ from engines.runtime.model.kernels.quantized_dot import dequantize_rows_cpu, qua
 from engines.runtime.model.kernels.vector_width import prefer_wide_vectors
 from engines.runtime.model.quantized_weight import BLOCK, QuantizedWeight
 
-__all__ = ["dequantize_rows_cpu", "quantized_embedding_cpu", "quantized_gemv_cuda", "quantized_matmul_cpu",
-           "quantized_matmul_reference", "quantized_matmul_rows_cpu", "panel_rows", "rows_kernel_chunks"]
+__all__ = ["dequantize_rows_cpu", "quantized_embedding_cpu", "quantized_embedding_cuda", "quantized_gemv_cuda",
+           "quantized_matmul_cpu", "quantized_matmul_reference", "quantized_matmul_rows_cpu", "panel_rows",
+           "rows_kernel_chunks"]
 
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 #: A prefill's float32 panel of dequantized weight rows for sgemm, in bytes (``panel_rows``): larger
@@ -214,9 +217,21 @@ def quantized_gemv_cuda(x, quants, scales, minima, table, bias, out):
         out[m, n] = total
 
 
+@cuda.jit(cache=True)
+def quantized_embedding_cuda(token_ids, quants, scales, minima, table, out):
+    """``out[t] = W[token_ids[t]]`` for a quantized table (the CPU twin: :func:`quantized_embedding_cpu`).
+    Grid ``(num_tokens, ceil(in / blockDim.x))``, a thread an element."""
+    t = cuda.blockIdx.x
+    k = cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x
+    if k < out.shape[1]:
+        out[t, k] = _weight_element(quants, scales, minima, table, token_ids[t], k)
+
+
 #: ``{dt}`` here is the quants' dtype: int8 for Q8_0, uint8 (nibbles) for Q4_0 and Q4_1.
 SIGNATURE_DTYPES = ("int8", "uint8")
 CUDA_SIGNATURES = {
     quantized_gemv_cuda: "void(float32[:, ::1], {dt}[:, ::1], uint16[:, ::1], uint16[:, ::1], float32[::1], "
                          "float32[::1], float32[:, ::1])",
+    quantized_embedding_cuda: "void(int32[::1], {dt}[:, ::1], uint16[:, ::1], uint16[:, ::1], float32[::1], "
+                              "float32[:, ::1])",
 }
