@@ -26,7 +26,7 @@ from engines.runtime.model.cpu_pool import CpuPool
 from engines.runtime.model.gguf.dequantize import half_table
 from engines.runtime.model.host_memory import aligned_copy, aligned_empty, available_bytes
 from engines.runtime.model.interleaved_weight import InterleavedWeight, interleavable
-from engines.runtime.model.quantized_weight import BLOCK, BlockArrays, HostWeight, QuantizedWeight
+from engines.runtime.model.quantized_weight import BlockArrays, HostWeight, QuantizedWeight
 from engines.runtime.model.kernels import (add_rmsnorm, argmax, attention, embedding, interleaved_dot, matmul,
                                            quantized_matmul, rope_kv, run_attention, silu_mul, wide_load)
 
@@ -407,11 +407,6 @@ class DeviceQuantizedWeight(BlockArrays):
     """A :class:`QuantizedWeight`'s arrays copied to the GPU as they are (the same row-major
     layout): what the CUDA backend's quantized kernels read."""
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        """``(out, in)``: the float matrix this weight stands for."""
-        return self.scales.shape[0], self.scales.shape[1] * BLOCK
-
 
 class CudaBackend:
     """numba.cuda kernels on the GPU (or on the simulator, for tests).
@@ -637,8 +632,9 @@ class CudaBackend:
         if isinstance(weight, DeviceQuantizedWeight):
             warps = min(self.shapes.gemv_block[1], quantized_matmul.GEMV_MAX_WARPS)
             self._quantized_kernel(quantized_matmul.quantized_gemv_cuda, weight)(
-                self._stream, (_blocks(cols, warps), _blocks(rows, quantized_matmul.GEMV_ROWS)), (32, warps), x,
-                weight.quants, weight.scales, weight.minima, self._scales_table(), bias, out)
+                self._stream, (_blocks(cols, warps), _blocks(rows, quantized_matmul.GEMV_ROWS)),
+                (quantized_matmul.WARP, warps), x, weight.quants, weight.scales, weight.minima, self._scales_table(),
+                bias, out)
             return
         if rows <= self.shapes.gemv_max_rows and wide_load.loadable(weight):
             lanes, warps = self.shapes.gemv_block

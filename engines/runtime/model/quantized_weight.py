@@ -42,8 +42,9 @@ _LAYOUT = {"Q8_0": (0, None, 2), "Q4_0": (0, None, 2), "Q4_1": (0, 2, 4)}
 
 @dataclass(frozen=True)
 class BlockArrays:
-    """A quantized ``[out, in]`` weight's three arrays, in some layout (a subclass's): the parts
-    every layout shares."""
+    """A quantized ``[out, in]`` weight's three arrays, in the row-major layout of the module's
+    docstring unless a subclass says otherwise (``interleaved_weight`` does): the parts every
+    layout shares."""
 
     ggml_type: str
     quants: np.ndarray
@@ -55,7 +56,7 @@ class BlockArrays:
     @property
     def shape(self) -> tuple[int, int]:
         """``(out, in)``: the float matrix this weight stands for."""
-        raise NotImplementedError
+        return self.scales.shape[0], self.scales.shape[1] * BLOCK
 
     @property
     def size(self) -> int:
@@ -72,11 +73,6 @@ class BlockArrays:
 @dataclass(frozen=True)
 class QuantizedWeight(BlockArrays):
     """One ``[out, in]`` weight in the repacked block layout (the module's docstring)."""
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        """``(out, in)``: the float matrix this weight stands for."""
-        return self.scales.shape[0], self.scales.shape[1] * BLOCK
 
     @classmethod
     def from_blocks(cls, raw: np.ndarray, ggml_type: GGMLType | str, shape: tuple[int, int]) -> QuantizedWeight:
