@@ -8,11 +8,16 @@ that switch (``CpuDecodeStep.team``) between consecutive steps of the same greed
 generations, so that both forms see the same contexts and the same memory spells (a machine's
 read rate may switch between a slow and a fast spell for minutes at a time:
 docs/perf-log/cpu-anchors.md#2026-11-26-one-numba-call-a-step), on issue 15's
-checkpoint (``bench/cpu_anchors.py`` makes it). It prints each generation's median step of each
-form and their share of the host's read rate (``measure_host_bandwidth``, read before each
-generation), then the ratios of the medians, over all steps and by spell.
+checkpoint (``bench/cpu_anchors.py`` makes it), or with ``--gguf`` on one of the judge's GGUF files
+(``bench/gguf_vs_llamacpp.py``) with its weights kept quantized. ``kernels`` adds a third form:
+the model launching kernel by kernel from Python (``LlamaModel.cpu_step`` None), the path a
+quantized model took before the compiled step read quantized weights. It prints each
+generation's median step of each form and their share of the host's read rate
+(``measure_host_bandwidth``, read before each generation), then the ratios of the medians, over
+all steps and by spell.
 
     .venv/bin/python bench/cpu_team_step.py --threads 2 --new-tokens 128 512 --generations 12
+    .venv/bin/python bench/cpu_team_step.py --gguf q4_1 --forms team omp kernels --new-tokens 128
 """
 from __future__ import annotations
 
@@ -33,6 +38,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--new-tokens", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--generations", type=int, default=12, help="generations of each length")
     parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--gguf", choices=["q4_1", "q8_0", "q4_k_m"],
+                        help="a judge's GGUF file, kept quantized, instead of issue 15's float32 checkpoint")
+    parser.add_argument("--forms", nargs="+", choices=["team", "omp", "kernels"], default=["team", "omp"],
+                        help="the step's forms, in turn (the first is the ratios' numerator)")
     add_results_option(parser, "cpu_team_step")
     return parser.parse_args()
 
@@ -48,13 +57,25 @@ def main() -> None:
     from bench.decode import OurDecoder
     from engines.runtime import LlamaModel, load_checkpoint, measure_host_bandwidth
 
-    anchors = cpu_anchors.parse_args([])
-    hf, _ = cpu_anchors.make_checkpoint(anchors)
-    model = LlamaModel.from_checkpoint(load_checkpoint(hf), backend="cpu")
+    if args.gguf:
+        from bench import gguf_vs_llamacpp
+
+        made = args.gguf != "q4_1"  # the others llama.cpp quantizes, once
+        path = gguf_vs_llamacpp.gguf_files([args.gguf], gguf_vs_llamacpp.llamacpp_python() if made else Path())
+        model = LlamaModel.from_checkpoint(load_checkpoint(path[args.gguf], keep_quantized=True), backend="cpu")
+        weight_bytes, vocab = model.weight_bytes, model.config.vocab_size
+        print(f"{args.gguf}: {model.weights_format}")
+    else:
+        anchors = cpu_anchors.parse_args([])
+        hf, _ = cpu_anchors.make_checkpoint(anchors)
+        model = LlamaModel.from_checkpoint(load_checkpoint(hf), backend="cpu")
+        weight_bytes, vocab = cpu_anchors.weight_bytes(anchors), anchors.vocab
     step = model.cpu_step
-    weight_bytes = cpu_anchors.weight_bytes(anchors)
-    forms = ("team", "omp")
-    prompt = np.random.default_rng(0).integers(3, anchors.vocab, (1, args.prompt_len)).astype(np.int32)
+    if step is None:
+        raise SystemExit("this model has no compiled step")
+    forms = tuple(args.forms)
+    first, second = forms[0], forms[1] if len(forms) > 1 else forms[0]
+    prompt = np.random.default_rng(0).integers(3, vocab, (1, args.prompt_len)).astype(np.int32)
     results = ResultsFile(args.results, "cpu_team_step")
     print(f"{args.threads} thread(s), batch 1, {weight_bytes / 1e6:.1f} MB of weights a step")
     for new in args.new_tokens:
@@ -66,12 +87,14 @@ def main() -> None:
             decoder = OurDecoder(model, prompt, args.prompt_len + new + 1, kv=kv)
             times: dict[str, list[float]] = {form: [] for form in forms}
             for i in range(new - 1):
-                form = forms[(i + generation) % 2]
+                form = forms[(i + generation) % len(forms)]
                 step.team = form == "team"
+                model.cpu_step = None if form == "kernels" else step
                 began = time.perf_counter()
                 decoder.step()
                 times[form].append(time.perf_counter() - began)
             step.team = True
+            model.cpu_step = step
             if generation == 0:
                 continue
             medians = {form: statistics.median(times[form]) for form in forms}
@@ -84,27 +107,30 @@ def main() -> None:
         run, called_off = step.team_steps
         if called_off:
             raise SystemExit(f"the team was called off ({called_off}): every step forked per kernel")
-        ratio = statistics.median(steps["team"]) / statistics.median(steps["omp"])
-        print(f"{new} new: team/omp, median step over all steps: {ratio:.3f}")
-        results.add("team/omp, median step", ratio, "ratio", threads=args.threads, new=new, spell="all steps")
-        rates = sorted(gbs for gbs, _, _ in by_spell["team"])
+        model_name = {"model": args.gguf} if args.gguf else {}
+        for other in forms[1:]:
+            ratio = statistics.median(steps[first]) / statistics.median(steps[other])
+            print(f"{new} new: {first}/{other}, median step over all steps: {ratio:.3f}")
+            results.add(f"{first}/{other}, median step", ratio, "ratio", threads=args.threads, new=new,
+                        spell="all steps", **model_name)
+        rates = sorted(gbs for gbs, _, _ in by_spell[first])
         split = (rates[0] + rates[-1]) / 2 if rates[-1] > 1.3 * rates[0] else 0.0  # else one spell throughout
         spells = (("slow spell", lambda gbs, split=split: gbs < split),
                   ("fast spell", lambda gbs, split=split: gbs >= split)) if split \
             else (("one spell", lambda gbs: True),)
         for spell, pick in spells:
             pairs = [(t[1], o[1], t[2], o[2])
-                     for t, o in zip(by_spell["team"], by_spell["omp"], strict=True) if pick(t[0])]
+                     for t, o in zip(by_spell[first], by_spell[second], strict=True) if pick(t[0])]
             if pairs:
-                team_share, omp_share = (statistics.median(p[i] for p in pairs) for i in (2, 3))
-                team_over_omp = statistics.median(p[0] / p[1] for p in pairs)
-                print(f"  {spell} ({len(pairs)} generations): team/omp "
-                      f"{team_over_omp:.3f}; share of the host's read rate "
-                      f"team {team_share:.1%}, omp {omp_share:.1%}")
-                where = {"threads": args.threads, "new": new, "spell": spell}
-                results.add("team/omp, median step", team_over_omp, "ratio", **where)
-                results.add("team, share of the host's read rate", 100 * team_share, "%", **where)
-                results.add("omp, share of the host's read rate", 100 * omp_share, "%", **where)
+                first_share, second_share = (statistics.median(p[i] for p in pairs) for i in (2, 3))
+                first_over_second = statistics.median(p[0] / p[1] for p in pairs)
+                print(f"  {spell} ({len(pairs)} generations): {first}/{second} "
+                      f"{first_over_second:.3f}; share of the host's read rate "
+                      f"{first} {first_share:.1%}, {second} {second_share:.1%}")
+                where = {"threads": args.threads, "new": new, "spell": spell, **model_name}
+                results.add(f"{first}/{second}, median step", first_over_second, "ratio", **where)
+                results.add(f"{first}, share of the host's read rate", 100 * first_share, "%", **where)
+                results.add(f"{second}, share of the host's read rate", 100 * second_share, "%", **where)
 
 
 if __name__ == "__main__":

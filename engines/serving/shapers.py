@@ -2,6 +2,7 @@
 or its one whole reply (``chat.completion`` / ``text_completion`` and their chunks)."""
 from __future__ import annotations
 
+import codecs
 import time
 from abc import ABC, abstractmethod
 from typing import Literal
@@ -163,25 +164,43 @@ class ChatShaper(ResponseShaper):
         )
 
 
+class TextOffsets:
+    """Each token's ``text_offset`` in one choice's text: the characters its predecessors' bytes
+    decode to. A token's own text in the logprobs (``token_text``) is no measure: a partial UTF-8
+    character shows as ``bytes:\\xNN``. An offset never passes the text sent so far (a stop string
+    or held-back text leaves it shorter than the tokens' bytes), so offsets only grow."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._chars = 0  # characters the tokens' bytes so far decode to (an unfinished one not yet)
+
+    def next(self, token_bytes: bytes, text_end: int) -> int:
+        """The offset of the token whose bytes are ``token_bytes``, when the choice's text sent so
+        far, this token's chunk included, is ``text_end`` characters long."""
+        offset = min(self._chars, text_end)
+        self._chars += len(self._decoder.decode(token_bytes))
+        return offset
+
+
 class CompletionShaper(ResponseShaper):
     """``text_completion`` objects, streamed or whole."""
 
     def __init__(self, request_id: str, engine: AsyncEngine, body: CompletionRequest) -> None:
         super().__init__(request_id, engine, body)
-        # Logprob text offsets continue across chunks: each choice's text length so far.
-        self._offsets: dict[int, int] = {}
+        # Per choice: the length of its text sent so far, and its tokens' offsets in it.
+        self._sent: dict[int, int] = {}
+        self._offsets: dict[int, TextOffsets] = {}
 
-    def _logprobs_of(self, items: list[EngineTokenLogprob] | None, offset: int) -> CompletionLogprobs | None:
+    def _logprobs_of(self, items: list[EngineTokenLogprob] | None, offsets: TextOffsets,
+                     text_end: int) -> CompletionLogprobs | None:
         if not self.want_logprobs:
             return None
         out = CompletionLogprobs()
         for item in items or ():
-            text = self.token_text(item.token_id)
-            out.tokens.append(text)
+            out.tokens.append(self.token_text(item.token_id))
             out.token_logprobs.append(item.logprob)
             out.top_logprobs.append({self.token_text(tid): lp for tid, lp in item.top_logprobs})
-            out.text_offset.append(offset)
-            offset += len(text)
+            out.text_offset.append(offsets.next(self.tokenizer.token_bytes(item.token_id), text_end))
         return out
 
     def chunk(self, output: RequestOutput) -> CompletionResponse | None:
@@ -190,16 +209,17 @@ class CompletionShaper(ResponseShaper):
         for delta in output.choices:
             if self._skip(delta):
                 continue
-            offset = self._offsets.get(delta.index, 0)
+            sent = self._sent.get(delta.index, 0) + len(delta.text)
+            self._sent[delta.index] = sent
             choices.append(
                 CompletionChoice(
                     index=delta.index,
                     text=delta.text,
-                    logprobs=self._logprobs_of(delta.logprobs, offset),
+                    logprobs=self._logprobs_of(delta.logprobs, self._offsets.setdefault(delta.index, TextOffsets()),
+                                               sent),
                     finish_reason=delta.finish_reason,
                 )
             )
-            self._offsets[delta.index] = offset + len(delta.text)
         if not choices:
             return None
         return CompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=choices)
@@ -210,15 +230,15 @@ class CompletionShaper(ResponseShaper):
         )
 
     def response(self) -> CompletionResponse:
-        choices = [
-            CompletionChoice(
+        choices = []
+        for index in sorted(self._texts):
+            text = "".join(self._texts[index])
+            choices.append(CompletionChoice(
                 index=index,
-                text="".join(self._texts[index]),
-                logprobs=self._logprobs_of(self._logprobs.get(index), 0),
+                text=text,
+                logprobs=self._logprobs_of(self._logprobs.get(index), TextOffsets(), len(text)),
                 finish_reason=self._finish.get(index),
-            )
-            for index in sorted(self._texts)
-        ]
+            ))
         return CompletionResponse(
             id=self.request_id, created=self.created, model=self.model, choices=choices, usage=self.usage
         )

@@ -46,6 +46,10 @@ If the team cannot meet (its members put on one thread), it is called off before
 runs the forking way, and the next 64 steps too (twice as many after each call-off in a row, up to
 65,536) before a team is tried again.
 
+The weights may be float arrays or quantized ones in the interleaved layout (each op's kernel
+picked by the weight's storage when numba compiles the step: ``kernels.step_weights``, and
+:func:`team_matmul` here); a quantized model's step is the same source compiled for its types.
+
 numba's on-disk cache keys a compiled function by its own bytecode, not by its callees': a
 kernel edited since the step was cached would still run in its old form. The step is therefore
 made by a closure over a digest of the kernel modules' sources, whose contents numba's key
@@ -59,25 +63,29 @@ from pathlib import Path
 from typing import Callable, Protocol, Sequence
 
 import numpy as np
-from numba import njit, prange
+from numba import float32, njit, prange, types
+from numba.extending import overload
 
-from engines.runtime.model import step_inputs, thread_team
-from engines.runtime.model.backend import Activations, Array, CpuBackend, Workspace
+from engines.runtime.model import interleaved_weight, step_inputs, thread_team
+from engines.runtime.model.backend import Activations, Array, CpuBackend, CpuWeight, Workspace
 from engines.runtime.model.config import ModelConfig
 from engines.runtime.model.forward_batch import ForwardBatch
-from engines.runtime.model.kernels import (add_rmsnorm, argmax, attention, embedding, fast_exp, matmul, rope_kv,
-                                           silu_mul, vector_width)
+from engines.runtime.model.interleaved_weight import GROUP, InterleavedWeight
+from engines.runtime.model.kernels import (add_rmsnorm, argmax, attention, embedding, fast_exp, interleaved_dot,
+                                           matmul, quantized_dot, rope_kv, silu_mul, step_weights, vector_width)
+from engines.runtime.model.kernels.fast_exp import exp_f32
 from engines.runtime.model.kv_storage import PagedKVCache
 from engines.runtime.model.layer_weights import LayerWeights
+from engines.runtime.model.quantized_weight import BLOCK
 
-__all__ = ["CpuDecodeStep", "decode_step_cpu", "kernel_sources_digest", "one_token_team_step"]
+__all__ = ["CpuDecodeStep", "decode_step_cpu", "kernel_sources_digest", "one_token_team_step", "team_matmul"]
 
 # Reassociation for the inlined kernel bodies, as their own modules compile them (matmul, attention).
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 
 #: The modules whose compiled code :func:`decode_step_cpu` holds (callees and theirs).
 STEP_KERNEL_MODULES = (step_inputs, thread_team, embedding, add_rmsnorm, matmul, rope_kv, attention, fast_exp,
-                       silu_mul, argmax, vector_width)
+                       silu_mul, argmax, vector_width, step_weights, interleaved_dot, quantized_dot, interleaved_weight)
 
 
 def kernel_sources_digest(modules: tuple = STEP_KERNEL_MODULES) -> str:
@@ -123,6 +131,62 @@ def _team_matmul(x, w, bias, out, member, team, state, drawn, swiglu):
     return drawn + per_run + team
 
 
+@njit(nogil=True, cache=True, error_model="numpy")  # integer dots; the SwiGLU's floats as silu_mul_cpu's
+def _team_interleaved_matmul(x, quants, scales, minima, table, bias, out, member, team, state, drawn, swiglu,
+                             xq, xd, xs, gate_up):
+    """:func:`_team_matmul` for an interleaved quantized weight (``step_weights.step_form``): the
+    member quantizes the row itself into its own ``xq, xd, xs`` (1-D, long enough), then takes the
+    chunks of the weight's groups it claims. With ``swiglu`` a chunk is of the gates' groups, each
+    with its ups' (``[gate | up]``: group ``g``'s ups are group ``g + groups / 2``), both into the
+    member's own ``gate_up`` row, and their SwiGLU into ``out`` as ``silu_mul_cpu`` computes it."""
+    inner = x.shape[1]
+    blocks = inner // BLOCK
+    q = xq[:inner].reshape((1, inner))
+    d = xd[:blocks].reshape((1, blocks))
+    s = xs[:blocks].reshape((1, blocks))
+    interleaved_dot.quantize_input(x, quants, scales, minima, q, d, s)
+    groups = quants.shape[0] // 2 if swiglu else quants.shape[0]
+    per_run = _chunks_per_run(groups, quants.shape[1] * (2 if swiglu else 1), team)
+    chunks = per_run * team
+    chunk, step = thread_team.claim(state, member, team, 0, drawn, per_run)
+    while chunk >= 0:
+        first, end = chunk * groups // chunks, (chunk + 1) * groups // chunks
+        if swiglu:
+            interleaved_dot.group_rows(quants, scales, minima, table, q, d, s, gate_up, first, end, 0, 1)
+            interleaved_dot.group_rows(quants, scales, minima, table, q, d, s, gate_up, first + groups, end + groups,
+                                       0, 1)
+            width = GROUP * groups
+            for n in range(GROUP * first, GROUP * end):
+                g = gate_up[0, n]
+                out[0, n] = g / (float32(1.0) + exp_f32(-g)) * gate_up[0, width + n]
+        else:
+            interleaved_dot.group_rows(quants, scales, minima, table, q, d, s, out, first, end, 0, 1)
+            matmul.add_bias(out, bias, GROUP * first, GROUP * end)
+        chunk, step = thread_team.claim(state, member, team, step, drawn, per_run)
+    return drawn + per_run + team
+
+
+def team_matmul(x, w, bias, out, member, team, state, drawn, swiglu, scratch):  # noqa: ANN001, ANN201
+    """A member's part of one matmul in a team step, for either storage of ``w``
+    (``step_weights``); ``scratch`` the member's own ``(xq, xd, xs, gate_up)``, which a quantized
+    weight's part uses. The tickets drawn a run once the op is done."""
+
+
+@overload(team_matmul, jit_options={"nogil": True})
+def _team_matmul_overload(x, w, bias, out, member, team, state, drawn, swiglu, scratch):  # noqa: ANN001, ANN202
+    if isinstance(w, types.BaseTuple):
+        def interleaved(x, w, bias, out, member, team, state, drawn, swiglu, scratch):  # noqa: ANN001, ANN202
+            quants, scales, minima, table = w
+            xq, xd, xs, gate_up = scratch
+            return _team_interleaved_matmul(x, quants, scales, minima, table, bias, out, member, team, state, drawn,
+                                            swiglu, xq, xd, xs, gate_up)
+        return interleaved
+
+    def plain(x, w, bias, out, member, team, state, drawn, swiglu, scratch):  # noqa: ANN001, ANN202
+        return _team_matmul(x, w, bias, out, member, team, state, drawn, swiglu)
+    return plain
+
+
 def _make_team_step(kernels_digest: str) -> Callable[..., bool]:
     """The one-token team step, its cache entry keyed by ``kernels_digest`` (as the step's)."""
 
@@ -145,6 +209,13 @@ def _make_team_step(kernels_digest: str) -> Callable[..., bool]:
         q_width = attn.shape[1]
         own_q = np.empty((team, 1, q_width), np.float32)
         own_attn = np.empty((team, 1, q_width), np.float32)
+        # A quantized weight's member quantizes its matmul's input itself (no barrier for it), and
+        # takes the MLP's gate/up products into a row of its own before their SwiGLU.
+        widest = max(width, q_width, act.shape[1])
+        own_xq = np.empty((team, widest), np.int8)
+        own_xd = np.empty((team, widest // BLOCK), np.float32)
+        own_xs = np.empty((team, widest // BLOCK), np.float32)
+        own_gate_up = np.empty((team, 1, 2 * act.shape[1]), np.float32)
         num_kv_heads = k_cache.shape[2]
         page_size = k_cache.shape[3]
         parts = key_splits if key_splits > 1 else 0
@@ -166,13 +237,15 @@ def _make_team_step(kernels_digest: str) -> Callable[..., bool]:
                 n = own_normed[member]
                 q = own_q[member]
                 merged = own_attn[member]
+                scratch = (own_xq[member], own_xd[member], own_xs[member], own_gate_up[member])
                 passed = 0  # barriers passed
                 drawn = np.int64(0)  # tickets drawn (thread_team.claim); not a literal: one compiled _team_matmul
-                embedding.embedding_gather_cpu(token_ids, embed, h)
-                for layer in range(qkv_w.shape[0]):
+                step_weights.gather(token_ids, embed, h)
+                for layer in range(len(qkv_w)):
                     add_rmsnorm.add_rmsnorm_cpu(h, no_residual if layer == 0 else delta, rows, input_norm[layer], eps,
                                                 n)
-                    drawn = _team_matmul(n, qkv_w[layer], qkv_bias[layer], qkv, member, team, state, drawn, False)
+                    drawn = team_matmul(n, qkv_w[layer], qkv_bias[layer], qkv, member, team, state, drawn, False,
+                                        scratch)
                     passed += 1
                     thread_team.barrier(state, team, passed)
                     # q rotated into the member's own row, every head (no barrier for RoPE); the
@@ -196,19 +269,20 @@ def _make_team_step(kernels_digest: str) -> Callable[..., bool]:
                     if key_splits > 1:  # every member merges every head, into its own row
                         for head in range(num_q_heads):
                             attention.merge_key_slices(0, head, key_splits, part_max, part_sum, part_out, merged)
-                    drawn = _team_matmul(merged if key_splits > 1 else attn, o_w[layer], no_bias, delta, member, team,
-                                         state, drawn, False)
+                    drawn = team_matmul(merged if key_splits > 1 else attn, o_w[layer], no_bias, delta, member, team,
+                                        state, drawn, False, scratch)
                     passed += 1
                     thread_team.barrier(state, team, passed)
                     add_rmsnorm.add_rmsnorm_cpu(h, delta, rows, post_norm[layer], eps, n)
-                    drawn = _team_matmul(n, gate_up_w[layer], no_bias, act, member, team, state, drawn, True)
+                    drawn = team_matmul(n, gate_up_w[layer], no_bias, act, member, team, state, drawn, True, scratch)
                     passed += 1
                     thread_team.barrier(state, team, passed)
-                    drawn = _team_matmul(act, down_w[layer], no_bias, delta, member, team, state, drawn, False)
+                    drawn = team_matmul(act, down_w[layer], no_bias, delta, member, team, state, drawn, False,
+                                        scratch)
                     passed += 1
                     thread_team.barrier(state, team, passed)
                 add_rmsnorm.add_rmsnorm_cpu(h, delta, rows, final_norm, eps, n)
-                drawn = _team_matmul(n, lm_head_w, no_bias, logits, member, team, state, drawn, False)
+                drawn = team_matmul(n, lm_head_w, no_bias, logits, member, team, state, drawn, False, scratch)
                 passed += 1
                 thread_team.barrier(state, team, passed)
                 if member == 0:
@@ -257,9 +331,11 @@ def _make_decode_step(kernels_digest: str) -> Callable[..., bool]:
         head_splits, key_splits = attention.cpu_attention_splits(positions, num_q_heads, k_cache.shape[2],
                                                                  k_cache.shape[3], k_cache.shape[4],
                                                                  parallel_attention_min_work, threads)
-        # One token, and whole (gate, up) pairs in each block of the fused kernel: see matmul_swiglu_cpu.
-        swiglu_fused = token_ids.shape[0] == 1 and gate_up_w.shape[1] % 4 == 0
-        if swiglu_fused and thread_team.may_try(team_state):
+        # One token, and whole (gate, up) pairs in each block of the fused kernel: see matmul_swiglu_cpu
+        # (float weights; a team fuses quantized ones too).
+        one_token = token_ids.shape[0] == 1
+        swiglu_fused = one_token and step_weights.fuses_swiglu(gate_up_w, True)
+        if one_token and step_weights.fuses_swiglu(gate_up_w, False) and thread_team.may_try(team_state):
             team = max(1, min(threads, thread_team.max_parties(team_state)))
             team_heads, team_keys = head_splits, key_splits
             if head_splits == 0:  # the team is awake anyway: its members take slices of the heads
@@ -272,11 +348,11 @@ def _make_decode_step(kernels_digest: str) -> Callable[..., bool]:
             thread_team.back_off(team_state, not ran)
             if ran:
                 return True
-        embedding.embedding_gather_cpu(token_ids, embed, hidden)
-        for layer in range(qkv_w.shape[0]):
+        step_weights.gather(token_ids, embed, hidden)
+        for layer in range(len(qkv_w)):
             residual = no_residual if layer == 0 else delta
             add_rmsnorm.add_rmsnorm_cpu(hidden, residual, rows, input_norm[layer], eps, normed)
-            matmul.matmul_rows_cpu(normed, qkv_w[layer], qkv_bias[layer], qkv)
+            step_weights.rows_matmul(normed, qkv_w[layer], qkv_bias[layer], qkv, threads)
             rope_kv.rope_kv_append_cpu(qkv, positions, token_seq, page_table, cos, sin, k_cache, v_cache, layer,
                                        num_q_heads)
             if head_splits > 0:
@@ -287,16 +363,16 @@ def _make_decode_step(kernels_digest: str) -> Callable[..., bool]:
                 attention.paged_attention_serial_cpu(qkv, positions, token_seq, page_table, k_cache, v_cache, layer,
                                                      num_q_heads, scale, attn, max(head_splits, 1),
                                                      max(key_splits, 1))
-            matmul.matmul_rows_cpu(attn, o_w[layer], no_bias, delta)
+            step_weights.rows_matmul(attn, o_w[layer], no_bias, delta, threads)
             add_rmsnorm.add_rmsnorm_cpu(hidden, delta, rows, post_norm[layer], eps, normed)
             if swiglu_fused:
-                matmul.matmul_swiglu_cpu(normed, gate_up_w[layer], act)
+                step_weights.swiglu_matmul(normed, gate_up_w[layer], act, gate_up, threads)
             else:
-                matmul.matmul_rows_cpu(normed, gate_up_w[layer], no_bias, gate_up)
+                step_weights.rows_matmul(normed, gate_up_w[layer], no_bias, gate_up, threads)
                 silu_mul.silu_mul_cpu(gate_up, act)
-            matmul.matmul_rows_cpu(act, down_w[layer], no_bias, delta)
+            step_weights.rows_matmul(act, down_w[layer], no_bias, delta, threads)
         add_rmsnorm.add_rmsnorm_cpu(hidden, delta, logit_rows, final_norm, eps, final)
-        matmul.matmul_rows_cpu(final, lm_head_w, no_bias, logits)
+        step_weights.rows_matmul(final, lm_head_w, no_bias, logits, threads)
         if greedy:
             argmax.argmax_cpu(logits, next_ids)
         return True
@@ -353,7 +429,17 @@ class SteppedModel(Protocol):
 
 
 class CpuDecodeStep:
-    """A model's small steps on the CPU backend as one call of :func:`decode_step_cpu`."""
+    """A model's small steps on the CPU backend as one call of :func:`decode_step_cpu`: float
+    weights, or quantized ones in the interleaved layout (every weight of the model's either)."""
+
+    @staticmethod
+    def takes(model: SteppedModel) -> bool:
+        """Whether the step can run ``model``: its weights each a float array or interleaved."""
+        w = model.layer_weights
+        weights: list[CpuWeight] = [model.embed_tokens, model.lm_head_w]
+        for layers in (w.qkv_w, w.o_w, w.gate_up_w, w.down_w):
+            weights.extend(layers)  # a float [layers, ...] array's layers are arrays too
+        return all(isinstance(weight, (np.ndarray, InterleavedWeight)) for weight in weights)
 
     def __init__(self, model: SteppedModel, backend: CpuBackend) -> None:
         self.backend = backend
@@ -362,11 +448,14 @@ class CpuDecodeStep:
         self.num_q_heads, self.scale = first.num_q_heads, first.scale
         self.cos, self.sin = first.cos, first.sin
         w, c = model.layer_weights, model.config
+        layers, form = step_weights.step_layers, step_weights.step_form
+        #: The weights as the step takes them (``step_weights``), from the embedding to the LM head.
+        self.weights = (form(model.embed_tokens), w.input_norm, layers(w.qkv_w), w.qkv_bias, layers(w.o_w),
+                        w.post_attention_norm, layers(w.gate_up_w), layers(w.down_w), model.norm,
+                        form(model.lm_head_w))
         # The step's arguments that never change, gathered once.
-        self._model_args = (c.vocab_size, c.max_position_embeddings, model.embed_tokens, w.input_norm, w.qkv_w,
-                            w.qkv_bias, w.o_w, w.post_attention_norm, w.gate_up_w, w.down_w, model.norm,
-                            model.lm_head_w, model.no_bias, self.cos, self.sin, model.eps, self.num_q_heads,
-                            self.scale)
+        self._model_args = (c.vocab_size, c.max_position_embeddings, *self.weights, model.no_bias, self.cos,
+                            self.sin, model.eps, self.num_q_heads, self.scale)
         self.team_state = thread_team.new_state(backend.numba_threads)
         # One step at a time: two teams counting in one state would wait for each other forever
         # (and two steps would overwrite each other's buffers anyway).
@@ -417,12 +506,11 @@ class CpuDecodeStep:
             c.max_position_embeddings, kv.page_size, kv.num_pages)
         act = self.model.workspace.activations(1, 1)
         team = max(1, min(be.numba_threads, thread_team.max_parties(self.team_state)))
-        w, m = self.model.layer_weights, self.model
+        m = self.model
         with self._one_at_a_time:
             return one_token_team_step(
                 self.team_state, team, batch.token_ids, positions, token_seq, page_table,
-                np.arange(1, dtype=np.int32), m.embed_tokens, w.input_norm, w.qkv_w, w.qkv_bias, w.o_w,
-                w.post_attention_norm, w.gate_up_w, w.down_w, m.norm, m.lm_head_w, m.no_bias, act.no_residual,
+                np.arange(1, dtype=np.int32), *self.weights, m.no_bias, act.no_residual,
                 self.cos, self.sin, m.eps, self.num_q_heads, self.scale, kv.k, kv.v,
                 attention.head_splits(1, c.num_key_value_heads, team), 1, True, act.hidden, act.qkv, act.attn,
                 act.delta, act.act, act.final, act.logits, act.next_ids)

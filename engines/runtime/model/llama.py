@@ -222,9 +222,9 @@ class LlamaModel:
         self.logit_rows_workspace = Workspace(be, widths)  # the last layer's logit rows (``_logit_rows``)
         self._identity_rows = IdentityRows()
         # Small steps on the CPU run as one compiled function (the model's own backend only: a
-        # profiler's timed one launches kernel by kernel), for float weights: quantized ones launch
-        # kernel by kernel too, until the compiled step reads them.
-        self.cpu_step = CpuDecodeStep(self, be) if isinstance(be, CpuBackend) and not quantized else None
+        # profiler's timed one launches kernel by kernel), for float weights and interleaved quantized
+        # ones (a matrix whose rows make no whole groups stays row-major: kernel by kernel then).
+        self.cpu_step = CpuDecodeStep(self, be) if isinstance(be, CpuBackend) and CpuDecodeStep.takes(self) else None
         # Distinct objects that tell a greedy step's graph from a logits step's.
         self._greedy_marker, self._logits_marker = object(), object()
 

@@ -35,12 +35,12 @@ from engines.runtime.model.interleaved_weight import GROUP, PART_BYTES
 from engines.runtime.model.kernels.matmul import add_bias
 from engines.runtime.model.kernels.quantized_dot import (KINDS, _F32, _I8, _I16, _I32, _constant, _declare,
                                                          _load_vector, _row, _vector, available_isas,
-                                                         offset_activations_cpu, quantized_activations,
-                                                         takes_offset_activations)
+                                                         offset_activations_cpu, quantize_activations_cpu,
+                                                         quantized_activations, takes_offset_activations)
 from engines.runtime.model.quantized_weight import BLOCK
 
-__all__ = ["GROUP_DOTS", "ISA", "ROWS", "ROW_TILE", "chunks", "group_dots", "interleaved_dot_rows_cpu",
-           "interleaved_embedding_cpu", "interleaved_kind"]
+__all__ = ["GROUP_DOTS", "ISA", "ROWS", "ROW_TILE", "chunks", "group_dots", "group_rows", "interleaved_dot_rows_cpu",
+           "interleaved_embedding_cpu", "interleaved_kind", "quantize_input"]
 
 #: Activation rows one call of a group dot takes (each load of weights serves them all).
 ROWS = 4
@@ -76,7 +76,8 @@ def _plain_group(wq, ws, wm, table, xq, xd, xs, g, m, rows, out):
                     at = b * per_block + p * GROUP * PART_BYTES + lane * PART_BYTES
                     for t in range(PART_BYTES):
                         if kind == 0:
-                            dot += int32(wq[g, at + t]) * int32(xq[r, BLOCK * b + PART_BYTES * p + t])
+                            # (int8 whatever the array's dtype: the compiled step passes uint8 views)
+                            dot += int32(np.int8(wq[g, at + t])) * int32(xq[r, BLOCK * b + PART_BYTES * p + t])
                         else:
                             u = int32(np.uint8(wq[g, at + t]))
                             dot += ((u & 15) * int32(xq[r, BLOCK * b + PART_BYTES * p + t])
@@ -267,6 +268,29 @@ def _rows_loop(one: Callable, many: Callable) -> Callable:
 _q8_0_loop, _q4_0_loop, _q4_1_loop = (_rows_loop(*GROUP_DOTS[ISA][kind]) for kind in KINDS)
 
 
+@njit(inline="always")
+def group_rows(quants, scales, minima, table, xq, xd, xs, out, first, end, m0, m1):
+    """``out[m0 .. m1 - 1, 16 first .. 16 end - 1]`` (no bias): groups ``first .. end - 1`` against
+    activation rows ``m0 .. m1 - 1`` (quantized by :func:`quantize_input`), this CPU's group dots
+    for the weight's kind. Its quants may be int8 or a uint8 view of them."""
+    kind = interleaved_kind(quants, scales, minima)
+    if kind == 0:
+        _q8_0_loop(quants, scales, minima, table, xq, xd, xs, out, first, end, m0, m1)
+    elif kind == 1:
+        _q4_0_loop(quants, scales, minima, table, xq, xd, xs, out, first, end, m0, m1)
+    else:
+        _q4_1_loop(quants, scales, minima, table, xq, xd, xs, out, first, end, m0, m1)
+
+
+@njit(inline="always")
+def quantize_input(x, quants, scales, minima, xq, xd, xs):
+    """``x`` quantized into ``xq, xd, xs`` (shaped for it) as :func:`group_rows` reads it against
+    this weight (offset for this CPU's Q8_0 dots where they take it so)."""
+    quantize_activations_cpu(x, xq, xd, xs)
+    if interleaved_kind(quants, scales, minima) == 0 and Q8_0_OFFSET:
+        offset_activations_cpu(xq)
+
+
 @njit(nogil=True, cache=True, parallel=True, error_model="numpy")
 def interleaved_dot_rows_cpu(x, quants, scales, minima, table, bias, out, chunks):
     """``out = x @ W.T + bias`` for float32 ``x`` of any number of rows, ``W`` interleaved, ``x``
@@ -280,13 +304,7 @@ def interleaved_dot_rows_cpu(x, quants, scales, minima, table, bias, out, chunks
     for chunk in prange(chunks):
         first, end = chunk * groups // chunks, (chunk + 1) * groups // chunks
         for m0 in range(0, rows, ROW_TILE):
-            m1 = min(rows, m0 + ROW_TILE)
-            if kind == 0:
-                _q8_0_loop(quants, scales, minima, table, xq, xd, xs, out, first, end, m0, m1)
-            elif kind == 1:
-                _q4_0_loop(quants, scales, minima, table, xq, xd, xs, out, first, end, m0, m1)
-            else:
-                _q4_1_loop(quants, scales, minima, table, xq, xd, xs, out, first, end, m0, m1)
+            group_rows(quants, scales, minima, table, xq, xd, xs, out, first, end, m0, min(rows, m0 + ROW_TILE))
     add_bias(out, bias, 0, GROUP * groups)
 
 
@@ -328,7 +346,7 @@ def interleaved_embedding_cpu(token_ids, quants, scales, minima, table, out):
                 for i in range(PART_BYTES):
                     k = BLOCK * b + PART_BYTES * p + i
                     if kind == 0:
-                        out[t, k] = float32(quants[g, at + i]) * d
+                        out[t, k] = float32(np.int8(quants[g, at + i])) * d
                         continue
                     u = int32(np.uint8(quants[g, at + i]))
                     if kind == 1:
