@@ -26,6 +26,9 @@ fi
 # The whole suite on TEST_WORKERS workers (pytest-xdist), a file to a worker: on 2 cores three keep
 # both busy while one waits on a browser, a server or a subprocess (docs/perf-log/ci-time.md).
 workers=(-n "${TEST_WORKERS:-3}" --dist loadfile)
+if [ $# -eq 0 ]; then  # the engine's kernels compiled once, on every core, before the workers need them
+  python -c "from engines.runtime.frontend.precompile import precompile; precompile(progress=print)"
+fi
 status=0
 if [ $# -eq 0 ]; then
   python -m pytest "${workers[@]}" || status=$?
