@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from engines.fleet.outage_log import OutageLog
 from engines.fleet.aliases import ALIASES, ServerKind
 from engines.fleet.quantiles import fleet_quantile
 from engines.fleet.rows import (FLEET_WINDOW_QUANTITIES, EngineRow, FleetRowsUpdate, FleetServer, FleetTotals,
@@ -131,7 +132,7 @@ class FleetBoard:
         #: it has run past a rows interval, whole views use these rather than read them again.
         self._held: dict[str, ServerRows] = {}
         self._feed_since: float | None = None
-        self._failing = False
+        self._outage = OutageLog(f"reading fleet {store.name}")
 
     def watch(self, viewer: object, send: Callable[[str], Awaitable[None]]) -> None:
         """Send ``viewer`` every view (starting with the latest, if any) until :meth:`unwatch`."""
@@ -185,16 +186,14 @@ class FleetBoard:
                     self._fresh.clear()  # the view reads every server's newest rows itself
                     try:
                         text = await self.view_text()
-                        self._failing = False
+                        self._outage.worked()
                     except Exception as exc:  # noqa: BLE001 - the store is down: say so, keep trying
-                        if not self._failing:
-                            logger.warning("fleet %s: cannot read the fleet (%s)", self.store.name, exc)
-                        self._failing = True
+                        self._outage.failed(exc)
                         text = FleetUnavailable(fleet=self.store.name, at=time.time(),
                                                 error=str(exc)).model_dump_json()
                     self.latest_text = text
                     await self._send(text)
-                elif self._fresh and not self._failing:
+                elif self._fresh and not self._outage.failing:
                     fresh, self._fresh = self._fresh, {}
                     rows = [row for server_rows in fresh.values() for row in server_rows.rows]
                     update = FleetRowsUpdate(at=time.time(), rows=rows)

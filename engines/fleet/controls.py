@@ -26,6 +26,7 @@ import httpx
 from django.utils import timezone
 from pydantic import BaseModel, Field, StrictBool, StrictInt, StrictStr
 
+from engines.fleet.outage_log import OutageLog
 from engines.fleet.aliases import ALIASES, ServerKind
 from engines.fleet.board import ForeignTarget
 from engines.fleet.clock import ClockOffset
@@ -272,17 +273,15 @@ class ControlListener:
     def __init__(self, store: FleetStore, server: str,
                  clock: Callable[[], ClockOffset | None] = lambda: None) -> None:
         self.store, self.server, self.clock = store, server, clock
-        self._failing = False
+        self._outage = OutageLog("reading this server's control queue")
 
     async def run(self) -> None:
         while True:
             try:
                 raw = await self.store.pop_control(self.server, timeout_s=1.0)
-                self._failing = False
+                self._outage.worked()
             except Exception as exc:  # noqa: BLE001 - the store is down: wait and try again
-                if not self._failing:
-                    logger.warning("fleet: cannot read this server's control queue (%s)", exc)
-                self._failing = True
+                self._outage.failed(exc)
                 await asyncio.sleep(1.0)
                 continue
             if raw is None:

@@ -22,6 +22,8 @@ from typing import Any, Literal
 import orjson
 from pydantic import BaseModel
 
+from engines.fleet.outage_log import OutageLog
+
 logger = logging.getLogger("engines.fleet")
 
 __all__ = ["GONE_AFTER_BEATS", "HEARTBEAT_S", "EngineCard", "Member", "Membership", "ServerCard"]
@@ -140,17 +142,13 @@ class Membership:
     async def run(self, card: Any) -> None:
         """Announce ``card()`` every heartbeat until cancelled; a Redis that does not answer is
         logged once per outage and tried again at the next beat."""
-        failing = False
+        outage = OutageLog(f"announcing this server to fleet {self.fleet}")
         while True:
             try:
                 await self.announce(card())
-                if failing:
-                    logger.info("fleet %s: announcing again", self.fleet)
-                failing = False
+                outage.worked()
             except Exception as exc:  # noqa: BLE001 - Redis down: the server serves on, the fleet waits
-                if not failing:
-                    logger.warning("fleet %s: cannot announce this server (%s); retrying", self.fleet, exc)
-                failing = True
+                outage.failed(exc)
             await asyncio.sleep(self.heartbeat_s)
 
 

@@ -9,18 +9,17 @@ and so never slows another server's poll or the page.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Callable, Sequence
 
 import httpx
 
+from engines.fleet.outage_log import OutageLog
 from engines.fleet.aliases import ServerKind
 from engines.fleet.board import ForeignTarget
 from engines.fleet.foreign import ForeignReader, ForeignReading, PollError, fetch_metrics, reading_rows
 from engines.fleet.store import FleetStore
 
-logger = logging.getLogger("engines.fleet")
 
 __all__ = ["ForeignPoller", "ForeignPolling"]
 
@@ -35,6 +34,7 @@ class ForeignPoller:
         self.store, self.holder, self.target, self.client = store, holder, target, client
         kind = ServerKind(target.kind) if target.kind in ServerKind._value2member_map_ else None
         self.reader = ForeignReader(kind if kind is not ServerKind.UNKNOWN else None)
+        self._outage = OutageLog(f"polling {target.name}")
 
     async def poll_once(self) -> ForeignReading:
         """Read ``/metrics`` once and store what it says (or why it said nothing)."""
@@ -57,8 +57,9 @@ class ForeignPoller:
             try:
                 if await self.store.take_lease(f"poll:{self.target.id}", self.holder, ttl_s=3 * interval):
                     await self.poll_once()
+                self._outage.worked()
             except Exception as exc:  # noqa: BLE001 - the store is down: try again next interval
-                logger.warning("fleet: polling %s failed (%s)", self.target.name, exc)
+                self._outage.failed(exc)
             await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
 
 

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from engines.fleet.outage_log import OutageLog
 from engines.fleet.clock import ClockTracker, measure_offset
 from engines.fleet.membership import HEARTBEAT_S, ServerCard
 from engines.fleet.quantiles import bucket_quantile
@@ -108,7 +109,7 @@ class FleetPublisher:
         self.rows_interval_s = rows_interval_s
         self.heartbeat_s = heartbeat_s
         self._readers: dict[str, EngineRowReader] = {}
-        self._failing = False
+        self._outage = OutageLog(f"publishing this server to fleet {store.name}")
         #: This server's clock against the fleet's reference, measured every heartbeat.
         self.clock = ClockTracker()
 
@@ -145,13 +146,9 @@ class FleetPublisher:
                 await self.publish_once(beat)
                 if beat:
                     last_beat = started
-                if self._failing:
-                    logger.info("fleet %s: publishing again", self.store.name)
-                self._failing = False
+                self._outage.worked()
             except Exception as exc:  # noqa: BLE001 - Redis down: the server serves on, the fleet waits
-                if not self._failing:
-                    logger.warning("fleet %s: cannot publish this server (%s); retrying", self.store.name, exc)
-                self._failing = True
+                self._outage.failed(exc)
             await asyncio.sleep(max(0.0, self.rows_interval_s - (time.monotonic() - started)))
 
     async def leave(self) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import logging
 import math
 import time
 from collections.abc import Iterable, Sequence
@@ -24,12 +23,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+from engines.fleet.outage_log import OutageLog
 from engines.fleet.quantiles import Buckets, fleet_quantile
 from engines.fleet.rows import EngineRow, WindowHistogram
 from engines.fleet.store import FleetStore
 from engines.db_calls import in_db_thread
 
-logger = logging.getLogger("engines.fleet")
 
 __all__ = ["RollupWriter", "SloFigures", "share_within", "slo_figures", "sum_histograms"]
 
@@ -193,14 +192,16 @@ class RollupWriter:
                 entry.add(row, now, self.sample_s)
 
     async def run(self) -> None:
+        outage = OutageLog("sampling the fleet's rollups")
         while True:
             try:
                 if await self.store.take_lease("rollup", self.holder, ttl_s=3 * self.sample_s):
                     await self.sample()
                 else:
                     self.minute, self.engines = None, {}  # another member writes; start afresh if it stops
+                outage.worked()
             except Exception as exc:  # noqa: BLE001 - Redis or the database down: the next sample tries again
-                logger.warning("fleet: rollup sample failed (%s)", exc)
+                outage.failed(exc)
             await asyncio.sleep(self.sample_s)
 
 

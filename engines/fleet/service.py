@@ -9,7 +9,6 @@ listens, or by the first fleet page opened (tests, another ASGI server). Setting
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -18,6 +17,7 @@ from django.conf import settings
 
 import engines
 from engines.dashboard.messages import SERVER_ID
+from engines.fleet.outage_log import OutageLog
 from engines.fleet.board import FleetBoard, ForeignTarget
 from engines.fleet.aliases import QUANTITIES
 from engines.fleet.controls import ROUTER_ENGINE, ControlListener
@@ -30,7 +30,6 @@ from engines.fleet.store import FleetStore, LocalFleetStore, RedisFleetStore
 from engines.registry import registry
 from engines.db_calls import in_db_thread
 
-logger = logging.getLogger("engines.fleet")
 
 __all__ = ["FleetService", "configure", "fleet_service", "foreign_targets"]
 
@@ -132,11 +131,13 @@ class FleetService:
         self.polling.refresh()
 
     async def _refresh_targets(self) -> None:
+        outage = OutageLog("reading the attached servers")
         while True:
             try:
                 await self.refresh_targets()
+                outage.worked()
             except Exception as exc:  # noqa: BLE001 - the database is down: keep the last list
-                logger.warning("fleet: cannot read the attached servers (%s)", exc)
+                outage.failed(exc)
             await asyncio.sleep(TARGETS_REFRESH_S)
 
     async def stop(self) -> None:

@@ -65,4 +65,4 @@ async def test_the_heartbeat_loop_survives_a_redis_that_does_not_answer(fleet, c
     assert not task.done()
     task.cancel()
     await dead.aclose()
-    assert sum("cannot announce" in r.message for r in caplog.records) == 1  # once per outage
+    assert sum("announcing this server" in r.message for r in caplog.records) == 1  # once per outage
