@@ -131,7 +131,8 @@ def _team_matmul(x, w, bias, out, member, team, state, drawn, swiglu):
     return drawn + per_run + team
 
 
-@njit(nogil=True, cache=True, error_model="numpy")  # integer dots; the SwiGLU's floats as silu_mul_cpu's
+# Integer dots; the SwiGLU's floats as silu_mul_cpu's.
+@njit(nogil=True, cache=True, error_model="numpy", fastmath=False)
 def _team_interleaved_matmul(x, quants, scales, minima, table, bias, out, member, team, state, drawn, swiglu,
                              xq, xd, xs, gate_up):
     """:func:`_team_matmul` for an interleaved quantized weight (``step_weights.step_form``): the
@@ -301,7 +302,7 @@ def _make_team_step(kernels_digest: str) -> Callable[..., bool]:
 def _make_decode_step(kernels_digest: str) -> Callable[..., bool]:
     """The compiled step, its cache entry keyed by ``kernels_digest`` (see the module's docstring)."""
 
-    @njit(nogil=True, cache=True)
+    @njit(nogil=True, cache=True, fastmath=False)
     def decode_step_cpu(token_ids, query_starts, cached_lens, page_table, all_logits,  # the batch
                         vocab_size, max_positions,
                         embed, input_norm, qkv_w, qkv_bias, o_w, post_norm, gate_up_w, down_w,  # weights

@@ -95,7 +95,7 @@ def step_inputs_reference(batch: "ForwardBatch", kv: "PagedKVCache", config: "Mo
                       rows=rows, logit_rows=logit_rows)
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=False)
 def derive_int32(token_ids, starts, cached, table, vocab_size, max_positions, page_size, num_pages):
     """:func:`step_inputs_reference`'s checks and derivations in one pass over int32 arrays.
     Returns ``(ok, positions, token_seq, page_table, logit_rows)``; when ``ok`` is False the

@@ -176,7 +176,7 @@ def _wait(spins):  # noqa: ANN001, ANN202
         yield_core()
 
 
-@njit(nogil=True)
+@njit(nogil=True, fastmath=False)
 def rendezvous(state, parties):  # noqa: ANN001, ANN201
     """Arrive, and wait for the other ``parties - 1`` members: True once all have arrived; False
     if the team was called off (by this member after ``RENDEZVOUS_WAITS`` waits, or by another),
@@ -197,7 +197,7 @@ def rendezvous(state, parties):  # noqa: ANN001, ANN201
         waits += 1
 
 
-@njit(nogil=True)
+@njit(nogil=True, fastmath=False)
 def barrier(state, parties, number):  # noqa: ANN001, ANN201
     """Wait until all ``parties`` have reached barrier ``number`` (1, 2, ... within a region)."""
     atomic_add(state, BARRIER, 1)

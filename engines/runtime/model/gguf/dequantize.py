@@ -40,7 +40,7 @@ def half_table() -> np.ndarray:
     return np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 
 
-_JIT: dict[str, Any] = dict(nogil=True, cache=True, parallel=True)
+_JIT: dict[str, Any] = dict(nogil=True, cache=True, parallel=True, fastmath=False)
 
 
 @njit(inline="always")

@@ -44,7 +44,7 @@ def argmax_cuda(logits, out):
         out[row] = best_index[0]
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=False)
 def argmax_cpu(logits, out):
     """CPU twin of :func:`argmax_cuda`."""
     for row in range(logits.shape[0]):

@@ -135,7 +135,7 @@ def paged_attention_cuda(qkv, positions, token_seq, page_table, k_cache, v_cache
         a += 1
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=False)
 def head_splits(num_tokens: int, num_kv_heads: int, threads: int) -> int:
     """Into how many slices the CPU kernel cuts each token's kv heads: the fewest (a divisor of
     ``num_kv_heads``) that give each of ``threads`` threads a work item."""
@@ -150,7 +150,7 @@ def head_splits(num_tokens: int, num_kv_heads: int, threads: int) -> int:
 MIN_PAGES_PER_KEY_SLICE = 4
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=False)
 def cpu_attention_splits(positions, num_q_heads, num_kv_heads, page_size, head_dim, min_work, threads):
     """``(head_splits, key_splits)`` for :func:`paged_attention_cpu` in a step on ``threads``
     threads, or ``(0, 0)``: a step of fewer than ``min_work`` multiply-adds, which runs

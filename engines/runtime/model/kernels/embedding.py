@@ -14,7 +14,7 @@ def embedding_gather_cuda(token_ids, table, out):
         out[t, h] = float32(table[token_ids[t], h])
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=False)
 def embedding_gather_cpu(token_ids, table, out):
     """CPU twin of :func:`embedding_gather_cuda`."""
     for t in range(token_ids.shape[0]):

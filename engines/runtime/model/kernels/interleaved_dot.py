@@ -61,7 +61,7 @@ def interleaved_kind(quants, scales, minima):
     return 1 if minima.shape[1] == 0 else 2
 
 
-@njit(nogil=True, error_model="numpy")
+@njit(nogil=True, error_model="numpy", fastmath=False)
 def _plain_group(wq, ws, wm, table, xq, xd, xs, g, m, rows, out):
     """``out[m .. m + rows - 1, 16g .. 16g + 15]``, the plain loops (``xq`` not offset)."""
     kind = interleaved_kind(wq, ws, wm)
@@ -233,7 +233,7 @@ def _make_group_dot(kind: str, isa: str, rows: int) -> Callable:
 
 
 def _plain_rows(rows: int) -> Callable:
-    @njit(nogil=True, error_model="numpy")
+    @njit(nogil=True, error_model="numpy", fastmath=False)
     def dot(wq, ws, wm, table, xq, xd, xs, g, m, out):  # noqa: ANN001, ANN202
         _plain_group(wq, ws, wm, table, xq, xd, xs, g, m, rows, out)
     return dot
@@ -291,7 +291,7 @@ def quantize_input(x, quants, scales, minima, xq, xd, xs):
         offset_activations_cpu(xq)
 
 
-@njit(nogil=True, cache=True, parallel=True, error_model="numpy")
+@njit(nogil=True, cache=True, parallel=True, error_model="numpy", fastmath=False)
 def interleaved_dot_rows_cpu(x, quants, scales, minima, table, bias, out, chunks):
     """``out = x @ W.T + bias`` for float32 ``x`` of any number of rows, ``W`` interleaved, ``x``
     quantized to int8 blocks first; the groups in ``chunks`` parts over numba's threads, the rows in
@@ -321,7 +321,7 @@ def group_dots(isa: str, kind: str) -> Callable:
     loop = _rows_loop(*GROUP_DOTS[isa][kind])
     offset = takes_offset_activations(isa, kind)
 
-    @njit(error_model="numpy")
+    @njit(error_model="numpy", fastmath=False)
     def run(quants, scales, minima, table, xq, xd, xs, out):  # noqa: ANN001, ANN202
         if offset:  # the caller's xq untouched
             xq = xq.copy()
@@ -330,7 +330,7 @@ def group_dots(isa: str, kind: str) -> Callable:
     return run
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=False)
 def interleaved_embedding_cpu(token_ids, quants, scales, minima, table, out):
     """``out[t] = W[token_ids[t]]`` for an interleaved table: the rows dequantized exactly (the
     loader's values: ``q * d``, ``(u - 8) * d``, ``u * d + m``)."""

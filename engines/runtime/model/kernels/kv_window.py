@@ -33,7 +33,7 @@ def kv_window_scatter_cuda(src, token_pages, token_slots, store):
         store[layer, page, head, slot, d] = src[layer, head, t, d]
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=False)
 def kv_window_gather_cpu(store, token_pages, token_slots, out):
     """CPU twin of :func:`kv_window_gather_cuda`. Serial: it runs between steps, right after
     BLAS calls whose spinning threads would stall a parallel loop, and one core copies a window at
@@ -44,7 +44,7 @@ def kv_window_gather_cpu(store, token_pages, token_slots, out):
                 out[layer, head, t, :] = store[layer, token_pages[t], head, token_slots[t], :]
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=False)
 def kv_window_scatter_cpu(src, token_pages, token_slots, store):
     """CPU twin of :func:`kv_window_scatter_cuda`."""
     for layer in range(src.shape[0]):

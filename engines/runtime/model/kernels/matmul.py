@@ -234,7 +234,7 @@ def _last_columns(x, w, out, first):
             out[m, n] = s
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=False)
 def add_bias(out, bias, first, end):
     """``out[:, first:end] += bias[first:end]`` (nothing for a zero-length bias)."""
     if bias.shape[0] > 0:

@@ -85,7 +85,7 @@ def available_isas() -> list[str]:
 # ------------------------------------------------------------------------------ activations
 
 
-@njit(nogil=True, cache=True, error_model="numpy")
+@njit(nogil=True, cache=True, error_model="numpy", fastmath=False)
 def quantize_activations_cpu(x, xq, xd, xs):
     """Each row of ``x`` (float32 ``[rows, in]``) in blocks of 32 as int8 ``xq`` in [-127, 127] with
     the block's scale ``xd = max|x| / 127`` and ``xs = xd * sum(xq)`` (both float32 ``[rows, in/32]``):
@@ -148,7 +148,7 @@ def quantized_dot_reference(x: np.ndarray, weight: QuantizedWeight, bias: np.nda
     return product.astype(np.float32)
 
 
-@njit(nogil=True, cache=True, error_model="numpy")
+@njit(nogil=True, cache=True, error_model="numpy", fastmath=False)
 def spread_scales_cpu(xd, xs, xd8, xs8):
     """The activations' block scales as the row dots read them: each block's ``xd`` in eight lanes
     (``xd8[m, 8b:8b + 8]``), and ``xs / 8`` likewise (eight lanes that sum to ``xs``: exact, a
@@ -168,7 +168,7 @@ def spread_scales_cpu(xd, xs, xd8, xs8):
 # for rows ``m .. m + 3``.
 
 
-@njit(nogil=True, error_model="numpy")
+@njit(nogil=True, error_model="numpy", fastmath=False)
 def _plain_q8_0(wq, ws, wm, table, xq, xd8, xs8, m):
     total = float32(0.0)
     for b in range(ws.shape[0]):
@@ -188,7 +188,7 @@ def _nibbles_dot(wq, xq, m, b):
     return dot
 
 
-@njit(nogil=True, error_model="numpy")
+@njit(nogil=True, error_model="numpy", fastmath=False)
 def _plain_q4_0(wq, ws, wm, table, xq, xd8, xs8, m):
     total = float32(0.0)
     for b in range(ws.shape[0]):
@@ -198,7 +198,7 @@ def _plain_q4_0(wq, ws, wm, table, xq, xd8, xs8, m):
     return total
 
 
-@njit(nogil=True, error_model="numpy")
+@njit(nogil=True, error_model="numpy", fastmath=False)
 def _plain_q4_1(wq, ws, wm, table, xq, xd8, xs8, m):
     total = float32(0.0)
     for b in range(ws.shape[0]):
@@ -208,7 +208,7 @@ def _plain_q4_1(wq, ws, wm, table, xq, xd8, xs8, m):
 
 
 def _plain_four(one: Callable) -> Callable:
-    @njit(nogil=True, error_model="numpy")
+    @njit(nogil=True, error_model="numpy", fastmath=False)
     def four(wq, ws, wm, table, xq, xd8, xs8, m):  # noqa: ANN001, ANN202
         return (one(wq, ws, wm, table, xq, xd8, xs8, m), one(wq, ws, wm, table, xq, xd8, xs8, m + 1),
                 one(wq, ws, wm, table, xq, xd8, xs8, m + 2), one(wq, ws, wm, table, xq, xd8, xs8, m + 3))
@@ -228,7 +228,7 @@ def takes_offset_activations(isa: str, kind: str) -> bool:
     return isa == "vnni" and kind == "Q8_0"
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=False)
 def offset_activations_cpu(xq):
     """``xq + 128`` in place, as unsigned bytes in ``xq``'s int8 array (its top bit flipped)."""
     flat = xq.reshape(-1).view(np.uint8)
@@ -521,7 +521,7 @@ def _dots_of_rows(kind, quants, scales, minima, table, xq, xd8, xs8, out, first,
             m += 1
 
 
-@njit(nogil=True, cache=True, parallel=True, error_model="numpy")
+@njit(nogil=True, cache=True, parallel=True, error_model="numpy", fastmath=False)
 def quantized_dot_rows_cpu(x, quants, scales, minima, table, bias, out, chunks):
     """``out = x @ W.T + bias`` for few rows of float32 ``x``, ``W`` quantized, ``x`` quantized to
     int8 first (see the module's docstring); the weight rows in ``chunks`` parts over numba's threads,
@@ -540,7 +540,7 @@ def quantized_dot_rows_cpu(x, quants, scales, minima, table, bias, out, chunks):
     add_bias(out, bias, 0, cols)
 
 
-@njit(nogil=True, cache=True, parallel=True)
+@njit(nogil=True, cache=True, parallel=True, fastmath=False)
 def dequantize_rows_cpu(quants, scales, minima, table, first, out):
     """Rows ``first .. first + len(out) - 1`` of the weight as float32 into ``out`` (a prefill's panel
     for ``quantized_matmul.quantized_matmul_cpu``), a block a vector (``DEQUANTIZE_ROWS``: the
@@ -565,7 +565,7 @@ def row_dots(isa: str, kind: str) -> Callable:
     one, four = ROW_DOTS[isa][kind]
     offset = takes_offset_activations(isa, kind)
 
-    @njit(error_model="numpy")
+    @njit(error_model="numpy", fastmath=False)
     def run(quants, scales, minima, table, xq, xd, xs, out):  # noqa: ANN001, ANN202
         if offset:
             xq = xq.copy()

@@ -116,7 +116,7 @@ def quantized_matmul_rows_cpu(x, quants, scales, minima, table, bias, out, chunk
     add_bias(out, bias, 0, cols)
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=False)
 def quantized_embedding_cpu(token_ids, quants, scales, minima, table, out):
     """``out[t] = W[token_ids[t]]`` for a quantized embedding table: the rows dequantized (exactly)."""
     for t in range(token_ids.shape[0]):

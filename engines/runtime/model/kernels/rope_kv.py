@@ -63,7 +63,7 @@ def rope_kv_append_cuda(qkv, positions, token_seq, page_table, cos, sin, k_cache
         v_cache[layer, page, kv_head, slot, half + i] = qkv[t, v_base + half + i]
 
 
-@njit(nogil=True, cache=True, error_model="numpy")
+@njit(nogil=True, cache=True, error_model="numpy", fastmath=False)
 def rotate_q_head(row, h, head_dim, c, s):
     """Rotate q head ``h`` (``head_dim`` wide) of the projection row ``row`` in place by the
     position's ``c``/``s`` (a row of :func:`rope_tables`)."""
@@ -77,7 +77,7 @@ def rotate_q_head(row, h, head_dim, c, s):
         x2[i] = b * c[i] + a * s[i]
 
 
-@njit(nogil=True, cache=True, error_model="numpy")
+@njit(nogil=True, cache=True, error_model="numpy", fastmath=False)
 def append_kv_head(row, kv_head, num_q_heads, num_kv_heads, c, s, key, value):
     """kv head ``kv_head`` of the projection row ``row``: its k rotated into the cache row ``key``
     (``head_dim`` wide), its v copied into ``value``."""
@@ -93,7 +93,7 @@ def append_kv_head(row, kv_head, num_q_heads, num_kv_heads, c, s, key, value):
     value[:] = row[v_base:v_base + head_dim]
 
 
-@njit(nogil=True, cache=True, error_model="numpy")
+@njit(nogil=True, cache=True, error_model="numpy", fastmath=False)
 def rope_kv_append_cpu(qkv, positions, token_seq, page_table, cos, sin, k_cache, v_cache, layer, num_q_heads):
     """CPU twin of :func:`rope_kv_append_cuda`. The loops run over 1-D slices (a head's halves,
     a cache slot's row), which LLVM vectorises, where indexing the 2-D and 5-D arrays element by

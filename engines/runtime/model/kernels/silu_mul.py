@@ -4,6 +4,7 @@
 one matmul (weights concatenated at load time), and this kernel halves the width.
 """
 import math
+from typing import Any
 
 from numba import cuda, float32, njit, prange
 
@@ -32,10 +33,11 @@ def _silu_mul(gate_up, out):
             out[t, i] = g / (float32(1.0) + exp_f32(-g)) * gate_up[t, width + i]
 
 
-silu_mul_cpu = njit(nogil=True, cache=True, parallel=True, error_model="numpy")(renamed(_silu_mul, "silu_mul_cpu"))
+_JIT: dict[str, Any] = dict(nogil=True, cache=True, error_model="numpy", fastmath=False)
+silu_mul_cpu = njit(parallel=True, **_JIT)(renamed(_silu_mul, "silu_mul_cpu"))
 silu_mul_cpu.__doc__ = """CPU twin of :func:`silu_mul_cuda`, rows over numba's threads (decode steps), ``exp`` from
 ``fast_exp`` so that each row is a vector loop."""
-silu_mul_serial_cpu = njit(nogil=True, cache=True, error_model="numpy")(renamed(_silu_mul, "silu_mul_serial_cpu"))
+silu_mul_serial_cpu = njit(**_JIT)(renamed(_silu_mul, "silu_mul_serial_cpu"))
 silu_mul_serial_cpu.__doc__ = """Single-threaded :func:`silu_mul_cpu`, for steps whose matmuls go to BLAS (prefill): a
 numba thread pool spinning after its loop would take the cores BLAS's threads need next."""
 
