@@ -333,10 +333,10 @@ def _make_decode_step(kernels_digest: str) -> Callable[..., bool]:
                                                                  k_cache.shape[3], k_cache.shape[4],
                                                                  parallel_attention_min_work, threads)
         # One token, and whole (gate, up) pairs in each block of the fused kernel: see matmul_swiglu_cpu
-        # (float weights; a team fuses quantized ones too).
+        # and step_weights.fuses_swiglu (a team has conditions of its own for quantized weights).
         one_token = token_ids.shape[0] == 1
-        swiglu_fused = one_token and step_weights.fuses_swiglu(gate_up_w, True)
-        if one_token and step_weights.fuses_swiglu(gate_up_w, False) and thread_team.may_try(team_state):
+        swiglu_fused = one_token and step_weights.fuses_swiglu(gate_up_w, False)
+        if one_token and step_weights.fuses_swiglu(gate_up_w, True) and thread_team.may_try(team_state):
             team = max(1, min(threads, thread_team.max_parties(team_state)))
             team_heads, team_keys = head_splits, key_splits
             if head_splits == 0:  # the team is awake anyway: its members take slices of the heads
@@ -367,7 +367,7 @@ def _make_decode_step(kernels_digest: str) -> Callable[..., bool]:
             step_weights.rows_matmul(attn, o_w[layer], no_bias, delta, threads)
             add_rmsnorm.add_rmsnorm_cpu(hidden, delta, rows, post_norm[layer], eps, normed)
             if swiglu_fused:
-                step_weights.swiglu_matmul(normed, gate_up_w[layer], act, gate_up, threads)
+                step_weights.swiglu_matmul(normed, gate_up_w[layer], act, gate_up, no_bias, threads)
             else:
                 step_weights.rows_matmul(normed, gate_up_w[layer], no_bias, gate_up, threads)
                 silu_mul.silu_mul_cpu(gate_up, act)

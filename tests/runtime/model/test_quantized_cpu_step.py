@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from numba.typed import List
 
+from engines.runtime.model import thread_team
 from engines.runtime.model.checkpoint import load_checkpoint
 from engines.runtime.model.forward_batch import ForwardBatch
 from engines.runtime.model.interleaved_weight import InterleavedWeight
@@ -99,6 +100,18 @@ def test_one_token_steps_of_a_team_of_each_size_equal_the_per_kernel_path(
     team = TeamSteps(model)
     run_both(model, one_token_steps(VOCAB, seed=41, prompt=4, count=6))
     assert team.ran() == (6, 0)
+
+
+def test_one_token_steps_with_the_team_switched_off_fork_per_kernel_alike(
+        model: LlamaModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a team a step of one token takes gate/up through ``step_weights.swiglu_matmul``:
+    the interleaved product, then ``silu_mul_cpu``."""
+    monkeypatch.setattr(model.cpu_step, "team_state", thread_team.new_state(2))
+    model.cpu_step.team = False
+    counted = CountedStep(monkeypatch)
+    steps = one_token_steps(VOCAB, seed=43, prompt=3, count=4)
+    run_both(model, steps)
+    assert counted.calls == len(steps) and model.cpu_step.team_steps == (0, 0)
 
 
 def test_a_matrix_of_rows_in_no_whole_groups_leaves_the_model_kernel_by_kernel(tmp_path: Path) -> None:

@@ -70,21 +70,22 @@ def _rows_matmul(x, w, bias, out, threads):  # noqa: ANN001, ANN202
     return plain
 
 
-def swiglu_matmul(x, w, out, gate_up, threads):  # noqa: ANN001, ANN201 - typed by its overload
+def swiglu_matmul(x, w, out, gate_up, no_bias, threads):  # noqa: ANN001, ANN201 - typed by its overload
     """``out = silu(gate) * up`` of ``x @ [gate | up].T`` for a step of one token where
-    :func:`fuses_swiglu` says the kernel may: float weights' ``matmul_swiglu_cpu`` (``gate_up``
-    unused); an interleaved weight's product into ``gate_up``, then ``silu_mul_cpu``."""
+    :func:`fuses_swiglu` says the kernel may: float weights' fused ``matmul_swiglu_cpu``
+    (``gate_up`` unused); an interleaved weight's product into ``gate_up``, then ``silu_mul_cpu``
+    (only a thread team fuses those)."""
 
 
 @overload(swiglu_matmul, jit_options={"nogil": True})
-def _swiglu_matmul(x, w, out, gate_up, threads):  # noqa: ANN001, ANN202
+def _swiglu_matmul(x, w, out, gate_up, no_bias, threads):  # noqa: ANN001, ANN202
     if _quantized(w):
-        def interleaved(x, w, out, gate_up, threads):  # noqa: ANN001, ANN202
-            rows_matmul(x, w, np.zeros(0, np.float32), gate_up, threads)
+        def interleaved(x, w, out, gate_up, no_bias, threads):  # noqa: ANN001, ANN202
+            rows_matmul(x, w, no_bias, gate_up, threads)
             silu_mul.silu_mul_cpu(gate_up, out)
         return interleaved
 
-    def plain(x, w, out, gate_up, threads):  # noqa: ANN001, ANN202
+    def plain(x, w, out, gate_up, no_bias, threads):  # noqa: ANN001, ANN202
         matmul.matmul_swiglu_cpu(x, w, out)
     return plain
 
@@ -106,21 +107,21 @@ def _gather(token_ids, table, out):  # noqa: ANN001, ANN202
     return plain
 
 
-def fuses_swiglu(gate_up_w, kernel):  # noqa: ANN001, ANN201 - typed by its overload
-    """Whether a step of one token may take the MLP's gate/up projection and SwiGLU as one op, for
-    these layers' ``[gate | up]`` weights: by ``matmul_swiglu_cpu`` (``kernel``: float weights whose
-    blocks of four rows hold whole (gate, up) pairs) or in a thread team (which fuses quantized
-    ones too, when the gates come in whole groups)."""
+def fuses_swiglu(gate_up_w, team):  # noqa: ANN001, ANN201 - typed by its overload
+    """Whether a step of one token may take the MLP's gate/up projection and SwiGLU as one op
+    (:func:`swiglu_matmul`, or in a thread team with ``team``), for these layers' ``[gate | up]``
+    weights: float ones when each of ``matmul_swiglu_cpu``'s blocks of four rows holds whole
+    (gate, up) pairs; interleaved ones always, and in a team when the gates come in whole groups."""
 
 
 @overload(fuses_swiglu, jit_options={"nogil": True})
-def _fuses_swiglu(gate_up_w, kernel):  # noqa: ANN001, ANN202
+def _fuses_swiglu(gate_up_w, team):  # noqa: ANN001, ANN202
     if isinstance(gate_up_w, types.Array):
-        return lambda gate_up_w, kernel: gate_up_w.shape[1] % 4 == 0
+        return lambda gate_up_w, team: gate_up_w.shape[1] % 4 == 0
 
-    def interleaved(gate_up_w, kernel):  # noqa: ANN001, ANN202
-        if kernel:
-            return False
+    def interleaved(gate_up_w, team):  # noqa: ANN001, ANN202
+        if not team:
+            return True
         for layer in range(len(gate_up_w)):
             if gate_up_w[layer][1].shape[0] % 2 != 0:  # groups: the gates' must be whole ones
                 return False
