@@ -63,10 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def make_checkpoint(args: argparse.Namespace) -> tuple[Path, Path]:
-    """The random HF checkpoint (with a word-level tokenizer) and its CTranslate2 conversion, made once."""
-    name = f"llama-h{args.hidden}-l{args.layers}-q{args.heads}-kv{args.kv_heads}-v{args.vocab}"
-    hf, ct2 = args.cache / name, args.cache / f"{name}-ct2"
+def hf_checkpoint(args: argparse.Namespace) -> Path:
+    """The random HF checkpoint of ``args``' shape (with a word-level tokenizer), made once."""
+    hf = args.cache / f"llama-h{args.hidden}-l{args.layers}-q{args.heads}-kv{args.kv_heads}-v{args.vocab}"
     if not (hf / "model.safetensors").exists():
         import torch
         from tokenizers import Tokenizer, models
@@ -80,6 +79,13 @@ def make_checkpoint(args: argparse.Namespace) -> tuple[Path, Path]:
         LlamaForCausalLM(config).save_pretrained(hf, safe_serialization=True)
         Tokenizer(models.WordLevel({f"w{i}": i for i in range(args.vocab)}, unk_token="w0")).save(
             str(hf / "tokenizer.json"))
+    return hf
+
+
+def make_checkpoint(args: argparse.Namespace) -> tuple[Path, Path]:
+    """The random HF checkpoint (:func:`hf_checkpoint`) and its CTranslate2 conversion, made once."""
+    hf = hf_checkpoint(args)
+    ct2 = hf.with_name(f"{hf.name}-ct2")
     if not (ct2 / "model.bin").exists():
         import ctranslate2
 

@@ -9,15 +9,21 @@ generations, so that both forms see the same contexts and the same memory spells
 read rate may switch between a slow and a fast spell for minutes at a time:
 docs/perf-log/cpu-anchors.md#2026-11-26-one-numba-call-a-step), on issue 15's
 checkpoint (``bench/cpu_anchors.py`` makes it), or with ``--gguf`` on one of the judge's GGUF files
-(``bench/gguf_vs_llamacpp.py``) with its weights kept quantized. ``kernels`` adds a third form:
+(``bench/gguf_vs_llamacpp.py``) with its weights kept quantized, or with ``--big LAYERS`` on a random
+model of TinyLlama-1.1B's layer shape (hidden 2048, MLP 5632, 32 heads, 4 KV heads, 32,000 tokens)
+with its matrices quantized as SmolLM2's file holds its own (Q4_1, the LM head Q8_0): matrices of
+2-7 MB where SmolLM2's are 0.07-1.1 MB, so that a step's fixed costs (barriers, norms, attention)
+weigh less against its weights' bytes. ``kernels`` adds a third form:
 the model launching kernel by kernel from Python (``LlamaModel.cpu_step`` None), the path a
 quantized model took before the compiled step read quantized weights. It prints each
 generation's median step of each form and their share of the host's read rate
-(``measure_host_bandwidth``, read before each generation), then the ratios of the medians, over
-all steps and by spell.
+(``measure_host_bandwidth`` of as many bytes as a step's weights, read before each generation: a
+read of 128 MB, on a host whose last-level cache holds 32 MB, ran at up to twice the rate of a read
+of 1 GB), then the ratios of the medians, over all steps and by spell.
 
     .venv/bin/python bench/cpu_team_step.py --threads 2 --new-tokens 128 512 --generations 12
     .venv/bin/python bench/cpu_team_step.py --gguf q4_1 --forms team omp kernels --new-tokens 128
+    .venv/bin/python bench/cpu_team_step.py --big 8 --forms team --new-tokens 64 --generations 6
 """
 from __future__ import annotations
 
@@ -40,6 +46,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int, default=16)
     parser.add_argument("--gguf", choices=["q4_1", "q8_0", "q4_k_m"],
                         help="a judge's GGUF file, kept quantized, instead of issue 15's float32 checkpoint")
+    parser.add_argument("--big", type=int, metavar="LAYERS",
+                        help="a random Q4_1 model of TinyLlama-1.1B's layer shape, this many layers")
     parser.add_argument("--forms", nargs="+", choices=["team", "omp", "kernels"], default=["team", "omp"],
                         help="the step's forms, in turn (the first is the ratios' numerator)")
     add_results_option(parser, "cpu_team_step")
@@ -65,6 +73,11 @@ def main() -> None:
         model = LlamaModel.from_checkpoint(load_checkpoint(path[args.gguf], keep_quantized=True), backend="cpu")
         weight_bytes, vocab = model.weight_bytes, model.config.vocab_size
         print(f"{args.gguf}: {model.weights_format}")
+    elif args.big:
+        model = big_quantized_model(args.big)
+        # Its embedding (float32, untied) is not read whole by a step: one row of it.
+        weight_bytes, vocab = model.weight_bytes - model.embed_tokens.nbytes, model.config.vocab_size
+        print(f"{args.big} layers of TinyLlama-1.1B's shape: {model.weights_format}")
     else:
         anchors = cpu_anchors.parse_args([])
         hf, _ = cpu_anchors.make_checkpoint(anchors)
@@ -83,7 +96,7 @@ def main() -> None:
         steps: dict[str, list[float]] = {form: [] for form in forms}
         by_spell: dict[str, list[tuple[float, float, float]]] = {form: [] for form in forms}
         for generation in range(args.generations + 1):  # the first warms up, untimed
-            gbs = measure_host_bandwidth()
+            gbs = measure_host_bandwidth(weight_bytes)
             decoder = OurDecoder(model, prompt, args.prompt_len + new + 1, kv=kv)
             times: dict[str, list[float]] = {form: [] for form in forms}
             for i in range(new - 1):
@@ -107,7 +120,7 @@ def main() -> None:
         run, called_off = step.team_steps
         if called_off:
             raise SystemExit(f"the team was called off ({called_off}): every step forked per kernel")
-        model_name = {"model": args.gguf} if args.gguf else {}
+        model_name = {"model": args.gguf} if args.gguf else {"model": f"big-{args.big}"} if args.big else {}
         for other in forms[1:]:
             ratio = statistics.median(steps[first]) / statistics.median(steps[other])
             print(f"{new} new: {first}/{other}, median step over all steps: {ratio:.3f}")
@@ -131,6 +144,27 @@ def main() -> None:
                 results.add(f"{first}/{second}, median step", first_over_second, "ratio", **where)
                 results.add(f"{first}, share of the host's read rate", 100 * first_share, "%", **where)
                 results.add(f"{second}, share of the host's read rate", 100 * second_share, "%", **where)
+
+
+def big_quantized_model(layers: int):  # noqa: ANN201 - a LlamaModel, imported after the thread counts are set
+    """``--big``'s model: bench/cpu_anchors.py's random checkpoint of TinyLlama-1.1B's layer shape,
+    its projections quantized to Q4_1 and its LM head to Q8_0 by the ``gguf`` package, kept so."""
+    import dataclasses
+
+    import gguf
+
+    from bench import cpu_anchors
+    from engines.runtime import LlamaModel, QuantizedWeight, load_checkpoint
+
+    shape = cpu_anchors.parse_args(["--hidden", "2048", "--layers", str(layers), "--heads", "32", "--kv-heads", "4",
+                                    "--vocab", "32000"])
+    checkpoint = load_checkpoint(cpu_anchors.hf_checkpoint(shape))
+    weights = {}
+    for name, values in checkpoint.weights.items():
+        kind = "Q8_0" if name == "lm_head.weight" else "Q4_1" if name.endswith("_proj.weight") else None
+        weights[name] = values if kind is None else QuantizedWeight.from_blocks(
+            gguf.quants.quantize(values, gguf.GGMLQuantizationType[kind]).reshape(-1), kind, values.shape)
+    return LlamaModel.from_checkpoint(dataclasses.replace(checkpoint, weights=weights), backend="cpu")
 
 
 if __name__ == "__main__":
