@@ -17,6 +17,7 @@ from engines.runtime.model import thread_team
 from engines.runtime.model.checkpoint import load_checkpoint
 from engines.runtime.model.forward_batch import ForwardBatch
 from engines.runtime.model.interleaved_weight import InterleavedWeight
+from engines.runtime.model.kernels import step_weights
 from engines.runtime.model.llama import LlamaModel
 from engines.runtime.model.quantized_weight import QuantizedWeight
 from tests.runtime.model.test_cpu_step import CountedStep, TeamSteps, one_token_steps, run_both
@@ -69,6 +70,26 @@ def test_the_step_takes_interleaved_weights_of_several_types_as_a_typed_list(mod
     assert isinstance(qkv, List) and len(qkv) == 2
     assert [layer[0].dtype for layer in qkv] == [np.uint8, np.uint8]  # Q8_0's int8 quants as a uint8 view
     assert qkv[1][0].ctypes.data == model.layer_weights.qkv_w[1].quants.ctypes.data  # a view, not a copy
+
+
+def test_layers_of_arrays_of_other_flags_are_listed_too(model: LlamaModel) -> None:
+    """The typed list is made in compiled code from a tuple of like layers (its methods then load
+    from the cache); layers whose arrays differ in their flags (one read-only here) are no such
+    tuple, and are listed from Python, the same arrays either way."""
+    layers = list(model.layer_weights.qkv_w)
+    for listed in (step_weights.step_layers(layers), step_weights.step_layers([read_only(layers[0]), layers[1]])):
+        assert isinstance(listed, List) and len(listed) == 2
+        for got, weight in zip(listed, layers, strict=True):
+            assert got[0].ctypes.data == weight.quants.ctypes.data
+            assert got[1].ctypes.data == weight.scales.ctypes.data
+    # one table of halves for them all
+    assert listed[0][3].ctypes.data == listed[1][3].ctypes.data == step_weights.step_form(layers[0])[3].ctypes.data
+
+
+def read_only(weight: InterleavedWeight) -> InterleavedWeight:
+    quants = weight.quants.view()
+    quants.flags.writeable = False
+    return dataclasses.replace(weight, quants=quants)
 
 
 def test_compiled_steps_equal_the_per_kernel_path(model: LlamaModel, monkeypatch: pytest.MonkeyPatch) -> None:
