@@ -20,8 +20,12 @@ import numba
 import numpy as np
 import orjson
 
+from engines.runtime.numba_cache import install_cache_locators
+
 if TYPE_CHECKING:
     from engines.runtime.telemetry.trace_window import TraceWindow
+
+install_cache_locators()  # before this module's compiled functions are decorated
 
 __all__ = ["export_json", "json_bytes"]
 

@@ -21,8 +21,11 @@ from typing import Any, Callable
 import numpy as np
 from numba import njit, prange
 
+from engines.runtime.numba_cache import install_cache_locators
 from engines.runtime.telemetry.stack_sampler import StackSampler
 from engines.runtime.telemetry.trace_recorder import epoch_anchor_ns
+
+install_cache_locators()  # before this module's compiled functions are decorated
 
 __all__ = ["KERNELS", "PHASES", "ProfileResult", "ProfileStatus", "ProfiledBackend", "ProfilerStateError",
            "StepProfiler", "measure_host_bandwidth"]

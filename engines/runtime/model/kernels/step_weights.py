@@ -46,7 +46,7 @@ def step_form(weight: np.ndarray | InterleavedWeight) -> StepWeight:
     return weight
 
 
-@njit(cache=True)
+@njit(cache=True, fastmath=False)
 def _typed_list(items):  # noqa: ANN001, ANN202
     """A typed list of a homogeneous tuple's items, made in compiled code: the list's methods then
     come from this function's cache entry, where a ``List`` made from Python compiles them in every
