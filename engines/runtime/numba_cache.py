@@ -11,8 +11,9 @@ function, which compiles again on first use, or up front at a server's start
 (``frontend.precompile``, whose stamp is keyed by the sources too).
 
 :func:`install_cache_locators` puts the locators that do this before numba's own (in
-``CacheImpl``'s list, numba's hook for them); numba picks a function's locator when the function is decorated, so the packages
-that hold compiled functions (``model``, and ``telemetry``'s modules that do) call it first.
+``CacheImpl``'s list, numba's hook for them); numba picks a function's locator when the function
+is decorated, so the packages that hold compiled functions (``model``, and ``telemetry``'s modules
+that do) call it first.
 """
 from __future__ import annotations
 
