@@ -50,51 +50,35 @@ The weights may be float arrays or quantized ones in the interleaved layout (eac
 picked by the weight's storage when numba compiles the step: ``kernels.step_weights``, and
 :func:`team_matmul` here); a quantized model's step is the same source compiled for its types.
 
-numba's on-disk cache keys a compiled function by its own bytecode, not by its callees': a
-kernel edited since the step was cached would still run in its old form. The step is therefore
-made by a closure over a digest of the kernel modules' sources, whose contents numba's key
-includes: an edit to any of them compiles the step anew.
+The step holds most kernels compiled into itself; its cache entry, as every compiled runtime
+function's, is stamped with all the runtime's compiled sources (``engines.runtime.numba_cache``),
+so that an edit to any kernel compiles it anew.
 """
 from __future__ import annotations
 
-import hashlib
 import threading
-from pathlib import Path
-from typing import Callable, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 from numba import float32, njit, prange, types
 from numba.extending import overload
 
-from engines.runtime.model import interleaved_weight, step_inputs, thread_team
+from engines.runtime.model import step_inputs, thread_team
 from engines.runtime.model.backend import Activations, Array, CpuBackend, CpuWeight, Workspace
 from engines.runtime.model.config import ModelConfig
 from engines.runtime.model.forward_batch import ForwardBatch
 from engines.runtime.model.interleaved_weight import GROUP, InterleavedWeight
-from engines.runtime.model.kernels import (add_rmsnorm, argmax, attention, embedding, fast_exp, interleaved_dot,
-                                           matmul, quantized_dot, rope_kv, silu_mul, step_weights, vector_width)
+from engines.runtime.model.kernels import (add_rmsnorm, argmax, attention, interleaved_dot,
+                                           matmul, rope_kv, silu_mul, step_weights)
 from engines.runtime.model.kernels.fast_exp import exp_f32
 from engines.runtime.model.kv_storage import PagedKVCache
 from engines.runtime.model.layer_weights import LayerWeights
 from engines.runtime.model.quantized_weight import BLOCK
 
-__all__ = ["CpuDecodeStep", "decode_step_cpu", "kernel_sources_digest", "one_token_team_step", "team_matmul"]
+__all__ = ["CpuDecodeStep", "decode_step_cpu", "one_token_team_step", "team_matmul"]
 
 # Reassociation for the inlined kernel bodies, as their own modules compile them (matmul, attention).
 _FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
-
-#: The modules whose compiled code :func:`decode_step_cpu` holds (callees and theirs).
-STEP_KERNEL_MODULES = (step_inputs, thread_team, embedding, add_rmsnorm, matmul, rope_kv, attention, fast_exp,
-                       silu_mul, argmax, vector_width, step_weights, interleaved_dot, quantized_dot, interleaved_weight)
-
-
-def kernel_sources_digest(modules: tuple = STEP_KERNEL_MODULES) -> str:
-    """A SHA-256 of the source files of ``modules``: part of :func:`decode_step_cpu`'s cache key."""
-    digest = hashlib.sha256()
-    for module in modules:
-        digest.update(Path(module.__file__).read_bytes())
-    return digest.hexdigest()
-
 
 # Weight bytes a chunk of a team's matmul holds (thread_team.claim): a few microseconds of streaming
 # for one member, so that the member who finishes last waits little, in long enough runs to stream
@@ -188,203 +172,185 @@ def _team_matmul_overload(x, w, bias, out, member, team, state, drawn, swiglu, s
     return plain
 
 
-def _make_team_step(kernels_digest: str) -> Callable[..., bool]:
-    """The one-token team step, its cache entry keyed by ``kernels_digest`` (as the step's)."""
-
-    @njit(nogil=True, cache=True, parallel=True, fastmath=_FASTMATH, error_model="numpy")
-    def one_token_team_step(state, team, token_ids, positions, token_seq, page_table, rows,  # the step
-                            embed, input_norm, qkv_w, qkv_bias, o_w, post_norm, gate_up_w, down_w,  # weights
-                            final_norm, lm_head_w, no_bias, no_residual, cos, sin, eps, num_q_heads, scale,
-                            k_cache, v_cache, head_splits, key_splits, greedy,
-                            hidden, qkv, attn, delta, act, final, logits, next_ids):
-        """A step of one token run by a team of ``team`` threads in one parallel region (see the
-        module's docstring and ``thread_team``). True once run; False, and nothing run, if the team
-        could not meet. ``state`` counts the steps run and called off."""
-        kernels_digest  # noqa: B018 - in the cache key, as decode_step_cpu's
-        if team < 1 or team > thread_team.max_parties(state):  # no counters for it
-            return False
-        width = hidden.shape[1]
-        head_dim = k_cache.shape[4]
-        own_hidden = np.empty((team, 1, width), np.float32)
-        own_normed = np.empty((team, 1, width), np.float32)
-        q_width = attn.shape[1]
-        own_q = np.empty((team, 1, q_width), np.float32)
-        own_attn = np.empty((team, 1, q_width), np.float32)
-        # A quantized weight's member quantizes its matmul's input itself (no barrier for it), and
-        # takes the MLP's gate/up products into a row of its own before their SwiGLU.
-        widest = max(width, q_width, act.shape[1])
-        own_xq = np.empty((team, widest), np.int8)
-        own_xd = np.empty((team, widest // BLOCK), np.float32)
-        own_xs = np.empty((team, widest // BLOCK), np.float32)
-        own_gate_up = np.empty((team, 1, 2 * act.shape[1]), np.float32)
-        num_kv_heads = k_cache.shape[2]
-        page_size = k_cache.shape[3]
-        parts = key_splits if key_splits > 1 else 0
-        part_max = np.empty((parts, num_q_heads), np.float32)
-        part_sum = np.empty((parts, num_q_heads), np.float32)
-        part_out = np.empty((parts, num_q_heads, head_dim), np.float32)
-        position = positions[0]
-        c = cos[position]
-        s = sin[position]
-        page = page_table[token_seq[0], position // page_size]
-        slot = position % page_size
-        items = head_splits * key_splits
-        kv_per_item = num_kv_heads // head_splits
-        thread_team.reset(state, team)
-        for index in prange(team):
-            member = np.int64(index)  # prange's index is unsigned in the parallel body, signed elsewhere
-            if thread_team.rendezvous(state, team):
-                h = own_hidden[member]
-                n = own_normed[member]
-                q = own_q[member]
-                merged = own_attn[member]
-                scratch = (own_xq[member], own_xd[member], own_xs[member], own_gate_up[member])
-                passed = 0  # barriers passed
-                drawn = np.int64(0)  # tickets drawn (thread_team.claim); not a literal: one compiled _team_matmul
-                step_weights.gather(token_ids, embed, h)
-                for layer in range(len(qkv_w)):
-                    add_rmsnorm.add_rmsnorm_cpu(h, no_residual if layer == 0 else delta, rows, input_norm[layer], eps,
-                                                n)
-                    drawn = team_matmul(n, qkv_w[layer], qkv_bias[layer], qkv, member, team, state, drawn, False,
-                                        scratch)
-                    passed += 1
-                    thread_team.barrier(state, team, passed)
-                    # q rotated into the member's own row, every head (no barrier for RoPE); the
-                    # new token's k and v appended by the member whose item holds its position.
-                    for i in range(q_width):
-                        q[0, i] = qkv[0, i]
-                    for head in range(num_q_heads):
-                        rope_kv.rotate_q_head(q[0], head, head_dim, c, s)
-                    for item in range(member, items, team):
-                        if item % key_splits == key_splits - 1:
-                            first_kv_head = item // key_splits * kv_per_item
-                            for kv_head in range(first_kv_head, first_kv_head + kv_per_item):
-                                rope_kv.append_kv_head(qkv[0], kv_head, num_q_heads, num_kv_heads, c, s,
-                                                       k_cache[layer, page, kv_head, slot],
-                                                       v_cache[layer, page, kv_head, slot])
-                        attention.attention_item(item, head_splits, key_splits, q, positions, token_seq, page_table,
-                                                 k_cache, v_cache, layer, num_q_heads, scale, attn, part_max, part_sum,
-                                                 part_out)
-                    passed += 1
-                    thread_team.barrier(state, team, passed)
-                    if key_splits > 1:  # every member merges every head, into its own row
-                        for head in range(num_q_heads):
-                            attention.merge_key_slices(0, head, key_splits, part_max, part_sum, part_out, merged)
-                    drawn = team_matmul(merged if key_splits > 1 else attn, o_w[layer], no_bias, delta, member, team,
-                                        state, drawn, False, scratch)
-                    passed += 1
-                    thread_team.barrier(state, team, passed)
-                    add_rmsnorm.add_rmsnorm_cpu(h, delta, rows, post_norm[layer], eps, n)
-                    drawn = team_matmul(n, gate_up_w[layer], no_bias, act, member, team, state, drawn, True, scratch)
-                    passed += 1
-                    thread_team.barrier(state, team, passed)
-                    drawn = team_matmul(act, down_w[layer], no_bias, delta, member, team, state, drawn, False,
-                                        scratch)
-                    passed += 1
-                    thread_team.barrier(state, team, passed)
-                add_rmsnorm.add_rmsnorm_cpu(h, delta, rows, final_norm, eps, n)
-                drawn = team_matmul(n, lm_head_w, no_bias, logits, member, team, state, drawn, False, scratch)
+@njit(nogil=True, cache=True, parallel=True, fastmath=_FASTMATH, error_model="numpy")
+def one_token_team_step(state, team, token_ids, positions, token_seq, page_table, rows,  # the step
+                        embed, input_norm, qkv_w, qkv_bias, o_w, post_norm, gate_up_w, down_w,  # weights
+                        final_norm, lm_head_w, no_bias, no_residual, cos, sin, eps, num_q_heads, scale,
+                        k_cache, v_cache, head_splits, key_splits, greedy,
+                        hidden, qkv, attn, delta, act, final, logits, next_ids):
+    """A step of one token run by a team of ``team`` threads in one parallel region (see the
+    module's docstring and ``thread_team``). True once run; False, and nothing run, if the team
+    could not meet. ``state`` counts the steps run and called off."""
+    if team < 1 or team > thread_team.max_parties(state):  # no counters for it
+        return False
+    width = hidden.shape[1]
+    head_dim = k_cache.shape[4]
+    own_hidden = np.empty((team, 1, width), np.float32)
+    own_normed = np.empty((team, 1, width), np.float32)
+    q_width = attn.shape[1]
+    own_q = np.empty((team, 1, q_width), np.float32)
+    own_attn = np.empty((team, 1, q_width), np.float32)
+    # A quantized weight's member quantizes its matmul's input itself (no barrier for it), and
+    # takes the MLP's gate/up products into a row of its own before their SwiGLU.
+    widest = max(width, q_width, act.shape[1])
+    own_xq = np.empty((team, widest), np.int8)
+    own_xd = np.empty((team, widest // BLOCK), np.float32)
+    own_xs = np.empty((team, widest // BLOCK), np.float32)
+    own_gate_up = np.empty((team, 1, 2 * act.shape[1]), np.float32)
+    num_kv_heads = k_cache.shape[2]
+    page_size = k_cache.shape[3]
+    parts = key_splits if key_splits > 1 else 0
+    part_max = np.empty((parts, num_q_heads), np.float32)
+    part_sum = np.empty((parts, num_q_heads), np.float32)
+    part_out = np.empty((parts, num_q_heads, head_dim), np.float32)
+    position = positions[0]
+    c = cos[position]
+    s = sin[position]
+    page = page_table[token_seq[0], position // page_size]
+    slot = position % page_size
+    items = head_splits * key_splits
+    kv_per_item = num_kv_heads // head_splits
+    thread_team.reset(state, team)
+    for index in prange(team):
+        member = np.int64(index)  # prange's index is unsigned in the parallel body, signed elsewhere
+        if thread_team.rendezvous(state, team):
+            h = own_hidden[member]
+            n = own_normed[member]
+            q = own_q[member]
+            merged = own_attn[member]
+            scratch = (own_xq[member], own_xd[member], own_xs[member], own_gate_up[member])
+            passed = 0  # barriers passed
+            drawn = np.int64(0)  # tickets drawn (thread_team.claim); not a literal: one compiled _team_matmul
+            step_weights.gather(token_ids, embed, h)
+            for layer in range(len(qkv_w)):
+                add_rmsnorm.add_rmsnorm_cpu(h, no_residual if layer == 0 else delta, rows, input_norm[layer], eps,
+                                            n)
+                drawn = team_matmul(n, qkv_w[layer], qkv_bias[layer], qkv, member, team, state, drawn, False,
+                                    scratch)
                 passed += 1
                 thread_team.barrier(state, team, passed)
-                if member == 0:
-                    for i in range(width):
-                        hidden[0, i] = h[0, i]
-                        final[0, i] = n[0, i]
-                    if greedy:
-                        argmax.argmax_cpu(logits, next_ids)
-        ran = state[thread_team.ARRIVED] >= team
-        state[thread_team.TEAM_STEPS if ran else thread_team.CALLED_OFF] += 1
-        return ran
-
-    return one_token_team_step
-
-
-def _make_decode_step(kernels_digest: str) -> Callable[..., bool]:
-    """The compiled step, its cache entry keyed by ``kernels_digest`` (see the module's docstring)."""
-
-    @njit(nogil=True, cache=True, fastmath=False)
-    def decode_step_cpu(token_ids, query_starts, cached_lens, page_table, all_logits,  # the batch
-                        vocab_size, max_positions,
-                        embed, input_norm, qkv_w, qkv_bias, o_w, post_norm, gate_up_w, down_w,  # weights
-                        final_norm, lm_head_w, no_bias, cos, sin, eps, num_q_heads, scale,
-                        k_cache, v_cache, parallel_attention_min_work, threads, greedy,  # KV, attention's split
-                        hidden, no_residual, normed, qkv, attn, delta, gate_up, act, final, logits, next_ids,
-                        team_state):
-        """``LlamaModel._launch`` for one step of a checked batch (False, and nothing run, for an
-        invalid one), kernel for kernel but, for one token, the MLP's gate/up projection and
-        SwiGLU as one kernel (``matmul_swiglu_cpu``); attention split over numba's threads as
-        ``CpuBackend.attention_splits`` splits it ((0, 0): single-threaded). A step of one token
-        with whole (gate, up) pairs in the fused kernel's blocks runs as :func:`one_token_team_step`
-        unless ``team_state`` says not to (``thread_team.may_try``: switched off, or waiting after a
-        call-off)."""
-        kernels_digest  # noqa: B018 - referenced so that it is in the closure, hence in the cache key
-        ok, positions, token_seq, page_table, logit_rows = step_inputs.derive_int32(
-            token_ids, query_starts, cached_lens, page_table, vocab_size, max_positions, k_cache.shape[3],
-            k_cache.shape[1])
-        rows = np.arange(token_ids.shape[0], dtype=np.int32)
-        if all_logits:
-            logit_rows = rows
-        # The buffers must be the batch's size (``forward`` sizes them; ``run`` is public): no
-        # kernel checks a bound.
-        if not ok or hidden.shape[0] != token_ids.shape[0] or logits.shape[0] != logit_rows.shape[0] \
-                or next_ids.shape[0] != logit_rows.shape[0]:
-            return False
-        head_splits, key_splits = attention.cpu_attention_splits(positions, num_q_heads, k_cache.shape[2],
-                                                                 k_cache.shape[3], k_cache.shape[4],
-                                                                 parallel_attention_min_work, threads)
-        # One token, and whole (gate, up) pairs in each block of the fused kernel: see matmul_swiglu_cpu
-        # and step_weights.fuses_swiglu (a team has conditions of its own for quantized weights).
-        one_token = token_ids.shape[0] == 1
-        swiglu_fused = one_token and step_weights.fuses_swiglu(gate_up_w, False)
-        if one_token and step_weights.fuses_swiglu(gate_up_w, True) and thread_team.may_try(team_state):
-            team = max(1, min(threads, thread_team.max_parties(team_state)))
-            team_heads, team_keys = head_splits, key_splits
-            if head_splits == 0:  # the team is awake anyway: its members take slices of the heads
-                team_heads, team_keys = attention.head_splits(token_ids.shape[0], k_cache.shape[2], team), 1
-            ran = one_token_team_step(team_state, team, token_ids, positions, token_seq, page_table, rows,
-                                      embed, input_norm, qkv_w, qkv_bias, o_w, post_norm, gate_up_w, down_w,
-                                      final_norm, lm_head_w, no_bias, no_residual, cos, sin, eps, num_q_heads,
-                                      scale, k_cache, v_cache, team_heads, team_keys, greedy,
-                                      hidden, qkv, attn, delta, act, final, logits, next_ids)
-            thread_team.back_off(team_state, not ran)
-            if ran:
-                return True
-        step_weights.gather(token_ids, embed, hidden)
-        for layer in range(len(qkv_w)):
-            residual = no_residual if layer == 0 else delta
-            add_rmsnorm.add_rmsnorm_cpu(hidden, residual, rows, input_norm[layer], eps, normed)
-            step_weights.rows_matmul(normed, qkv_w[layer], qkv_bias[layer], qkv, threads)
-            rope_kv.rope_kv_append_cpu(qkv, positions, token_seq, page_table, cos, sin, k_cache, v_cache, layer,
-                                       num_q_heads)
-            if head_splits > 0:
-                attention.paged_attention_cpu(qkv, positions, token_seq, page_table, k_cache, v_cache, layer,
-                                              num_q_heads, scale, attn, head_splits, key_splits)
-            else:
-                # Splits of one, as ints rather than literals: the same compiled kernel the backend calls.
-                attention.paged_attention_serial_cpu(qkv, positions, token_seq, page_table, k_cache, v_cache, layer,
-                                                     num_q_heads, scale, attn, max(head_splits, 1),
-                                                     max(key_splits, 1))
-            step_weights.rows_matmul(attn, o_w[layer], no_bias, delta, threads)
-            add_rmsnorm.add_rmsnorm_cpu(hidden, delta, rows, post_norm[layer], eps, normed)
-            if swiglu_fused:
-                step_weights.swiglu_matmul(normed, gate_up_w[layer], act, gate_up, no_bias, threads)
-            else:
-                step_weights.rows_matmul(normed, gate_up_w[layer], no_bias, gate_up, threads)
-                silu_mul.silu_mul_cpu(gate_up, act)
-            step_weights.rows_matmul(act, down_w[layer], no_bias, delta, threads)
-        add_rmsnorm.add_rmsnorm_cpu(hidden, delta, logit_rows, final_norm, eps, final)
-        step_weights.rows_matmul(final, lm_head_w, no_bias, logits, threads)
-        if greedy:
-            argmax.argmax_cpu(logits, next_ids)
-        return True
-
-    return decode_step_cpu
+                # q rotated into the member's own row, every head (no barrier for RoPE); the
+                # new token's k and v appended by the member whose item holds its position.
+                for i in range(q_width):
+                    q[0, i] = qkv[0, i]
+                for head in range(num_q_heads):
+                    rope_kv.rotate_q_head(q[0], head, head_dim, c, s)
+                for item in range(member, items, team):
+                    if item % key_splits == key_splits - 1:
+                        first_kv_head = item // key_splits * kv_per_item
+                        for kv_head in range(first_kv_head, first_kv_head + kv_per_item):
+                            rope_kv.append_kv_head(qkv[0], kv_head, num_q_heads, num_kv_heads, c, s,
+                                                   k_cache[layer, page, kv_head, slot],
+                                                   v_cache[layer, page, kv_head, slot])
+                    attention.attention_item(item, head_splits, key_splits, q, positions, token_seq, page_table,
+                                             k_cache, v_cache, layer, num_q_heads, scale, attn, part_max, part_sum,
+                                             part_out)
+                passed += 1
+                thread_team.barrier(state, team, passed)
+                if key_splits > 1:  # every member merges every head, into its own row
+                    for head in range(num_q_heads):
+                        attention.merge_key_slices(0, head, key_splits, part_max, part_sum, part_out, merged)
+                drawn = team_matmul(merged if key_splits > 1 else attn, o_w[layer], no_bias, delta, member, team,
+                                    state, drawn, False, scratch)
+                passed += 1
+                thread_team.barrier(state, team, passed)
+                add_rmsnorm.add_rmsnorm_cpu(h, delta, rows, post_norm[layer], eps, n)
+                drawn = team_matmul(n, gate_up_w[layer], no_bias, act, member, team, state, drawn, True, scratch)
+                passed += 1
+                thread_team.barrier(state, team, passed)
+                drawn = team_matmul(act, down_w[layer], no_bias, delta, member, team, state, drawn, False,
+                                    scratch)
+                passed += 1
+                thread_team.barrier(state, team, passed)
+            add_rmsnorm.add_rmsnorm_cpu(h, delta, rows, final_norm, eps, n)
+            drawn = team_matmul(n, lm_head_w, no_bias, logits, member, team, state, drawn, False, scratch)
+            passed += 1
+            thread_team.barrier(state, team, passed)
+            if member == 0:
+                for i in range(width):
+                    hidden[0, i] = h[0, i]
+                    final[0, i] = n[0, i]
+                if greedy:
+                    argmax.argmax_cpu(logits, next_ids)
+    ran = state[thread_team.ARRIVED] >= team
+    state[thread_team.TEAM_STEPS if ran else thread_team.CALLED_OFF] += 1
+    return ran
 
 
-# A module global, not a closure variable, for decode_step_cpu to call: numba keys a closure's cache
-# entry by its variables' values, and a dispatcher's differs in every process.
-one_token_team_step = _make_team_step(kernel_sources_digest())
-decode_step_cpu = _make_decode_step(kernel_sources_digest())
+@njit(nogil=True, cache=True, fastmath=False)
+def decode_step_cpu(token_ids, query_starts, cached_lens, page_table, all_logits,  # the batch
+                    vocab_size, max_positions,
+                    embed, input_norm, qkv_w, qkv_bias, o_w, post_norm, gate_up_w, down_w,  # weights
+                    final_norm, lm_head_w, no_bias, cos, sin, eps, num_q_heads, scale,
+                    k_cache, v_cache, parallel_attention_min_work, threads, greedy,  # KV, attention's split
+                    hidden, no_residual, normed, qkv, attn, delta, gate_up, act, final, logits, next_ids,
+                    team_state):
+    """``LlamaModel._launch`` for one step of a checked batch (False, and nothing run, for an
+    invalid one), kernel for kernel but, for one token, the MLP's gate/up projection and
+    SwiGLU as one kernel (``matmul_swiglu_cpu``); attention split over numba's threads as
+    ``CpuBackend.attention_splits`` splits it ((0, 0): single-threaded). A step of one token
+    with whole (gate, up) pairs in the fused kernel's blocks runs as :func:`one_token_team_step`
+    unless ``team_state`` says not to (``thread_team.may_try``: switched off, or waiting after a
+    call-off)."""
+    ok, positions, token_seq, page_table, logit_rows = step_inputs.derive_int32(
+        token_ids, query_starts, cached_lens, page_table, vocab_size, max_positions, k_cache.shape[3],
+        k_cache.shape[1])
+    rows = np.arange(token_ids.shape[0], dtype=np.int32)
+    if all_logits:
+        logit_rows = rows
+    # The buffers must be the batch's size (``forward`` sizes them; ``run`` is public): no
+    # kernel checks a bound.
+    if not ok or hidden.shape[0] != token_ids.shape[0] or logits.shape[0] != logit_rows.shape[0] \
+            or next_ids.shape[0] != logit_rows.shape[0]:
+        return False
+    head_splits, key_splits = attention.cpu_attention_splits(positions, num_q_heads, k_cache.shape[2],
+                                                             k_cache.shape[3], k_cache.shape[4],
+                                                             parallel_attention_min_work, threads)
+    # One token, and whole (gate, up) pairs in each block of the fused kernel: see matmul_swiglu_cpu
+    # and step_weights.fuses_swiglu (a team has conditions of its own for quantized weights).
+    one_token = token_ids.shape[0] == 1
+    swiglu_fused = one_token and step_weights.fuses_swiglu(gate_up_w, False)
+    if one_token and step_weights.fuses_swiglu(gate_up_w, True) and thread_team.may_try(team_state):
+        team = max(1, min(threads, thread_team.max_parties(team_state)))
+        team_heads, team_keys = head_splits, key_splits
+        if head_splits == 0:  # the team is awake anyway: its members take slices of the heads
+            team_heads, team_keys = attention.head_splits(token_ids.shape[0], k_cache.shape[2], team), 1
+        ran = one_token_team_step(team_state, team, token_ids, positions, token_seq, page_table, rows,
+                                  embed, input_norm, qkv_w, qkv_bias, o_w, post_norm, gate_up_w, down_w,
+                                  final_norm, lm_head_w, no_bias, no_residual, cos, sin, eps, num_q_heads,
+                                  scale, k_cache, v_cache, team_heads, team_keys, greedy,
+                                  hidden, qkv, attn, delta, act, final, logits, next_ids)
+        thread_team.back_off(team_state, not ran)
+        if ran:
+            return True
+    step_weights.gather(token_ids, embed, hidden)
+    for layer in range(len(qkv_w)):
+        residual = no_residual if layer == 0 else delta
+        add_rmsnorm.add_rmsnorm_cpu(hidden, residual, rows, input_norm[layer], eps, normed)
+        step_weights.rows_matmul(normed, qkv_w[layer], qkv_bias[layer], qkv, threads)
+        rope_kv.rope_kv_append_cpu(qkv, positions, token_seq, page_table, cos, sin, k_cache, v_cache, layer,
+                                   num_q_heads)
+        if head_splits > 0:
+            attention.paged_attention_cpu(qkv, positions, token_seq, page_table, k_cache, v_cache, layer,
+                                          num_q_heads, scale, attn, head_splits, key_splits)
+        else:
+            # Splits of one, as ints rather than literals: the same compiled kernel the backend calls.
+            attention.paged_attention_serial_cpu(qkv, positions, token_seq, page_table, k_cache, v_cache, layer,
+                                                 num_q_heads, scale, attn, max(head_splits, 1),
+                                                 max(key_splits, 1))
+        step_weights.rows_matmul(attn, o_w[layer], no_bias, delta, threads)
+        add_rmsnorm.add_rmsnorm_cpu(hidden, delta, rows, post_norm[layer], eps, normed)
+        if swiglu_fused:
+            step_weights.swiglu_matmul(normed, gate_up_w[layer], act, gate_up, no_bias, threads)
+        else:
+            step_weights.rows_matmul(normed, gate_up_w[layer], no_bias, gate_up, threads)
+            silu_mul.silu_mul_cpu(gate_up, act)
+        step_weights.rows_matmul(act, down_w[layer], no_bias, delta, threads)
+    add_rmsnorm.add_rmsnorm_cpu(hidden, delta, logit_rows, final_norm, eps, final)
+    step_weights.rows_matmul(final, lm_head_w, no_bias, logits, threads)
+    if greedy:
+        argmax.argmax_cpu(logits, next_ids)
+    return True
 
 
 class SteppedAttention(Protocol):
