@@ -11,6 +11,9 @@ import pytest
 
 if os.environ.get("ENGINES_TEST_GPU") != "1":
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+    from tests.cudasim_shared_arrays import make_shared_arrays_once
+
+    make_shared_arrays_once()
 
 
 @pytest.fixture(scope="session")
