@@ -82,7 +82,7 @@ def test_layers_of_arrays_of_other_flags_are_listed_too(model: LlamaModel) -> No
         for got, weight in zip(listed, layers, strict=True):
             assert got[0].ctypes.data == weight.quants.ctypes.data
             assert got[1].ctypes.data == weight.scales.ctypes.data
-    # one table of halves for them all
+    # one table of halves for them all (dequantize.half_table is made once)
     assert listed[0][3].ctypes.data == listed[1][3].ctypes.data == step_weights.step_form(layers[0])[3].ctypes.data
 
 

@@ -14,7 +14,6 @@ dots read the bytes, the plain loops reinterpret Q8_0's (``interleaved_dot``).
 """
 from __future__ import annotations
 
-from functools import cache
 from typing import Any, Sequence
 
 import numpy as np
@@ -33,16 +32,10 @@ __all__ = ["StepWeight", "fuses_swiglu", "gather", "rows_matmul", "step_form", "
 StepWeight = Any
 
 
-@cache
-def _half_table() -> np.ndarray:
-    """One table of halves for every weight (the plain group dots read it; 256 KB each)."""
-    return half_table()
-
-
 def step_form(weight: np.ndarray | InterleavedWeight) -> StepWeight:
     """``weight`` as the compiled step takes it (a float array as it is)."""
     if isinstance(weight, InterleavedWeight):
-        return weight.quants.view(np.uint8), weight.scales, weight.minima, _half_table()
+        return weight.quants.view(np.uint8), weight.scales, weight.minima, half_table()
     return weight
 
 
