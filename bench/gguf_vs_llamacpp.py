@@ -10,7 +10,12 @@ other block types are converted at load (Q4_K to Q4_1, the rest to Q8_0:
 
 llama.cpp is llama-cpp-python (``LLAMA_CPP_VERSION``), built once from its source package with
 its default CPU flags into a venv of its own, ``var/llamacpp-venv`` (a few minutes on 2 cores; it
-is never in requirements*.txt: CI does not build it). Its worker drives the low-level API:
+is never in requirements*.txt: CI does not build it). On a Xeon with AMX that build runs its
+matrix products in ggml's AMX code, which crashes on some hosts in the first product
+(ggml-org/llama.cpp#20824: a tile configuration the kernel faults on); the bench first runs a tiny
+generation, and if the default build dies there with AMX on, it says so and uses the build
+without AMX instead (``NO_AMX_BUILD``: the same vector features, AVX-512 VNNI and BF16 included),
+in ``var/llamacpp-venv-noamx``; ``--llamacpp-build`` picks one. Its worker drives the low-level API:
 ``llama_batch_init``, one ``llama_decode`` for all the sequences of a step (each its own
 ``seq_id``, the context's ``n_seq_max`` the batch), greedy by argmax over
 ``llama_get_logits_ith``/``llama_get_logits``, in the environment the bench started with (not
@@ -64,12 +69,11 @@ START_ENVIRONMENT = dict(os.environ)
 # ``kernels`` package transformers looks for (bench/decode.py imports transformers).
 sys.path[0] = str(REPO)
 
-from bench.pipe_worker import PipeWorker  # noqa: E402  (stdlib only: the llama.cpp venv imports this file too)
+from bench.pipe_worker import PipeWorker, WorkerStopped  # noqa: E402  (stdlib only: the llama.cpp venv imports this file too)
 
 BENCH = "gguf_vs_llamacpp"
-#: llama-cpp-python, built from its source package into LLAMA_VENV on first use.
+#: llama-cpp-python, built from its source package into a build's venv on first use.
 LLAMA_CPP_VERSION = "0.3.36"
-LLAMA_VENV = REPO / "var" / "llamacpp-venv"
 CACHE = REPO / "var" / "bench-gguf"
 #: The files: the wheel's Q4_1, and llama.cpp's quantizations of its F32 dequantization.
 FILES = ("q4_1", "q8_0", "q4_k_m")
@@ -113,6 +117,33 @@ CELLS = {cell.name: cell for cell in (
 )}
 
 
+@dataclass(frozen=True)
+class LlamaBuild:
+    """A build of llama-cpp-python ``LLAMA_CPP_VERSION`` from its source package, in a venv of its own."""
+
+    name: str
+    venv: Path
+    cmake_args: tuple[str, ...]
+    flags: str  # the CPU flags in words
+
+    @property
+    def python(self) -> Path:
+        """The venv's python."""
+        return self.venv / "bin" / "python"
+
+
+DEFAULT_BUILD = LlamaBuild("default", REPO / "var" / "llamacpp-venv", (), "its default CPU flags")
+#: For AVX-512 hosts whose AMX crashes llama.cpp's default build: every x86 feature that build
+#: detects on such a host (the system info line shows them) but AMX.
+NO_AMX_BUILD = LlamaBuild("no-amx", REPO / "var" / "llamacpp-venv-noamx", tuple(
+    f"-DGGML_{feature}={'ON' if on else 'OFF'}" for feature, on in (
+        ("NATIVE", False), ("AVX", True), ("AVX2", True), ("FMA", True), ("F16C", True), ("BMI2", True),
+        ("AVX_VNNI", True), ("AVX512", True), ("AVX512_VBMI", True), ("AVX512_VNNI", True),
+        ("AVX512_BF16", True), ("AMX_TILE", False), ("AMX_INT8", False), ("AMX_BF16", False))),
+    "AVX-512 (VBMI, VNNI, BF16), AVX-VNNI, AVX2, FMA, F16C, BMI2; AMX off")
+LLAMA_BUILDS = {build.name: build for build in (DEFAULT_BUILD, NO_AMX_BUILD)}
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The bench's options (the workers have their own: ``worker_main``)."""
     from bench.results_file import add_results_option
@@ -125,6 +156,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="the timed cells (default: all; none: the accuracy section alone)")
     parser.add_argument("--skip-accuracy", action="store_true", help="no accuracy section")
     parser.add_argument("--accuracy", action="store_true", help="the accuracy section (the default)")
+    parser.add_argument("--llamacpp-build", choices=["auto", *LLAMA_BUILDS], default="auto",
+                        help="llama.cpp's build (auto: the default one, unless it crashes with AMX on)")
     add_results_option(parser, BENCH)
     args = parser.parse_args(argv)
     if args.accuracy and args.skip_accuracy:
@@ -135,10 +168,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # ------------------------------------------------------------------------ llama.cpp's venv
 
 
-def llamacpp_python() -> Path:
-    """The llama.cpp venv's python, with llama-cpp-python ``LLAMA_CPP_VERSION`` built (once) from its
-    source package with its default CPU flags, and our numpy's version."""
-    python = LLAMA_VENV / "bin" / "python"
+def llamacpp_python(build: LlamaBuild = DEFAULT_BUILD) -> Path:
+    """``build``'s python, with llama-cpp-python ``LLAMA_CPP_VERSION`` built (once) from its source
+    package with the build's CMake arguments, and our numpy's version."""
+    python = build.python
     if python.exists():
         found = subprocess.run([python, "-c", "import llama_cpp; print(llama_cpp.__version__)"],
                                capture_output=True, text=True)
@@ -146,22 +179,42 @@ def llamacpp_python() -> Path:
             return python
     from importlib.metadata import version
 
-    log = LLAMA_VENV.with_name("llamacpp-venv-build.log")
+    log = build.venv.with_name(f"{build.venv.name}-build.log")
     print(f"building llama-cpp-python {LLAMA_CPP_VERSION} from its source package into "
-          f"{LLAMA_VENV.relative_to(REPO)} (default CPU flags; about 5 minutes on 2 cores; log: "
+          f"{build.venv.relative_to(REPO)} ({build.flags}; about 5 minutes on 2 cores; log: "
           f"{log.relative_to(REPO)})", flush=True)
     began = time.perf_counter()
-    LLAMA_VENV.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "venv", str(LLAMA_VENV)], check=True)
+    build.venv.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "venv", str(build.venv)], check=True)
+    env = {**os.environ, "CMAKE_ARGS": " ".join(build.cmake_args)} if build.cmake_args else None
     with open(log, "w") as out:
-        built = subprocess.run([python, "-m", "pip", "install", "--no-binary", "llama-cpp-python",
+        built = subprocess.run([python, "-m", "pip", "install", "--no-cache-dir", "--no-binary", "llama-cpp-python",
                                 f"llama-cpp-python=={LLAMA_CPP_VERSION}", f"numpy=={version('numpy')}"],
-                               stdout=out, stderr=subprocess.STDOUT)
+                               stdout=out, stderr=subprocess.STDOUT, env=env)
     if built.returncode != 0:
         tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
         raise SystemExit(f"{tail}\nthe llama-cpp-python build failed (exit {built.returncode}); see {log}")
     print(f"llama-cpp-python built in {time.perf_counter() - began:.0f} s", flush=True)
     return python
+
+
+def working_llamacpp(choice: str, file: Path) -> tuple[LlamaBuild, dict[str, Any]]:
+    """The llama.cpp build to measure (``--llamacpp-build``) and its worker's ready answer: for
+    ``auto``, the default build unless a tiny generation on ``file`` kills it with AMX on (see the
+    module's docstring), then ``NO_AMX_BUILD``."""
+    build = LLAMA_BUILDS.get(choice, DEFAULT_BUILD)
+    probe = Worker(llamacpp_python(build), "llamacpp", file, 1)
+    try:
+        probe.ask(prompts=[list(range(17, 33))], new=2)
+        return build, probe.ready
+    except WorkerStopped as stopped:
+        if choice != "auto" or "AMX_INT8 = 1" not in probe.ready["system"]:
+            raise
+        print(f"llama.cpp's default build died in its first generation here ({stopped}) with AMX on: "
+              f"ggml's AMX matmul (ggml-org/llama.cpp#20824); measuring the build without AMX", flush=True)
+    finally:
+        probe.close()
+    return working_llamacpp(NO_AMX_BUILD.name, file)
 
 
 # ---------------------------------------------------------------------------------- files
@@ -483,7 +536,7 @@ class Worker(PipeWorker):
 # ------------------------------------------------------------------------------ measures
 
 
-def measure_speed(args: argparse.Namespace, files: dict[str, Path], llama_python: Path, results: Any) -> None:
+def measure_speed(args: argparse.Namespace, files: dict[str, Path], build: LlamaBuild, results: Any) -> None:
     """Every cell of every file at every thread count: ours and llama.cpp alternated, medians."""
     import numpy as np
 
@@ -496,7 +549,7 @@ def measure_speed(args: argparse.Namespace, files: dict[str, Path], llama_python
         print(f"{'file':<8}{'cell':<13}{'ours':>9}{'llama.cpp':>11}{'ours/llama.cpp':>16}", flush=True)
         for name, file in files.items():
             workers = [Worker(Path(sys.executable), "ours", file, threads),
-                       Worker(llama_python, "llamacpp", file, threads)]
+                       Worker(build.python, "llamacpp", file, threads)]
             try:
                 ours, llama = workers
                 weights = ours.ready["weights"]
@@ -515,7 +568,7 @@ def measure_speed(args: argparse.Namespace, files: dict[str, Path], llama_python
                     ratio = rate["ours"] / rate["llamacpp"]
                     print(f"{'':<8}{cell.name:<13}{rate['ours']:>9.1f}{rate['llamacpp']:>11.1f}{ratio:>16.2f}",
                           flush=True)
-                    where = {"threads": threads, "file": name, "cell": cell.name}
+                    where = {"threads": threads, "file": name, "cell": cell.name, **build_param(build)}
                     results.add("ours", rate["ours"], "tok/s", **where)
                     results.add("llama.cpp", rate["llamacpp"], "tok/s", **where)
                     results.add("ours/llama.cpp", ratio, "ratio", **where)
@@ -529,7 +582,13 @@ def first_divergence(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
-def measure_accuracy(args: argparse.Namespace, file: Path, llama_python: Path, results: Any) -> None:
+def build_param(build: LlamaBuild) -> dict[str, str]:
+    """A result's parameter naming llama.cpp's build, for any but the default one (whose figures came
+    first and carry none)."""
+    return {} if build == DEFAULT_BUILD else {"llamacpp_build": build.name}
+
+
+def measure_accuracy(args: argparse.Namespace, file: Path, build: LlamaBuild, results: Any) -> None:
     """Ours quantized against ours float32 and against llama.cpp, on ``file``, greedy, 4 prompts."""
     from engines.runtime import load_checkpoint
 
@@ -542,7 +601,7 @@ def measure_accuracy(args: argparse.Namespace, file: Path, llama_python: Path, r
         answers = [ours.ask(prompt=prompt, new=new) for prompt in prompts]
     finally:
         ours.close()
-    llama = Worker(llama_python, "llamacpp", file, threads)
+    llama = Worker(build.python, "llamacpp", file, threads)
     try:
         theirs = [llama.ask(prompts=[prompt], new=new, ids=True)["ids"][0] for prompt in prompts]
     finally:
@@ -567,7 +626,7 @@ def measure_accuracy(args: argparse.Namespace, file: Path, llama_python: Path, r
         print(f"{number:>6}{len(prompt):>8}{prefix:>8}{equal:>7}{answer['max_diff']:>9.3f}{answer['mean_diff']:>10.4f}"
               f"{answer['same_argmax']:>8.3f}{vs_llama:>24}{llama_equal:>8.3f}{float_vs_llama:>22}"
               f"{float_llama_equal:>8.3f}", flush=True)
-        where = {"threads": threads, "file": "q4_1", "prompt": number, "new_tokens": new}
+        where = {"threads": threads, "file": "q4_1", "prompt": number, "new_tokens": new, **build_param(build)}
         for metric, value, unit in (
                 ("quantized vs float32: same prefix", prefix, "tokens"),
                 ("quantized vs float32: same tokens", equal, "tokens"),
@@ -593,16 +652,16 @@ def main() -> None:
     print(f"GGUF: ours vs llama.cpp (llama-cpp-python {LLAMA_CPP_VERSION}); {machine['cpu']}, "
           f"{machine['vector_width']}-bit vectors, {machine['cores']} cores; threads {threads}; "
           f"{args.rounds} round(s); files {' '.join(args.files)}; cells {' '.join(args.cells)}", flush=True)
-    llama_python = llamacpp_python()
-    files = gguf_files(list(dict.fromkeys([*args.files, *([] if args.skip_accuracy else ["q4_1"])])), llama_python)
-    probe = Worker(llama_python, "llamacpp", files["q4_1"] if "q4_1" in files else next(iter(files.values())), 1)
-    print(f"llama.cpp {probe.ready['version']}: {probe.ready['system']}", flush=True)
-    probe.close()
+    files = gguf_files(list(dict.fromkeys([*args.files, *([] if args.skip_accuracy else ["q4_1"])])),
+                       llamacpp_python(LLAMA_BUILDS.get(args.llamacpp_build, DEFAULT_BUILD)))
+    probe_file = files["q4_1"] if "q4_1" in files else next(iter(files.values()))
+    build, ready = working_llamacpp(args.llamacpp_build, probe_file)
+    print(f"llama.cpp {ready['version']} ({build.name} build: {build.flags}): {ready['system']}", flush=True)
     results = ResultsFile(args.results, BENCH)
     if args.cells:
-        measure_speed(args, {name: files[name] for name in args.files}, llama_python, results)
+        measure_speed(args, {name: files[name] for name in args.files}, build, results)
     if not args.skip_accuracy:
-        measure_accuracy(args, files["q4_1"], llama_python, results)
+        measure_accuracy(args, files["q4_1"], build, results)
 
 
 if __name__ == "__main__":

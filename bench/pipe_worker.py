@@ -8,6 +8,11 @@ import subprocess
 from typing import Any, Mapping, Sequence
 
 
+class WorkerStopped(SystemExit):
+    """A worker's pipe closed before its answer: it exited or was killed (uncaught, it ends the bench
+    with its message, as any ``SystemExit``)."""
+
+
 class PipeWorker:
     """``command`` started in ``cwd`` with ``env``; its first line (its "ready" answer) is ``ready``."""
 
@@ -22,7 +27,7 @@ class PipeWorker:
         assert self.process.stdout is not None
         line = self.process.stdout.readline()
         if not line:
-            raise SystemExit(f"the {self.name} worker stopped: exit {self.process.wait()}")
+            raise WorkerStopped(f"the {self.name} worker stopped: exit {self.process.wait()}")
         return json.loads(line)
 
     def ask(self, **command: Any) -> dict[str, Any]:
