@@ -7,7 +7,9 @@ embedding's rows exactly, and the CPU backend keeping and reading a quantized mo
 from __future__ import annotations
 
 import zlib
+from typing import Callable
 
+import numba
 import numpy as np
 import pytest
 
@@ -109,3 +111,32 @@ def test_the_cpu_backend_keeps_and_reads_them_interleaved(rng: np.random.Generat
         table = np.empty((2, original.shape[1]), np.float32)
         backend.embedding(np.array([2, 1], np.int32), stored, table)
         np.testing.assert_array_equal(table, original.dequantize()[[2, 1]])
+
+
+def _calling(dot: Callable) -> Callable:
+    """A fresh compiled function calling the group dot ``dot`` on group 0 from row 0."""
+    @numba.njit
+    def call(wq, ws, wm, table, xq, xd, xs, out):  # noqa: ANN001, ANN202
+        dot(wq, ws, wm, table, xq, xd, xs, 0, 0, out)
+    return call
+
+
+@pytest.mark.parametrize("ggml_type", QUANTIZED_TYPES)
+def test_a_one_row_dot_asks_for_its_weights_ahead(monkeypatch: pytest.MonkeyPatch, ggml_type: str) -> None:
+    """A one-row group dot (batch 1, bound by memory) prefetches each 64-byte part it loads,
+    ``PREFETCH_BYTES`` ahead; the four-row one and a CPU where it is 0 do not (counted in the IR of
+    fresh compilations: the constant is read when the IR is made)."""
+    isa = interleaved_dot.ISA
+    if isa == "plain":
+        pytest.skip("no vector group dots on this CPU")
+    parts = (BLOCK if ggml_type == "Q8_0" else BLOCK // 2) // 4
+    w = extreme_weight(np.random.default_rng(0), ggml_type, GROUP, 2 * BLOCK)
+    inter = InterleavedWeight.from_quantized(w)
+    xq, xd, xs = quantized(np.ones((1, 2 * BLOCK), np.float32))
+    for ahead, rows, calls in ((1024, 1, parts), (1024, interleaved_dot.ROWS, 0), (0, 1, 0)):
+        monkeypatch.setattr(interleaved_dot, "PREFETCH_BYTES", ahead)
+        call = _calling(interleaved_dot._make_group_dot(ggml_type, isa, rows))
+        rows_x = np.repeat(xq, rows, axis=0), np.repeat(xd, rows, axis=0), np.repeat(xs, rows, axis=0)
+        call(inter.quants, inter.scales, inter.minima, half_table(), *rows_x, np.zeros((rows, GROUP), np.float32))
+        ir = next(iter(call.inspect_llvm().values()))
+        assert ir.count("call void @llvm.prefetch") == calls, (ahead, rows)
