@@ -30,9 +30,18 @@ def _exchange(state, team, slots, rounds, mismatches):
 
 
 def test_members_see_each_others_writes_after_every_barrier() -> None:
+    """(A rendezvous is called off, by design, when a member's thread does not start within its
+    wait: on a VM whose other vCPU the host stalled for tens of ms, it was, once in a full suite
+    run. Such a try does no work; the next one meets.)"""
     team = numba.get_num_threads()
-    state, slots, mismatches = thread_team.new_state(team), np.full(16 * team, -1, np.int64), np.zeros(team, np.int64)
-    assert _exchange(state, team, slots, ROUNDS, mismatches)
+    for _ in range(5):
+        state, slots = thread_team.new_state(team), np.full(16 * team, -1, np.int64)
+        mismatches = np.zeros(team, np.int64)
+        if _exchange(state, team, slots, ROUNDS, mismatches):
+            break
+        assert state[thread_team.BARRIER] == 0 and slots.tolist() == [-1] * (16 * team)
+    else:
+        raise AssertionError("the team never met in 5 tries")
     assert mismatches.tolist() == [0] * team
     assert state[thread_team.BARRIER] == 2 * ROUNDS * team
 
