@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gzip
+import re
 
 import orjson
 import pytest
@@ -438,3 +439,18 @@ def test_the_admin_bounds_the_note_as_the_api_does(admin_client, saved_trace):
     assert TraceRecord.objects.get(pk=record.pk).note == record.note
     admin_client.post(change_url(record), {"note": "n" * MAX_NOTE_CHARS, "tags": ""})
     assert len(TraceRecord.objects.get(pk=record.pk).note) == MAX_NOTE_CHARS
+
+
+def test_statistics_of_a_thousand_and_more_drop_their_decimals(db):
+    """A trace page's statistics: figures under 1,000 with two decimals, larger ones without (noise
+    at that size; eight columns of "13,106.67" overflowed the page beside the sidebar at 900 px)."""
+    from types import SimpleNamespace
+
+    from django.template.loader import render_to_string
+
+    row = SimpleNamespace(label="Decode time", unit="ms",
+                          values={"count": 1234, "mean": 13106.674, "p50": 48.634, "p90": -2500.4, "max": None})
+    html = render_to_string("admin/engines/includes/stat_table.html", {
+        "rows": [row], "stats": list(row.values), "label_header": "metric", "empty_text": "none"})
+    cells = re.findall(r'<td class="numeric">([^<]*)</td>', html)
+    assert cells == ["1,234", "13,107", "48.63", "-2,500", "—"]

@@ -41,15 +41,34 @@ class CountedStep:
 
 
 class TeamSteps:
-    """The model's one-token steps run as a thread team, and teams called off, from now on."""
+    """The model's one-token steps run as a thread team, and teams called off, from now on (any
+    wait after an earlier call-off cleared: the next step tries a team)."""
 
     def __init__(self, model: LlamaModel) -> None:
         self.step = model.cpu_step
+        self.step.team_state[thread_team.SKIPS_LEFT] = self.step.team_state[thread_team.BACKOFF] = 0
         self.before = self.step.team_steps
 
     def ran(self) -> tuple[int, int]:
         now = self.step.team_steps
         return now[0] - self.before[0], now[1] - self.before[1]
+
+
+#: Tries of :func:`run_both_as_team`.
+TEAM_TRIES = 5
+
+
+def run_both_as_team(model: LlamaModel, steps: list[tuple[list[list[int]], str]], **kwargs: Any) -> tuple[int, int]:
+    """:func:`run_both` until no rendezvous was called off in a try (by design when a member's thread
+    does not start within the wait: a stalled vCPU under a loaded suite; the step then runs kernel by
+    kernel), up to ``TEAM_TRIES``: the one-token steps that ran as a team in that try, and the tries."""
+    for tries in range(1, TEAM_TRIES + 1):
+        team = TeamSteps(model)
+        run_both(model, steps, **kwargs)
+        ran, called_off = team.ran()
+        if not called_off:
+            return ran, tries
+    raise AssertionError(f"a rendezvous was called off in each of {TEAM_TRIES} tries")
 
 
 def one_token_steps(vocab: int, seed: int, prompt: int, count: int) -> list[tuple[list[list[int]], str]]:
@@ -120,10 +139,9 @@ def test_compiled_steps_of_one_token_equal_the_per_kernel_path(reference: Refere
     assert model.layer_weights.gate_up_w.shape[1] % 4 == 0  # whole (gate, up) pairs: the fused kernel runs
     counted = CountedStep(monkeypatch)
     steps = one_token_steps(model.config.vocab_size, seed=11, prompt=9, count=8)
-    team = TeamSteps(model)
-    run_both(model, steps)
-    assert counted.calls == len(steps)
-    assert team.ran() == (8, 0)  # each step of one token ran as a thread team, none called off
+    ran, tries = run_both_as_team(model, steps)
+    assert counted.calls == tries * len(steps)
+    assert ran == 8  # each step of one token ran as a thread team
 
 
 def test_compiled_steps_of_one_token_over_long_contexts_split_its_keys(reference: Reference,  # noqa: F811
@@ -141,10 +159,9 @@ def test_compiled_steps_of_one_token_over_long_contexts_split_its_keys(reference
     for position in range(32, 38):  # the decode steps' positions, pages of 4
         assert attention.cpu_attention_splits(np.array([position], np.int32), config.num_attention_heads,
                                               config.num_key_value_heads, 4, config.head_dim, 0, 2) == (1, 2)
-    team = TeamSteps(model)
-    run_both(model, steps)
-    assert counted.calls == len(steps)
-    assert team.ran() == (6, 0)
+    ran, tries = run_both_as_team(model, steps)
+    assert counted.calls == tries * len(steps)
+    assert ran == 6
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -158,9 +175,7 @@ def test_one_token_steps_of_a_team_of_each_size_equal_the_per_kernel_path(refere
     model = reference.ours
     monkeypatch.setattr(model.cpu_step.backend, "numba_threads", threads)
     steps = one_token_steps(model.config.vocab_size, seed=19, prompt=6, count=5)
-    team = TeamSteps(model)
-    run_both(model, steps)
-    assert team.ran() == (5, 0)
+    assert run_both_as_team(model, steps)[0] == 5
 
 
 def test_a_team_step_with_many_chunks_a_run_and_a_vocabulary_of_4k_plus_2_equals_the_per_kernel_path(
@@ -171,9 +186,7 @@ def test_a_team_step_with_many_chunks_a_run_and_a_vocabulary_of_4k_plus_2_equals
     folder = save_tiny_checkpoint(tmp_path, arch="llama", vocab=4098, hidden=256, layers=2, tied=False, seed=7,
                                   intermediate=512)
     model = LlamaModel.from_checkpoint(load_checkpoint(folder), backend="cpu")
-    team = TeamSteps(model)
-    run_both(model, one_token_steps(4098, seed=37, prompt=7, count=6))
-    assert team.ran() == (6, 0)
+    assert run_both_as_team(model, one_token_steps(4098, seed=37, prompt=7, count=6))[0] == 6
 
 
 def test_a_team_that_cannot_meet_is_called_off_and_its_steps_run_without_one(

@@ -20,7 +20,7 @@ from engines.runtime.model.interleaved_weight import InterleavedWeight
 from engines.runtime.model.kernels import step_weights
 from engines.runtime.model.llama import LlamaModel
 from engines.runtime.model.quantized_weight import QuantizedWeight
-from tests.runtime.model.test_cpu_step import CountedStep, TeamSteps, one_token_steps, run_both
+from tests.runtime.model.test_cpu_step import CountedStep, one_token_steps, run_both, run_both_as_team
 from tests.runtime.model.test_model_parity import save_tiny_checkpoint
 
 VOCAB = 96
@@ -102,9 +102,7 @@ def test_compiled_steps_equal_the_per_kernel_path(model: LlamaModel, monkeypatch
         return [rng.integers(0, VOCAB, n).tolist() for n in lens]
 
     steps = [(tokens(6), "logits")] + [(tokens(1), "greedy" if i % 2 else "logits") for i in range(5)]
-    team = TeamSteps(model)
-    run_both(model, steps)
-    assert team.ran() == (5, 0)
+    assert run_both_as_team(model, steps)[0] == 5
     steps = [(tokens(5, 9, 3), "logits"), (tokens(1, 1, 1), "greedy"), (tokens(1, 1, 1), "logits"),
              (tokens(2, 1, 3), "all")]
     counted.calls = 0
@@ -118,9 +116,7 @@ def test_one_token_steps_of_a_team_of_each_size_equal_the_per_kernel_path(
     if numba.get_num_threads() < threads:
         pytest.fail(f"numba has {numba.get_num_threads()} threads; this test needs {threads}")
     monkeypatch.setattr(model.cpu_step.backend, "numba_threads", threads)
-    team = TeamSteps(model)
-    run_both(model, one_token_steps(VOCAB, seed=41, prompt=4, count=6))
-    assert team.ran() == (6, 0)
+    assert run_both_as_team(model, one_token_steps(VOCAB, seed=41, prompt=4, count=6))[0] == 6
 
 
 def test_one_token_steps_with_the_team_switched_off_fork_per_kernel_alike(

@@ -31,8 +31,7 @@ from __future__ import annotations
 from typing import Callable
 
 import numpy as np
-from llvmlite import ir
-from llvmlite import binding
+from llvmlite import binding, ir
 from numba import float32, get_num_threads, int32, njit, prange, types
 from numba.core import cgutils, config
 from numba.extending import intrinsic
