@@ -15,7 +15,7 @@ import pytest
 
 from engines.runtime.model.backend import CpuBackend
 from engines.runtime.model.gguf.dequantize import half_table
-from engines.runtime.model.interleaved_weight import GROUP, InterleavedWeight, interleavable
+from engines.runtime.model.interleaved_weight import GROUP, PART_BYTES, InterleavedWeight, interleavable
 from engines.runtime.model.kernels import interleaved_dot, quantized_dot
 from engines.runtime.model.quantized_weight import BLOCK, QUANTIZED_TYPES, QuantizedWeight
 from tests.runtime.model.test_quantized_dot import extreme_weight, quantized
@@ -127,9 +127,10 @@ def test_a_one_row_dot_asks_for_its_weights_ahead(monkeypatch: pytest.MonkeyPatc
     ``PREFETCH_BYTES`` ahead; the four-row one and a CPU where it is 0 do not (counted in the IR of
     fresh compilations: the constant is read when the IR is made)."""
     isa = interleaved_dot.ISA
-    if isa == "plain":
+    if isa == "plain":  # a CPU without AVX2 (not x86, or an old one): its dots are the plain loops,
+        # which have no prefetch to count, and LLVM cannot lower the vector dots' intrinsics for it
         pytest.skip("no vector group dots on this CPU")
-    parts = (BLOCK if ggml_type == "Q8_0" else BLOCK // 2) // 4
+    parts = (BLOCK if ggml_type == "Q8_0" else BLOCK // 2) // PART_BYTES
     w = extreme_weight(np.random.default_rng(0), ggml_type, GROUP, 2 * BLOCK)
     inter = InterleavedWeight.from_quantized(w)
     xq, xd, xs = quantized(np.ones((1, 2 * BLOCK), np.float32))
