@@ -63,9 +63,13 @@ TICKETS = 56     # run r's ticket counter (:func:`claim`) at TICKETS + 8 * r
 CALLED_OFF_MARK = -(1 << 40)
 # Pauses before a waiting member first yields the core: ~20-70 us (a pause is 10-40 ns).
 SPINS_BEFORE_YIELD = 2000
-# Waits before a rendezvous is called off: 2,000 pauses, then yields, ~10-20 ms on an idle machine
-# (a yield with nobody waiting returns at once), longer on a busy one. A complete team meets within
-# microseconds of the fork; one that cannot meet (two members on one thread) never does.
+# How long a rendezvous waits before it is called off. A complete team meets within microseconds
+# of the fork; one that cannot meet (two members on one thread) never does. The wait is a time,
+# not a count of waits: a count (20,000 pauses and yields) ran out in 5-10 ms when the host stalled
+# the other vCPU (a yield with nobody else runnable returns at once), and a team was called off
+# now and then on a loaded VM (docs/perf-log/ci-time.md#2026-11-29-xeon-amx); on POSIX the wait
+# reads the monotonic clock on Linux; elsewhere it counts RENDEZVOUS_WAITS.
+RENDEZVOUS_NS = 100_000_000
 RENDEZVOUS_WAITS = 20_000
 # Regions run another way after a first call-off; doubled at each call-off in a row, up to the last.
 FIRST_BACKOFF = 64
@@ -152,6 +156,11 @@ def spin_pause(typingctx):  # noqa: ANN001, ANN201
 
 
 _POSIX = sys.platform != "win32"
+# The rendezvous's clock: Linux's CLOCK_MONOTONIC (other systems number their clocks otherwise;
+# there the rendezvous counts its waits).
+_TIMED = sys.platform.startswith("linux")
+_CLOCK_MONOTONIC = 1
+
 
 
 @intrinsic
@@ -168,6 +177,26 @@ def yield_core(typingctx):  # noqa: ANN001, ANN201
     return sig, codegen
 
 
+@intrinsic
+def monotonic_ns(typingctx):  # noqa: ANN001, ANN201
+    """Linux's ``clock_gettime(CLOCK_MONOTONIC)`` in nanoseconds (0 elsewhere)."""
+    sig = types.int64()
+
+    def codegen(context, builder, sig, args):  # noqa: ANN001, ANN202
+        i64 = ir.IntType(64)
+        if not _TIMED:
+            return ir.Constant(i64, 0)
+        timespec = ir.LiteralStructType([i64, i64])  # tv_sec, tv_nsec: two longs on 64-bit Linux
+        spec = cgutils.alloca_once(builder, timespec)
+        clock_gettime = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.IntType(32), [ir.IntType(32), timespec.as_pointer()]), "clock_gettime")
+        builder.call(clock_gettime, [ir.Constant(ir.IntType(32), _CLOCK_MONOTONIC), spec])
+        seconds = builder.load(cgutils.gep_inbounds(builder, spec, 0, 0))
+        nanoseconds = builder.load(cgutils.gep_inbounds(builder, spec, 0, 1))
+        return builder.add(builder.mul(seconds, ir.Constant(i64, 1_000_000_000)), nanoseconds)
+    return sig, codegen
+
+
 @njit(inline="always")
 def _wait(spins):  # noqa: ANN001, ANN202
     if spins < SPINS_BEFORE_YIELD:
@@ -179,19 +208,21 @@ def _wait(spins):  # noqa: ANN001, ANN202
 @njit(nogil=True, fastmath=False)
 def rendezvous(state, parties):  # noqa: ANN001, ANN201
     """Arrive, and wait for the other ``parties - 1`` members: True once all have arrived; False
-    if the team was called off (by this member after ``RENDEZVOUS_WAITS`` waits, or by another),
+    if the team was called off (by this member after ``RENDEZVOUS_NS``, or by another),
     in which case no member may work. The caller zeroes the counters before the region
     (:func:`reset`)."""
     if atomic_add(state, ARRIVED, 1) < 0:
         return False
     waits = 0
+    deadline = monotonic_ns() + RENDEZVOUS_NS
     while True:
         arrived = atomic_load(state, ARRIVED)
         if arrived >= parties:
             return True
         if arrived < 0:
             return False
-        if waits >= RENDEZVOUS_WAITS and compare_and_swap(state, ARRIVED, arrived, CALLED_OFF_MARK):
+        timed_out = monotonic_ns() >= deadline if _TIMED else waits >= RENDEZVOUS_WAITS
+        if timed_out and compare_and_swap(state, ARRIVED, arrived, CALLED_OFF_MARK):
             return False
         _wait(waits)
         waits += 1

@@ -1,6 +1,8 @@
 """The thread team's rendezvous and barrier (engines/runtime/model/thread_team.py), on numba's threads."""
 from __future__ import annotations
 
+import time
+
 import numba
 import numpy as np
 from numba import njit, prange
@@ -58,6 +60,30 @@ def test_a_team_whose_members_share_a_thread_is_called_off_before_any_works() ->
         numba.set_num_threads(threads)
     assert state[thread_team.ARRIVED] < 0 and state[thread_team.BARRIER] == 0
     assert slots.tolist() == [-1] * 32
+
+
+@njit(nogil=True)
+def _clock():
+    return thread_team.monotonic_ns()
+
+
+def test_the_rendezvous_waits_a_time_not_a_count() -> None:
+    """Called off only once ``RENDEZVOUS_NS`` has passed, however fast its waits return (a stalled
+    vCPU's partner yields to nobody), on the clock Python's ``time.monotonic_ns`` reads."""
+    before = time.monotonic_ns()
+    now = _clock()
+    assert before <= now <= time.monotonic_ns()
+    threads = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        for _ in range(2):  # the first call compiles
+            state, slots, mismatches = thread_team.new_state(2), np.full(32, -1, np.int64), np.zeros(2, np.int64)
+            began = time.monotonic_ns()
+            assert not _exchange(state, 2, slots, 1, mismatches)
+            waited = time.monotonic_ns() - began
+    finally:
+        numba.set_num_threads(threads)
+    assert waited >= thread_team.RENDEZVOUS_NS
 
 
 def test_a_team_of_one_needs_nobody() -> None:
