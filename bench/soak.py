@@ -53,7 +53,7 @@ FAULTS = ("kill engine", "reset", "save trace", "profile", "clear trace", "hosti
           "postgres down")
 #: Seconds after a fault ends that still count as its window (an engine's restart, a reconnect).
 AFTERMATH_S = 10.0
-#: The server's trace autosave period, seconds (``serve --trace-autosave``).
+#: The server's trace autosave period, seconds (``serve --trace-autosave``; ``--autosave-every``).
 TRACE_AUTOSAVE_S = 60
 #: The RSS/fds/threads comparison: warm-up left out, then the first and the last window.
 WARMUP_S, WINDOW_S = 300.0, 600.0
@@ -315,7 +315,7 @@ async def soak(args: argparse.Namespace, services: Services, server: subprocess.
             run.tally.probes.append((at, await probe(http)))
             next_fault = time.monotonic() + args.fault_every
         await _feed_back(run.viewers)
-        await _autosave_back(services, run)
+        await _autosave_back(services, run, args.autosave_every)
         stop.set()
         await loader
         await viewing
@@ -334,14 +334,14 @@ async def _feed_back(viewers: Viewers) -> None:
         await asyncio.sleep(1)
 
 
-async def _autosave_back(services: Services, run: Run) -> None:
+async def _autosave_back(services: Services, run: Run, autosave_every: int) -> None:
     """Give the server up to one autosave period and 30 s to autosave after the database's last
     outage, before the load stops: a short run can end before the next period does (on a busy
     machine the last fault comes late), and the check asks whether saving resumed, not when."""
     back = max((f["wall_until"] for f in run.faults if f["fault"] == "postgres down"), default=None)
     if back is None:
         return
-    for _ in range(TRACE_AUTOSAVE_S + 30):
+    for _ in range(autosave_every + 30):
         if await asyncio.to_thread(autosaves_since, services, back) > 0:
             return
         await asyncio.sleep(1)
@@ -522,6 +522,8 @@ def main() -> None:
     parser.add_argument("--fault-every", type=float, default=120.0, help="seconds between faults (default 120)")
     parser.add_argument("--outage", type=float, default=60.0, help="seconds Redis or PostgreSQL stays down (60)")
     parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--autosave-every", type=int, default=TRACE_AUTOSAVE_S,
+                        help=f"the server's trace autosave period, seconds (default {TRACE_AUTOSAVE_S})")
     parser.add_argument("--burst", type=int, default=200, help="concurrent requests in a burst (default 200)")
     parser.add_argument("--burst-every", type=float, default=120.0, help="seconds between bursts (default 120)")
     parser.add_argument("--faults", type=lambda text: [f.strip() for f in text.split(",")], default=list(FAULTS),
@@ -546,7 +548,7 @@ def main() -> None:
     log = open(log_path, "w")
     # A small KV cache (4,096 tokens for 16 sequences of up to ~1,000) so that long prompts preempt.
     server = subprocess.Popen([sys.executable, "manage.py", "serve", "--model", MODEL, "--backend", "cpu",
-                               "--enable-debug", "--enable-tracing", "--trace-autosave", str(TRACE_AUTOSAVE_S),
+                               "--enable-debug", "--enable-tracing", "--trace-autosave", str(args.autosave_every),
                                "--metrics-snapshot-interval", "30", "--max-total-tokens", "4096",
                                "--max-num-seqs", "16", "--port", str(port)],
                               cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.processes import child_pids
+from tests.processes import child_pids, migrate_and_add_admin
 
 REPO = Path(__file__).resolve().parents[2]
 SHOTS = REPO / "var" / "screenshots"
@@ -70,20 +70,21 @@ class LiveServer:
 
 @pytest.fixture(scope="module")
 def dashboard_server(tmp_path_factory, request: pytest.FixtureRequest) -> Iterator[LiveServer]:
-    """The built-in models served with a superuser; a test module's ``EXTRA_SERVE_ARGS`` add to
-    ``serve``'s arguments."""
+    """The built-in models served with a superuser; a test module's ``SERVE_MODELS`` (``serve
+    --model`` values) replace the models, its ``EXTRA_SERVE_ARGS`` add to ``serve``'s arguments."""
     if not Path(CHROMIUM).exists():
         pytest.fail(f"{CHROMIUM} is missing: scripts/test.sh installs Debian's chromium")
     var = tmp_path_factory.mktemp("var")
     env = {k: v for k, v in os.environ.items() if k not in ("API_KEY", "DATABASE_URL", "DJANGO_SETTINGS_MODULE")}
     env |= {"DEBUGSITE_VAR_DIR": str(var), "PYTHONUNBUFFERED": "1", "DJANGO_SUPERUSER_PASSWORD": PASSWORD}
     manage = [sys.executable, "manage.py"]
-    subprocess.run(manage + ["migrate", "-v", "0"], cwd=REPO, env=env, check=True)
-    subprocess.run(manage + ["createsuperuser", "--noinput", "--username", "admin", "--email", "a@example.com"],
-                   cwd=REPO, env=env, check=True, capture_output=True)
+    migrate_and_add_admin(env)
     port = free_port()
-    # The built-in models, as scripts/serve.sh serves them: the real one first, the demo beside it.
-    command = manage + ["serve", "--model", "smollm2", "--model", "demo", "--enable-debug", "--enable-tracing",
+    # The built-in models, as scripts/serve.sh serves them (the real one first, the demo beside it),
+    # or a test module's SERVE_MODELS: the real model's engine is 11 of a start's 18 CPU-seconds.
+    served = getattr(request.module, "SERVE_MODELS", ("smollm2", "demo"))
+    models = [arg for model in served for arg in ("--model", model)]
+    command = manage + ["serve", *models, "--enable-debug", "--enable-tracing",
                         "--port", str(port), "--backend", "cpu",
                         "--max-num-seqs", "8", "--max-total-tokens", "4096", "--drain-timeout", "1",
                         *getattr(request.module, "EXTRA_SERVE_ARGS", [])]

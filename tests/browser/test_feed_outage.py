@@ -5,7 +5,6 @@ started again. Screenshots in ``var/screenshots/feed-*.png``."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
@@ -13,8 +12,9 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from tests.browser.conftest import PASSWORD, REPO, SHOTS, LiveServer, free_port, sign_in
+from tests.browser.conftest import PASSWORD, SHOTS, LiveServer, free_port, sign_in
 from tests.own_services import OwnRedis
+from tests.processes import migrate_and_add_admin
 
 pytestmark = pytest.mark.slow
 
@@ -31,9 +31,7 @@ def redis_and_server(tmp_path_factory) -> Iterator[tuple[OwnRedis, LiveServer]]:
     env |= {"DEBUGSITE_VAR_DIR": str(var), "PYTHONUNBUFFERED": "1", "DJANGO_SUPERUSER_PASSWORD": PASSWORD,
             "REDIS_URL": redis.url, "FLEET_NAME": f"feed-{uuid.uuid4().hex[:8]}"}
     manage = [sys.executable, "manage.py"]
-    subprocess.run(manage + ["migrate", "-v", "0"], cwd=REPO, env=env, check=True)
-    subprocess.run(manage + ["createsuperuser", "--noinput", "--username", "admin", "--email", "a@example.com"],
-                   cwd=REPO, env=env, check=True, capture_output=True)
+    migrate_and_add_admin(env)
     port = free_port()
     command = manage + ["serve", "--model", "demo", "--port", str(port), "--backend", "cpu",
                         "--max-num-seqs", "4", "--max-total-tokens", "1024", "--drain-timeout", "1"]

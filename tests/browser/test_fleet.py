@@ -17,6 +17,7 @@ import redis
 from tests.browser.conftest import PASSWORD, REPO, SHOTS, LiveServer, free_port, sign_in
 from tests.fleet.conftest import REDIS_URL
 from tests.fleet.fake_server import FakeServer
+from tests.processes import migrate_and_add_admin
 
 pytestmark = pytest.mark.slow
 
@@ -29,9 +30,7 @@ def fleet_servers(tmp_path_factory) -> Iterator[tuple[LiveServer, LiveServer, st
     env |= {"DEBUGSITE_VAR_DIR": str(var), "PYTHONUNBUFFERED": "1", "DJANGO_SUPERUSER_PASSWORD": PASSWORD,
             "REDIS_URL": REDIS_URL, "FLEET_NAME": name}
     manage = [sys.executable, "manage.py"]
-    subprocess.run(manage + ["migrate", "-v", "0"], cwd=REPO, env=env, check=True)
-    subprocess.run(manage + ["createsuperuser", "--noinput", "--username", "admin", "--email", "a@example.com"],
-                   cwd=REPO, env=env, check=True, capture_output=True)
+    migrate_and_add_admin(env)
     servers = []
     for engine in ("demo", "demo-b"):
         port = free_port()

@@ -21,7 +21,7 @@ import websockets
 from engines.dashboard.consumers import CLOSE_UNAVAILABLE
 from tests.browser.conftest import CHROMIUM, SHOTS
 from tests.own_services import OwnPostgres
-from tests.processes import REPO, free_port
+from tests.processes import REPO, free_port, migrate_and_add_admin
 from tests.server.conftest import assert_error
 
 PASSWORD = "outage-test-pw"
@@ -40,10 +40,7 @@ class Site:
         env = {k: v for k, v in os.environ.items() if k not in ("API_KEY", "DJANGO_SETTINGS_MODULE", "REDIS_URL")}
         env |= {"DATABASE_URL": postgres.url, "DEBUGSITE_VAR_DIR": str(var), "PYTHONUNBUFFERED": "1",
                 "DJANGO_SUPERUSER_PASSWORD": PASSWORD}
-        manage = [sys.executable, "manage.py"]
-        subprocess.run(manage + ["migrate", "-v", "0"], cwd=REPO, env=env, check=True)
-        subprocess.run(manage + ["createsuperuser", "--noinput", "--username", "admin", "--email", "a@example.com"],
-                       cwd=REPO, env=env, check=True, capture_output=True)
+        migrate_and_add_admin(env)
         self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = var / "server.log"

@@ -25,6 +25,8 @@ pytestmark = pytest.mark.slow
 WIDTHS = (1400, 900)
 #: Metrics snapshots every 2 s (serve's default is 10): the charts' points come in seconds.
 EXTRA_SERVE_ARGS = ["--metrics-snapshot-interval", "2"]
+#: The demo, and a second one that no request goes to.
+SERVE_MODELS = ("demo", "demo:idle")
 
 # What lies outside the window or outside the box that clips it (a change list's table scrolls
 # inside its .results box): the document's overflow, and each visible cell past either edge.
@@ -106,7 +108,7 @@ async def test_the_history_pages_fit_at_1400_and_900_px(page, dashboard_server: 
     finally:
         stop.set()
         worker.join(30)
-    idle_snapshots = snapshot_count(dashboard_server, "smollm2")  # the engine no request went to
+    idle_snapshots = snapshot_count(dashboard_server, "idle")  # the engine no request went to
     assert idle_snapshots >= 1
 
     # The trace list: note, tags, source and the way into the timeline.
@@ -160,4 +162,4 @@ async def test_the_history_pages_fit_at_1400_and_900_px(page, dashboard_server: 
     assert "(B − A) / A" in await page.locator("#compare-kernels thead").inner_text()
 
     # Tens of seconds later the idle engine has added no snapshot: each would equal its last.
-    assert snapshot_count(dashboard_server, "smollm2") == idle_snapshots
+    assert snapshot_count(dashboard_server, "idle") == idle_snapshots

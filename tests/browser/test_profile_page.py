@@ -13,6 +13,8 @@ from tests.browser.conftest import SHOTS, LiveServer
 
 pytestmark = pytest.mark.slow
 
+SERVE_MODELS = ("demo",)  # every request here is the demo's
+
 
 def take_profile(http: httpx.Client, note: str, max_tokens: int) -> dict:
     started = http.post("/debug/profile_start", json={"model": "demo", "stack_sampling": True})

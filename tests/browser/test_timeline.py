@@ -17,6 +17,8 @@ from tests.browser.conftest import SHOTS, LiveServer, load
 
 pytestmark = pytest.mark.slow
 
+SERVE_MODELS = ("demo",)  # every request here is the demo's
+
 HOSTILE_ID = '"><img src=x onerror="window.__xss=1">'
 
 

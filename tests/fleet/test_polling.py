@@ -3,12 +3,22 @@ wrong type or silence is an error that says so; and of several members, one poll
 from __future__ import annotations
 
 import asyncio
+import io
 import httpx
 
 from engines.fleet.board import ForeignTarget
 from engines.fleet.polling import ForeignPoller, ForeignPolling
 from engines.fleet.store import LocalFleetStore
 from tests.fleet.fake_server import FakeServer
+
+
+def every_tasks_stack() -> str:
+    """Each task of the running loop with where it waits: what a hang is read from."""
+    out = io.StringIO()
+    for task in asyncio.all_tasks():
+        out.write(f"{task!r}\n")
+        task.print_stack(limit=20, file=out)
+    return out.getvalue()
 
 
 async def test_a_poll_stores_the_servers_rows_and_errors_say_what_went_wrong(server: FakeServer) -> None:
@@ -42,7 +52,10 @@ async def test_of_two_members_one_polls_a_server_at_a_time(server: FakeServer, s
     finally:
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # Bounded, and with every task's stack if it is not: once, under a full suite's load, the
+        # members did not finish (the worker idle, its Redis connections quiet) and the run hung.
+        _, pending = await asyncio.wait(tasks, timeout=30)
+        assert not pending, every_tasks_stack()
     # One member's poller every 0.5 s for ~2 s: about 5 polls, not twice that.
     assert 3 <= server.polls <= 6
-    assert (await store.all_foreign())["foreign-7"].rows[0].figures["running"] == 4
+    assert (await asyncio.wait_for(store.all_foreign(), 30))["foreign-7"].rows[0].figures["running"] == 4

@@ -8,8 +8,6 @@ from __future__ import annotations
 import asyncio
 import os
 import re
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -21,7 +19,7 @@ import redis
 
 from tests.browser.conftest import PASSWORD  # the superuser's, as the browser tests sign in
 from tests.fleet.conftest import REDIS_URL
-from tests.processes import REPO, Server, start_server
+from tests.processes import Server, migrate_and_add_admin, start_server
 
 pytestmark = pytest.mark.slow
 
@@ -43,10 +41,7 @@ def fleet(tmp_path_factory) -> Iterator[tuple[Server, Server, Server, str]]:
     var = tmp_path_factory.mktemp("fleet-e2e")
     setup_env = {k: v for k, v in os.environ.items() if k != "DJANGO_SETTINGS_MODULE"} | env \
         | {"DEBUGSITE_VAR_DIR": str(var)}
-    manage = [sys.executable, "manage.py"]
-    subprocess.run(manage + ["migrate", "-v", "0"], cwd=REPO, env=setup_env, check=True)
-    subprocess.run(manage + ["createsuperuser", "--noinput", "--username", "admin", "--email", "a@example.com"],
-                   cwd=REPO, env=setup_env, check=True, capture_output=True)
+    migrate_and_add_admin(setup_env)
     decode = start_server(SERVE, var / "decode", env=env)
     prefill = start_server([*SERVE, "--engine-mode", "thread"], var / "prefill", env=env)
     router = start_server(["--router", "disagg", "--prefill-url", prefill.base, "--decode-url", decode.base],

@@ -1,6 +1,7 @@
 """A cold start's compilation: every unit on worker processes into an empty numba cache, after
 which an engine's whole warm-up compiles nothing (one keeping a GGUF's weights quantized too, when
-asked); the stamp makes the next start skip it all."""
+asked); the stamp makes the next start skip it all. The cold start itself is scripts/test.sh's,
+made before the workers start (tests/cold_start.py), or the test's own when pytest runs alone."""
 from __future__ import annotations
 
 import json
@@ -13,6 +14,7 @@ import pytest
 
 from engines.runtime.core.warm_up import PARTS
 from engines.runtime.frontend.precompile import QUANTIZED_UNITS, UNITS, precompile_stamp
+from tests.cold_start import RECORD, cold_start, cold_start_env
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -47,20 +49,16 @@ def test_every_cpu_warm_up_part_is_in_a_unit() -> None:
 
 @pytest.mark.slow
 def test_a_cold_cache_is_filled_on_every_core_and_then_nothing_compiles(tmp_path: Path) -> None:
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "numba"), "PYTHONPATH": str(REPO)}
-    env.pop("NUMBA_ENABLE_CUDASIM", None)
-    code = ("import json; from engines.runtime import precompile; lines = []; "
-            "did = precompile(jobs=2, progress=lines.append, quantized=QUANTIZED); "
-            "print(json.dumps([did, lines]))")
+    made = os.environ.get("COLD_START_CACHE")  # scripts/test.sh's cold start, before the workers
+    cache = Path(made) if made else tmp_path / "numba"
+    record = json.loads((cache / RECORD).read_text()) if made else cold_start(cache)
     units = len(UNITS) + len(QUANTIZED_UNITS)
-    first = subprocess.run([sys.executable, "-c", code.replace("QUANTIZED", "True")], cwd=REPO, env=env,
-                           capture_output=True, text=True, timeout=900)
-    assert first.returncode == 0, first.stderr
-    did, lines = json.loads(first.stdout.strip().splitlines()[-1])
+    did, lines = record["compiled"], record["progress"]
     assert did and lines[0].startswith(f"compiling the engine's kernels for this machine, once ({units} parts")
     assert [line.split(":")[0] for line in lines[1:-1]] == [f"compiling kernels {i}/{units}"
                                                            for i in range(1, units + 1)]
     assert lines[-1].startswith("compiled in ")
+    env = cold_start_env(cache)
     # The engines' own warm-ups now load everything: not one function compiles.
     warm = subprocess.run([sys.executable, "-c", COUNT_COMPILES], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=600)
@@ -69,6 +67,8 @@ def test_a_cold_cache_is_filled_on_every_core_and_then_nothing_compiles(tmp_path
     # holds the list's methods, so that not even those compile: step_weights._typed_list)
     assert json.loads(warm.stdout.strip().splitlines()[-1]) == []
     # The stamps: the next start does nothing at all, whether its engines keep weights quantized or not.
+    code = ("import json; from engines.runtime import precompile; lines = []; "
+            "did = precompile(progress=lines.append, quantized=QUANTIZED); print(json.dumps([did, lines]))")
     for quantized in ("True", "False"):
         again = subprocess.run([sys.executable, "-c", code.replace("QUANTIZED", quantized)], cwd=REPO, env=env,
                                capture_output=True, text=True, timeout=120)
