@@ -22,6 +22,7 @@ from engines.dashboard.messages import SERVER_ID, EngineHistory, EngineSnapshot,
 from engines.profiling import profile_state
 from engines.registry import EngineRegistry, registry as served_engines
 from engines.runtime import AsyncEngine, EngineDeadError
+from engines.cancellation import check_cancelled, within
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +110,7 @@ class EngineSampler:
         :data:`IDLE_INTERVAL_S` or as soon as a viewer comes."""
         layer_down = False
         while True:
+            check_cancelled()  # a callee may have swallowed our cancel (engines.cancellation)
             self._wake.clear()
             try:
                 await self.publish()
@@ -124,7 +126,7 @@ class EngineSampler:
                 logger.exception("dashboard: sampling engine %s failed", self.engine.name)
             interval = WATCHED_INTERVAL_S if self.viewers else IDLE_INTERVAL_S
             try:
-                await asyncio.wait_for(self._wake.wait(), interval)
+                await within(self._wake.wait(), interval)
             except asyncio.TimeoutError:
                 pass
 

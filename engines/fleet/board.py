@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from engines.cancellation import check_cancelled
 from engines.fleet.outage_log import OutageLog
 from engines.fleet.aliases import ALIASES, ServerKind
 from engines.fleet.quantiles import fleet_quantile
@@ -180,6 +181,7 @@ class FleetBoard:
         try:
             next_view = 0.0
             while self.viewers:
+                check_cancelled()  # a callee may have swallowed our cancel (engines.cancellation)
                 now = time.monotonic()
                 if now >= next_view:
                     next_view = now + self.interval_s

@@ -26,6 +26,7 @@ import httpx
 from django.utils import timezone
 from pydantic import BaseModel, Field, StrictBool, StrictInt, StrictStr
 
+from engines.cancellation import check_cancelled
 from engines.fleet.outage_log import OutageLog
 from engines.fleet.aliases import ALIASES, ServerKind
 from engines.fleet.board import ForeignTarget
@@ -277,6 +278,7 @@ class ControlListener:
 
     async def run(self) -> None:
         while True:
+            check_cancelled()  # a callee may have swallowed our cancel (engines.cancellation)
             try:
                 raw = await self.store.pop_control(self.server, timeout_s=1.0)
                 self._outage.worked()

@@ -23,6 +23,7 @@ from engines.fleet.exposition import Exposition, ExpositionError, Sample, parse_
 from engines.fleet.quantiles import Buckets, bucket_quantile, buckets_from_samples
 from engines.fleet.rows import FLEET_WINDOW_QUANTITIES, EngineRow, ServerRows, WindowHistogram
 from engines.fleet.windows import CounterRate, HistogramWindow
+from engines.cancellation import within
 
 __all__ = ["MAX_METRICS_BYTES", "ForeignReader", "ForeignReading", "PollError", "detect_kind", "fetch_metrics",
            "probe_kind", "reading_rows"]
@@ -76,7 +77,7 @@ async def fetch_metrics(client: httpx.AsyncClient, url: str, api_key: str | None
             return body.decode("utf-8", "replace")
 
     try:
-        return await asyncio.wait_for(read(), timeout_s)
+        return await within(read(), timeout_s)
     except asyncio.TimeoutError:
         raise PollError(f"/metrics did not answer in {timeout_s:g} s") from None
     except httpx.HTTPError as exc:

@@ -22,6 +22,7 @@ from typing import Any, Literal
 import orjson
 from pydantic import BaseModel
 
+from engines.cancellation import check_cancelled
 from engines.fleet.outage_log import OutageLog
 
 logger = logging.getLogger("engines.fleet")
@@ -144,6 +145,7 @@ class Membership:
         logged once per outage and tried again at the next beat."""
         outage = OutageLog(f"announcing this server to fleet {self.fleet}")
         while True:
+            check_cancelled()  # a callee may have swallowed our cancel (engines.cancellation)
             try:
                 await self.announce(card())
                 outage.worked()

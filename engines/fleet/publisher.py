@@ -20,6 +20,7 @@ from engines.fleet.quantiles import bucket_quantile
 from engines.fleet.rows import FLEET_WINDOW_QUANTITIES, EngineRow, ServerRows, WindowHistogram
 from engines.fleet.store import FleetStore
 from engines.fleet.windows import CounterRate, HistogramWindow
+from engines.cancellation import check_cancelled, within
 
 logger = logging.getLogger("engines.fleet")
 
@@ -88,7 +89,7 @@ async def _read(engine: Any) -> tuple[dict[str, Any] | None, dict[str, Any] | No
     if not engine.is_alive:
         return None, None
     try:
-        metrics, histograms = await asyncio.wait_for(engine.metrics_with_histograms(), READ_TIMEOUT_S)
+        metrics, histograms = await within(engine.metrics_with_histograms(), READ_TIMEOUT_S)
     except Exception:  # noqa: BLE001 - slow, dead or restarting: this second's figures are unknown
         return None, None
     return metrics, histograms
@@ -140,6 +141,7 @@ class FleetPublisher:
     async def run(self) -> None:
         last_beat = -float("inf")
         while True:
+            check_cancelled()  # a callee may have swallowed our cancel (engines.cancellation)
             started = time.monotonic()
             beat = started - last_beat >= self.heartbeat_s
             try:

@@ -16,6 +16,7 @@ from typing import Any
 from django.conf import settings
 
 import engines
+from engines.cancellation import check_cancelled
 from engines.dashboard.messages import SERVER_ID
 from engines.fleet.outage_log import OutageLog
 from engines.fleet.board import FleetBoard, ForeignTarget
@@ -133,6 +134,7 @@ class FleetService:
     async def _refresh_targets(self) -> None:
         outage = OutageLog("reading the attached servers")
         while True:
+            check_cancelled()  # a callee may have swallowed our cancel (engines.cancellation)
             try:
                 await self.refresh_targets()
                 outage.worked()

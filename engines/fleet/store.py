@@ -28,6 +28,7 @@ from pydantic import ValidationError
 
 from engines.fleet.membership import Member, Membership, ServerCard
 from engines.fleet.rows import ServerRows
+from engines.cancellation import within
 
 __all__ = ["FleetStore", "LocalFleetStore", "RedisFleetStore"]
 
@@ -218,6 +219,6 @@ class LocalFleetStore:
     async def pop_control(self, server: str, timeout_s: float) -> str | None:
         queue = self._controls.setdefault(server, asyncio.Queue())
         try:
-            return await asyncio.wait_for(queue.get(), timeout_s)
+            return await within(queue.get(), timeout_s)
         except asyncio.TimeoutError:
             return None

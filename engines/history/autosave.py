@@ -38,6 +38,7 @@ from django.db import DatabaseError
 
 from engines.history.capture import HistoryUnavailableError, asave_engine_trace, asave_metrics_snapshot
 from engines.models import MetricsSnapshot, TraceRecord
+from engines.cancellation import within
 
 if TYPE_CHECKING:  # the runtime (numba and all) loads only where engines are built
     from engines.runtime import AsyncEngine
@@ -188,7 +189,7 @@ async def _every(interval_s: float, action: Action, engine: "AsyncEngine", stopp
     deadline = loop.time() + interval_s
     while True:
         try:
-            await asyncio.wait_for(stopping.wait(), timeout=max(0.0, deadline - loop.time()))
+            await within(stopping.wait(), max(0.0, deadline - loop.time()))
             return
         except asyncio.TimeoutError:
             pass

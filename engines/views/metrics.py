@@ -37,6 +37,7 @@ from engines.loop_lag import loop_lag
 from engines.registry import registry
 from engines.runtime import AsyncEngine, EngineDeadError, HistogramSnapshot
 from engines.views.api import api_view, json_response
+from engines.cancellation import within
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +114,7 @@ async def read_engines(engines: Iterable[AsyncEngine]) -> list[EngineReading]:
     answer within ``READ_TIMEOUT_S``, has none (and a warning is logged)."""
     running = [engine for engine in engines if engine.is_alive]
     results = await asyncio.gather(
-        *(asyncio.wait_for(EngineReading.read(engine), READ_TIMEOUT_S) for engine in running), return_exceptions=True)
+        *(within(EngineReading.read(engine), READ_TIMEOUT_S) for engine in running), return_exceptions=True)
     readings = []
     for engine, result in zip(running, results, strict=True):
         if isinstance(result, asyncio.TimeoutError):
