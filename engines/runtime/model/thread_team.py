@@ -65,10 +65,10 @@ CALLED_OFF_MARK = -(1 << 40)
 SPINS_BEFORE_YIELD = 2000
 # How long a rendezvous waits before it is called off. A complete team meets within microseconds
 # of the fork; one that cannot meet (two members on one thread) never does. The wait is a time,
-# not a count of waits: a count (20,000 pauses and yields) ran out in 5-10 ms when the host stalled
-# the other vCPU (a yield with nobody else runnable returns at once), and a team was called off
-# now and then on a loaded VM (docs/perf-log/ci-time.md#2026-11-29-xeon-amx); on POSIX the wait
-# reads the monotonic clock on Linux; elsewhere it counts RENDEZVOUS_WAITS.
+# not a count of waits: a count (20,000 pauses and yields) ran out in 3 ms on the AMX Xeon (a
+# yield with nobody else runnable returns at once), so a host's stall of the other vCPU called
+# teams off now and then (docs/perf-log/ci-time.md#2026-11-29-xeon-amx). On Linux the wait reads
+# the monotonic clock; elsewhere it counts RENDEZVOUS_WAITS.
 RENDEZVOUS_NS = 100_000_000
 RENDEZVOUS_WAITS = 20_000
 # Regions run another way after a first call-off; doubled at each call-off in a row, up to the last.
@@ -160,7 +160,6 @@ _POSIX = sys.platform != "win32"
 # there the rendezvous counts its waits).
 _TIMED = sys.platform.startswith("linux")
 _CLOCK_MONOTONIC = 1
-
 
 
 @intrinsic
