@@ -5,7 +5,21 @@
 # pytest with those, no lint, types or PostgreSQL pass.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# The browser tests drive Debian's chromium (never a downloaded browser build); a machine without it
+# installs it while the virtualenv is made.
+chromium_install=""
+if ! [ -x /usr/bin/chromium ]; then
+  echo "installing chromium for the browser tests, in the background"
+  chromium_log="$(mktemp)"
+  (apt-get update -qq && apt-get install -y -qq chromium) >"$chromium_log" 2>&1 &
+  chromium_install=$!
+fi
+
 source scripts/venv.sh dev
+# Our own modules' bytecode, once, for the hundreds of processes the suite starts (where the
+# environment sets PYTHONDONTWRITEBYTECODE each would compile them again).
+python -m compileall -q -j 0 manage.py debugsite engines tests bench scripts >/dev/null
 
 if [ $# -eq 0 ]; then  # seconds each, before minutes of tests; a finding fails the run
   echo "== ruff, mypy =="
@@ -13,19 +27,18 @@ if [ $# -eq 0 ]; then  # seconds each, before minutes of tests; a finding fails 
   mypy
 fi
 
+if [ -n "$chromium_install" ] && ! wait "$chromium_install"; then  # before services.sh's own apt-get
+  cat "$chromium_log" >&2
+  exit 1
+fi
 if [ "${ENSURE_SERVICES:-1}" = "1" ]; then  # PostgreSQL and Redis for the database tests
   scripts/services.sh
 fi
 
-# The browser tests drive Debian's chromium (never a downloaded browser build).
-if ! [ -x /usr/bin/chromium ]; then
-  echo "installing chromium for the browser tests"
-  apt-get update -qq && apt-get install -y -qq chromium >/dev/null
-fi
-
 # The whole suite on TEST_WORKERS workers (pytest-xdist), a file to a worker: on 2 cores three keep
-# both busy while one waits on a browser, a server or a subprocess (docs/perf-log/ci-time.md).
-workers=(-n "${TEST_WORKERS:-3}" --dist loadfile)
+# both busy while one waits on a browser, a server or a subprocess (docs/perf-log/ci-time.md). The
+# files go out in tests/conftest.py's order, slow ones first, not xdist's (by count of tests).
+workers=(-n "${TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder)
 if [ $# -eq 0 ]; then
   # The cold start, once: the engine's kernels compiled on every core into an empty cache, before
   # the workers need them. The cold-start test checks that cache as it was left; the suite runs on

@@ -42,11 +42,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """With ``--database-only``, keep the tests that touch the database: a ``django_db`` mark or a
-    database fixture. (Server subprocesses get ``DATABASE_URL`` only where a test gives it one,
-    and those tests use PostgreSQL in both passes.)"""
-    if not config.getoption("--database-only"):
-        return
+    """With ``--database-only``, keep the tests that touch the database; then order the files slow
+    ones first (``long_files_first``)."""
+    if config.getoption("--database-only"):
+        keep_database_tests(config, items)
+    long_files_first(items)
+
+
+def keep_database_tests(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Keep the tests that touch the database: a ``django_db`` mark or a database fixture. (Server
+    subprocesses get ``DATABASE_URL`` only where a test gives it one, and those tests use
+    PostgreSQL in both passes.)"""
     kept, dropped = [], []
     for item in items:
         uses = (item.get_closest_marker("django_db") is not None
@@ -55,3 +61,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
+
+
+def long_files_first(items: list[pytest.Item]) -> None:
+    """Order the files: those with a ``slow`` test first, then by their number of tests, most
+    first; a file's tests keep their order. xdist's workers take a file at a time in this order
+    (``scripts/test.sh`` passes ``--no-loadscope-reorder``, or xdist would sort by count alone and
+    send the one-test files, the soak and the browser pages among them, last: the run's tail)."""
+    files: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+
+    def weight(tests: list[pytest.Item]) -> tuple[bool, int]:
+        return (not any(test.get_closest_marker("slow") for test in tests), -len(tests))
+
+    items[:] = [item for tests in sorted(files.values(), key=weight) for item in tests]
+
