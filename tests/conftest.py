@@ -8,6 +8,15 @@ import os
 from collections.abc import Iterator
 
 import pytest
+from django.conf import settings
+
+from debugsite.settings import FAST_TEST_PASSWORD_HASHERS
+
+# Fast password hashing for the suite's throwaway accounts (debugsite/settings.py): in every server
+# a test starts, which inherits the environment, and in this process, whose settings pytest-django
+# has read already.
+os.environ["DEBUGSITE_TEST_FAST_PASSWORD_HASHING"] = "1"
+settings.PASSWORD_HASHERS = FAST_TEST_PASSWORD_HASHERS
 
 if os.environ.get("ENGINES_TEST_GPU") != "1":
     os.environ["NUMBA_ENABLE_CUDASIM"] = "1"

@@ -20,9 +20,9 @@ from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
 
-import django
 import orjson
 
+from engines.child_lifetime import start_django_child
 from engines.history.analysis import TraceAnalysis, TraceFormatError, analyze_trace, trace_events
 from engines.history.payload import StoredPayload, compress_json
 
@@ -91,12 +91,11 @@ def _gc_paused() -> Iterator[None]:
 
 class DigestProcess:
     """:func:`digest_trace` for bytes, run in a child process (spawned: a fresh interpreter, none of
-    the server's threads). Thread-safe: the pool queues."""
+    the server's threads) that ends with the server however it ends. Thread-safe: the pool queues."""
 
     def __init__(self, digests_per_process: int = DIGESTS_PER_PROCESS) -> None:
-        # django.setup first: this module's package imports the models (DJANGO_SETTINGS_MODULE is inherited).
         self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                                         initializer=django.setup, max_tasks_per_child=digests_per_process)
+                                         initializer=start_django_child, max_tasks_per_child=digests_per_process)
 
     def digest(self, raw: bytes) -> tuple[TraceAnalysis, StoredPayload]:
         """``digest_trace(raw)`` in the child; its exceptions are raised here."""

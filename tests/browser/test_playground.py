@@ -58,6 +58,15 @@ async def turns(page) -> list[list[str]]:
         "ts => ts.map(t => [t.dataset.role, t.querySelector('.pg-turn-text').textContent])")
 
 
+async def test_the_overview_names_the_real_models_file(page, dashboard_server) -> None:
+    """The engine's cell names the model it runs, the checkpoint's path on hover."""
+    await page.goto(f"{dashboard_server.base}/dashboard/")
+    model = page.locator('tr.engine-row[data-engine="smollm2"] .model-name')
+    await model.wait_for()
+    assert (await model.text_content()).strip() == "SmolLM2-135M-Instruct.Q4_1 · GGUF"
+    assert (await model.get_attribute("title")).endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
 async def test_chat_sends_the_conversation_so_far_and_new_chat_clears_it(page, dashboard_server) -> None:
     sent = await open_playground(page, dashboard_server.base)
     assert await page.input_value("#pg-engine") == "smollm2"

@@ -61,3 +61,37 @@ def test_saves_go_through_the_process_once_started(monkeypatch: pytest.MonkeyPat
     assert record.request_count == 3 and RequestSummary.objects.filter(trace=record).count() == 3
     with pytest.raises(AssertionError, match="server's process"):  # stopped: here again
         save_trace(orjson.dumps(serving_trace(num_requests=1)), engine="eng-digest", model="demo")
+
+
+def test_the_process_ends_when_its_server_is_killed(tmp_path) -> None:
+    """A server killed outright (SIGKILL: no shutdown runs) takes its digest process with it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    server = subprocess.Popen(
+        [sys.executable, "-c", "import django; django.setup()\n"
+         "from engines.history.digest import DigestProcess\n"
+         "digests = DigestProcess(); digests.warm(); print(digests.child_pid(), flush=True)\n"
+         "import time; time.sleep(600)"],
+        cwd=Path(__file__).resolve().parents[2], stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "DJANGO_SETTINGS_MODULE": "debugsite.settings", "DEBUGSITE_VAR_DIR": str(tmp_path)})
+    try:
+        child = int(server.stdout.readline())
+        os.kill(child, 0)  # running
+    finally:
+        server.send_signal(signal.SIGKILL)
+        server.wait(10)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(child, signal.SIGKILL)
+    pytest.fail("the digest process outlived its killed server")
+

@@ -28,6 +28,7 @@ the IR against; both against ``quantized_dot.quantized_dot_reference`` (dequanti
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import numpy as np
@@ -332,6 +333,7 @@ def chunks() -> int:
     return CHUNKS_PER_THREAD * get_num_threads()
 
 
+@functools.cache  # one compile a process for each pair: a test calls it for each input
 def group_dots(isa: str, kind: str) -> Callable:
     """A jitted ``(quants, scales, minima, table, xq, xd, xs, out)`` filling ``out`` with ``isa``'s
     group dots of ``kind`` (``ROWS`` rows at a time, then one; ``xq`` as quantized, offset here

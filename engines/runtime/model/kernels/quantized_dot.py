@@ -34,6 +34,7 @@ on SmolLM2 is measured in tests/runtime/model/test_quantized_model.py and bench/
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import numpy as np
@@ -557,11 +558,12 @@ def dequantize_rows_cpu(quants, scales, minima, table, first, out):
             _dequantize_q4_1(quants[n], scales[n], minima[n], out[r])
 
 
+@functools.cache  # one compile a process for each pair: a test calls it for each input
 def row_dots(isa: str, kind: str) -> Callable:
     """A jitted ``(quants, scales, minima, table, xq, xd, xs, out)`` that fills ``out[m, n]`` with
     ``isa``'s row dots of ``kind`` for every weight row ``n`` and activation row ``m`` (four rows at
     a time, then one: both dots): the tests run every implementation this CPU has on one input
-    through it (not cached: a closure)."""
+    through it (a closure: not in numba's disk cache; made once a process)."""
     one, four = ROW_DOTS[isa][kind]
     offset = takes_offset_activations(isa, kind)
 

@@ -1,0 +1,37 @@
+"""Child processes that end with the server that started them.
+
+A ``ProcessPoolExecutor`` worker holds both ends of its own task queue, so it never sees its parent
+die: a server killed outright (``kill -9``, the OOM killer), whose shutdown never ran, left its
+workers waiting for work forever (the digest process, ~95 MB each). This module imports no Django
+models, so a spawned worker can unpickle its initializer before Django is set up.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+#: How often a child looks whether its parent is still there (seconds).
+PARENT_CHECK_S = 1.0
+
+
+def exit_with_parent() -> None:
+    """Start a thread that ends this process (``os._exit``) once its parent is gone: it is then
+    re-parented, and ``os.getppid()`` changes."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(PARENT_CHECK_S)
+        os._exit(0)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
+def start_django_child() -> None:
+    """A pool worker's initializer: Django set up (``DJANGO_SETTINGS_MODULE`` is inherited), and the
+    worker tied to its parent's life."""
+    import django
+
+    django.setup()
+    exit_with_parent()
