@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set up (virtualenv + pinned dependencies) and run the whole test suite: the linter and the type
-# checker (their settings and paths in pyproject.toml), every test on SQLite, then the tests that
-# use the database again on PostgreSQL (--database-only: tests/conftest.py). With arguments:
-# pytest with those, no lint, types or PostgreSQL pass.
+# checker (their settings and paths in pyproject.toml), every test on SQLite and, beside it, the
+# tests that use the database again on PostgreSQL (--database-only: tests/conftest.py). With
+# arguments: pytest with those, no lint, types or PostgreSQL pass.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,7 +22,7 @@ source scripts/venv.sh dev
 python -m compileall -q -j 0 manage.py debugsite engines tests bench scripts >/dev/null
 
 if [ $# -eq 0 ]; then  # seconds each, before minutes of tests; a finding fails the run
-  echo "== ruff, mypy =="
+  echo "== ruff, mypy ($SECONDS s in) =="
   ruff check .
   mypy
 fi
@@ -43,6 +43,7 @@ if [ $# -eq 0 ]; then
   # The cold start, once: the engine's kernels compiled on every core into an empty cache, before
   # the workers need them. The cold-start test checks that cache as it was left; the suite runs on
   # a copy (var/test-numba-cache, kept between runs for what the tests compile beyond the engine's).
+  echo "== the cold start ($SECONDS s in) =="
   rm -rf var/cold-start-cache
   python -m tests.cold_start var/cold-start-cache
   export COLD_START_CACHE="$PWD/var/cold-start-cache"
@@ -51,15 +52,23 @@ if [ $# -eq 0 ]; then
   export NUMBA_CACHE_DIR="$PWD/var/test-numba-cache"
 fi
 status=0
-if [ $# -eq 0 ]; then
-  python -m pytest "${workers[@]}" || status=$?
-else
+if [ $# -gt 0 ]; then
   python -m pytest "$@" || status=$?
+  exit "$status"
 fi
-if [ "$status" -eq 0 ] && [ $# -eq 0 ]; then
-  echo "== the tests that use the database, again on PostgreSQL =="
-  DATABASE_URL="${PG_TEST_URL:-postgres://postgres@127.0.0.1:5432/postgres}" \
-    python -m pytest "${workers[@]}" -p no:cacheprovider --database-only tests/history tests/server tests/fleet \
-    || status=$?
-fi
+# The tests that use the database run again on PostgreSQL, in one process beside the whole suite's
+# workers: its ~50 CPU-seconds fill what the workers leave idle while they wait on browsers,
+# servers and subprocesses, where after them it took ~50 s of its own (docs/perf-log/ci-time.md).
+# Every test makes its own databases, fleets and ports, so the two passes never share one.
+pg_log="var/test-postgresql.log"
+DATABASE_URL="${PG_TEST_URL:-postgres://postgres@127.0.0.1:5432/postgres}" \
+  python -m pytest -p no:cacheprovider --database-only tests/history tests/server tests/fleet >"$pg_log" 2>&1 &
+pg_pass=$!
+echo "== every test on SQLite, the PostgreSQL pass beside it into $pg_log ($SECONDS s in) =="
+python -m pytest "${workers[@]}" || status=$?
+pg_status=0
+wait "$pg_pass" || pg_status=$?
+echo "== the tests that use the database, on PostgreSQL ($SECONDS s in) =="
+cat "$pg_log"
+[ "$status" -ne 0 ] || status=$pg_status
 exit "$status"
