@@ -99,12 +99,7 @@ def hf_model(smollm2_file: Path):
 
     model = AutoModelForCausalLM.from_pretrained(smollm2_file.parent, gguf_file=smollm2_file.name,
                                                  dtype=torch.float32)
-    # One thread: beside the suite's other workers, torch's second thread spun while it waited for
-    # a core (the greedy test took 59 s and 28 CPU-seconds on two threads).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield model.eval()
-    torch.set_num_threads(threads)
+    return model.eval()
 
 
 @pytest.mark.slow
