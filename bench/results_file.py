@@ -15,6 +15,7 @@ import argparse
 import datetime
 import functools
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -47,7 +48,8 @@ def this_machine() -> dict[str, Any]:
     """The CPU by name and microarchitecture, its widest vector unit in bits, the machine's cores (not
     this process's: a bench may pin itself), and the first GPU's name where ``nvidia-smi`` finds one."""
     info = _cpuinfo()
-    name = info.get("model name", "unknown CPU")
+    # "Intel(R) Xeon(R) Processor" -> "Intel Xeon", as BENCHMARKS.md's machines table names hosts.
+    name = re.sub(r"\((R|TM)\)| Processor$", "", info.get("model name", "unknown CPU"))
     try:
         family, model = int(info.get("cpu family", "")), int(info.get("model", ""))
     except ValueError:
