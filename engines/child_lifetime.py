@@ -15,11 +15,10 @@ import time
 PARENT_CHECK_S = 1.0
 
 
-def exit_with_parent() -> None:
-    """Start a thread that ends this process (``os._exit``) once its parent is gone: it is then
-    re-parented, and ``os.getppid()`` changes."""
-    parent = os.getppid()
-
+def exit_with_parent(parent: int) -> None:
+    """Start a thread that ends this process (``os._exit``) once ``parent``, the pid of the process
+    that started it, is no longer its parent: it was re-parented when that one died (before this
+    call too, where the parent died while this process started)."""
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(PARENT_CHECK_S)
@@ -28,10 +27,10 @@ def exit_with_parent() -> None:
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
-def start_django_child() -> None:
-    """A pool worker's initializer: Django set up (``DJANGO_SETTINGS_MODULE`` is inherited), and the
-    worker tied to its parent's life."""
+def start_django_child(parent: int) -> None:
+    """A pool worker's initializer (``initargs=(os.getpid(),)`` in the parent): Django set up
+    (``DJANGO_SETTINGS_MODULE`` is inherited), and the worker tied to its parent's life."""
     import django
 
     django.setup()
-    exit_with_parent()
+    exit_with_parent(parent)

@@ -85,4 +85,3 @@ def long_files_first(items: list[pytest.Item]) -> None:
         return (not any(test.get_closest_marker("slow") for test in tests), -len(tests))
 
     items[:] = [item for tests in sorted(files.values(), key=weight) for item in tests]
-

@@ -95,7 +95,8 @@ class DigestProcess:
 
     def __init__(self, digests_per_process: int = DIGESTS_PER_PROCESS) -> None:
         self._pool = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                                         initializer=start_django_child, max_tasks_per_child=digests_per_process)
+                                         initializer=start_django_child, initargs=(os.getpid(),),
+                                         max_tasks_per_child=digests_per_process)
 
     def digest(self, raw: bytes) -> tuple[TraceAnalysis, StoredPayload]:
         """``digest_trace(raw)`` in the child; its exceptions are raised here."""

@@ -3,6 +3,13 @@ here; its errors come back as themselves; the process is replaced after its quot
 saves go through it (its parse's memory never touches the server's heap)."""
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import orjson
 import pytest
 
@@ -65,13 +72,6 @@ def test_saves_go_through_the_process_once_started(monkeypatch: pytest.MonkeyPat
 
 def test_the_process_ends_when_its_server_is_killed(tmp_path) -> None:
     """A server killed outright (SIGKILL: no shutdown runs) takes its digest process with it."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-    from pathlib import Path
-
     server = subprocess.Popen(
         [sys.executable, "-c", "import django; django.setup()\n"
          "from engines.history.digest import DigestProcess\n"
@@ -94,4 +94,3 @@ def test_the_process_ends_when_its_server_is_killed(tmp_path) -> None:
         time.sleep(0.1)
     os.kill(child, signal.SIGKILL)
     pytest.fail("the digest process outlived its killed server")
-
