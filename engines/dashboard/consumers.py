@@ -39,7 +39,8 @@ from pydantic import BaseModel, ValidationError
 
 from engines.dashboard.actions import EXPECTED_FAILURES, run_action
 from engines.dashboard.feed import RETRY_S, FeedWatch, layer_reason
-from engines.dashboard.messages import SERVER_ID, ActionEvent, ActionEventType, ActionRequest, engine_group
+from engines.dashboard.messages import ActionEvent, ActionEventType, ActionRequest, engine_group
+from engines.server_identity import SERVER_ID
 from engines.dashboard.sampler import LAYER_ERRORS, LayerUnavailableError, hub_for
 from engines.dashboard.socket_auth import database_away
 from engines.dashboard.timeline_messages import (TimelineError, TimelineHello, TimelineRequest, TimelineRestarted,

@@ -11,14 +11,13 @@ Server to browser, each a JSON object with a ``type``:
   change (``interrupted`` while the channel layer does not carry them, ``live`` when they come again).
 
 Browser to server: :class:`ActionRequest`. Every snapshot names the server process it came from
-(:data:`SERVER_ID`), so that servers sharing a Redis channel layer can feed one fleet-wide view.
+(:data:`engines.server_identity.SERVER_ID`), so that servers sharing a Redis channel layer can feed
+one fleet-wide view.
 """
 from __future__ import annotations
 
 import hashlib
-import os
 import re
-import socket
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
@@ -26,11 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 from engines.history import MAX_NOTE_CHARS, MAX_TAGS
 from engines.profiling import ProfileState
 
-__all__ = ["CHART_FIELDS", "SERVER_ID", "ActionEvent", "ActionEventType", "ActionRequest", "EngineHistory",
+__all__ = ["CHART_FIELDS", "ActionEvent", "ActionEventType", "ActionRequest", "EngineHistory",
            "EngineSnapshot", "FeedEvent", "FeedState", "engine_group", "chart_values"]
-
-#: This server process, as snapshots name it: host and process id.
-SERVER_ID = f"{socket.gethostname()}:{os.getpid()}"
 
 _GROUP_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
 

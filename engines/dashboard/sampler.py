@@ -18,7 +18,8 @@ from typing import Any
 from channels.layers import get_channel_layer
 from redis.exceptions import RedisError
 
-from engines.dashboard.messages import SERVER_ID, EngineHistory, EngineSnapshot, chart_values, engine_group
+from engines.dashboard.messages import EngineHistory, EngineSnapshot, chart_values, engine_group
+from engines.server_identity import SERVER_ID
 from engines.profiling import profile_state
 from engines.registry import EngineRegistry, registry as served_engines
 from engines.runtime import AsyncEngine, EngineDeadError

@@ -17,7 +17,7 @@ from django.conf import settings
 
 import engines
 from engines.cancellation import check_cancelled
-from engines.dashboard.messages import SERVER_ID
+from engines.server_identity import SERVER_ID
 from engines.fleet.outage_log import OutageLog
 from engines.fleet.board import FleetBoard, ForeignTarget
 from engines.fleet.aliases import QUANTITIES
