@@ -1,5 +1,11 @@
-"""This server process's identity: the name its dashboard snapshots, its fleet card and its jobs
-carry, so that servers sharing a Redis channel layer (and a database) stay apart.
+"""This server's identity: the name its dashboard snapshots, its fleet card, its jobs and its
+history records carry, so that servers sharing a Redis channel layer and a database stay apart.
+
+A server is named ``host:port``, where it listens (``serve`` says, :func:`configure`): readable,
+and the same after a restart on the same port, so a server that comes back replaces its ghost in
+the fleet and its history reads on as one line. A process that was not told its port (a bare
+Daphne without ``ENGINES_PORT``, the tests' in-process servers) is ``host:pid<pid>``. The fleet's
+name (``FLEET_NAME``) goes beside it, since one database may hold several fleets.
 
 Below both the dashboard and the fleet: each names the server the same way and neither imports
 the other for it.
@@ -9,7 +15,25 @@ from __future__ import annotations
 import os
 import socket
 
-__all__ = ["SERVER_ID"]
+from django.conf import settings
 
-#: This server process, as snapshots name it: host and process id.
-SERVER_ID = f"{socket.gethostname()}:{os.getpid()}"
+__all__ = ["configure", "fleet_name", "server_id"]
+
+_HOST = socket.gethostname()
+_port: int | None = int(os.environ["ENGINES_PORT"]) if os.environ.get("ENGINES_PORT", "").isdigit() else None
+
+
+def configure(port: int) -> None:
+    """This process serves on ``port`` (``serve`` calls it before anything names the server)."""
+    global _port
+    _port = port
+
+
+def server_id() -> str:
+    """This server: ``host:port``, or ``host:pid<pid>`` when no port was configured."""
+    return f"{_HOST}:{_port}" if _port is not None else f"{_HOST}:pid{os.getpid()}"
+
+
+def fleet_name() -> str:
+    """The fleet this server belongs to (``FLEET_NAME``; one Redis or database may hold several)."""
+    return str(getattr(settings, "FLEET_NAME", "default"))

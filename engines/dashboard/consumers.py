@@ -40,7 +40,7 @@ from pydantic import BaseModel, ValidationError
 from engines.dashboard.actions import EXPECTED_FAILURES, run_action
 from engines.dashboard.feed import RETRY_S, FeedWatch, layer_reason
 from engines.dashboard.messages import ActionEvent, ActionEventType, ActionRequest, engine_group
-from engines.server_identity import SERVER_ID
+from engines.server_identity import server_id
 from engines.dashboard.sampler import LAYER_ERRORS, LayerUnavailableError, hub_for
 from engines.dashboard.socket_auth import database_away
 from engines.dashboard.timeline_messages import (TimelineError, TimelineHello, TimelineRequest, TimelineRestarted,
@@ -364,7 +364,7 @@ class TimelineConsumer(StaffSocket[TimelineRequest]):
             return
         self.engine = engine
         await self.accept()
-        hello = TimelineHello(server=SERVER_ID, engine=self.engine.name, tracing=self.engine.tracing_enabled,
+        hello = TimelineHello(server=server_id(), engine=self.engine.name, tracing=self.engine.tracing_enabled,
                               interval_s=self.INTERVAL_S)
         await self.send(text_data=hello.model_dump_json())
 

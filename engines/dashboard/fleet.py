@@ -16,7 +16,7 @@ from engines.dashboard.frame import data_error, page_context
 from pydantic import ValidationError
 
 from engines.dashboard.consumers import validation_message
-from engines.server_identity import SERVER_ID
+from engines.server_identity import server_id
 from engines.fleet.attach import AttachError, attach_server
 from engines.fleet.controls import JobRequest, job_state, submit_job
 from engines.fleet.merged_trace import TracePart, merge_traces
@@ -92,9 +92,9 @@ async def fleet_job_submit(request: HttpRequest) -> HttpResponse:
         members = await service.store.members()
     except Exception as exc:  # noqa: BLE001 - the store (Redis) is down
         return data_error(f"the fleet's store does not answer: {exc}", 503)
-    servers = {m.card.server: (m.card.server, m.state) for m in members} | {SERVER_ID: (SERVER_ID, "up")}
+    servers = {m.card.server: (m.card.server, m.state) for m in members} | {server_id(): (server_id(), "up")}
     user = await request.auser()
-    pk = await submit_job(service.store, SERVER_ID, job, user.get_username(), service.targets, servers,
+    pk = await submit_job(service.store, server_id(), job, user.get_username(), service.targets, servers,
                           service.polling.client, service.publisher.clock.best)
     return JsonResponse({"job": pk, "url": f"/dashboard/fleet/jobs/{pk}.json"}, status=201)
 

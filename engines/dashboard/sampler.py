@@ -19,7 +19,7 @@ from channels.layers import get_channel_layer
 from redis.exceptions import RedisError
 
 from engines.dashboard.messages import EngineHistory, EngineSnapshot, chart_values, engine_group
-from engines.server_identity import SERVER_ID
+from engines.server_identity import server_id
 from engines.profiling import profile_state
 from engines.registry import EngineRegistry, registry as served_engines
 from engines.runtime import AsyncEngine, EngineDeadError
@@ -79,7 +79,7 @@ class EngineSampler:
             metrics, view, slow = await _read_engine(engine)
         status = engine.status
         return EngineSnapshot(
-            server=SERVER_ID, engine=engine.name, at=time.time(), state=status.state.value,
+            server=server_id(), engine=engine.name, at=time.time(), state=status.state.value,
             reason=status.reason, restarts=status.restarts, backend=engine.backend_name, dtype=engine.dtype,
             mode="process" if engine.process else "thread", tracing=engine.tracing_enabled, metrics=metrics,
             recent_requests=view.ended if view else None, live_requests=view.live if view else None, slow=slow,

@@ -49,7 +49,7 @@ class EngineCard(BaseModel):
 class ServerCard(BaseModel):
     """A server of ours as it announces itself."""
 
-    server: str                      # SERVER_ID, "host:pid"
+    server: str                      # engines.server_identity.server_id(), "host:port"
     url: str                         # where its pages and API answer
     version: str
     roles: list[str]                 # "engines", "router", "prefill", "decode"

@@ -17,7 +17,7 @@ from django.conf import settings
 
 import engines
 from engines.cancellation import check_cancelled
-from engines.server_identity import SERVER_ID
+from engines.server_identity import server_id
 from engines.fleet.outage_log import OutageLog
 from engines.fleet.board import FleetBoard, ForeignTarget
 from engines.fleet.aliases import QUANTITIES
@@ -60,7 +60,7 @@ def server_card() -> ServerCard:
     if roles is None:
         serves = ["engines"] if any(True for _ in registry) else []
         roles = serves + (["router"] if registry.router is not None else [])
-    return ServerCard(server=SERVER_ID, url=_server["url"], version=engines.__version__, roles=roles,
+    return ServerCard(server=server_id(), url=_server["url"], version=engines.__version__, roles=roles,
                       engines=cards, started_at=_STARTED_AT)
 
 
@@ -69,7 +69,7 @@ def router_rows() -> list[EngineRow]:
     router = registry.router
     if router is None:
         return []
-    return [EngineRow(server=SERVER_ID, engine=ROUTER_ENGINE, model="", state="running", at=time.time(),
+    return [EngineRow(server=server_id(), engine=ROUTER_ENGINE, model="", state="running", at=time.time(),
                       figures={"running": float(sum(router.in_flight.values()))},
                       not_exported=[q for q in QUANTITIES if q != "running"])]
 
@@ -107,10 +107,10 @@ class FleetService:
         self.store = store if store is not None else make_store()
         self.targets: list[ForeignTarget] = []
         self.board = FleetBoard(self.store, lambda: self.targets)
-        self.publisher = FleetPublisher(self.store, SERVER_ID, lambda: list(registry), server_card, extra=router_rows)
-        self.polling = ForeignPolling(self.store, SERVER_ID, lambda: self.targets)
-        self.controls = ControlListener(self.store, SERVER_ID, lambda: self.publisher.clock.best)
-        self.rollups = RollupWriter(self.store, SERVER_ID, lambda: {t.id: t.name for t in self.targets},
+        self.publisher = FleetPublisher(self.store, server_id(), lambda: list(registry), server_card, extra=router_rows)
+        self.polling = ForeignPolling(self.store, server_id(), lambda: self.targets)
+        self.controls = ControlListener(self.store, server_id(), lambda: self.publisher.clock.best)
+        self.rollups = RollupWriter(self.store, server_id(), lambda: {t.id: t.name for t in self.targets},
                                     keep_minutes_h=float(getattr(settings, "FLEET_ROLLUP_MINUTES_H", 24)),
                                     keep_hours_d=float(getattr(settings, "FLEET_ROLLUP_HOURS_D", 30)))
         self.tasks: list[asyncio.Task[None]] = []

@@ -18,7 +18,7 @@ from django.test import Client
 from debugsite.asgi import application
 from engines.dashboard.consumers import CLOSE_FORBIDDEN, CLOSE_NOT_FOUND
 from engines.dashboard.messages import engine_group
-from engines.server_identity import SERVER_ID
+from engines.server_identity import server_id
 from engines.dashboard.sampler import hub_for
 from engines.models import ProfileRecord, TraceRecord
 from engines.registry import registry
@@ -112,7 +112,7 @@ async def connected_or_closed(path: str) -> WebsocketCommunicator:
 async def test_snapshots_arrive_for_the_engine_joined_and_the_overview_sees_all(dashboard) -> None:
     socket = await connected(f"/ws/engines/{TRACED}/")
     snap = await next_message(socket, of_type("snapshot"))
-    assert (snap["engine"], snap["server"], snap["state"], snap["mode"]) == (TRACED, SERVER_ID, "running", "thread")
+    assert (snap["engine"], snap["server"], snap["state"], snap["mode"]) == (TRACED, server_id(), "running", "thread")
     assert snap["tracing"] is True and snap["backend"] == "cpu"
     assert {"num_running_requests", "kv_cache_usage", "ttft_s", "engine_prefill_time_sum"} <= snap["metrics"].keys()
     second = await next_message(socket, of_type("snapshot"))
@@ -300,7 +300,7 @@ async def test_snapshots_from_another_server_process_arrive_over_redis(dashboard
     channel_layers.backends.clear()
     try:
         socket = await connected(f"/ws/engines/{TRACED}/")
-        await next_message(socket, of_type("snapshot", server=SERVER_ID))  # ours, through Redis
+        await next_message(socket, of_type("snapshot", server=server_id()))  # ours, through Redis
         script = (
             "import asyncio, channels_redis.core as r\n"
             f"layer = r.RedisChannelLayer(hosts=[{url!r}], prefix='test-dashboard')\n"

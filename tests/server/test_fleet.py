@@ -15,7 +15,7 @@ from asgiref.sync import sync_to_async
 from django.core.management import CommandError, call_command
 
 from engines.dashboard.consumers import CLOSE_FORBIDDEN
-from engines.server_identity import SERVER_ID
+from engines.server_identity import server_id
 from engines.fleet import service as fleet
 from engines.fleet.membership import ServerCard
 from engines.fleet.rows import EngineRow, ServerRows
@@ -101,7 +101,7 @@ async def test_the_fleet_page_is_staff_only_and_in_the_admins_frame(page: httpx.
 
 async def test_fleet_json_lists_this_server_and_its_engines(page: httpx.AsyncClient) -> None:
     view = await fleet_json(page, lambda v: len(v["rows"]) == 2)
-    assert not view["shared"] and [s["server"] for s in view["servers"]] == [SERVER_ID]
+    assert not view["shared"] and [s["server"] for s in view["servers"]] == [server_id()]
     (me,) = view["servers"]
     assert me["state"] == "up" and me["roles"] == ["engines"] and me["engines"] == 2
     rows = {row["engine"]: row for row in view["rows"]}
@@ -122,7 +122,7 @@ async def test_a_second_server_in_the_shared_redis_shows_up_and_goes(page: httpx
     view = await fleet_json(page, lambda v: len(v["rows"]) == 3)
     assert view["shared"] and view["fleet"] == other.name
     servers = {s["server"]: s for s in view["servers"]}
-    assert set(servers) == {SERVER_ID, "other:9"} and servers["other:9"]["roles"] == ["decode"]
+    assert set(servers) == {server_id(), "other:9"} and servers["other:9"]["roles"] == ["decode"]
     assert view["totals"]["running"] == 7.0 and view["totals"]["waiting"] == 2.0
     await other.leave()
     view = await fleet_json(page)
@@ -222,11 +222,11 @@ async def test_a_job_across_this_server_a_peer_and_a_foreign_server(page: httpx.
                                            engines=[], started_at=0.0))
         await fleet_json(page, lambda v: len(v["servers"]) == 4)
         state = await job(page, headers, {"action": "reset", "targets": [
-            {"server": SERVER_ID, "engine": TRACED}, {"server": "peer:1", "engine": UNTRACED},
+            {"server": server_id(), "engine": TRACED}, {"server": "peer:1", "engine": UNTRACED},
             {"server": foreign, "engine": "meta-llama/Llama-3.1-8B-Instruct"},
             {"server": "silent:2", "engine": "x"}, {"server": "nowhere:3", "engine": "x"}]})
         outcome = {t["server"]: (t["state"], t["message"]) for t in state["targets"]}
-        assert outcome[SERVER_ID] == ("done", f"engine {TRACED} was reset")
+        assert outcome[server_id()] == ("done", f"engine {TRACED} was reset")
         assert outcome["peer:1"] == ("done", f"engine {UNTRACED} was reset")
         assert outcome[foreign] == ("done", "POST /reset_prefix_cache: 200")
         assert outcome["silent:2"] == ("error", "no answer from silent:2 in 1 s")
@@ -239,7 +239,7 @@ async def test_a_job_across_this_server_a_peer_and_a_foreign_server(page: httpx.
         audit = await sync_to_async(lambda: [(j.action, j.requested_by, j.finished_at is not None)
                                              for j in FleetJob.objects.order_by("id")])()
         assert [a[0] for a in audit] == ["reset", "save_trace"] and all(a[2] for a in audit)
-        for body, error in (({"action": "explode", "targets": [{"server": SERVER_ID, "engine": TRACED}]}, "action:"),
+        for body, error in (({"action": "explode", "targets": [{"server": server_id(), "engine": TRACED}]}, "action:"),
                             ({"action": "reset", "targets": []}, "targets:")):
             refused = await page.post("/dashboard/fleet/jobs/", json=body, headers=headers)
             assert refused.status_code == 400 and refused.json()["error"].startswith(error)
@@ -254,21 +254,21 @@ async def test_a_save_trace_job_opens_as_one_timeline(page: httpx.AsyncClient) -
     done = await page.post("/v1/completions", json={"model": TRACED, "prompt": "Hi", "max_tokens": 3})
     assert done.status_code == 200
     await fleet_json(page, lambda v: len(v["rows"]) == 2)  # the publisher has measured its clock
-    state = await job(page, headers, {"action": "save_trace", "targets": [{"server": SERVER_ID, "engine": TRACED}],
+    state = await job(page, headers, {"action": "save_trace", "targets": [{"server": server_id(), "engine": TRACED}],
                                       "note": "fleet"})
     (target,) = state["targets"]
-    assert target["state"] == "done" and target["result"]["server"] == SERVER_ID
+    assert target["state"] == "done" and target["result"]["server"] == server_id()
     assert abs(target["result"]["clock_offset_us"]) < 1e6 and target["result"]["clock_uncertainty_us"] >= 0
     trace = await page.get(f"/dashboard/fleet/jobs/{state['id']}/trace.json")
     assert trace.status_code == 200 and trace.headers["content-encoding"] == "gzip"
     merged = trace.json()
     names = [ev["args"]["name"] for ev in merged["traceEvents"] if ev.get("name") == "process_name"]
-    assert names == [f"{TRACED} @ {SERVER_ID}"]
+    assert names == [f"{TRACED} @ {server_id()}"]
     assert any(ev.get("name") == "thread_name" and ev["tid"] != 0 for ev in merged["traceEvents"])
     timeline = await page.get(f"/dashboard/fleet/jobs/{state['id']}/timeline/")
     assert timeline.status_code == 200 and "engines/js/timeline/page.js" in timeline.text
     assert f"/dashboard/fleet/jobs/{state['id']}/trace.json" in timeline.text and "job #" in timeline.text
-    reset = await job(page, headers, {"action": "reset", "targets": [{"server": SERVER_ID, "engine": TRACED}]})
+    reset = await job(page, headers, {"action": "reset", "targets": [{"server": server_id(), "engine": TRACED}]})
     assert (await page.get(f"/dashboard/fleet/jobs/{reset['id']}/trace.json")).json()["error"] == \
         "this job saved no trace"
     assert (await page.get("/dashboard/fleet/jobs/999999/timeline/")).status_code == 404

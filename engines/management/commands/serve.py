@@ -42,6 +42,7 @@ from engines.history.autosave import HistoryAutosave
 from engines.history.capture import start_digest_process, stop_digest_process
 from engines.loop_lag import loop_lag
 from engines.malloc_tuning import tune_malloc
+from engines import server_identity
 from engines.registry import (
     ENGINE_MODES,
     ModelSpec,
@@ -186,6 +187,7 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         tune_malloc()  # before Daphne's and the savers' threads exist: see engines.malloc_tuning
         host, port, api_key = options["host"], options["port"], options["api_key"]
+        server_identity.configure(port)  # before anything names this server (fleet, snapshots, history)
         if api_key is not None and not api_key.strip():
             # A blank key would pass the "a key is set" check below and protect nothing.
             raise CommandError("the API key is empty or only whitespace: pass a real --api-key KEY "
