@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ import httpx
 import orjson
 
 from engines.disagg.router_trace import RouterTrace
+from engines.request_arrival import age_headers
 from engines.protocol import ErrorResponse
 
 logger = logging.getLogger("engines.disagg")
@@ -105,14 +107,17 @@ class DisaggRouter:
         reply = await self._post_or_get("GET", self.decode_urls[0] + "/v1/models", None)
         return RoutedReply(reply.status_code, "application/json", reply.content)
 
-    async def route(self, payload: dict[str, Any]) -> RoutedReply:
-        """Serve one completion or chat request (``payload`` is the client's JSON object)."""
+    async def route(self, payload: dict[str, Any], arrival: float | None = None) -> RoutedReply:
+        """Serve one completion or chat request (``payload`` is the client's JSON object), which
+        arrived at ``arrival`` (``perf_counter`` seconds; default now): the servers it calls are
+        told its age with each call, so their engines count its life from the client's arrival."""
+        arrival = time.perf_counter() if arrival is None else arrival
         rid = f"{payload.get('user') or 'disagg'}-{uuid.uuid4().hex[:12]}"
         for attempt in (1, 2):
             decode = self.pick_decode()
             self.in_flight[decode] += 1
             try:
-                reply = await self._run(decode, {**payload, "user": f"{rid}-{attempt}"})
+                reply = await self._run(decode, {**payload, "user": f"{rid}-{attempt}"}, arrival)
             except BaseException:
                 self.in_flight[decode] -= 1
                 raise
@@ -132,7 +137,7 @@ class DisaggRouter:
             return reply
         raise AssertionError("unreachable")
 
-    async def _run(self, decode: str, payload: dict[str, Any]) -> RoutedReply:
+    async def _run(self, decode: str, payload: dict[str, Any], arrival: float) -> RoutedReply:
         """The three calls for one attempt."""
         user = payload["user"]
         routed = self.trace.now_us()
@@ -146,12 +151,13 @@ class DisaggRouter:
             prefill = next(self._next_prefill)
             started = self.trace.now_us()
             await self._call(prefill, "/microserving/remote_send", {
-                **quiet, "begin": matched, "end": -1, "kv_addr_info": prep["kv_append_metadata"], "recv_rank": 0})
+                **quiet, "begin": matched, "end": -1, "kv_addr_info": prep["kv_append_metadata"], "recv_rank": 0},
+                age_headers(arrival))
             self.trace.span(user, "remote_send", started, {"server": prefill, "begin": matched})
         logger.debug("request %s: prefix %d of %d on %s", user, matched, length, decode)
         request = self.client.build_request("POST", decode + "/microserving/start_generate",
                                             content=orjson.dumps({**payload, "begin": length - 1}),
-                                            headers={"Content-Type": "application/json"})
+                                            headers={"Content-Type": "application/json", **age_headers(arrival)})
         started = self.trace.now_us()
         try:
             response = await self.client.send(request, stream=True)
@@ -179,18 +185,20 @@ class DisaggRouter:
             self.in_flight[decode] -= 1
             await rest.aclose()  # type: ignore[attr-defined]
 
-    async def _call(self, base: str, path: str, payload: dict[str, Any]) -> dict[str, Any]:
-        reply = await self._post_or_get("POST", base + path, payload)
+    async def _call(self, base: str, path: str, payload: dict[str, Any],
+                    headers: dict[str, str] | None = None) -> dict[str, Any]:
+        reply = await self._post_or_get("POST", base + path, payload, headers)
         if reply.status_code != 200:
             raise RouterError(reply.status_code, _upstream_error(reply.status_code, reply.content))
         return reply.json()
 
-    async def _post_or_get(self, method: str, url: str, payload: dict[str, Any] | None) -> httpx.Response:
+    async def _post_or_get(self, method: str, url: str, payload: dict[str, Any] | None,
+                           headers: dict[str, str] | None = None) -> httpx.Response:
         try:
             if method == "GET":
                 return await self.client.get(url)
             return await self.client.post(url, content=orjson.dumps(payload),
-                                          headers={"Content-Type": "application/json"})
+                                          headers={"Content-Type": "application/json", **(headers or {})})
         except httpx.HTTPError as exc:
             raise RouterError(502, _error_body(502, f"{url} could not be reached: {exc!r}")) from None
 

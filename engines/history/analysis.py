@@ -13,10 +13,12 @@ What a request lane yields (all times in microseconds, ``None`` when the trace l
 the events needed, e.g. because the capture window cut the request):
 
 - ``queue``: total time in ``queue`` spans (a preempted request queues again);
-- ``ttft``: ``first token`` minus ``request added to engine``;
+- ``ttft``: ``first token`` minus the request's arrival: the server's ``receive request`` or the
+  start of its first ``queue`` span, both stamped when it reached the server (docs/metrics.md),
+  else (a trace of an older server) ``request added to engine``;
 - ``prefill`` / ``decode``: total time in ``prefill (n)`` / ``decode (n)`` spans
   (0 for a finished request that never had such a span, e.g. one-token outputs);
-- ``e2e``: the ``finish`` instant minus ``request added to engine``;
+- ``e2e``: the ``finish`` instant minus the arrival;
 - tokens and the finish reason from the ``finish`` instant's args (the prompt token
   count falls back to ``request added to engine``'s args);
 - ``preemptions``: the number of ``preempt`` instants.
@@ -144,7 +146,7 @@ class TraceAnalysis:
 class _Lane:
     """Per-(pid, tid) accumulator while walking the events."""
 
-    __slots__ = ("stack", "durations", "request_id", "added_ts", "first_token_ts", "finish_ts",
+    __slots__ = ("stack", "durations", "request_id", "added_ts", "arrival_ts", "first_token_ts", "finish_ts",
                  "finish_args", "added_args", "preemptions")
 
     def __init__(self) -> None:
@@ -152,6 +154,7 @@ class _Lane:
         self.durations: dict[str, list[float]] = {}
         self.request_id: str | None = None
         self.added_ts: float | None = None
+        self.arrival_ts: float | None = None  # the earliest "receive request" or queue start
         self.first_token_ts: float | None = None
         self.finish_ts: float | None = None
         self.finish_args: Mapping[str, Any] | None = None
@@ -222,7 +225,10 @@ def analyze_trace(trace: Any) -> TraceAnalysis:
                 if rid is not None:
                     lane.request_id = str(rid)
         if ph == "B":
-            lane.stack.append((ev.get("name"), ts))
+            name = ev.get("name")
+            lane.stack.append((name, ts))
+            if name == "queue (0)" and (lane.arrival_ts is None or ts < lane.arrival_ts):
+                lane.arrival_ts = ts
             continue
         if ph == "E":
             # E closes the latest open B on its lane, whatever its name (Chrome rules).
@@ -250,6 +256,9 @@ def analyze_trace(trace: Any) -> TraceAnalysis:
                 if lane.added_ts is None:
                     lane.added_ts = ts
                     lane.added_args = ev.get("args")
+            elif name == "receive request":
+                if lane.arrival_ts is None or ts < lane.arrival_ts:
+                    lane.arrival_ts = ts
             elif name == "preempt":
                 lane.preemptions += 1
             continue
@@ -309,16 +318,17 @@ def _request_stats(request_id: str, lane: _Lane) -> RequestStats:
     if prompt_tokens is None:
         prompt_tokens = _non_negative_int(added_args.get("prompt_tokens"))
     added = lane.added_ts
+    arrival = lane.arrival_ts if lane.arrival_ts is not None else added
     return RequestStats(
         request_id=request_id,
         added_ts=added,
         prompt_tokens=prompt_tokens,
         completion_tokens=_non_negative_int(finish_args.get("completion_tokens")),
         queue_us=float(sum(lane.durations["queue"])) if "queue" in lane.durations else None,
-        ttft_us=(lane.first_token_ts - added) if added is not None and lane.first_token_ts is not None else None,
+        ttft_us=(lane.first_token_ts - arrival) if arrival is not None and lane.first_token_ts is not None else None,
         prefill_us=span_total("prefill"),
         decode_us=span_total("decode"),
-        e2e_us=(lane.finish_ts - added) if added is not None and lane.finish_ts is not None else None,
+        e2e_us=(lane.finish_ts - arrival) if arrival is not None and lane.finish_ts is not None else None,
         finish_reason=str(finish_args.get("finish_reason") or ""),
         preemptions=lane.preemptions,
     )

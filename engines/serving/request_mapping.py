@@ -111,10 +111,11 @@ def tokenize_chat(tokenizer: Tokenizer, body: ChatCompletionRequest) -> tuple[li
 
 
 def make_generation_request(
-    request_id: str, prompt: list[int], body: ChatCompletionRequest | CompletionRequest
+    request_id: str, prompt: list[int], body: ChatCompletionRequest | CompletionRequest, arrival_time: float
 ) -> GenerationRequest:
     """Map the OpenAI parameters, and MLC's ``debug_config`` options, onto the engine's fields
-    (the pydantic ``DebugConfig`` never crosses into the runtime).
+    (the pydantic ``DebugConfig`` never crosses into the runtime). ``arrival_time``: when the HTTP
+    request arrived (``engines.request_arrival.arrival_of``).
 
     ``SamplingParams`` is where the sampling ranges are checked (``REQUEST_LIMITS``): a value
     out of range is a 400 naming the parameter the client sent.
@@ -155,6 +156,7 @@ def make_generation_request(
         response_format=body.response_format.as_openai_dict() if body.response_format else None,
         pin_system_prompt=debug is not None and debug.pinned_system_prompt,
         grammar_mode=GrammarMode(debug.grammar_execution_mode) if debug is not None else GrammarMode.JUMP_FORWARD,
+        arrival_time=arrival_time,
     )
 
 

@@ -24,6 +24,7 @@ from engines.protocol import ChatCompletionRequest, CompletionRequest, ProtocolE
 from engines.protocol.microserving import ChatPrepRecvRequest, ChatRemoteSendRequest, ChatStartGenerateRequest, \
     KVAppendMetadata, KVReceiverAddress, PrepRecvRequest, RemoteSendRequest, StartGenerateRequest
 from engines.registry import registry
+from engines.request_arrival import age_of, arrival_of
 from engines.runtime import AsyncEngine, EngineRequestError, GenerationRequest, RequestOutput
 from engines.serving.generation import generate
 from engines.serving.request_mapping import lookup_engine, make_generation_request, prompt_ids, tokenize_chat, \
@@ -94,7 +95,8 @@ async def remote_send(request: HttpRequest) -> HttpResponse:
                                  f"{body.user!r}: the three calls of a request share its user", param="user")
     try:
         engine = lookup_engine(body.model)
-        generation = make_generation_request(body.user, _prompt(engine, body), body)
+        generation = make_generation_request(body.user, _prompt(engine, body), body, arrival_of(request))
+        generation.age_at_arrival_s = age_of(request)
         generation.kv_send = send_spec(engine, receiver, body.begin, body.end)
         last = await _prefill(engine, generation)
     except ProtocolError:
@@ -138,7 +140,8 @@ async def start_generate(request: HttpRequest) -> HttpResponseBase:
     """Generate on the received K/V: the rest of the prompt, then the completion."""
     body = _parse(request, StartGenerateRequest, ChatStartGenerateRequest)
     engine = lookup_engine(body.model)
-    generation = make_generation_request(body.user, _prompt(engine, body), body)
+    generation = make_generation_request(body.user, _prompt(engine, body), body, arrival_of(request))
+    generation.age_at_arrival_s = age_of(request)
     generation.kv_window_begin = body.begin
     shaper: ResponseShaper = (ChatShaper(body.user, engine, body) if isinstance(body, ChatCompletionRequest)
                               else CompletionShaper(body.user, engine, body))

@@ -27,6 +27,7 @@ from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from engines.disagg.router import DisaggRouter, RoutedReply, RouterError
 from engines.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from engines.registry import registry
+from engines.request_arrival import arrival_of
 from engines.runtime import AsyncEngine
 from engines.serving.generation import generate, metrics_events
 from engines.serving.request_mapping import (
@@ -62,11 +63,13 @@ async def completions(request: HttpRequest) -> HttpResponseBase:
     shaper = CompletionShaper(request_id, engine, body)
     if is_metrics_query(body):
         return reply_response(await metrics_events(engine, shaper))
-    _trace(engine, request_id, "receive request")
+    arrival = arrival_of(request)
+    _trace(engine, request_id, "receive request", at=arrival)
     _trace(engine, request_id, "start tokenization")
     prompt = prompt_ids(engine.tokenizer, body)
     _trace(engine, request_id, "finish tokenization", {"prompt_tokens": len(prompt)})
-    return reply_response(await generate(engine, body, make_generation_request(request_id, prompt, body), shaper))
+    generation = make_generation_request(request_id, prompt, body, arrival)
+    return reply_response(await generate(engine, body, generation, shaper))
 
 
 @api_view("POST")
@@ -80,18 +83,21 @@ async def chat_completions(request: HttpRequest) -> HttpResponseBase:
     shaper = ChatShaper(request_id, engine, body)
     if is_metrics_query(body):
         return reply_response(await metrics_events(engine, shaper))
-    _trace(engine, request_id, "receive request")
+    arrival = arrival_of(request)
+    _trace(engine, request_id, "receive request", at=arrival)
     _trace(engine, request_id, "start tokenization")
     prompt, system_tokens = tokenize_chat(engine.tokenizer, body)
     _trace(engine, request_id, "finish tokenization", {"prompt_tokens": len(prompt)})
-    generation = make_generation_request(request_id, prompt, body)
+    generation = make_generation_request(request_id, prompt, body, arrival)
     generation.system_prompt_tokens = system_tokens
     return reply_response(await generate(engine, body, generation, shaper))
 
 
-def _trace(engine: AsyncEngine, request_id: str, event: str, args: dict[str, Any] | None = None) -> None:
-    """Record a server-side event on the request's lane (MLC's Python-side events)."""
-    engine.record_server_event(request_id, event, args)
+def _trace(engine: AsyncEngine, request_id: str, event: str, args: dict[str, Any] | None = None,
+           at: float | None = None) -> None:
+    """Record a server-side event on the request's lane (MLC's Python-side events), now or ``at``
+    (``perf_counter`` seconds)."""
+    engine.record_server_event(request_id, event, args, at_ns=None if at is None else round(at * 1e9))
 
 
 # ------------------------------------------------------------------- under a disagg router
@@ -102,7 +108,7 @@ async def routed_generation(router: DisaggRouter, request: HttpRequest) -> HttpR
     payload = json_body(request)
     try:
         with registry.response_in_flight():
-            return _relayed(await router.route(payload))
+            return _relayed(await router.route(payload, arrival_of(request)))
     except RouterError as exc:
         return json_response(exc.body, status=exc.status)
 

@@ -109,3 +109,24 @@ def test_empty_trace():
 def test_not_a_trace(bad):
     with pytest.raises(TraceFormatError):
         analyze_trace(bad)
+
+
+def test_ttft_and_e2e_count_from_the_arrival_the_server_stamped():
+    """A server stamps "receive request" and opens the queue span at the request's arrival; the
+    engine took it later (after the step in flight): the summary's TTFT and end-to-end latency
+    are the client's, from the arrival (docs/metrics.md)."""
+    b = TraceBuilder()
+    b.add("r", "receive request", T0)
+    b.add("r", "start queue", T0)
+    b.add("r", "start tokenization", T0 + 100).add("r", "finish tokenization", T0 + 300)
+    b.add("r", "request added to engine", T0 + 400_000, {"prompt_tokens": 36})
+    b.add("r", "finish queue", T0 + 7_600_000)
+    b.add("r", "first token", T0 + 9_000_000)
+    b.add("r", "finish", T0 + 9_500_000, {"finish_reason": "stop", "completion_tokens": 2})
+    (r,) = analyze_trace(b.export()).requests
+    assert (r.ttft_us, r.e2e_us, r.queue_us) == (9_000_000, 9_500_000, 7_600_000)
+    # A trace from an engine that stamped nothing before its own admission reads as before.
+    old = TraceBuilder()
+    old.add("o", "request added to engine", T0).add("o", "first token", T0 + 50).add("o", "finish", T0 + 80)
+    (o,) = analyze_trace(old.export()).requests
+    assert (o.ttft_us, o.e2e_us) == (50, 80)

@@ -68,7 +68,7 @@ def error_of(cls: type, data: dict[str, Any]) -> tuple[str, str | None]:
 
 def generation_of(cls: type, data: dict[str, Any]) -> GenerationRequest:
     """What the server hands the engine for this body."""
-    return make_generation_request("req-1", [1, 2, 3], cls.model_validate(data))
+    return make_generation_request("req-1", [1, 2, 3], cls.model_validate(data), arrival_time=0.0)
 
 
 def refusal_of(cls: type, data: dict[str, Any]) -> ProtocolError:

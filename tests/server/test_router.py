@@ -149,3 +149,21 @@ async def test_a_relayed_stream_counts_in_flight_and_closing_it_closes_upstream(
     assert registry.responses_in_flight == before + 1  # a draining shutdown waits for it
     await body.aclose()  # the client went away
     assert closed == [True] and registry.responses_in_flight == before
+
+
+async def test_every_call_after_the_first_says_how_old_the_request_is():
+    """The servers behind the router count a request's life from its arrival at the router."""
+    import time
+
+    seen: list[tuple[str, str | None]] = []
+    up = Upstreams(matched=0, prompt_length=10)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append((request.url.path.rsplit("/", 1)[1], request.headers.get("x-request-age")))
+        return up.handler(request)
+
+    router = DisaggRouter([PREFILL], [DECODE_A], transport=httpx.MockTransport(handler))
+    await router.route({"model": "demo", "prompt": "hi"}, arrival=time.perf_counter() - 2.0)
+    ages = dict(seen)
+    assert ages["prep_recv"] is None  # it starts no request
+    assert 2.0 <= float(ages["remote_send"]) <= float(ages["start_generate"]) < 10.0

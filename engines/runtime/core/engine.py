@@ -174,7 +174,12 @@ class Engine:
         if request.kv_window_begin is not None:  # last check: adopting takes the reservation
             received = self.kv_receiver.adopt(request.request_id, request.prompt, request.kv_window_begin,
                                               request.sampling.n)
-        state = RequestState(request, time.perf_counter())
+        now = time.perf_counter()
+        # Its life counts from its arrival at the server (one clock: docs/metrics.md), not from
+        # here: the server hands it over between two steps, after its tokenizing; behind a router,
+        # from its arrival there.
+        arrival = now if request.arrival_time is None else min(request.arrival_time, now)
+        state = RequestState(request, arrival - max(request.age_at_arrival_s, 0.0))
         max_output = self.max_seq_len - len(request.prompt)
         for index in range(1 if kv_send else request.sampling.n):
             seq = Sequence(state, index, request.prompt[:kv_send.end] if kv_send else request.prompt,
@@ -192,7 +197,9 @@ class Engine:
         self.requests[request.request_id] = state
         if self.observer is not None:
             self.observer.event(request.request_id, "request added to engine", {"prompt_tokens": len(request.prompt)})
-            self.observer.event(request.request_id, "start queue")
+            # The queue span opens at the arrival here (before the tokenizer's span): the queue time
+            # less any age a router reported (the trace keeps each server's own time).
+            self.observer.event(request.request_id, "start queue", at=arrival)
         self.outputs.update_gauges()
 
     def abort_request(self, request_id: str) -> RequestOutput | None:

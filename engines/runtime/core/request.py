@@ -52,6 +52,14 @@ class GenerationRequest:
     #: Disaggregated serving's decode side (``start_generation``): generate on the K/V that
     #: ``prepare_receive`` reserved for this request id, from this position on.
     kv_window_begin: int | None = None
+    #: When the request reached the server (``time.perf_counter()`` seconds, a clock every
+    #: process of a host shares): what its queue time, TTFT and end-to-end latency count from.
+    #: None: when the front end (``AsyncEngine.generate``) or the engine took it.
+    arrival_time: float | None = None
+    #: How old the request already was when it reached this server (seconds): what a router of
+    #: ours in front of it says (``X-Request-Age``). Its metrics count from that earlier moment,
+    #: the client's; its trace stays on this server's own time.
+    age_at_arrival_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.grammar_mode = GrammarMode(self.grammar_mode)  # a plain "constraint" works too

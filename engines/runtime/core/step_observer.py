@@ -53,10 +53,12 @@ class StepObserver:
 
     # ------------------------------------------------------------------ the trace's events
 
-    def event(self, request_ids: str | list[str], name: str, args: dict[str, Any] | None = None) -> None:
-        """A trace event on the lanes of ``request_ids`` (no-op while tracing is off)."""
+    def event(self, request_ids: str | list[str], name: str, args: dict[str, Any] | None = None,
+              at: float | None = None) -> None:
+        """A trace event on the lanes of ``request_ids`` (no-op while tracing is off), now or ``at``
+        (``perf_counter`` seconds: a moment the server stamped, such as a request's arrival)."""
         if self.tracer is not None:
-            self.tracer.add_event(request_ids, name, args)
+            self.tracer.add_event(request_ids, name, args, at_ns=None if at is None else round(at * 1e9))
 
     def scheduled(self, sched: "SchedulerOutput", kv_pool: "KVCachePool") -> None:
         """The schedule seam's events: queue spans that close, what each admission got,

@@ -249,6 +249,8 @@ class AsyncEngine:
         """
         self._check_alive()
         self.validate(request)
+        if request.arrival_time is None:  # a caller without a server's stamp: it arrives now
+            request.arrival_time = time.perf_counter()
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         rid = request.request_id

@@ -305,7 +305,10 @@ def test_trace_of_a_run_is_well_formed(make_engine, demo):
     for rid in ("r0", "r1", "r2", "r3"):
         lane = [e for e in events if e["tid"] == lanes[rid] and e["ph"] != "M"]
         names = [e["name"] for e in lane]
-        assert names[0] == "request added to engine" and names[-1] == "finish"
+        # The queue span opens at the request's arrival (here: when the engine took it), an
+        # instant before the engine's own event saying so.
+        assert names[:2] == ["queue (0)", "request added to engine"] and names[-1] == "finish"
+        assert lane[0]["ph"] == "B" and lane[0]["ts"] <= lane[1]["ts"]
         assert any(n.startswith("prefill (") for n in names) and any(n.startswith("decode (") for n in names)
         stack = []
         for e in lane:  # valid nesting: every E closes the innermost open B of the same name
@@ -621,3 +624,44 @@ def test_a_decode_in_a_step_that_prefills_another_request_is_a_decode_on_its_lan
     assert sum(name.startswith("prefill") for name in late) == 3   # 150 tokens in chunks of at most 64
     engine_lane = [e for e in trace["traceEvents"] if e.get("tid") == 0 and e["ph"] in ("B", "X")]
     assert sum(e["name"].startswith("prefill") for e in engine_lane) == 4  # every step with a prefill in it
+
+
+def test_a_request_s_life_counts_from_its_arrival_not_from_the_engine_taking_it(make_engine, demo):
+    """A server stamps the arrival (engines.request_arrival) and hands the request over between
+    two steps: its queue time, TTFT and end-to-end latency include the wait before the engine."""
+    import time
+
+    engine = make_engine(tracing=True)
+    arrived = time.perf_counter() - 2.0  # two seconds ago, behind a long step
+    stamped = request("late", prompts(demo, 1)[0], max_tokens=3, ignore_eos=True)
+    stamped.arrival_time = arrived
+    res = run_all(engine, [stamped, request("now", prompts(demo, 1)[0], max_tokens=3, ignore_eos=True)])
+    late, now = res["late"].usage["extra"], res["now"].usage["extra"]
+    assert late["queue_time_s"] >= 2.0 and late["ttft_s"] >= 2.0 and late["end_to_end_latency_s"] >= 2.0
+    # Both were scheduled in the first step: they differ by the two seconds, whatever it cost.
+    assert late["queue_time_s"] - now["queue_time_s"] == pytest.approx(2.0, abs=0.05)
+    m = engine.metrics.as_dict()
+    assert m["queue_time_s"]["max"] >= 2.0 and m["ttft_s"]["max"] >= 2.0
+    assert m["end_to_end_latency_s"]["max"] >= 2.0
+    # The trace's queue span is the queue time: it opens at the arrival.
+    from engines.runtime.telemetry.trace_recorder import epoch_anchor_ns
+    from tests.runtime.demo_engine import lane_events
+
+    queue = [e for e in lane_events(engine.tracer.dump(), "late") if e["name"] == "queue (0)"]
+    opened_us = (arrived * 1e9 + epoch_anchor_ns()) / 1000
+    assert queue[0]["ph"] == "B" and queue[0]["ts"] == pytest.approx(opened_us, abs=1.0)
+    assert (queue[1]["ts"] - queue[0]["ts"]) / 1e6 == pytest.approx(late["queue_time_s"], abs=1e-3)
+
+
+def test_a_routed_request_s_metrics_count_from_the_router_its_trace_from_here(make_engine, demo):
+    import time
+
+    engine = make_engine(tracing=True)
+    routed = request("routed", prompts(demo, 1)[0], max_tokens=2, ignore_eos=True)
+    routed.arrival_time, routed.age_at_arrival_s = time.perf_counter(), 3.0
+    extra = run_all(engine, [routed])["routed"].usage["extra"]
+    assert extra["queue_time_s"] >= 3.0 and extra["ttft_s"] >= 3.0
+    from tests.runtime.demo_engine import lane_events
+
+    queue = [e for e in lane_events(engine.tracer.dump(), "routed") if e["name"] == "queue (0)"]
+    assert (queue[1]["ts"] - queue[0]["ts"]) / 1e6 < 3.0  # its span: the wait on this engine
