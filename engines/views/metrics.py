@@ -16,8 +16,10 @@ each sample labelled ``model="<served name>"``. It carries
   ``e2e_request_latency_seconds``, ...) with vLLM's bucket boundaries.
 
 MLC's sums are gauges, not counters, because ``/debug/reset_engine`` zeroes them
-(and a counter's ``_total`` suffix would rename them). The token counters count
-at request finish, as MLC's sums do; ``*_tokens_processed_total`` move every step.
+(and a counter's ``_total`` suffix would rename them); they move at request finish, as
+MLC's do. ``prompt_tokens_total`` and ``generation_tokens_total`` count as things happen,
+as vLLM's do (a prompt once it is in the KV cache, each output token as it comes, aborted
+requests included); ``*_tokens_processed_total`` count what each step computed.
 """
 from __future__ import annotations
 
@@ -67,8 +69,10 @@ SERVING_GAUGES: dict[str, tuple[str, str]] = {
 
 # Counters: exposed name (prometheus_client appends _total) -> (engine metrics key, help).
 SERVING_COUNTERS: dict[str, tuple[str, str]] = {
-    "prompt_tokens": ("prompt_tokens_sum", "Prompt tokens of finished requests."),
-    "generation_tokens": ("completion_tokens_sum", "Generated tokens of finished requests."),
+    "prompt_tokens": ("num_prompt_tokens", "Prompt tokens, counted when a request's prompt is in the KV cache "
+                                           "(cached tokens included; aborted requests too)."),
+    "generation_tokens": ("num_generation_tokens", "Output tokens, counted as each is generated (aborted and "
+                                                   "failed requests too)."),
     "request_success": ("num_finished_requests", "Requests that finished (not aborted)."),
     "request_aborted": ("num_aborted_requests", "Requests ended by an abort (a client gone, a reset, a failure)."),
     "request_failed": ("num_failed_requests", "Aborted requests that failed on their own (grammar, tokenizer)."),

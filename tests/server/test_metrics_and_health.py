@@ -1,11 +1,13 @@
 """``GET /metrics`` parses as Prometheus exposition with MLC's names and the serving series; ``GET /health``."""
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from engines.registry import ModelSpec, build_engines
+from engines.registry import ModelSpec, build_engines, registry
 from engines.runtime.core.engine import EngineConfig
 from tests.server.conftest import SMALL_ENGINE, TRACED, UNTRACED, assert_error
 
@@ -154,3 +156,36 @@ async def test_health_says_draining_during_a_shutdown(serve, engines) -> None:
             registry.draining = False
     assert response.status_code == 503 and response.json()["status"] == "draining"
     assert set(response.json()["engines"]) == set(engines)
+
+
+async def test_token_counters_move_while_a_stream_runs_and_count_its_abort(client: httpx.AsyncClient) -> None:
+    """vLLM's prompt_tokens_total and generation_tokens_total count as tokens come: a dashboard's
+    rate() of them moves during a stream, and a stream the client left still counts. (Streamed
+    from the engine: httpx's ASGI transport hands a body over only once it is whole.)"""
+    from engines.runtime import GenerationRequest, SamplingParams
+
+    engine = registry.get(TRACED)
+    stream = engine.generate(GenerationRequest("counted", list(range(300, 320)),
+                                               SamplingParams(max_tokens=1500, ignore_eos=True)))
+    received = 0
+    async for output in stream:
+        received += sum(len(c.token_ids) for c in output.choices)
+        if received >= 5:
+            break
+    families = await scrape(client)
+    assert sample(families, "request_success", "request_success_total", model=TRACED) == 0  # mid-stream
+    assert sample(families, "prompt_tokens", "prompt_tokens_total", model=TRACED) == 20
+    assert sample(families, "generation_tokens", "generation_tokens_total", model=TRACED) >= received
+    await stream.aclose()  # the client left: the request is aborted
+    for _ in range(500):
+        metrics = await engine.metrics()
+        if metrics["num_aborted_requests"] == 1:
+            break
+        await asyncio.sleep(0.02)
+    assert metrics["num_aborted_requests"] == 1
+    families = await scrape(client)
+    produced = sample(families, "generation_tokens", "generation_tokens_total", model=TRACED)
+    assert received <= produced < 1500 and produced == metrics["num_generation_tokens"]
+    # MLC's sums are of finished requests: the aborted one is not in them.
+    assert sample(families, "completion_tokens_sum", model=TRACED) == 0
+    assert sample(families, "prompt_tokens_sum", model=TRACED) == 0

@@ -126,6 +126,7 @@ class Engine:
         # A sequence can never hold more tokens than the pool or the position table.
         self.max_seq_len = min(num_pages * c.page_size, model.config.max_position_embeddings)
         self.num_steps = 0
+        self._generated_tokens = 0  # output tokens appended in the step under way
         self.outputs = OutputProcessor(self.requests, self.scheduler, self.kv_pool, self.metrics, tracer)
         self.profiling = ProfilerControl(model, checkpoint.name, c)
         self.observer = StepObserver.watching(tracer, None)
@@ -310,10 +311,12 @@ class Engine:
         touched = [seq.request for seq in sched.out_of_pages + sched.preempted if seq.finished]
         if sched.chunks:
             t0 = time.perf_counter()
+            self._generated_tokens = 0
             output = self._execute(sched)
             touched += self._update(sched, output)
             self.metrics.on_step(time.perf_counter() - t0, prefill_tokens=sched.num_prefill_tokens,
-                                 decode_seqs=sched.num_decode_seqs)
+                                 decode_seqs=sched.num_decode_seqs, generated_tokens=self._generated_tokens,
+                                 prompt_tokens=self._prompts_completed(sched.chunks))
         outputs = self.outputs.outputs(touched)
         if obs is not None:
             obs.lap("outputs")
@@ -338,6 +341,7 @@ class Engine:
             state = seq.request
             if state.first_scheduled_time is None:
                 state.first_scheduled_time = now
+                self.metrics.on_scheduled(now - state.arrival_time)
             if state.request.pin_system_prompt and seq.index == 0:
                 self.kv_pool.pin(seq.seq_id, state.request.system_prompt_tokens or len(state.request.prompt))
         for seq in sched.preempted:
@@ -423,6 +427,18 @@ class Engine:
                 seq.request.prefill_tokens += chunk.num_tokens
             else:
                 seq.request.decode_tokens += chunk.num_tokens
+
+    @staticmethod
+    def _prompts_completed(chunks: list[ScheduledChunk]) -> int:
+        """Prompt tokens of the requests whose whole prompt these chunks brought into the KV cache
+        for the first time (cached tokens included; a recompute after preemption counts nothing)."""
+        tokens = 0
+        for chunk in chunks:
+            seq, state = chunk.seq, chunk.seq.request
+            if not state.prompt_counted and chunk.prefills and chunk.start + chunk.num_tokens >= seq.num_prompt_tokens:
+                state.prompt_counted = True
+                tokens += seq.num_prompt_tokens
+        return tokens
 
     def _pick_tokens(self, output: ModelOutput) -> list[tuple[int, TokenLogprob | None] | Exception]:
         """(token, logprob) per sampling row: the device's argmax, or the sampler's draw under the
@@ -542,6 +558,7 @@ class Engine:
 
     def _accept_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> bool:
         """Append one output token; finish the choice if a stop rule fires. Returns True if finished."""
+        self._generated_tokens += 1
         seq.token_ids.append(token)
         seq.pending_ids.append(token)
         if logprob is not None:

@@ -145,6 +145,7 @@ class RequestState:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
+        self.prompt_counted = False  # its prompt tokens went into the engine's counter (once)
         self.prefill_tokens = 0
         self.decode_tokens = 0
         self.jump_forward_tokens = 0

@@ -8,7 +8,14 @@ engine's life (until :meth:`~EngineMetrics.reset`); :meth:`~EngineMetrics.as_dic
 MLC semantics kept on purpose (``docs/reference.md``, "Engine metrics"):
 
 * The ``*_tokens_sum`` counters move only when a request finishes; the step times move every
-  step. Our ``*_tokens_processed`` counters and the gauges are the live view.
+  step. Our counters move as things happen: ``num_prompt_tokens`` when a request's prompt is in
+  the KV cache (its prefill done, cached tokens included, once a request), ``num_generation_tokens``
+  as each output token is appended (sampled or grammar-forced), aborted and failed requests
+  included (vLLM's ``prompt_tokens_total`` and ``generation_tokens_total``); the
+  ``*_tokens_processed`` counters count the tokens each step computed.
+* ``now``: the rates of the last :data:`NOW_WINDOW_S` seconds of steps (tokens of the steps in the
+  window, a step cut by its edge counted pro rata, over the window), and the decode batch size the
+  steps actually ran; what every "now" figure on the pages shows.
 * ``decode_time_by_batch_size``: MLC's ``TimeCost``, whose first update per batch size is
   discarded as warm-up; :meth:`EngineMetrics.reset` re-arms the warm-up. Batch sizes above
   ``max_tracked_batch_size`` (MLC: 64) are not tracked.
@@ -48,8 +55,8 @@ from typing import Any
 import numpy as np
 
 __all__ = [
-    "RequestMetrics", "EngineMetrics", "TimeCost", "LatencyDistribution", "HistogramSnapshot",
-    "TTFT_BUCKETS", "INTER_TOKEN_LATENCY_BUCKETS", "REQUEST_LATENCY_BUCKETS",
+    "RequestMetrics", "EngineMetrics", "TimeCost", "LatencyDistribution", "HistogramSnapshot", "StepRecord",
+    "NOW_WINDOW_S", "now_rates", "TTFT_BUCKETS", "INTER_TOKEN_LATENCY_BUCKETS", "REQUEST_LATENCY_BUCKETS",
 ]
 
 # vLLM's histogram boundaries (seconds), so dashboards and SLO thresholds carry over.
@@ -68,6 +75,9 @@ REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
 
 DEFAULT_MAX_TRACKED_BATCH_SIZE = 64
 DEFAULT_LATENCY_WINDOW = 4096
+#: Seconds of steps the ``now`` rates are over: a step takes 0.01-3 s, so a window of a few steps
+#: would jump by a step's worth (a 0.5 s sample of 0.26 s steps read 0, 15 or 31 tok/s).
+NOW_WINDOW_S = 5.0
 
 
 def _span(start: float | None, end: float | None) -> float:
@@ -330,6 +340,48 @@ def _summary(count: int, total: float, lo: float, hi: float, recent: np.ndarray,
 # ---------------------------------------------------------------------- engine-wide
 
 
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One engine step as the ``now`` rates count it."""
+
+    ended_at: float          # perf_counter seconds
+    seconds: float
+    prefill_tokens: int
+    decode_seqs: int         # sequences that decoded one token each (the step's decode batch size)
+
+
+def now_rates(steps: Sequence[StepRecord], now: float, window_s: float = NOW_WINDOW_S,
+              since: float | None = None) -> dict[str, Any]:
+    """The ``now`` figures over the steps that overlap ``[now - window_s, now]``: prefill and
+    decode tokens/s (a step cut by the window's edge counts pro rata to its overlap), the share of
+    the window spent in steps (``busy``), and the mean and largest decode batch size of the steps
+    that decoded. ``since``: when counting began (the engine started or was reset), so a window
+    that reaches back before it is that much shorter."""
+    start = now - window_s if since is None else max(now - window_s, since)
+    span = now - start
+    prefill = decode = busy = 0.0
+    batch_sum = batch_steps = batch_max = count = 0
+    for step in steps:
+        if step.ended_at < start:
+            continue
+        overlap = min(step.ended_at, now) - max(step.ended_at - step.seconds, start)
+        share = min(overlap / step.seconds, 1.0) if step.seconds > 0.0 else 1.0
+        count += 1
+        busy += overlap
+        prefill += step.prefill_tokens * share
+        decode += step.decode_seqs * share
+        if step.decode_seqs:
+            batch_sum += step.decode_seqs
+            batch_steps += 1
+            batch_max = max(batch_max, step.decode_seqs)
+    return {"window_s": span, "steps": count,
+            "prefill_tokens_per_s": prefill / span if span > 0 else 0.0,
+            "decode_tokens_per_s": decode / span if span > 0 else 0.0,
+            "busy": min(busy / span, 1.0) if span > 0 else 0.0,
+            "decode_batch_size": batch_sum / batch_steps if batch_steps else None,
+            "decode_batch_size_max": batch_max if batch_steps else None}
+
+
 # Engine-wide distributions: as_dict key, Prometheus family name (vLLM's), bounds.
 _DISTRIBUTIONS: tuple[tuple[str, str, tuple[float, ...]], ...] = (
     ("ttft_s", "time_to_first_token_seconds", TTFT_BUCKETS),
@@ -358,6 +410,8 @@ class EngineMetrics:
         self._distributions = {key: LatencyDistribution(bounds, latency_window)
                                for key, _, bounds in _DISTRIBUTIONS}
         self.kv_pages_total = 0  # capacity: set by the engine, kept by reset()
+        # The steps of the last NOW_WINDOW_S (pruned as steps come; bounded for tiny steps).
+        self._steps: deque[StepRecord] = deque(maxlen=8192)
         self._zero()
 
     def _zero(self) -> None:
@@ -376,6 +430,8 @@ class EngineMetrics:
         # Ours: live counters (move every step) and gauges.
         self.num_prefill_steps = 0
         self.num_decode_steps = 0
+        self.num_prompt_tokens = 0      # as prompts reach the KV cache (vLLM's prompt_tokens_total)
+        self.num_generation_tokens = 0  # as output tokens are appended (vLLM's generation_tokens_total)
         self.prefill_tokens_processed = 0
         self.decode_tokens_processed = 0
         self.jump_forward_tokens_processed = 0
@@ -387,6 +443,8 @@ class EngineMetrics:
         self.num_waiting_requests = 0
         self.kv_pages_used = 0
         self.prefix_cache_hit_rate = 0.0
+        self._steps.clear()
+        self._counting_since = time.perf_counter()
         for dist in self._distributions.values():
             dist.reset()
 
@@ -412,10 +470,22 @@ class EngineMetrics:
                     cost = self.decode_time_by_batch_size[batch_size] = TimeCost()
                 cost.update(seconds)
 
-    def on_step(self, seconds: float, *, prefill_tokens: int, decode_seqs: int) -> None:
-        """One engine step as the scheduler shaped it. A step with any prefill is a prefill step
-        (MLC times hybrid steps as prefill, and they don't feed the per-batch-size decode
-        timers); otherwise it is a decode step of ``decode_seqs`` sequences."""
+    def on_step(self, seconds: float, *, prefill_tokens: int, decode_seqs: int, generated_tokens: int = 0,
+                prompt_tokens: int = 0, ended_at: float | None = None) -> None:
+        """One engine step as the scheduler shaped it, ended at ``ended_at`` (default now). A step
+        with any prefill is a prefill step (MLC times hybrid steps as prefill, and they don't feed
+        the per-batch-size decode timers); otherwise it is a decode step of ``decode_seqs``
+        sequences. ``generated_tokens``: output tokens the step appended (sampled and forced);
+        ``prompt_tokens``: prompt tokens of the requests whose prefill it completed."""
+        ended_at = time.perf_counter() if ended_at is None else ended_at
+        record = StepRecord(ended_at, seconds, prefill_tokens, decode_seqs)
+        with self._lock:
+            self.num_generation_tokens += generated_tokens
+            self.num_prompt_tokens += prompt_tokens
+            steps = self._steps
+            steps.append(record)
+            while steps and steps[0].ended_at < ended_at - NOW_WINDOW_S:
+                steps.popleft()
         if prefill_tokens:
             with self._lock:
                 self.engine_prefill_time_sum += seconds
@@ -424,6 +494,11 @@ class EngineMetrics:
                 self.num_prefill_steps += 1
         elif decode_seqs:
             self.on_decode_step(seconds, decode_seqs)
+
+    def on_scheduled(self, queue_s: float) -> None:
+        """A request was first scheduled ``queue_s`` after it arrived: its queue time counts now."""
+        with self._lock:
+            self._distributions["queue_time_s"].observe(queue_s)
 
     def on_jump_forward(self, seconds: float, tokens: int) -> None:
         """Tokens the grammar forced (appended without a model step)."""
@@ -466,8 +541,6 @@ class EngineMetrics:
             if request.completion_tokens > 1 and request.first_token_time is not None \
                     and request.finish_time is not None:
                 dist["inter_token_latency_s"].observe(snapshot.inter_token_latency_standard_s)
-            if request.add_time is not None and request.first_scheduled_time is not None:
-                dist["queue_time_s"].observe(snapshot.queue_time_s)
 
     def on_request_ended(self, request: RecentRequest) -> None:
         """Remember a request that ended (aborted ones too) for :meth:`recent_requests`."""
@@ -556,11 +629,15 @@ class EngineMetrics:
                 "num_failed_requests": self.num_failed_requests,
                 "num_prefill_steps": self.num_prefill_steps,
                 "num_decode_steps": self.num_decode_steps,
+                "num_prompt_tokens": self.num_prompt_tokens,
+                "num_generation_tokens": self.num_generation_tokens,
                 "prefill_tokens_processed": self.prefill_tokens_processed,
                 "decode_tokens_processed": self.decode_tokens_processed,
                 "jump_forward_tokens_processed": self.jump_forward_tokens_processed,
             })
             snapshots = {key: d.snapshot() for key, d in self._distributions.items()}
+            steps, since = list(self._steps), self._counting_since
+        out["now"] = now_rates(steps, time.perf_counter(), since=since)
         # Percentiles outside the lock: the engine thread shouldn't wait on numpy.
         for key, snap in snapshots.items():
             out[key] = _summary(*snap)

@@ -653,6 +653,66 @@ def test_a_request_s_life_counts_from_its_arrival_not_from_the_engine_taking_it(
     assert (queue[1]["ts"] - queue[0]["ts"]) / 1e6 == pytest.approx(late["queue_time_s"], abs=1e-3)
 
 
+def test_token_counters_move_as_tokens_come_aborted_requests_included(make_engine, demo):
+    """vLLM's prompt_tokens_total and generation_tokens_total: a prompt counts once it is in the
+    KV cache, each output token as it is appended; an aborted request's tokens count too, and a
+    prompt recomputed after a preemption does not count again."""
+    engine = make_engine(prefill_chunk_size=16)
+    p = prompts(demo, 2, length=40)
+    engine.add_request(request("kept", p[0], max_tokens=30, ignore_eos=True))
+    engine.add_request(request("cut", p[1], max_tokens=30, ignore_eos=True))
+    produced: dict[str, int] = {}
+    seen_prompt = 0
+    for _ in range(12):
+        for out in engine.step():
+            produced[out.request_id] = produced.get(out.request_id, 0) + sum(len(c.token_ids) for c in out.choices)
+        m = engine.metrics.as_dict()
+        assert m["num_generation_tokens"] == sum(produced.values())  # as they come, not at the end
+        prefilled = sum(len(s.request.prompt) for s in engine.requests.values() if s.prompt_counted)
+        assert m["num_prompt_tokens"] == prefilled and m["num_prompt_tokens"] >= seen_prompt
+        seen_prompt = m["num_prompt_tokens"]
+    assert seen_prompt == 80 and engine.metrics.as_dict()["num_finished_requests"] == 0
+    engine.abort_request("cut")
+    while engine.has_work:
+        for out in engine.step():
+            produced[out.request_id] = produced.get(out.request_id, 0) + sum(len(c.token_ids) for c in out.choices)
+    m = engine.metrics.as_dict()
+    assert m["num_generation_tokens"] == sum(produced.values()) > 30
+    assert m["num_prompt_tokens"] == 80
+    assert m["completion_tokens_sum"] == 30 and m["prompt_tokens_sum"] == 40  # MLC's: the finished request only
+
+
+def test_a_prompt_recomputed_after_a_preemption_counts_once(make_engine, demo):
+    tight = make_engine(num_pages=12, enable_prefix_cache=False)
+    reqs = [request(f"r{i}", p, max_tokens=24, ignore_eos=True)
+            for i, p in enumerate(prompts(demo, 6, length=30, seed=3))]
+    run_all(tight, reqs)
+    m = tight.metrics.as_dict()
+    assert tight.scheduler.num_preemptions > 0
+    assert m["num_prompt_tokens"] == 6 * 30 and m["num_generation_tokens"] == 6 * 24
+
+
+def test_now_rates_and_batch_size_are_what_the_steps_ran(make_engine, demo):
+    """The "now" figures come from the steps themselves: the decode batch size is the number of
+    sequences a step decoded, never more than were running."""
+    engine = make_engine()
+    for i, p in enumerate(prompts(demo, 3)):
+        engine.add_request(request(f"n{i}", p, max_tokens=8, ignore_eos=True))
+    decoded = 0
+    while engine.has_work:
+        engine.step()
+        now = engine.metrics.as_dict()["now"]
+        if now["decode_batch_size_max"] is not None:
+            assert now["decode_batch_size_max"] <= 3
+    m = engine.metrics.as_dict()
+    now = m["now"]
+    decoded = m["decode_tokens_processed"]
+    assert now["steps"] == m["num_prefill_steps"] + m["num_decode_steps"]
+    assert now["decode_batch_size_max"] == 3 and 1 <= now["decode_batch_size"] <= 3
+    # Every step ended within the window: its tokens over the window, the engine's whole life here.
+    assert now["decode_tokens_per_s"] * now["window_s"] == pytest.approx(decoded, rel=0.02)
+
+
 def test_a_routed_request_s_metrics_count_from_the_router_its_trace_from_here(make_engine, demo):
     import time
 

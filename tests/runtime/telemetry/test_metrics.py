@@ -169,7 +169,9 @@ def test_reset_zeroes_everything():
     assert all(v == 0 for v in after["last_finished_request"].values())
     # capacity is configuration, not a measurement: it survives the reset
     assert after["kv_pages_total"] == 100
-    assert {**after, "kv_pages_total": 0} == fresh
+    # "now" is over the steps since the reset: none yet (its window is the moments since).
+    assert after["now"]["steps"] == 0 and after["now"]["decode_tokens_per_s"] == 0.0
+    assert {**after, "kv_pages_total": 0, "now": None} == {**fresh, "now": None}
     # the warm-up is re-armed (MLC): the next update per batch size is discarded again
     m.on_decode_step(0.3, batch_size=2)
     assert m.as_dict()["decode_time_by_batch_size"] == {}
@@ -190,13 +192,17 @@ def test_gauges_and_preemptions():
 
 def test_latency_distributions_from_finished_requests():
     m = EngineMetrics()
-    # TTFT counts when the first token comes, the rest when the request finishes.
+    # Queue time counts when a request is first scheduled, TTFT when its first token comes, the
+    # rest when it finishes.
+    m.on_scheduled(0.25)
     m.on_first_token(1.0)
     m.on_request_finished(request(add=0.0, scheduled=0.25, first=1.0, finish=3.0, completion=5))
+    m.on_scheduled(0.75)
+    assert m.as_dict()["queue_time_s"]["count"] == 2
     m.on_first_token(2.0)
     assert m.as_dict()["ttft_s"]["count"] == 2 and m.as_dict()["end_to_end_latency_s"]["count"] == 1
     m.on_request_finished(request(add=10.0, scheduled=10.75, first=12.0, finish=13.0, completion=3))
-    # aborted before its first token: only end-to-end and queue time are known
+    # aborted before it was scheduled: only its end-to-end time is known
     m.on_request_finished(request(add=20.0, scheduled=None, first=None, finish=21.0, completion=0))
     d = m.as_dict()
     assert d["ttft_s"]["count"] == 2 and d["ttft_s"]["mean"] == pytest.approx(1.5)
@@ -345,3 +351,52 @@ def test_token_gaps_feed_the_inter_token_latency_histogram():
     assert m.as_dict()["token_gap_s"]["max"] == pytest.approx(0.3)
     m.reset()
     assert m.histograms()["inter_token_latency_seconds"].count == 0
+
+
+# ---------------------------------------------------------------------- "now"
+
+
+def test_now_rates_count_the_steps_in_the_window_pro_rata():
+    from engines.runtime.telemetry.metrics import StepRecord, now_rates
+
+    # Steps of 0.25 s decoding 4 sequences, back to back up to t = 100: 16 tokens/s whatever the
+    # moment of the read, where a rate between two 0.5 s samples read one or two steps (0, 16, 32).
+    steps = [StepRecord(ended_at=90.0 + 0.25 * i, seconds=0.25, prefill_tokens=0, decode_seqs=4) for i in range(1, 41)]
+    for now in (100.0, 100.0 + 1e-9):
+        rates = now_rates(steps, now, window_s=5.0)
+        assert rates["decode_tokens_per_s"] == pytest.approx(16.0)
+        assert rates["busy"] == pytest.approx(1.0) and rates["decode_batch_size"] == 4
+    # Half a step inside the window's start counts half.
+    cut = now_rates(steps, 99.875 + 0.125, window_s=4.875)
+    assert cut["decode_tokens_per_s"] == pytest.approx(16.0)
+    # Idle since: the rate falls as the window leaves the steps behind, and is 0 once past them.
+    assert now_rates(steps, 102.5, window_s=5.0)["decode_tokens_per_s"] == pytest.approx(8.0)
+    idle = now_rates(steps, 106.0, window_s=5.0)
+    assert idle["decode_tokens_per_s"] == 0.0 and idle["decode_batch_size"] is None and idle["steps"] == 0
+    # Counting began 1 s ago (a reset): the window is that second, not five.
+    fresh = now_rates(steps, 100.0, window_s=5.0, since=99.0)
+    assert fresh["window_s"] == pytest.approx(1.0) and fresh["decode_tokens_per_s"] == pytest.approx(16.0)
+
+
+def test_now_rates_split_prefill_and_decode_and_take_the_batch_sizes_run():
+    from engines.runtime.telemetry.metrics import StepRecord, now_rates
+
+    steps = [StepRecord(1.0, 1.0, prefill_tokens=500, decode_seqs=2),   # a prefill with 2 decodes riding
+             StepRecord(1.5, 0.5, prefill_tokens=0, decode_seqs=3),
+             StepRecord(2.0, 0.5, prefill_tokens=0, decode_seqs=1)]
+    rates = now_rates(steps, 2.0, window_s=2.0)
+    assert rates["prefill_tokens_per_s"] == pytest.approx(250.0)
+    assert rates["decode_tokens_per_s"] == pytest.approx(3.0)
+    assert rates["decode_batch_size"] == pytest.approx(2.0) and rates["decode_batch_size_max"] == 3
+
+
+def test_engine_metrics_now_holds_the_last_steps_only():
+    import time
+
+    m = EngineMetrics()
+    t = time.perf_counter()
+    m.on_step(0.5, prefill_tokens=0, decode_seqs=8, ended_at=t - 20.0)  # long gone
+    m.on_step(0.5, prefill_tokens=0, decode_seqs=2, ended_at=t)
+    now = m.as_dict()["now"]
+    assert now["steps"] == 1 and now["decode_batch_size_max"] == 2
+    assert len(m._steps) == 1  # the old step was let go when the new one came
