@@ -3,7 +3,7 @@
 
 Each piece replaces one query Django would run over the whole table on every list page:
 ``COUNT(*)`` (:class:`EstimatedCountPaginator`), ``SELECT DISTINCT`` for a filter's choices
-(:func:`distinct_values`, :class:`IndexedValuesFilter`), and a sort no index serves
+(:func:`distinct_values`, :func:`distinct_rows`, :class:`IndexedValuesFilter`), and a sort no index serves
 (:func:`indexed_fields` tells which columns may sort a whole table).
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.utils.functional import cached_property
 
-__all__ = ["EstimatedCountPaginator", "IndexedValuesFilter", "distinct_values", "indexed_fields"]
+__all__ = ["EstimatedCountPaginator", "IndexedValuesFilter", "distinct_rows", "distinct_values", "indexed_fields"]
 
 
 class EstimatedCountPaginator(Paginator):
@@ -44,27 +44,39 @@ class EstimatedCountPaginator(Paginator):
 
 
 def distinct_values(model: type[models.Model], field_name: str) -> list[str]:
-    """The distinct values of an indexed, non-null column, in order.
+    """The distinct values of an indexed, non-null column, in order (:func:`distinct_rows` of one)."""
+    return [row[0] for row in distinct_rows(model, field_name)]
 
-    On PostgreSQL a recursive query hops through the index one value at a time (a
+
+def distinct_rows(model: type[models.Model], *field_names: str) -> list[tuple]:
+    """The distinct combinations of non-null columns that an index leads with, in order.
+
+    On PostgreSQL a recursive query hops through the index one combination at a time (a
     "loose index scan"): a few probes for a handful of engine names instead of
     ``SELECT DISTINCT`` reading all 100,000 rows on every list page.
     """
     manager = model._default_manager
     connection = connections[manager.db]
     if connection.vendor != "postgresql":
-        return list(manager.order_by(field_name).values_list(field_name, flat=True).distinct())
+        return list(manager.order_by(*field_names).values_list(*field_names).distinct())
     quote = connection.ops.quote_name
-    field = model._meta.get_field(field_name)
-    assert isinstance(field, models.Field) and field.column is not None  # a column, as said above
-    table, column = quote(model._meta.db_table), quote(field.column)
-    sql = (f"WITH RECURSIVE v AS ((SELECT {column} AS value FROM {table} ORDER BY {column} LIMIT 1) "
-           f"UNION ALL SELECT (SELECT t.{column} FROM {table} t WHERE t.{column} > v.value "
-           f"ORDER BY t.{column} LIMIT 1) FROM v WHERE v.value IS NOT NULL) "
-           f"SELECT value FROM v WHERE value IS NOT NULL")
+    columns = []
+    for name in field_names:
+        field = model._meta.get_field(name)
+        assert isinstance(field, models.Field) and field.column is not None  # a column, as said above
+        columns.append(quote(field.column))
+    table = quote(model._meta.db_table)
+    # The next combination after the last one found, in the index's order: a row comparison,
+    # which PostgreSQL answers from the index, one probe a combination.
+    picked = ", ".join(f"t.{c} AS c{i}" for i, c in enumerate(columns))
+    found = ", ".join(f"v.c{i}" for i in range(len(columns)))
+    order = ", ".join(f"t.{c}" for c in columns)
+    sql = (f"WITH RECURSIVE v AS ((SELECT {picked} FROM {table} t ORDER BY {order} LIMIT 1) "
+           f"UNION ALL SELECT n.* FROM v, LATERAL (SELECT {picked} FROM {table} t "
+           f"WHERE ({order}) > ({found}) ORDER BY {order} LIMIT 1) n) SELECT * FROM v")
     with connection.cursor() as cursor:
         cursor.execute(sql)
-        return [row[0] for row in cursor.fetchall()]
+        return [tuple(row) for row in cursor.fetchall()]
 
 
 class IndexedValuesFilter(admin.AllValuesFieldListFilter):
