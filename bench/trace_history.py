@@ -134,7 +134,7 @@ def bench_save(events: int, repeat: int, results: ResultsFile) -> dict[str, Any]
     print(f"  {analysis.event_count:,} events, {len(analysis.requests):,} requests; "
           f"JSON {len(raw) / 1e6:.1f} MB -> gzip {len(stored.data) / 1e6:.1f} MB")
 
-    results: dict[str, Any] = {"events": analysis.event_count}
+    saved: dict[str, Any] = {"events": analysis.event_count}
     for label, value in (("bytes (dump_json)", raw), ("dict (dump)", trace)):
         times = []
         for _ in range(repeat):
@@ -145,10 +145,10 @@ def bench_save(events: int, repeat: int, results: ResultsFile) -> dict[str, Any]
         print(f"save_trace({label}): median {statistics.median(times):.0f} ms, "
               f"runs {', '.join(f'{t:.0f}' for t in times)} ms")
         results.add(f"save_trace, {label}", statistics.median(times) / 1000, "s", **where)
-        results[label] = statistics.median(times)
-        results["record"] = record
-    TraceRecord.objects.filter(engine="bench-save").exclude(pk=results["record"].pk).defer("payload").delete()
-    return results
+        saved[label] = statistics.median(times)
+        saved["record"] = record
+    TraceRecord.objects.filter(engine="bench-save").exclude(pk=saved["record"].pk).defer("payload").delete()
+    return saved
 
 
 def populate_lists(records: int, summaries: int) -> None:
