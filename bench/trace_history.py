@@ -165,22 +165,23 @@ def populate_lists(records: int, summaries: int) -> None:
             cur.execute(f"""
                 INSERT INTO engines_tracerecord (engine, model, backend, source, captured_at, engine_version,
                     first_event_ts, last_event_ts, duration_us, event_count, request_count, dropped_events,
-                    payload_bytes, compressed_bytes, payload_crc32, payload, stats, note, tags)
+                    payload_bytes, compressed_bytes, payload_crc32, payload, stats, note, tags, server, fleet)
                 SELECT 'engine-' || mod(g, 8), 'model-' || mod(g, 3),
                     CASE WHEN mod(g, 2) = 0 THEN 'cpu' ELSE 'cuda' END,
                     (ARRAY['api','dashboard','automatic'])[1 + mod(g, 3)],
                     now() - make_interval(secs => g * 20), '', {T0}, {T0} + 1000000, 1000000, 50000,
                     {per_trace}, 0, 5000000, 20, 0, decode(repeat('00', 20), 'hex'), %s::jsonb,
-                    'run ' || g || ' batch ' || mod(g, 97), ''
+                    'run ' || g || ' batch ' || mod(g, 97), '', 'host-' || mod(g, 3) || ':8000', 'bench'
                 FROM generate_series(1, %s) AS g""", [stats, records])
             cur.execute(f"""
-                INSERT INTO engines_requestsummary (trace_id, engine, request_id, added_ts, prompt_tokens,
-                    completion_tokens, queue_us, ttft_us, prefill_us, decode_us, e2e_us, finish_reason, preemptions)
-                SELECT t.id, t.engine, 'chatcmpl-' || t.id || '-' || s, {T0}, 100 + s, 200,
+                INSERT INTO engines_requestsummary (trace_id, engine, server, fleet, request_id, added_ts,
+                    prompt_tokens, completion_tokens, queue_us, ttft_us, prefill_us, decode_us, e2e_us, finish_reason,
+                    preemptions)
+                SELECT t.id, t.engine, t.server, t.fleet, 'chatcmpl-' || t.id || '-' || s, {T0}, 100 + s, 200,
                     (hashtext(t.id::text || s) & 1023), 1000 + (hashtext(s::text || t.id) & 65535),
                     500, 20000, 30000 + (hashtext(t.id::text || 'e' || s) & 262143),
                     CASE WHEN s % 10 = 0 THEN 'stop' ELSE 'length' END, 0
-                FROM (SELECT id, engine FROM engines_tracerecord WHERE engine <> 'bench-save') t,
+                FROM (SELECT id, engine, server, fleet FROM engines_tracerecord WHERE engine <> 'bench-save') t,
                      generate_series(1, {per_trace}) AS s""")
             cur.execute("ANALYZE engines_tracerecord")
             cur.execute("ANALYZE engines_requestsummary")
@@ -190,13 +191,14 @@ def populate_lists(records: int, summaries: int) -> None:
         now = timezone.now()
         TraceRecord.objects.bulk_create(
             [TraceRecord(engine=f"engine-{g % 8}", model=f"model-{g % 3}", backend="cpu", captured_at=now,
-                         request_count=per_trace, payload=b"\0" * 20, note=f"run {g}") for g in range(records)],
+                         request_count=per_trace, payload=b"\0" * 20, note=f"run {g}", server=f"host-{g % 3}:8000",
+                         fleet="bench") for g in range(records)],
             batch_size=5000)
-        ids = list(TraceRecord.objects.filter(engine__startswith="engine-").values_list("id", "engine"))
+        ids = list(TraceRecord.objects.filter(engine__startswith="engine-").values_list("id", "engine", "server"))
         RequestSummary.objects.bulk_create(
-            [RequestSummary(trace_id=i, engine=e, request_id=f"chatcmpl-{i}-{s}", ttft_us=(i * 31 + s) % 65536,
-                            e2e_us=(i * 17 + s) % 262144, finish_reason="length")
-             for i, e in ids for s in range(per_trace)], batch_size=5000)
+            [RequestSummary(trace_id=i, engine=e, server=server, fleet="bench", request_id=f"chatcmpl-{i}-{s}",
+                            ttft_us=(i * 31 + s) % 65536, e2e_us=(i * 17 + s) % 262144, finish_reason="length")
+             for i, e, server in ids for s in range(per_trace)], batch_size=5000)
     print(f"populated {TraceRecord.objects.count():,} trace records and "
           f"{RequestSummary.objects.count():,} request summaries in {time.perf_counter() - start:.0f} s")
 
@@ -225,13 +227,17 @@ def bench_pages(saved: Any, repeat: int, results: ResultsFile, records: int, sum
     pages = [
         ("trace list", traces, {}),
         ("trace list, engine filter", traces, {"engine": "engine-3"}),
+        ("trace list, server filter", traces, {"server": "host-1:8000"}),
+        ("trace list, server + engine", traces, {"server": "host-1:8000", "engine": "engine-3"}),
         (f"trace list, page {deep_page}", traces, {"p": str(deep_page)}),
         ("trace list, search request id", traces, {"q": some_request}),
         ("trace list, search note", traces, {"q": "batch 42"}),
         ("request list", requests, {}),
-        ("request list, TTFT desc", requests, {"o": "-7"}),
-        ("request list, e2e desc", requests, {"o": "-10"}),
-        ("request list, engine + e2e desc", requests, {"engine": "engine-5", "o": "-10"}),
+        ("request list, TTFT desc", requests, {"o": "-8"}),
+        ("request list, e2e desc", requests, {"o": "-11"}),
+        ("request list, engine + e2e desc", requests, {"engine": "engine-5", "o": "-11"}),
+        ("request list, server filter", requests, {"server": "host-2:8000"}),
+        ("request list, server + engine", requests, {"server": "host-2:8000", "engine": "engine-5"}),
         ("request list, finish reason", requests, {"finish_reason": "stop"}),
         ("request list, search id", requests, {"q": some_request}),
         ("trace detail (the saved trace)", reverse("admin:engines_tracerecord_change", args=[saved.pk]), {}),

@@ -4,7 +4,8 @@ Traces and profiles are stored the same way (:class:`PayloadRecord`): the metada
 lists and filters on, derived figures (so list, detail and compare pages never open the
 payload), and the JSON itself as gzip bytes with their CRC, so that a ``.json.gz`` download is
 a straight copy of the column. Rows are written by :mod:`engines.history`, never edited by
-hand except notes and tags.
+hand except notes and tags. Every history row names the server that wrote it and its fleet
+(:class:`ServerRecord`): servers sharing a database keep their histories apart.
 """
 from __future__ import annotations
 
@@ -15,7 +16,41 @@ from django.db import models
 from django.utils import timezone
 
 
-class PayloadRecord(models.Model):
+#: The ``server`` and ``fleet`` of a row saved before rows named their server: the columns'
+#: database default, so that a server of an older version, which does not name them, writes it too.
+UNRECORDED = ""
+#: How a page names that server.
+UNRECORDED_SERVER_TEXT = "unknown (saved before servers were recorded)"
+
+
+def fleet_field() -> models.CharField:
+    """The column of a row's fleet (``FLEET_NAME``): one database may hold several fleets."""
+    return models.CharField(max_length=100, blank=True, default=UNRECORDED, db_default=UNRECORDED,
+                            help_text="The fleet of the server that wrote it (FLEET_NAME).")
+
+
+class ServerRecord(models.Model):
+    """A history row that names the server that wrote it (``engines.server_identity``): ``host:port``
+    and its fleet. The same engine name on three servers is three engines: a list filters by
+    server, a chart draws one server's engine."""
+
+    server = models.CharField(max_length=200, blank=True, default=UNRECORDED, db_default=UNRECORDED,
+                              help_text="The server that wrote it: host:port (empty: saved before servers "
+                                        "were recorded).")
+    fleet = fleet_field()
+
+    class Meta:
+        abstract = True
+
+    @property
+    def server_text(self) -> str:
+        """The server as a page names it: ``host:port (fleet NAME)``, or that it is not known."""
+        if self.server == UNRECORDED:
+            return UNRECORDED_SERVER_TEXT
+        return f"{self.server} (fleet {self.fleet})" if self.fleet else self.server
+
+
+class PayloadRecord(ServerRecord):
     """A row that stores one JSON document gzip-compressed, with what reading it back needs.
 
     The CRC covers the stored (compressed) bytes: whoever reads the payload (a download, the
@@ -88,6 +123,8 @@ class TraceRecord(PayloadRecord):
             models.Index(fields=["captured_at", "id"], name="trace_captured_idx"),
             # Retention walks one engine's records newest first.
             models.Index(fields=["engine", "captured_at", "id"], name="trace_engine_captured_idx"),
+            # One server's (engine's) records, newest first; the server filter's choices.
+            models.Index(fields=["server", "engine", "captured_at", "id"], name="trace_server_engine_idx"),
         ]
         verbose_name = "trace record"
 
@@ -99,11 +136,11 @@ class TraceRecord(PayloadRecord):
         return [t for t in self.tags.split(",") if t]
 
 
-class RequestSummary(models.Model):
+class RequestSummary(ServerRecord):
     """One request as its lane in a saved trace shows it; times in microseconds."""
 
     trace = models.ForeignKey(TraceRecord, on_delete=models.CASCADE, related_name="summaries")
-    # Copied from the trace so "slowest requests of engine X" needs no join.
+    # Copied from the trace (as its server and fleet are) so "slowest requests of engine X" needs no join.
     engine = models.CharField(max_length=200, db_index=True)
     request_id = models.CharField(max_length=255, db_index=True)
     added_ts = models.BigIntegerField(null=True, blank=True, help_text="µs since the Unix epoch.")
@@ -127,6 +164,8 @@ class RequestSummary(models.Model):
             models.Index(fields=["ttft_us", "id"], name="summary_ttft_idx"),
             models.Index(fields=["e2e_us", "id"], name="summary_e2e_idx"),
             models.Index(fields=["queue_us", "id"], name="summary_queue_idx"),
+            # One server's (engine's) requests, newest first.
+            models.Index(fields=["server", "engine", "id"], name="summary_server_engine_idx"),
         ]
         verbose_name = "request summary"
         verbose_name_plural = "request summaries"
@@ -135,7 +174,7 @@ class RequestSummary(models.Model):
         return f"{self.request_id} (trace #{self.trace_id})"
 
 
-class MetricsSnapshot(models.Model):
+class MetricsSnapshot(ServerRecord):
     """One sample of an engine's metrics (``AsyncEngine.metrics()``), kept across restarts."""
 
     engine = models.CharField(max_length=200)
@@ -148,6 +187,8 @@ class MetricsSnapshot(models.Model):
         indexes = [
             models.Index(fields=["engine", "taken_at"], name="metrics_engine_taken_idx"),
             models.Index(fields=["taken_at"], name="metrics_taken_idx"),
+            # One server's engine charted (newest first); the (server, engine) pairs to chart.
+            models.Index(fields=["server", "engine", "taken_at"], name="metrics_server_engine_idx"),
         ]
         verbose_name = "metrics snapshot"
 
@@ -188,6 +229,7 @@ class ProfileRecord(PayloadRecord):
         indexes = [
             models.Index(fields=["captured_at", "id"], name="profile_captured_idx"),
             models.Index(fields=["engine", "captured_at", "id"], name="profile_engine_captured_idx"),
+            models.Index(fields=["server", "engine", "captured_at", "id"], name="profile_server_engine_idx"),
         ]
         verbose_name = "profile record"
 
@@ -264,7 +306,9 @@ class FleetJobTarget(models.Model):
 class FleetRollup(models.Model):
     """One engine of the fleet over one minute or one hour (``engines.fleet.rollups``): its mean
     load, its tokens, and its TTFT and ITL histograms in its own server's bounds, for the fleet's
-    history charts and SLO views. Minutes are kept a day, hours a month (settings)."""
+    history charts and SLO views. Minutes are kept a day, hours a month (settings). ``server`` is
+    named as history records name it (``host:port``: one of ours by its ``server_id()``, a foreign
+    one by its URL's), ``server_name`` as the fleet page does."""
 
     class Period(models.TextChoices):
         MINUTE = "minute"
@@ -274,6 +318,7 @@ class FleetRollup(models.Model):
     start = models.DateTimeField()
     server = models.CharField(max_length=200)
     server_name = models.CharField(max_length=200, blank=True)
+    fleet = fleet_field()
     engine = models.CharField(max_length=200)
     model = models.CharField(max_length=200, blank=True)
     kind = models.CharField(max_length=32, blank=True)
@@ -289,7 +334,8 @@ class FleetRollup(models.Model):
     class Meta:
         ordering = ("-start", "server", "engine")
         indexes = [models.Index(fields=["period", "start"], name="fleet_rollup_period_start_idx")]
-        constraints = [models.UniqueConstraint(fields=["period", "start", "server", "engine"],
+        # Per fleet: two fleets sharing a database may poll one foreign server.
+        constraints = [models.UniqueConstraint(fields=["period", "start", "fleet", "server", "engine"],
                                                name="fleet_rollup_one_per_engine_period")]
 
     def __str__(self) -> str:

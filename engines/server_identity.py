@@ -5,7 +5,9 @@ A server is named ``host:port``, where it listens (``serve`` says, :func:`config
 and the same after a restart on the same port, so a server that comes back replaces its ghost in
 the fleet and its history reads on as one line. A process that was not told its port (a bare
 Daphne without ``ENGINES_PORT``, the tests' in-process servers) is ``host:pid<pid>``. The fleet's
-name (``FLEET_NAME``) goes beside it, since one database may hold several fleets.
+name (``FLEET_NAME``) goes beside it, since one database may hold several fleets. A server that is
+not one of ours, known by its URL, is named the same way: its URL's ``host:port``
+(:func:`url_server_id`), so that a trace saved from it names the server that recorded it.
 
 Below both the dashboard and the fleet: each names the server the same way and neither imports
 the other for it.
@@ -14,10 +16,11 @@ from __future__ import annotations
 
 import os
 import socket
+from urllib.parse import urlsplit
 
 from django.conf import settings
 
-__all__ = ["configure", "fleet_name", "server_id"]
+__all__ = ["configure", "fleet_name", "server_id", "url_server_id"]
 
 _HOST = socket.gethostname()
 _port: int | None = int(os.environ["ENGINES_PORT"]) if os.environ.get("ENGINES_PORT", "").isdigit() else None
@@ -37,3 +40,12 @@ def server_id() -> str:
 def fleet_name() -> str:
     """The fleet this server belongs to (``FLEET_NAME``; one Redis or database may hold several)."""
     return str(getattr(settings, "FLEET_NAME", "default"))
+
+
+def url_server_id(url: str) -> str:
+    """A server known by its URL, named as :func:`server_id` names ours: ``host:port``, with the
+    port its scheme implies when the URL gives none."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -1,13 +1,13 @@
 """The Django admin of the trace and metrics history, one module per admin.
 
 ``traces`` (trace records: list, detail, compare, downloads, retention), ``request_summaries``
-(every request of every trace), ``metrics_snapshots`` (charted per engine above their list),
-``profiles`` (profile records; their pages are the dashboard's). ``payloads`` is what the trace
-and profile admins share (the stored payload: deferred, shown, verified on request),
+(every request of every trace), ``metrics_snapshots`` (one server's engine charted above their
+list), ``profiles`` (profile records; their pages are the dashboard's). ``payloads`` is what the
+trace and profile admins share (the stored payload: deferred, shown, verified on request),
 ``large_tables`` the counting, filtering and sorting that keep the lists fast on 1,000,000 rows,
-``cells`` how values print. ``fleet``: the attached foreign servers and the audit of the jobs run
-across the fleet. Staff only; what a user may do follows Django's view / change /
-delete permissions.
+``cells`` how values print, ``servers`` the server that wrote a record (each list's column and
+filter). ``fleet``: the attached foreign servers and the audit of the jobs run across the fleet.
+Staff only; what a user may do follows Django's view / change / delete permissions.
 """
 from django.contrib import admin
 

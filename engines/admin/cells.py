@@ -9,7 +9,9 @@ from django.utils import timezone
 from django.utils.html import format_html, format_html_join
 from django.utils.text import Truncator
 
+from engines.models import ServerRecord
 from engines.registry import registry
+from engines.server_identity import server_id
 
 __all__ = ["LIST_NOTE_CHARS", "capture_window_text", "engine_dashboard_link", "ms_text", "note_cell", "when_cell"]
 
@@ -17,8 +19,11 @@ __all__ = ["LIST_NOTE_CHARS", "capture_window_text", "engine_dashboard_link", "m
 LIST_NOTE_CHARS = 90
 
 
-def engine_dashboard_link(engine: str) -> str:
-    """A link to the engine's live dashboard page, when this server serves it."""
+def engine_dashboard_link(record: ServerRecord, engine: str) -> str:
+    """A link to the live dashboard page of ``record``'s engine, when this server wrote the record
+    and serves the engine (another server's engine of that name is another engine)."""
+    if record.server != server_id():
+        return "recorded by another server"
     if registry.get(engine) is None:
         return "not served by this server now"
     return format_html('<a href="{}">{}</a>', reverse("dashboard-engine", args=[engine]), f"{engine}, live")

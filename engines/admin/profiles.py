@@ -1,4 +1,4 @@
-"""The profile records' admin: filter by engine, backend and date; open one's page (the
+"""The profile records' admin: filter by engine, server, backend and date; open one's page (the
 dashboard's, ``engines.dashboard.profiles``), download it, compare two, verify their payloads."""
 from __future__ import annotations
 
@@ -12,26 +12,27 @@ from django.utils.http import urlencode
 from engines.admin.cells import engine_dashboard_link, note_cell, when_cell
 from engines.admin.large_tables import IndexedValuesFilter
 from engines.admin.payloads import PayloadRecordAdmin
+from engines.admin.servers import ServerColumn, ServerFilter
 from engines.models import ProfileRecord
 
 __all__ = ["ProfileRecordAdmin"]
 
 
 @admin.register(ProfileRecord)
-class ProfileRecordAdmin(PayloadRecordAdmin[ProfileRecord]):
+class ProfileRecordAdmin(ServerColumn, PayloadRecordAdmin[ProfileRecord]):
     """Saved profiles: filter by engine, backend and date; open one's page, download it, compare two."""
 
-    list_display = ("profile_label", "engine_and_backend", "captured", "duration", "steps", "kernel_calls",
-                    "stopped_by", "note_start", "links")
+    list_display = ("profile_label", "engine_and_backend", "server_column", "captured", "duration", "steps",
+                    "kernel_calls", "stopped_by", "note_start", "links")
     list_display_links = ("profile_label",)
-    list_filter = (("engine", IndexedValuesFilter), "backend", "captured_at", "source")
+    list_filter = (("engine", IndexedValuesFilter), ServerFilter, "backend", "captured_at", "source")
     search_fields = ("engine", "model", "note")
     ordering = ("-captured_at", "-id")
     show_facets = admin.ShowFacets.NEVER
     actions = ("compare_two", "verify_payloads")
-    fields = ("engine", "engine_dashboard", "model", "backend", "device", "source", "captured_at", "duration",
-              "steps", "kernel_calls", "stopped_by", "stack_samples", "payload_size", "payload_check", "page",
-              "download", "note")
+    fields = ("engine", "engine_dashboard", "server_column", "model", "backend", "device", "source", "captured_at",
+              "duration", "steps", "kernel_calls", "stopped_by", "stack_samples", "payload_size", "payload_check",
+              "page", "download", "note")
     readonly_fields = tuple(f for f in fields if f != "note")
     # Nor the kernel table: the list and the record's page show its totals only.
     deferred_fields = ("payload", "kernels")
@@ -65,7 +66,7 @@ class ProfileRecordAdmin(PayloadRecordAdmin[ProfileRecord]):
 
     @admin.display(description="dashboard")
     def engine_dashboard(self, obj: ProfileRecord) -> str:
-        return engine_dashboard_link(obj.engine)
+        return engine_dashboard_link(obj, obj.engine)
 
     @admin.display(description="profile")
     def page(self, obj: ProfileRecord) -> str:

@@ -15,6 +15,7 @@ from django.utils.html import format_html
 
 from engines.admin.cells import ms_text
 from engines.admin.large_tables import EstimatedCountPaginator, distinct_values, indexed_fields
+from engines.admin.servers import ServerColumn, ServerFilter
 from engines.history.columns import REQUEST_COLUMNS, RequestColumn
 from engines.models import RequestSummary, TraceRecord
 from engines.runtime import FinishReason
@@ -34,6 +35,12 @@ class EngineFilter(admin.SimpleListFilter):
 
     def queryset(self, request: HttpRequest, queryset: QuerySet) -> QuerySet:
         return queryset.filter(engine=self.value()) if self.value() else queryset
+
+
+class TraceServerFilter(ServerFilter):
+    """Servers as listed by the trace table (a trace's summaries name its server)."""
+
+    listed_from = TraceRecord
 
 
 class FinishReasonFilter(admin.SimpleListFilter):
@@ -70,13 +77,13 @@ _SUMMARY_COLUMNS = tuple(_summary_column(c, c.field in indexed_fields(RequestSum
 
 
 @admin.register(RequestSummary)
-class RequestSummaryAdmin(admin.ModelAdmin):
+class RequestSummaryAdmin(ServerColumn, admin.ModelAdmin):
     """All requests of all saved traces: sort by TTFT or e2e to find the slowest."""
 
-    # The trace and its engine right after the request id; bench/trace_history.py sorts by
-    # column index (o=-7: TTFT, o=-10: e2e).
-    list_display = (_SUMMARY_COLUMNS[0], "trace_link", "engine", *_SUMMARY_COLUMNS[1:])
-    list_filter = (EngineFilter, FinishReasonFilter)
+    # The trace, its engine and server right after the request id; bench/trace_history.py sorts
+    # by column index (o=-8: TTFT, o=-11: e2e).
+    list_display = (_SUMMARY_COLUMNS[0], "trace_link", "engine", "server_column", *_SUMMARY_COLUMNS[1:])
+    list_filter = (EngineFilter, TraceServerFilter, FinishReasonFilter)
     search_fields = ("=request_id",)
     search_help_text = "Exact request id."
     ordering = ("-id",)

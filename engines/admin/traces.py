@@ -26,6 +26,7 @@ from django.utils.http import urlencode
 from engines.admin.cells import capture_window_text, engine_dashboard_link, ms_text, note_cell, when_cell
 from engines.admin.large_tables import EstimatedCountPaginator, IndexedValuesFilter
 from engines.admin.payloads import PayloadRecordAdmin
+from engines.admin.servers import ServerColumn, ServerFilter
 from engines.history.capture import MAX_NOTE_CHARS, normalize_tags
 from engines.history.columns import REQUEST_COLUMNS
 from engines.history.downloads import PAYLOAD_ERROR_STATUS, PayloadForm, payload_response
@@ -50,11 +51,11 @@ def _record_id(value: str | None) -> int | None:
 
 
 @admin.register(TraceRecord)
-class TraceRecordAdmin(PayloadRecordAdmin[TraceRecord]):
-    list_display = ("trace_label", "engine_and_model", "captured", "duration_ms", "event_count",
+class TraceRecordAdmin(ServerColumn, PayloadRecordAdmin[TraceRecord]):
+    list_display = ("trace_label", "engine_and_model", "server_column", "captured", "duration_ms", "event_count",
                     "request_count", "size", "note_and_tags", "timeline_link")
     list_display_links = ("trace_label",)
-    list_filter = (("engine", IndexedValuesFilter), ("model", IndexedValuesFilter),
+    list_filter = (("engine", IndexedValuesFilter), ServerFilter, ("model", IndexedValuesFilter),
                    ("backend", IndexedValuesFilter), "source", "captured_at")
     search_fields = ("note", "tags")
     search_help_text = "Matches words of the note or tags, or an exact request id."
@@ -64,15 +65,15 @@ class TraceRecordAdmin(PayloadRecordAdmin[TraceRecord]):
     paginator = EstimatedCountPaginator
     actions = ("compare_traces", "verify_payloads", "apply_retention_limits", "delete_selected")
     fieldsets = (
-        (None, {"fields": ("engine", "engine_dashboard", "model", "backend", "source", "captured_at",
+        (None, {"fields": ("engine", "engine_dashboard", "server_column", "model", "backend", "source", "captured_at",
                            "engine_version")}),
         ("Capture window", {"fields": ("window", "duration_ms", "event_count", "request_count",
                                         "dropped_events")}),
         ("Payload", {"fields": ("timeline", "payload_size", "payload_check", "downloads")}),
         ("Notes", {"fields": ("note", "tags")}),
     )
-    readonly_fields = ("engine", "engine_dashboard", "model", "backend", "source", "captured_at", "engine_version",
-                       "window",
+    readonly_fields = ("engine", "engine_dashboard", "server_column", "model", "backend", "source", "captured_at",
+                       "engine_version", "window",
                        "duration_ms", "event_count", "request_count", "dropped_events", "payload_size",
                        "payload_check", "downloads", "timeline")
 
@@ -84,7 +85,7 @@ class TraceRecordAdmin(PayloadRecordAdmin[TraceRecord]):
 
     @admin.display(description="dashboard")
     def engine_dashboard(self, obj: TraceRecord) -> str:
-        return engine_dashboard_link(obj.engine)
+        return engine_dashboard_link(obj, obj.engine)
 
     # --- list columns -------------------------------------------------------------
 

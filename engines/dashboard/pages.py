@@ -23,6 +23,7 @@ from engines.dashboard.frame import page_context
 from engines.dashboard.local_login import LOCAL_USERNAME
 from engines.history.outage import OUTAGE_ERRORS
 from engines.registry import registry
+from engines.server_identity import server_id
 from engines.views.api import AsyncView, database_unavailable
 
 __all__ = ["engine_facts", "engine_page", "local_login", "overview", "playground", "playground_endpoint"]
@@ -67,8 +68,10 @@ def engine_facts(engine: Any) -> dict[str, Any]:
 
 
 def _history_url(model: str, engine: str) -> str:
-    """The admin's list of ``model`` records, filtered to ``engine``."""
-    return reverse(f"admin:engines_{model}_changelist") + "?" + urlencode({"engine__exact": engine})
+    """The admin's list of ``model`` records, filtered to ``engine`` on this server (another
+    server's engine of the same name is another engine)."""
+    return reverse(f"admin:engines_{model}_changelist") + "?" + urlencode({"engine__exact": engine,
+                                                                           "server": server_id()})
 
 
 LOOPBACK_ADDRESSES = {"127.0.0.1", "::1"}

@@ -23,6 +23,7 @@ from engines.history.downloads import PAYLOAD_ERROR_STATUS, gzip_json_response, 
 from engines.history.payload import PayloadError, compress_json, decompress_json
 from engines.models import ProfileRecord
 from engines.registry import registry
+from engines.server_identity import server_id
 
 #: A kernel slower (or faster) by more than this share is highlighted on the compare page.
 CHANGE_THRESHOLD = 0.10
@@ -63,7 +64,8 @@ def profile_page(request: HttpRequest, pk: int) -> HttpResponse:
         request, f"Profile #{record.pk} of {record.engine}", record=record, source=source,
         kernels=[_kernel_row(k) for k in record.kernels], columns=KERNEL_COLUMNS, others=others,
         duration_text=duration(record.duration_us),
-        engine_url=reverse("dashboard-engine", args=[record.engine]) if registry.get(record.engine) else None))
+        engine_url=reverse("dashboard-engine", args=[record.engine])
+        if record.server == server_id() and registry.get(record.engine) else None))
 
 
 def duration(us: float | None) -> str:

@@ -13,6 +13,9 @@ How a target runs depends on where its engine is:
   no endpoint for is refused with the reason. MLC's ``dump_event_trace`` is saved as a trace
   record, which opens on our timeline.
 
+A record a target saves names the server that ran it: one of ours saves it itself (its own
+``server_id()``); a foreign server's trace, saved here, names that server (its URL's ``host:port``).
+
 A target no server acknowledges within :data:`ANSWER_S` ends as an error that says so.
 """
 from __future__ import annotations
@@ -33,6 +36,7 @@ from engines.fleet.board import ForeignTarget
 from engines.fleet.clock import ClockOffset
 from engines.fleet.store import FleetStore
 from engines.db_calls import in_db_thread
+from engines.server_identity import url_server_id
 
 logger = logging.getLogger("engines.fleet")
 
@@ -206,7 +210,8 @@ async def run_foreign(command: ControlCommand, server: ForeignTarget, client: ht
         from engines.history import asave_trace
 
         record = await asave_trace(response.content, engine=f"{server.name}/{command.engine}",
-                                   model=command.engine, source="dashboard", note=command.note)
+                                   model=command.engine, source="dashboard", note=command.note,
+                                   server=url_server_id(server.url))
         result |= {"record_id": record.pk, "event_count": record.event_count}
         message = f"saved {record.event_count} events from {server.name}"
     await update_target(command.target, "done", message, result)

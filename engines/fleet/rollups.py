@@ -6,7 +6,9 @@ One member at a time (the ``rollup`` lease) samples every server's rows every
 load, its tokens (rate x time), and its last-minute TTFT and ITL histograms as its server
 published them (in that server's bounds). An hour's row sums its minutes (histograms summed
 where their bounds agree, as one engine's do). Minutes are kept ``FLEET_ROLLUP_MINUTES_H`` hours
-(default 24), hours ``FLEET_ROLLUP_HOURS_D`` days (default 30).
+(default 24), hours ``FLEET_ROLLUP_HOURS_D`` days (default 30). A row names its server as every
+history record does (``host:port``: one of ours by its ``server_id()``, a foreign one by its URL's)
+and the fleet that wrote it, so that fleets sharing a database keep their rollups apart.
 
 SLO figures over any window (:func:`slo_figures`): per engine its minutes' histograms summed;
 per server and for the fleet the mixture of its engines' (``quantiles.fleet_quantile``); the
@@ -29,6 +31,7 @@ from engines.fleet.quantiles import Buckets, fleet_quantile
 from engines.fleet.rows import EngineRow, WindowHistogram
 from engines.fleet.store import FleetStore
 from engines.db_calls import in_db_thread
+from engines.server_identity import fleet_name
 
 
 __all__ = ["RollupWriter", "SloFigures", "share_within", "slo_figures", "sum_histograms"]
@@ -77,6 +80,7 @@ class _Minute:
     """One engine's samples in the current minute."""
 
     row: EngineRow
+    server: str
     server_name: str
     samples: int = 0
     sums: dict[str, float] = field(default_factory=dict)
@@ -108,10 +112,11 @@ def _minute_start(at: float) -> dt.datetime:
     return dt.datetime.fromtimestamp(at - at % 60, tz=dt.timezone.utc)
 
 
-def _write_minute(start: dt.datetime, minutes: Sequence[_Minute], keep_minutes_h: float, keep_hours_d: float) -> None:
+def _write_minute(start: dt.datetime, minutes: Sequence[_Minute], fleet: str, keep_minutes_h: float,
+                  keep_hours_d: float) -> None:
     from engines.models import FleetRollup
 
-    rows = [FleetRollup(period="minute", start=start, server=m.row.server, server_name=m.server_name,
+    rows = [FleetRollup(period="minute", start=start, server=m.server, server_name=m.server_name, fleet=fleet,
                         engine=m.row.engine, model=m.row.model, kind=m.row.kind, samples=m.samples,
                         running=m.mean("running"), waiting=m.mean("waiting"), kv_usage=m.mean("kv_usage"),
                         prompt_tokens=m.sums.get("prompt_tokens"), generation_tokens=m.sums.get("generation_tokens"),
@@ -120,17 +125,18 @@ def _write_minute(start: dt.datetime, minutes: Sequence[_Minute], keep_minutes_h
             for m in minutes]
     FleetRollup.objects.bulk_create(rows, ignore_conflicts=True)  # a lease handed over mid-minute: first wins
     if start.minute == 59:
-        _write_hour(start.replace(minute=0))
+        _write_hour(start.replace(minute=0), fleet)
     now = dt.datetime.now(dt.timezone.utc)
     FleetRollup.objects.filter(period="minute", start__lt=now - dt.timedelta(hours=keep_minutes_h)).delete()
     FleetRollup.objects.filter(period="hour", start__lt=now - dt.timedelta(days=keep_hours_d)).delete()
 
 
-def _write_hour(start: dt.datetime) -> None:
-    """The hour's rows from its minutes, per engine."""
+def _write_hour(start: dt.datetime, fleet: str) -> None:
+    """The hour's rows of ``fleet`` from its minutes, per engine."""
     from engines.models import FleetRollup
 
-    minutes = FleetRollup.objects.filter(period="minute", start__gte=start, start__lt=start + dt.timedelta(hours=1))
+    minutes = FleetRollup.objects.filter(period="minute", fleet=fleet, start__gte=start,
+                                         start__lt=start + dt.timedelta(hours=1))
     groups: dict[tuple[str, str], list[Any]] = {}
     for row in minutes:
         groups.setdefault((row.server, row.engine), []).append(row)
@@ -149,7 +155,7 @@ def _write_hour(start: dt.datetime) -> None:
             return WindowHistogram.of(summed[0]).model_dump() if summed else None
 
         last = rows[-1]
-        hours.append(FleetRollup(period="hour", start=start, server=server, server_name=last.server_name,
+        hours.append(FleetRollup(period="hour", start=start, server=server, server_name=last.server_name, fleet=fleet,
                                  engine=engine, model=last.model, kind=last.kind,
                                  samples=sum(r.samples for r in rows), running=mean("running"),
                                  waiting=mean("waiting"), kv_usage=mean("kv_usage"),
@@ -159,11 +165,16 @@ def _write_hour(start: dt.datetime) -> None:
 
 
 class RollupWriter:
-    """Samples the fleet's rows and writes its minutes, while this member holds the lease."""
+    """Samples the fleet's rows and writes its minutes, while this member holds the lease.
+
+    ``names`` and ``addresses`` give, for each foreign server's key in the store, its name and its
+    ``host:port`` (``server_identity.url_server_id``); ``fleet`` is this fleet's name."""
 
     def __init__(self, store: FleetStore, holder: str, names: Any = dict, keep_minutes_h: float = 24.0,
-                 keep_hours_d: float = 30.0, sample_s: float = SAMPLE_S) -> None:
-        self.store, self.holder, self.names = store, holder, names
+                 keep_hours_d: float = 30.0, sample_s: float = SAMPLE_S, addresses: Any = dict,
+                 fleet: str | None = None) -> None:
+        self.store, self.holder, self.names, self.addresses = store, holder, names, addresses
+        self.fleet = fleet_name() if fleet is None else fleet
         self.keep_minutes_h, self.keep_hours_d, self.sample_s = keep_minutes_h, keep_hours_d, sample_s
         self.minute: dt.datetime | None = None
         self.engines: dict[tuple[str, str], _Minute] = {}
@@ -174,13 +185,13 @@ class RollupWriter:
         start = _minute_start(now)
         if self.minute is not None and start != self.minute and self.engines:
             await in_db_thread(_write_minute)(
-                self.minute, list(self.engines.values()), self.keep_minutes_h, self.keep_hours_d)
+                self.minute, list(self.engines.values()), self.fleet, self.keep_minutes_h, self.keep_hours_d)
             self.engines = {}
         self.minute = start
         members, rows, foreign = await asyncio.gather(self.store.members(), self.store.all_rows(),
                                                       self.store.all_foreign())
         up = {m.card.server for m in members if m.state == "up"}
-        names = self.names()
+        names, addresses = self.names(), self.addresses()
         published = [r for server, r in rows.items() if server in up] + [r for r in foreign.values() if not r.error]
         for server_rows in published:
             for row in server_rows.rows:
@@ -189,7 +200,8 @@ class RollupWriter:
                 key = (row.server, row.engine)
                 entry = self.engines.get(key)
                 if entry is None:
-                    entry = self.engines[key] = _Minute(row, names.get(row.server, row.server))
+                    entry = self.engines[key] = _Minute(row, addresses.get(row.server, row.server),
+                                                        names.get(row.server, row.server))
                 entry.add(row, now, self.sample_s)
 
     async def run(self) -> None:

@@ -17,7 +17,7 @@ from django.conf import settings
 
 import engines
 from engines.cancellation import check_cancelled
-from engines.server_identity import server_id
+from engines.server_identity import server_id, url_server_id
 from engines.fleet.outage_log import OutageLog
 from engines.fleet.board import FleetBoard, ForeignTarget
 from engines.fleet.aliases import QUANTITIES
@@ -111,6 +111,7 @@ class FleetService:
         self.polling = ForeignPolling(self.store, server_id(), lambda: self.targets)
         self.controls = ControlListener(self.store, server_id(), lambda: self.publisher.clock.best)
         self.rollups = RollupWriter(self.store, server_id(), lambda: {t.id: t.name for t in self.targets},
+                                    addresses=lambda: {t.id: url_server_id(t.url) for t in self.targets},
                                     keep_minutes_h=float(getattr(settings, "FLEET_ROLLUP_MINUTES_H", 24)),
                                     keep_hours_d=float(getattr(settings, "FLEET_ROLLUP_HOURS_D", 30)))
         self.tasks: list[asyncio.Task[None]] = []

@@ -3,12 +3,16 @@ per-request summaries and statistics, retention, and comparing two traces.
 
 The public API (what the server, the dashboard and the admin call)::
 
-    save_trace(trace, *, engine, model, backend="", source="api", note="", tags=()) -> TraceRecord
+    save_trace(trace, *, engine, model, backend="", source="api", note="", tags=(), server=None, fleet=None)
+        -> TraceRecord
     await asave_trace(trace, **same)                      # off the event loop
     save_engine_trace(engine_or_name, *, note="", tags=(), clear=False, source="api") -> TraceRecord
     await asave_engine_trace(engine_or_name, **same)      # the live trace of a served engine
-    save_metrics_snapshot(engine, model, metrics) -> MetricsSnapshot
+    save_metrics_snapshot(engine, model, metrics, *, server=None, fleet=None) -> MetricsSnapshot
     await asave_metrics_snapshot(engine, model, metrics)
+
+Every record names the server that wrote it and its fleet: this server (``server_identity``)
+unless ``server`` names another (a foreign server's trace, saved here by a fleet job).
     apply_retention(engine=None, *, max_records=None, max_days=None, dry_run=False) -> RetentionResult
     compare_records(a, b) -> TraceComparison
 

@@ -11,6 +11,9 @@ The steps, and why in this order: the trace is digested (:mod:`engines.history.d
 serialised once with orjson, gzip on a worker thread overlapping the walk over the events for
 summaries and statistics; in a server, in a process of its own); then one transaction inserts
 the record and bulk-inserts its request summaries; then retention for that engine runs.
+
+Every record names the server that wrote it and its fleet (``engines.server_identity``: this
+server, unless the caller names the one the trace came from), and a trace's summaries name its.
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ from engines.history.retention import apply_retention, prune_metrics_snapshots
 from engines.malloc_tuning import trim_malloc
 from engines.models import MetricsSnapshot, RequestSummary, TraceRecord
 from engines.registry import registry
+from engines.server_identity import fleet_name, server_id
 
 if TYPE_CHECKING:  # the runtime (numba and all) loads only where engines are built
     from engines.runtime import AsyncEngine
@@ -69,6 +73,8 @@ _MAX_ENGINE = _max_chars(TraceRecord, "engine")
 _MAX_MODEL = _max_chars(TraceRecord, "model")
 _MAX_BACKEND = _max_chars(TraceRecord, "backend")
 _MAX_TAGS = _max_chars(TraceRecord, "tags")
+_MAX_SERVER = _max_chars(TraceRecord, "server")
+_MAX_FLEET = _max_chars(TraceRecord, "fleet")
 #: A note is a sentence or a paragraph about the capture, not a document.
 MAX_NOTE_CHARS = 4000
 #: Tags in one save (their joined text is bounded by the column too).
@@ -88,6 +94,8 @@ def save_trace(
     tags: Iterable[str] | str = (),
     captured_at: datetime | None = None,
     retention: bool = True,
+    server: str | None = None,
+    fleet: str | None = None,
 ) -> TraceRecord:
     """Store ``trace`` (a Chrome trace dict, or its JSON bytes) as a new record of ``engine``.
 
@@ -95,7 +103,8 @@ def save_trace(
     returns them byte for byte: from a live engine pass ``tracer.dump_json()``, which
     is also the cheaper path end to end (one serialisation instead of two). ``backend`` defaults to the trace's
     ``otherData.backend``. With ``retention`` the engine's retention limits
-    (``TRACE_RETENTION_MAX_RECORDS`` / ``_MAX_DAYS``) are applied afterwards.
+    (``TRACE_RETENTION_MAX_RECORDS`` / ``_MAX_DAYS``) are applied afterwards. ``server`` and
+    ``fleet`` name where the trace was recorded (:func:`server_fields`: this server by default).
 
     Raises :class:`TraceFormatError` (a ``ValueError``) for something that is not a
     Chrome trace and ``ValueError`` for bad metadata; the message says which.
@@ -105,6 +114,7 @@ def save_trace(
     _check_source(source)
     note = validate_note(note)
     tag_text = normalize_tags(tags)
+    where = server_fields(server, fleet)
 
     if isinstance(trace, (bytes, bytearray, memoryview)) and _digest_process is not None:
         analysis, stored = _digest_process.digest(bytes(trace))
@@ -130,6 +140,7 @@ def save_trace(
         stats=analysis.stats_json(),
         note=note,
         tags=tag_text,
+        **where,
     )
     with transaction.atomic():
         record.save(force_insert=True)
@@ -151,13 +162,15 @@ async def asave_trace(
     tags: Iterable[str] | str = (),
     captured_at: datetime | None = None,
     retention: bool = True,
+    server: str | None = None,
+    fleet: str | None = None,
 ) -> TraceRecord:
     """:func:`save_trace` on a worker thread with its own database connection, so the
     event loop keeps serving while a large trace is parsed, compressed and inserted; the freed
     parse is handed back to the OS there too (:func:`~engines.malloc_tuning.trim_malloc`)."""
     save = in_db_thread(_trimming(save_trace))
     return await save(trace, engine=engine, model=model, backend=backend, source=source, note=note, tags=tags,
-                      captured_at=captured_at, retention=retention)
+                      captured_at=captured_at, retention=retention, server=server, fleet=fleet)
 
 
 class TraceUnavailableError(Exception):
@@ -288,9 +301,11 @@ def _engine_trace_metadata(engine: "AsyncEngine | str", *, note: str, tags: Iter
 
 
 def save_metrics_snapshot(engine: str, model: str, metrics: Mapping[str, Any], *,
-                          taken_at: datetime | None = None, retention: bool = True) -> MetricsSnapshot:
-    """Store one sample of ``engine``'s metrics; prunes that engine's snapshots past
-    ``METRICS_RETENTION_MAX_DAYS`` (an indexed delete, cheap at the sampling interval)."""
+                          taken_at: datetime | None = None, retention: bool = True, server: str | None = None,
+                          fleet: str | None = None) -> MetricsSnapshot:
+    """Store one sample of ``engine``'s metrics, taken on ``server`` (default: this one); prunes
+    that engine's snapshots past ``METRICS_RETENTION_MAX_DAYS`` (an indexed delete, cheap at the
+    sampling interval)."""
     if not isinstance(metrics, Mapping):
         raise ValueError(f"metrics must be a mapping, not {type(metrics).__name__}")
     snapshot = MetricsSnapshot.objects.create(
@@ -298,6 +313,7 @@ def save_metrics_snapshot(engine: str, model: str, metrics: Mapping[str, Any], *
         model=_required_text("model", model, _MAX_MODEL),
         taken_at=taken_at or timezone.now(),
         metrics=_finite_json(metrics),
+        **server_fields(server, fleet),
     )
     if retention:
         prune_metrics_snapshots(engine)
@@ -309,6 +325,17 @@ async def asave_metrics_snapshot(engine: str, model: str, metrics: Mapping[str, 
     """:func:`save_metrics_snapshot` on a worker thread."""
     return await in_db_thread(save_metrics_snapshot)(
         engine, model, metrics, **kwargs)
+
+
+def server_fields(server: str | None = None, fleet: str | None = None) -> dict[str, str]:
+    """A record's ``server`` and ``fleet``: as given, or this server's (``server_id()``,
+    ``fleet_name()``); ``ValueError`` for a value the columns cannot hold."""
+    server = _required_text("server", server_id() if server is None else server, _MAX_SERVER)
+    fleet = fleet_name() if fleet is None else fleet
+    if not isinstance(fleet, str) or len(fleet) > _MAX_FLEET:
+        raise ValueError(f"fleet must be a string of at most {_MAX_FLEET} characters")
+    _check_no_nul("fleet", fleet)
+    return {"server": server, "fleet": fleet}
 
 
 def validate_note(note: Any) -> str:
@@ -349,6 +376,8 @@ def _summary_rows(record: TraceRecord, requests: list[RequestStats]) -> list[Req
         rows.append(RequestSummary(
             trace=record,
             engine=record.engine,
+            server=record.server,
+            fleet=record.fleet,
             request_id=request_id,
             added_ts=_int_or_none(r.added_ts),
             prompt_tokens=r.prompt_tokens,

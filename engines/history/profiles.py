@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 from django.db import transaction
 
-from engines.history.capture import _finite_json, validate_note
+from engines.history.capture import _finite_json, server_fields, validate_note
 from engines.history.payload import compress_json
 from engines.history.retention import apply_profile_retention
 from engines.models import ProfileRecord
@@ -22,11 +22,13 @@ __all__ = ["asave_profile", "aset_profile_note", "save_profile"]
 
 
 def save_profile(profile: dict[str, Any], *, engine: str, source: str = ProfileRecord.Source.API, note: str = "",
-                 retention: bool = True) -> ProfileRecord:
-    """Store ``profile`` (``ProfileResult.to_json()``) for ``engine``; applies retention after."""
+                 retention: bool = True, server: str | None = None, fleet: str | None = None) -> ProfileRecord:
+    """Store ``profile`` (``ProfileResult.to_json()``) for ``engine``, taken on ``server``
+    (default: this one, ``capture.server_fields``); applies retention after."""
     if source not in ProfileRecord.Source.values:
         raise ValueError(f"source must be one of {', '.join(ProfileRecord.Source.values)}, got {source!r}")
     note = validate_note(note)
+    where = server_fields(server, fleet)
     profile = _finite_json(profile)  # a kernel that never ran gives no inf/nan to the JSON
     raw = orjson.dumps(profile)
     stored = compress_json(raw)
@@ -38,7 +40,7 @@ def save_profile(profile: dict[str, Any], *, engine: str, source: str = ProfileR
         duration_us=int(profile.get("duration_us", 0)), steps=int(profile.get("steps", 0)),
         kernel_calls=sum(int(k["calls"]) for k in profile.get("kernels", [])),
         stopped_by=str(profile.get("stopped_by", "")), stack_samples=int(stacks.get("samples", 0)),
-        kernels=profile.get("kernels", []), note=note, **stored.record_fields(),
+        kernels=profile.get("kernels", []), note=note, **stored.record_fields(), **where,
     )
     with transaction.atomic():
         record.save(force_insert=True)
@@ -48,10 +50,12 @@ def save_profile(profile: dict[str, Any], *, engine: str, source: str = ProfileR
 
 
 async def asave_profile(profile: dict[str, Any], *, engine: str, source: str = ProfileRecord.Source.API,
-                        note: str = "", retention: bool = True) -> ProfileRecord:
+                        note: str = "", retention: bool = True, server: str | None = None,
+                        fleet: str | None = None) -> ProfileRecord:
     """:func:`save_profile` on a worker thread with its own database connection."""
     save = in_db_thread(save_profile)
-    return await save(profile, engine=engine, source=source, note=note, retention=retention)
+    return await save(profile, engine=engine, source=source, note=note, retention=retention, server=server,
+                      fleet=fleet)
 
 
 async def aset_profile_note(pk: int, note: str) -> None:

@@ -2,17 +2,22 @@
 ``manage.py serve``: after some traffic, a trace saved and two profiles taken through the API, the
 trace list, a trace record, the metrics snapshot charts, the request list, the profile list and
 the profile compare page, each at 1400 and at 900 px wide, with nothing off screen; and the engine
-left idle adds no metrics snapshot while that goes on.
+left idle adds no metrics snapshot while that goes on. A second server's snapshots of the same
+engine name, written into the same database in the same seconds, are listed with their server
+and charted only when picked, never in the lines of this server's.
 
 Screenshots go to ``var/screenshots/history-*.png`` (look at them).
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import re
+import socket
 import sqlite3
 import threading
 import time
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import httpx
@@ -63,6 +68,31 @@ def snapshot_count(server: LiveServer, engine: str) -> int:
     db = Path(server.env["DEBUGSITE_VAR_DIR"]) / "db.sqlite3"
     with sqlite3.connect(db, timeout=30) as conn:
         return conn.execute("SELECT count(*) FROM engines_metricssnapshot WHERE engine = ?", [engine]).fetchone()[0]
+
+
+#: Another server writing the same database under the same engine name, a million tokens a second.
+OTHER_SERVER = "gpu-box:9000"
+OTHER_RATE = 1_000_000
+
+
+def another_servers_snapshots(server: LiveServer, engine: str) -> int:
+    """A snapshot of ``OTHER_SERVER``'s ``engine`` half a second before each one this server saved
+    of its own (the issue's three servers, two of them, in the same seconds): how many."""
+    db = Path(server.env["DEBUGSITE_VAR_DIR"]) / "db.sqlite3"
+    with sqlite3.connect(db, timeout=30) as conn:
+        moments = [row[0] for row in conn.execute(
+            "SELECT taken_at FROM engines_metricssnapshot WHERE engine = ? ORDER BY taken_at", [engine])]
+        start = datetime.fromisoformat(moments[0])
+        for i, moment in enumerate(moments):
+            at = datetime.fromisoformat(moment) - timedelta(seconds=0.5)
+            seconds = (at - start).total_seconds()
+            metrics = {"decode_tokens_processed": int(OTHER_RATE * seconds), "num_running_requests": 40,
+                       "num_waiting_requests": 12, "kv_cache_usage": 0.9, "num_finished_requests": 239 + i,
+                       "ttft_s": {"p50": 3.5, "p99": 7.0}}
+            conn.execute("INSERT INTO engines_metricssnapshot (engine, model, taken_at, metrics, server, fleet) "
+                         "VALUES (?, 'SmolLM2', ?, ?, ?, 'default')",
+                         [engine, at.isoformat(" "), json.dumps(metrics), OTHER_SERVER])
+    return len(moments)
 
 
 async def show(page, url: str, name: str, ready: str = "#content-main") -> None:
@@ -119,8 +149,8 @@ async def test_the_history_pages_fit_at_1400_and_900_px(page, dashboard_server: 
     assert await row.locator(".engines-tag").all_inner_texts() == ["browser", "history"]
     assert "API" in await row.locator(".field-captured").inner_text()
     await page.set_viewport_size({"width": 1400, "height": 1000})
-    assert await visible_columns(page) == ["", "trace", "engine", "captured, source", "duration (ms)", "events",
-                                           "requests", "size", "note and tags", "timeline"]
+    assert await visible_columns(page) == ["", "trace", "engine", "server", "captured, source", "duration (ms)",
+                                           "events", "requests", "size", "note and tags", "timeline"]
 
     # A trace record: its capture window in readable times and a duration.
     await show(page, f"{base}{trace['admin_url']}", "trace-record", "#requests")
@@ -128,24 +158,50 @@ async def test_the_history_pages_fit_at_1400_and_900_px(page, dashboard_server: 
     readable = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} – \d\d:\d\d:\d\d\.\d{3} UTC \([\d.]+ (s|ms)\)"
     assert re.fullmatch(readable, window), window
 
-    # The metrics snapshot charts, above the list.
+    # The metrics snapshot charts, above the list: this server's engine, though another server
+    # wrote snapshots of an engine of the same name in the same seconds.
+    here = f"{socket.gethostname()}:{base.rsplit(':', 1)[1]}"
+    others = another_servers_snapshots(dashboard_server, "demo")
     await show(page, f"{base}/admin/engines/metricssnapshot/?engine=demo", "snapshots", "#snapshot-charts canvas")
     assert await page.locator("#snapshot-charts .uplot").count() == 5
+    assert await page.locator("#snapshot-charts-server-select").input_value() == here
+    assert set(await page.locator("#snapshot-charts-server-select option").all_inner_texts()) == {here, OTHER_SERVER}
     data = await page.evaluate("window.snapshotCharts.data")
-    assert len(data["x"]) >= 4
+    assert len(data["x"]) >= 4 and len(data["x"]) == len(set(data["x"]))  # one point a moment: one server's
     decode = next(s["values"] for c in data["charts"] for s in c["series"] if s["label"] == "decode tok/s")
-    assert max(v for v in decode if v is not None) > 0
+    assert 0 < max(v for v in decode if v is not None) < OTHER_RATE / 10
     # The pointer on one chart names the moment on all of them.
     await page.locator("#snapshot-charts .u-over").first.hover(position={"x": 120, "y": 40})
     moments = await page.locator("#snapshot-charts .u-legend tr:first-child .u-value").all_inner_texts()
     assert len(moments) == 5 and len(set(moments)) == 1 and re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", moments[0])
+    # Both servers' rows in the list, each with its server; the select charts the other one alone.
+    servers = await page.locator("#result_list td.field-server_column .engines-server").all_inner_texts()
+    assert set(servers) == {here, OTHER_SERVER}
+    await page.select_option("#snapshot-charts-server-select", OTHER_SERVER)
+    await page.click("#snapshot-charts-server button")
+    await page.wait_for_selector("#snapshot-charts canvas")
+    assert "server=gpu-box%3A9000" in page.url and "engine=demo" in page.url
+    data = await page.evaluate("window.snapshotCharts.data")
+    assert data["count"] == others
+    decode = next(s["values"] for c in data["charts"] for s in c["series"] if s["label"] == "decode tok/s")
+    assert max(v for v in decode if v is not None) >= 0.9 * OTHER_RATE  # its rate, not this server's
+    await show(page, page.url, "snapshots-other-server", "#snapshot-charts canvas")
+    assert set(await page.locator("#result_list td.field-server_column .engines-server").all_inner_texts()) == {
+        OTHER_SERVER}
+    # In the admin's dark theme too (the system's colour scheme), for looking at.
+    await page.emulate_media(color_scheme="dark")
+    await page.set_viewport_size({"width": 1400, "height": 1000})
+    await page.reload()
+    await page.wait_for_selector("#snapshot-charts canvas")
+    await page.screenshot(path=str(SHOTS / "history-snapshots-dark-1400.png"), full_page=True)
+    await page.emulate_media(color_scheme="light")
 
     # The request list: the latency columns on screen at both widths.
     await show(page, f"{base}/admin/engines/requestsummary/", "requests", "#result_list")
     assert await visible_columns(page) == ["request id", "trace", "finish reason", "prompt tokens",
                                            "completion tokens", "queue (ms)", "ttft (ms)", "e2e (ms)"]  # at 900 px
     await page.set_viewport_size({"width": 1400, "height": 1000})
-    assert len(await visible_columns(page)) == 12
+    assert len(await visible_columns(page)) == 13
     assert await page.evaluate(OFF_SCREEN) == []
 
     # The profile list: each profile's page and download on screen.

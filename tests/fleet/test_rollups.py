@@ -94,3 +94,38 @@ def test_slo_figures_per_engine_server_and_fleet() -> None:
     assert [s.label for s in figures["servers"]] == ["a", "b"] and figures["servers"][0].requests == 400
     assert [m.label for m in figures["models"]] == ["model x", "model y"] and figures["models"][1].requests == 100
     assert [e.label for e in figures["engines"]] == ["x @ a", "y @ b"]
+
+
+async def test_rows_name_the_server_as_history_does_and_the_fleet_that_wrote_them() -> None:
+    """One of ours by its server id, a foreign one by its URL's host:port (its store key is an
+    attachment's id), beside the fleet's name; an hour sums this fleet's minutes only."""
+    from engines.models import FleetRollup
+
+    store = LocalFleetStore()
+    await store.announce(ServerCard(server="h:8001", url="http://h:8001", version="t", roles=[], engines=[],
+                                    started_at=0))
+    hour = (dt.datetime.now(dt.timezone.utc).replace(minute=0, second=0, microsecond=0)
+            - dt.timedelta(hours=1)).timestamp()
+    # Another fleet sharing the database wrote the same engine of the same server in that hour.
+    await sync_to_async(FleetRollup.objects.create)(
+        period="minute", start=dt.datetime.fromtimestamp(hour + 3540, dt.timezone.utc), server="h:8001",
+        server_name="h:8001", fleet="green", engine="demo", samples=1, running=100.0)
+    writer = RollupWriter(store, "h:8001", names=lambda: {"foreign-3": "gpu-1"},
+                          addresses=lambda: {"foreign-3": "gpu-7:8000"}, fleet="blue", sample_s=10.0)
+    for at in (hour + 3540, hour + 3550):
+        await store.put_rows(ServerRows(server="h:8001", at=at, rows=[EngineRow(
+            server="h:8001", engine="demo", model="m", state="running", at=at, figures={"running": 2.0})]))
+        await store.put_foreign("foreign-3", ServerRows(server="foreign-3", at=at, rows=[EngineRow(
+            server="foreign-3", engine="llama", model="llama", kind="vllm", state="up", at=at,
+            figures={"running": 5.0})]))
+        await writer.sample(now=at)
+    await writer.sample(now=hour + 3605)                   # 10:59 written, and the hour 10:00-11:00
+    rows = await sync_to_async(lambda: sorted(
+        (r.period, r.fleet, r.server, r.server_name, r.engine, r.running)
+        for r in FleetRollup.objects.exclude(fleet="green")))()
+    assert rows == [("hour", "blue", "gpu-7:8000", "gpu-1", "llama", 5.0),
+                    ("hour", "blue", "h:8001", "h:8001", "demo", 2.0),
+                    ("minute", "blue", "gpu-7:8000", "gpu-1", "llama", 5.0),
+                    ("minute", "blue", "h:8001", "h:8001", "demo", 2.0)]
+    # The other fleet's minute is still its own, and was not summed into this fleet's hour.
+    assert await sync_to_async(FleetRollup.objects.filter(fleet="green").count)() == 1

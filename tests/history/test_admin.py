@@ -325,7 +325,7 @@ def test_request_list_filters_sorts_and_links_back(admin_client, saved_trace):
     assert ids(finish_reason="stop") == ["slow"]
     assert ids(finish_reason="-") == ["cut"]
     assert ids(finish_reason="length", o="7") == ["req-0", "req-1", "req-2"]  # column 7: TTFT ascending
-    assert ids(trace__id__exact=str(record.pk), o="-10") == ["req-2", "req-1", "req-0"]  # column 10: e2e descending
+    assert ids(trace__id__exact=str(record.pk), o="-11") == ["req-2", "req-1", "req-0"]  # column 11: e2e descending
     assert ids(q="req-1") == ["req-1"]
 
 
@@ -342,10 +342,10 @@ def test_request_columns_are_declared_once(admin_client, saved_trace):
     assert set(record.stats["requests"]) == {c.field for c in STATISTIC_COLUMNS}
 
     listed = list(result_headers(admin_client.get(reverse(REQUESTS)).context["cl"]))
-    assert [h["text"] for h in listed] == [headers[0], "trace", "engine", *headers[1:]]
+    assert [h["text"] for h in listed] == [headers[0], "trace", "engine", "server", *headers[1:]]
     # Across all history only indexed columns sort (a million rows); one trace's table sorts by any.
     assert {h["text"] for h in listed if h["sortable"]} == {
-        "request id", "trace", "engine", "finish reason", "queue (ms)", "TTFT (ms)", "e2e (ms)"}
+        "request id", "trace", "engine", "server", "finish reason", "queue (ms)", "TTFT (ms)", "e2e (ms)"}
 
     summary = RequestSummary.objects.get(trace=record, request_id="req-0")
     page = admin_client.get(reverse("admin:engines_requestsummary_change", args=[summary.pk]))

@@ -35,8 +35,8 @@ def test_the_trace_list_shows_note_tags_source_and_a_timeline_link(admin_client,
         page = admin_client.get(reverse(TRACES))
     html = page.content.decode()
     headers = [h["text"] for h in result_headers(page.context["cl"])]
-    assert headers[1:] == ["trace", "engine", "captured, source", "duration (ms)", "events", "requests", "size",
-                           "note and tags", "timeline"]
+    assert headers[1:] == ["trace", "engine", "server", "captured, source", "duration (ms)", "events", "requests",
+                           "size", "note and tags", "timeline"]
     for record in (noted, plain):
         assert f'<a href="/dashboard/traces/{record.pk}/timeline/">open</a>' in html
     assert "Dashboard" in html and "Automatic" in html
@@ -85,8 +85,8 @@ def test_the_profile_list_links_each_profile_and_its_download(admin_client, djan
         page = admin_client.get(reverse(PROFILES))
     html = page.content.decode()
     headers = [h["text"] for h in result_headers(page.context["cl"])]
-    assert headers[1:] == ["profile", "engine", "started, source", "duration", "steps", "kernel calls", "stopped by",
-                           "note", "open"]
+    assert headers[1:] == ["profile", "engine", "server", "started, source", "duration", "steps", "kernel calls",
+                           "stopped by", "note", "open"]
     for record in records:
         assert f'<a href="/dashboard/profiles/{record.pk}/">profile</a>' in html
         assert f'<a href="/dashboard/profiles/{record.pk}/profile.json.gz">.json.gz</a>' in html

@@ -213,8 +213,9 @@ def test_the_snapshot_list_charts_the_engine_it_is_filtered_to(admin_client, dja
         save_metrics_snapshot("eng-a", "demo", metrics(100 * i, i % 3),
                               taken_at=now - timedelta(seconds=10 * (30 - i)), retention=False)
     save_metrics_snapshot("eng-b", "demo", metrics(), retention=False)
-    # Session, user, count, rows, the engine filter's values, the chart: however many snapshots.
-    with django_assert_max_num_queries(8):
+    # Session, user, count, rows, the engine and server filters' values, the (server, engine) pairs,
+    # the newest snapshot's server, the chart: however many snapshots.
+    with django_assert_max_num_queries(9):
         page = admin_client.get(reverse(SNAPSHOTS), {"engine": "eng-a"})
     html = page.content.decode()
     data = page.context["snapshot_charts"]

@@ -5,7 +5,9 @@ import httpx
 import pytest
 from asgiref.sync import sync_to_async
 from django.test import Client
+from django.utils.http import urlencode
 
+from engines.server_identity import server_id
 from tests.server.conftest import TRACED, UNTRACED
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -57,7 +59,10 @@ async def test_an_engine_page_shows_its_configuration_and_an_unknown_one_is_404(
     assert "2,048 tokens (128 pages of 16), 32 MiB; --max-total-tokens 2048" in html
     assert "<td>safetensors</td>" in html
     assert "weights in memory" in html and "<td>float32</td>" in html
-    assert f"/admin/engines/tracerecord/?engine__exact={TRACED}" in html
+    # Its history: this server's records of the engine (another server's engine of its name is another).
+    here = urlencode({"server": server_id()})
+    for model in ("tracerecord", "profilerecord", "metricssnapshot"):
+        assert f"/admin/engines/{model}/?engine__exact={TRACED}&amp;{here}" in html
     assert missing.status_code == 404
 
 

@@ -165,6 +165,7 @@ async def test_save_trace_reports_progress_and_links_the_record(dashboard, clien
     done = await next_message(socket, of_type("done", id="s1"))
     record = await TraceRecord.objects.aget(pk=done["result"]["record_id"])
     assert (record.source, record.note, record.tags) == ("dashboard", "<b>n</b>", "x")
+    assert (record.server, record.fleet) == (server_id(), "default")  # the server that saved it
     assert done["result"]["url"] == f"/admin/engines/tracerecord/{record.pk}/change/"
     await socket.disconnect()
 
@@ -189,6 +190,7 @@ async def test_clear_trace_and_profiling_answer_done_or_a_clear_error(dashboard,
     done = await next_message(traced, of_type("done", id=5))
     record = await ProfileRecord.objects.aget(pk=done["result"]["record_id"])
     assert (record.source, record.note, record.engine) == ("dashboard", "<i>ws</i>", TRACED) and record.steps > 0
+    assert (record.server, record.fleet) == (server_id(), "default")
     assert done["result"]["url"] == f"/dashboard/profiles/{record.pk}/" and done["result"]["profiling"] is False
     after = await next_message(traced, lambda m: m["type"] == "snapshot" and not m["profile"]["running"])
     assert after["profile"]["last_id"] == record.pk

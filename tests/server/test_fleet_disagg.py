@@ -105,6 +105,16 @@ def test_one_disaggregated_request_on_one_timeline_across_the_fleet(fleet) -> No
     # Each server measured its clock against Redis's, to well under a millisecond on one machine.
     assert all(abs(t["result"]["clock_offset_us"]) < 50_000 and t["result"]["clock_uncertainty_us"] < 50_000
                for t in job["targets"])
+    # Each trace record names the server that ran its target (not the decode server, which asked)
+    # and the fleet, in the shared database's admin.
+    for target in job["targets"]:
+        record = page.get(f"/admin/engines/tracerecord/{target['result']['record_id']}/change/").text
+        shown = ":<wbr>".join(target["server"].rsplit(":", 1))  # host:port breaks after its colon
+        named = f'<span class="engines-server">{shown}</span><span class="engines-quiet">fleet {name}</span>'
+        assert named in record, target
+    servers = page.get("/admin/engines/tracerecord/", params={"server": prefill_id}).text
+    assert servers.count('<td class="field-server_column">') == 1
+    assert f'{prefill_id.rsplit(":", 1)[1]}</span>' in servers
 
     merged = page.get(f"/dashboard/fleet/jobs/{job['id']}/trace.json").json()
     events = merged["traceEvents"]

@@ -19,6 +19,7 @@ from django.core.management import CommandError, call_command
 from engines.history.autosave import HistoryAutosave
 from engines.models import MetricsSnapshot, RequestSummary, TraceRecord
 from engines.registry import registry
+from engines.server_identity import server_id
 from tests.server.conftest import TRACED, UNTRACED
 
 REPO = Path(__file__).resolve().parents[2]
@@ -145,7 +146,7 @@ async def test_metrics_snapshots_are_written_periodically(client, engines) -> No
     await asyncio.sleep(0.3)
     assert await MetricsSnapshot.objects.acount() == count  # stopped
     snapshots = [s async for s in MetricsSnapshot.objects.filter(engine=TRACED).order_by("taken_at", "id")]
-    assert all(s.model == "demo" for s in snapshots)
+    assert all(s.model == "demo" and (s.server, s.fleet) == (server_id(), "default") for s in snapshots)
     assert snapshots[-1].metrics["completion_tokens_sum"] == 4
     assert snapshots[0].taken_at < snapshots[-1].taken_at
     assert not await TraceRecord.objects.aexists()
@@ -229,3 +230,7 @@ def test_serve_snapshots_metrics_while_serving_and_saves_the_last_window_on_sigt
     assert "Engines stopped." in output and "Traceback" not in output
     assert rows("SELECT engine, source, request_count FROM engines_tracerecord") == [("demo", "automatic", 1)]
     assert rows("SELECT request_id, completion_tokens FROM engines_requestsummary") == [("e2e-autosave", 3)]
+    # Every row names the server that wrote it by where it listened, and its fleet.
+    here = (f"{socket.gethostname()}:{port}", "default")
+    for table in ("tracerecord", "requestsummary", "metricssnapshot"):
+        assert rows(f"SELECT DISTINCT server, fleet FROM engines_{table}") == [here], table

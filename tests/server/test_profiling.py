@@ -11,6 +11,7 @@ from asgiref.sync import sync_to_async
 from engines.models import ProfileRecord
 from engines.profiling import profile_state
 from engines.registry import registry
+from engines.server_identity import server_id
 from tests.server.conftest import TRACED, UNTRACED, assert_error
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -39,6 +40,7 @@ async def test_start_load_stop_saves_a_profile_of_every_kernel(client: httpx.Asy
     assert reply["url"] == f"/dashboard/profiles/{record.pk}/"
     assert reply["admin_url"] == f"/admin/engines/profilerecord/{record.pk}/change/"
     assert record.engine == TRACED and record.backend == "cpu" and record.note == "<b>first</b>"
+    assert (record.server, record.fleet) == (server_id(), "default")
     assert record.steps == reply["steps"] > 0 and record.stopped_by == "request" and record.stack_samples > 0
     names = {k["name"] for k in record.kernels}
     assert {"embedding", "add_rmsnorm", "rope_kv_append", "attention", "silu_mul"} <= names

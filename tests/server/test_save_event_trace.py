@@ -15,6 +15,7 @@ from engines.models import RequestSummary, TraceRecord
 from engines.registry import ModelSpec, build_engines, registry
 from engines.runtime.core.engine import EngineConfig
 from engines.runtime.frontend.async_engine import AsyncEngine
+from engines.server_identity import server_id
 from tests.server.conftest import SMALL_ENGINE, TRACED, UNTRACED, assert_error, assert_invalid_request
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("async_db_connections_closed")]
@@ -60,6 +61,8 @@ async def test_save_stores_exactly_what_dump_event_trace_returns(client: httpx.A
     assert (record.engine, record.model, record.backend, record.source) == (TRACED, "demo", "cpu", "api")
     assert (record.note, record.tag_list) == ("before the change", ["ab", "x"])
     assert [(s.request_id, s.completion_tokens) for s in summaries] == [("saved-1", 3), ("saved-2", 5)]
+    # This server wrote it, and its summaries name the same server.
+    assert {(r.server, r.fleet) for r in (record, *summaries)} == {(server_id(), "default")}
     # Without "clear" the engine keeps its trace.
     assert registry.get(TRACED).engine.tracer.request_ids() == ["saved-1", "saved-2"]
 

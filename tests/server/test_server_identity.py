@@ -34,3 +34,10 @@ def test_a_bare_asgi_server_names_its_port_in_the_environment() -> None:
     env = {**os.environ, "ENGINES_PORT": "9001", "FLEET_NAME": "blue", "DJANGO_SETTINGS_MODULE": "debugsite.settings"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
     assert out.split() == [f"{socket.gethostname()}:9001", "blue"]
+
+
+@pytest.mark.parametrize("url, named", [
+    ("http://gpu-7:8000/", "gpu-7:8000"), ("http://10.0.0.5:9000/v1", "10.0.0.5:9000"),
+    ("https://mlc.example.org", "mlc.example.org:443"), ("http://Box", "box:80"), ("http://[::1]:8001/", "[::1]:8001")])
+def test_a_server_known_by_url_is_its_host_and_port(url: str, named: str) -> None:
+    assert server_identity.url_server_id(url) == named

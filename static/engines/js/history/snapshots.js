@@ -1,7 +1,7 @@
-// The metrics snapshot list's charts: one engine's snapshots over time, drawn with the vendored
-// uPlot. The series arrive shaped (engines/history/metrics_charts.py: rates, idle stretches,
-// breaks); this module only draws them, with times as the list prints them (the site's time
-// zone, 24-hour clock), and keeps each chart as wide as its box.
+// The metrics snapshot list's charts: one server's snapshots of one engine over time, drawn with
+// the vendored uPlot. The series arrive shaped (engines/history/metrics_charts.py: rates, idle
+// stretches, breaks); this module only draws them, with times as the list prints them (the site's
+// time zone, 24-hour clock), and keeps each chart as wide as its box.
 
 const data = JSON.parse(document.getElementById("snapshot-charts-data").textContent);
 const root = document.getElementById("snapshot-charts");
