@@ -70,6 +70,14 @@ def snapshot_count(server: LiveServer, engine: str) -> int:
         return conn.execute("SELECT count(*) FROM engines_metricssnapshot WHERE engine = ?", [engine]).fetchone()[0]
 
 
+# Whether each snapshot chart's y axis is as wide as its longest tick label (and its ticks).
+Y_LABELS_FIT = """() => window.snapshotCharts.plots.map((u) => {
+  const axis = u.axes[1];
+  u.ctx.font = axis.font[0];
+  const widest = Math.max(...axis._values.filter((v) => v != null).map((v) => u.ctx.measureText(String(v)).width));
+  return axis._size >= widest / devicePixelRatio + axis.ticks.size + axis.gap;
+})"""
+
 #: Another server writing the same database under the same engine name, a million tokens a second.
 OTHER_SERVER = "gpu-box:9000"
 OTHER_RATE = 1_000_000
@@ -185,6 +193,8 @@ async def test_the_history_pages_fit_at_1400_and_900_px(page, dashboard_server: 
     assert data["count"] == others
     decode = next(s["values"] for c in data["charts"] for s in c["series"] if s["label"] == "decode tok/s")
     assert max(v for v in decode if v is not None) >= 0.9 * OTHER_RATE  # its rate, not this server's
+    # Its y axis as wide as its longest label ("1,000,000" once clipped to "00,000").
+    assert await page.evaluate(Y_LABELS_FIT) == [True] * 5
     await show(page, page.url, "snapshots-other-server", "#snapshot-charts canvas")
     assert set(await page.locator("#result_list td.field-server_column .engines-server").all_inner_texts()) == {
         OTHER_SERVER}

@@ -42,8 +42,9 @@ export function onRestyle(redraw) {
 const live = new Set();
 onRestyle(() => live.forEach((chart) => chart.rebuild()));
 
-// The y axis as wide as its longest label (uPlot's fixed default clipped "20,000" to "ɛ0,000").
-function axisSize(u, values, axisIdx, cycleNum) {
+/** A y axis as wide as its longest label (uPlot's fixed default clipped "20,000" to "ɛ0,000"):
+ * an axis's `size`. */
+export function axisSize(u, values, axisIdx, cycleNum) {
   const axis = u.axes[axisIdx];
   if (cycleNum > 1) return axis._size;
   let size = axis.ticks.size + axis.gap;

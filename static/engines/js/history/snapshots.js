@@ -3,6 +3,8 @@
 // stretches, breaks); this module only draws them, with times as the list prints them (the site's
 // time zone, 24-hour clock), and keeps each chart as wide as its box.
 
+import { axisSize } from "../charts.js";
+
 const data = JSON.parse(document.getElementById("snapshot-charts-data").textContent);
 const root = document.getElementById("snapshot-charts");
 const timeZone = root.dataset.timeZone || "UTC";
@@ -48,7 +50,7 @@ for (const chart of data.charts) {
     series: [{ label: "time", value: (u, ts) => (ts == null ? "–" : `${clock(ts).date} ${clock(ts).second}`) },
              ...chart.series.map((s) => ({ label: s.label, stroke: s.color, width: 1.5,
                                            points: { show: data.x.length < 60 } }))],
-    axes: [{ values: timeTicks, size: 44 }, { size: 56 }],
+    axes: [{ values: timeTicks, size: 44 }, { size: axisSize }],  // "1,000,000" fits as "0.5" does
   }, [data.x, ...chart.series.map((s) => s.values)], box);
   plots.push([plot, box]);
 }
