@@ -78,6 +78,12 @@ Y_LABELS_FIT = """() => window.snapshotCharts.plots.map((u) => {
   return axis._size >= widest / devicePixelRatio + axis.ticks.size + axis.gap;
 })"""
 
+# Whether each snapshot chart's axes are drawn in the admin's quiet text colour of the theme now.
+AXES_IN_THEME = """() => {
+  const quiet = getComputedStyle(document.documentElement).getPropertyValue("--body-quiet-color").trim();
+  return window.snapshotCharts.plots.map((u) => u.axes.every((axis) => axis.stroke(u) === quiet));
+}"""
+
 #: Another server writing the same database under the same engine name, a million tokens a second.
 OTHER_SERVER = "gpu-box:9000"
 OTHER_RATE = 1_000_000
@@ -204,7 +210,10 @@ async def test_the_history_pages_fit_at_1400_and_900_px(page, dashboard_server: 
     await page.reload()
     await page.wait_for_selector("#snapshot-charts canvas")
     await page.screenshot(path=str(SHOTS / "history-snapshots-dark-1400.png"), full_page=True)
+    assert await page.evaluate(AXES_IN_THEME) == [True] * 5
     await page.emulate_media(color_scheme="light")
+    await page.wait_for_timeout(300)  # drawn again in the light colours
+    assert await page.evaluate(AXES_IN_THEME) == [True] * 5
 
     # The request list: the latency columns on screen at both widths.
     await show(page, f"{base}/admin/engines/requestsummary/", "requests", "#result_list")

@@ -1,9 +1,10 @@
 // The metrics snapshot list's charts: one server's snapshots of one engine over time, drawn with
 // the vendored uPlot. The series arrive shaped (engines/history/metrics_charts.py: rates, idle
 // stretches, breaks); this module only draws them, with times as the list prints them (the site's
-// time zone, 24-hour clock), and keeps each chart as wide as its box.
+// time zone, 24-hour clock), in the admin's colours (light or dark, drawn again when the theme
+// changes), and keeps each chart as wide as its box.
 
-import { axisSize } from "../charts.js";
+import { axisSize, onRestyle, themedAxis } from "../charts.js";
 
 const data = JSON.parse(document.getElementById("snapshot-charts-data").textContent);
 const root = document.getElementById("snapshot-charts");
@@ -39,10 +40,9 @@ function width(box) {
   return Math.max(240, box.clientWidth - 8);
 }
 
-const plots = [];
-for (const chart of data.charts) {
-  const box = root.querySelector(`[data-chart="${chart.key}"]`);
-  const plot = new uPlot({
+/** One chart in `box`, in the admin's colours now. */
+function draw(chart, box) {
+  return new uPlot({
     width: width(box), height: HEIGHT,
     tzDate: (ts) => uPlot.tzDate(new Date(ts * 1000), timeZone),  // ticks on the zone's round hours
     cursor: { sync: { key: "snapshot-charts" } },  // one moment under the pointer, on every chart
@@ -50,12 +50,18 @@ for (const chart of data.charts) {
     series: [{ label: "time", value: (u, ts) => (ts == null ? "–" : `${clock(ts).date} ${clock(ts).second}`) },
              ...chart.series.map((s) => ({ label: s.label, stroke: s.color, width: 1.5,
                                            points: { show: data.x.length < 60 } }))],
-    axes: [{ values: timeTicks, size: 44 }, { size: axisSize }],  // "1,000,000" fits as "0.5" does
+    axes: [themedAxis({ values: timeTicks, size: 44 }),
+           themedAxis({ size: axisSize })],  // "1,000,000" fits as "0.5" does
   }, [data.x, ...chart.series.map((s) => s.values)], box);
-  plots.push([plot, box]);
 }
 
+const boxes = data.charts.map((chart) => [chart, root.querySelector(`[data-chart="${chart.key}"]`)]);
+const plots = boxes.map(([chart, box]) => draw(chart, box));
+onRestyle(() => boxes.forEach(([chart, box], i) => {
+  plots[i].destroy();
+  plots[i] = draw(chart, box);
+}));
 new ResizeObserver(() => {
-  for (const [plot, box] of plots) plot.setSize({ width: width(box), height: HEIGHT });
+  plots.forEach((plot, i) => plot.setSize({ width: width(boxes[i][1]), height: HEIGHT }));
 }).observe(root);
-window.snapshotCharts = { plots: plots.map(([plot]) => plot), data };
+window.snapshotCharts = { plots, data };
