@@ -1,13 +1,11 @@
 """Which servers of ours form the fleet: each announces itself in the shared Redis and beats a
 heartbeat; every member reads the same list.
 
-Layout, under ``fleet:<FLEET_NAME>:`` (one Redis may hold several fleets):
-
-* ``cards``: a hash, server id -> its :class:`ServerCard` as JSON (URL, version, roles, engines);
-  written at start and whenever the card changes (an engine restarted, a model swapped);
-* ``beats``: a sorted set, server id -> the time of its last heartbeat, on the Redis server's
-  clock (``TIME``), so that members whose clocks disagree still agree on ages;
-* ``left``: a hash, server id -> when it stopped on purpose.
+Its keys (``keys.FleetKeys``): ``cards``, server id -> its :class:`ServerCard` (URL, version,
+roles, engines), written at start and whenever the card changes (an engine restarted, a model
+swapped); ``beats``, server id -> its last heartbeat on the Redis server's clock (``TIME``), so
+that members whose clocks disagree still agree on ages; ``left``, server id -> when it stopped on
+purpose.
 
 A member whose last beat is older than :data:`GONE_AFTER_BEATS` heartbeats is *gone* (shown with
 when it was last seen); one that beats again is back. Members gone longer than ``forget_after_s``
@@ -23,6 +21,7 @@ import orjson
 from pydantic import BaseModel
 
 from engines.cancellation import check_cancelled
+from engines.fleet.keys import FleetKeys
 from engines.fleet.outage_log import OutageLog
 
 logger = logging.getLogger("engines.fleet")
@@ -69,11 +68,6 @@ class Member(BaseModel):
     state: MemberState
 
 
-def _keys(fleet: str) -> tuple[str, str, str]:
-    base = f"fleet:{fleet}:"
-    return base + "cards", base + "beats", base + "left"
-
-
 class Membership:
     """One server's part in the fleet list, over a ``redis.asyncio`` client."""
 
@@ -83,7 +77,7 @@ class Membership:
         self.fleet = fleet
         self.heartbeat_s = heartbeat_s
         self.forget_after_s = forget_after_s
-        self.cards_key, self.beats_key, self.left_key = _keys(fleet)
+        self.keys = FleetKeys(fleet)
         self._card_json: bytes | None = None
         self._server: str | None = None
 
@@ -96,31 +90,31 @@ class Membership:
         data = card.model_dump_json().encode()
         pipe = self.redis.pipeline(transaction=False)
         if data != self._card_json:
-            pipe.hset(self.cards_key, card.server, data)
-            pipe.hdel(self.left_key, card.server)
-        pipe.zadd(self.beats_key, {card.server: await self._now()})
+            pipe.hset(self.keys.cards, card.server, data)
+            pipe.hdel(self.keys.left, card.server)
+        pipe.zadd(self.keys.beats, {card.server: await self._now()})
         await pipe.execute()
         self._card_json, self._server = data, card.server
 
     async def leave(self) -> None:
         """Say this server stopped on purpose (it stays listed, as stopped, until forgotten)."""
         if self._server is not None:
-            await self.redis.hset(self.left_key, self._server, await self._now())
+            await self.redis.hset(self.keys.left, self._server, await self._now())
 
     async def members(self) -> list[Member]:
         """Every server of the fleet, up or gone, newest beat first; forgets the long gone."""
         now = await self._now()
         pipe = self.redis.pipeline(transaction=False)
-        pipe.hgetall(self.cards_key)
-        pipe.zrange(self.beats_key, 0, -1, withscores=True)
-        pipe.hgetall(self.left_key)
+        pipe.hgetall(self.keys.cards)
+        pipe.zrange(self.keys.beats, 0, -1, withscores=True)
+        pipe.hgetall(self.keys.left)
         cards, beats, left = await pipe.execute()
         stale = [_text(server) for server, at in beats if now - at > self.forget_after_s]
         if stale:
             pipe = self.redis.pipeline(transaction=False)
-            pipe.zrem(self.beats_key, *stale)
-            pipe.hdel(self.cards_key, *stale)
-            pipe.hdel(self.left_key, *stale)
+            pipe.zrem(self.keys.beats, *stale)
+            pipe.hdel(self.keys.cards, *stale)
+            pipe.hdel(self.keys.left, *stale)
             await pipe.execute()
         stopped = {_text(k) for k in left}
         gone_after = GONE_AFTER_BEATS * self.heartbeat_s

@@ -1,15 +1,13 @@
 """Where the fleet's shared state lives: the Redis every member already uses for its channel
 layer, or (no ``REDIS_URL``) this process alone.
 
-Under ``fleet:<FLEET_NAME>:`` besides the membership keys (``membership``):
-
-* ``rows``: a hash, server id -> that server's :class:`~engines.fleet.rows.ServerRows` as JSON,
-  rewritten once a second by the server itself (one ``HSET`` a second a server, whoever watches);
-* ``foreign``: a hash, attached server id -> its last poll's ``ServerRows``;
-* ``control:<server>``: a list, the control commands other members sent that server
-  (``controls``), which it pops;
-* ``lease:<what>``: a key held by the member doing a job for the whole fleet (polling one
-  foreign server), so that N members poll it once, and another takes over when it stops.
+Its keys (``keys.FleetKeys``) besides the membership's: ``rows``, server id -> that server's
+:class:`~engines.fleet.rows.ServerRows`, rewritten once a second by the server itself (one
+``HSET`` a second a server, whoever watches); ``foreign``, attached server id -> its last poll's
+``ServerRows``; ``control:<server>``, the control commands other members sent that server
+(``controls``), which it pops; ``lease:<what>``, held by the member doing a job for the whole
+fleet (polling one foreign server), so that N members poll it once, and another takes over when
+it stops.
 
 The rows are also published on the channel of the hash's name: a member with fleet pages open
 subscribes and forwards each server's rows within :data:`~engines.fleet.board.PUSH_INTERVAL_S`,
@@ -76,9 +74,7 @@ class RedisFleetStore:
         self.redis = redis
         self.name = name
         self.membership = Membership(redis, name) if heartbeat_s is None else Membership(redis, name, heartbeat_s)
-        base = f"fleet:{name}:"
-        self.rows_key, self.foreign_key, self.lease_prefix = base + "rows", base + "foreign", base + "lease:"
-        self.control_prefix = base + "control:"
+        self.keys = self.membership.keys
 
     async def announce(self, card: ServerCard) -> None:
         await self.membership.announce(card)
@@ -94,14 +90,14 @@ class RedisFleetStore:
         with pages open: one round trip."""
         data = rows.model_dump_json()
         pipe = self.redis.pipeline(transaction=False)
-        pipe.hset(self.rows_key, rows.server, data)
-        pipe.publish(self.rows_key, data)
+        pipe.hset(self.keys.rows, rows.server, data)
+        pipe.publish(self.keys.rows, data)
         await pipe.execute()
 
     async def rows_feed(self) -> AsyncGenerator[ServerRows, None]:
         """Every server's rows as it publishes them, until the iterator is closed."""
         pubsub = self.redis.pubsub()
-        await pubsub.subscribe(self.rows_key)
+        await pubsub.subscribe(self.keys.rows)
         try:
             while True:
                 message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
@@ -115,17 +111,17 @@ class RedisFleetStore:
             await pubsub.aclose()
 
     async def all_rows(self) -> dict[str, ServerRows]:
-        return _decode_rows(await self.redis.hgetall(self.rows_key))
+        return _decode_rows(await self.redis.hgetall(self.keys.rows))
 
     async def put_foreign(self, server: str, rows: ServerRows) -> None:
-        await self.redis.hset(self.foreign_key, server, rows.model_dump_json())
+        await self.redis.hset(self.keys.foreign, server, rows.model_dump_json())
 
     async def all_foreign(self) -> dict[str, ServerRows]:
-        return _decode_rows(await self.redis.hgetall(self.foreign_key))
+        return _decode_rows(await self.redis.hgetall(self.keys.foreign))
 
     async def take_lease(self, what: str, holder: str, ttl_s: float) -> bool:
         """Hold ``what`` for ``ttl_s`` more seconds: True if it was free, expired or already ours."""
-        key = self.lease_prefix + what
+        key = self.keys.lease(what)
         ttl_ms = max(1, int(ttl_s * 1000))
         if await self.redis.set(key, holder, nx=True, px=ttl_ms):
             return True
@@ -143,7 +139,7 @@ class RedisFleetStore:
 
     async def push_control(self, server: str, command: str) -> None:
         """Queue a command for ``server``; a queue nobody reads expires (its server is gone)."""
-        key = self.control_prefix + server
+        key = self.keys.control(server)
         pipe = self.redis.pipeline(transaction=False)
         pipe.rpush(key, command)
         pipe.expire(key, CONTROL_QUEUE_TTL_S)
@@ -151,7 +147,7 @@ class RedisFleetStore:
 
     async def pop_control(self, server: str, timeout_s: float) -> str | None:
         """The next command for ``server``, waiting up to ``timeout_s`` (whole seconds in Redis)."""
-        popped = await self.redis.blpop([self.control_prefix + server], timeout=max(1, round(timeout_s)))
+        popped = await self.redis.blpop([self.keys.control(server)], timeout=max(1, round(timeout_s)))
         if popped is None:
             return None
         value = popped[1]
