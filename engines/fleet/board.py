@@ -110,7 +110,8 @@ async def fleet_view(store: FleetStore, foreign: Sequence[ForeignTarget], now: f
         if state == "up":
             live_rows.extend(named)
     servers_up = sum(1 for s in servers if s.state == "up")
-    return FleetView(fleet=store.name, at=now, shared=store.shared, servers=servers, rows=rows,
+    return FleetView(fleet=store.name, at=now, shared=store.shared, heartbeat_s=store.heartbeat_s,
+                     grace_s=store.grace_s, servers=servers, rows=rows,
                      totals=fleet_totals(live_rows, servers_up))
 
 

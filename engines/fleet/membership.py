@@ -7,8 +7,9 @@ swapped); ``beats``, server id -> its last heartbeat on the Redis server's clock
 that members whose clocks disagree still agree on ages; ``left``, server id -> when it stopped on
 purpose.
 
-A member whose last beat is older than :data:`GONE_AFTER_BEATS` heartbeats is *gone* (shown with
-when it was last seen); one that beats again is back. Members gone longer than ``forget_after_s``
+A member is *up* until its next beat is late by more than a grace (:func:`gone_after_s`: a
+heartbeat of 2 s and half of one, 3 s with no beat), then *gone* (shown with when it was last
+seen); one that beats again is back. Members gone longer than ``forget_after_s``
 are dropped from the list. No process or port beyond the servers themselves.
 """
 from __future__ import annotations
@@ -26,10 +27,13 @@ from engines.fleet.outage_log import OutageLog
 
 logger = logging.getLogger("engines.fleet")
 
-__all__ = ["GONE_AFTER_BEATS", "HEARTBEAT_S", "EngineCard", "Member", "Membership", "ServerCard"]
+__all__ = ["GRACE_SHARE", "HEARTBEAT_S", "EngineCard", "Member", "Membership", "ServerCard", "member_state"]
 
+#: Seconds between a server's beats.
 HEARTBEAT_S = 2.0
-GONE_AFTER_BEATS = 3
+#: How late a beat may come, as a share of the heartbeat (1 s of 2 s), before its server is gone:
+#: a loop busy for a moment is no outage, and a server that died is gone 3 s after its last beat.
+GRACE_SHARE = 0.5
 
 
 class EngineCard(BaseModel):
@@ -68,18 +72,31 @@ class Member(BaseModel):
     state: MemberState
 
 
+def member_state(age_s: float, gone_after_s: float, stopped: bool) -> MemberState:
+    """A member's state from the age of its last beat: stopped (it said so), gone (no beat for
+    ``gone_after_s``: the first beat missed, plus the grace) or up."""
+    return "stopped" if stopped else "gone" if age_s > gone_after_s else "up"
+
+
 class Membership:
     """One server's part in the fleet list, over a ``redis.asyncio`` client."""
 
     def __init__(self, redis: Any, fleet: str = "default", heartbeat_s: float = HEARTBEAT_S,
-                 forget_after_s: float = 24 * 3600) -> None:
+                 forget_after_s: float = 24 * 3600, grace_s: float | None = None) -> None:
         self.redis = redis
         self.fleet = fleet
         self.heartbeat_s = heartbeat_s
+        #: Seconds a beat may be late before its server is gone (:data:`GRACE_SHARE` of a heartbeat).
+        self.grace_s = heartbeat_s * GRACE_SHARE if grace_s is None else grace_s
         self.forget_after_s = forget_after_s
         self.keys = FleetKeys(fleet)
         self._card_json: bytes | None = None
         self._server: str | None = None
+
+    @property
+    def gone_after_s(self) -> float:
+        """Seconds without a beat after which a member is gone: a heartbeat, plus the grace."""
+        return self.heartbeat_s + self.grace_s
 
     async def _now(self) -> float:
         seconds, micros = await self.redis.time()
@@ -117,7 +134,6 @@ class Membership:
             pipe.hdel(self.keys.left, *stale)
             await pipe.execute()
         stopped = {_text(k) for k in left}
-        gone_after = GONE_AFTER_BEATS * self.heartbeat_s
         out = []
         for server, at in sorted(beats, key=lambda pair: -pair[1]):
             server = _text(server)
@@ -130,8 +146,8 @@ class Membership:
                 logger.warning("fleet %s: member %s announced a card this version cannot read", self.fleet, server)
                 continue
             age = max(0.0, now - at)
-            state: MemberState = "stopped" if server in stopped else "gone" if age > gone_after else "up"
-            out.append(Member(card=card, last_seen=at, age_s=age, state=state))
+            out.append(Member(card=card, last_seen=at, age_s=age,
+                              state=member_state(age, self.gone_after_s, server in stopped)))
         return out
 
     async def run(self, card: Any) -> None:

@@ -143,7 +143,9 @@ class FleetPublisher:
         while True:
             check_cancelled()  # a callee may have swallowed our cancel (engines.cancellation)
             started = time.monotonic()
-            beat = started - last_beat >= self.heartbeat_s
+            # Half a rows interval early rather than a whole interval late: a loop woken a hair
+            # early must not leave 3 s between beats, which is when a member is gone.
+            beat = started - last_beat >= self.heartbeat_s - self.rows_interval_s / 2
             try:
                 await self.publish_once(beat)
                 if beat:

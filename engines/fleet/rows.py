@@ -114,6 +114,8 @@ class FleetView(BaseModel):
     fleet: str
     at: float
     shared: bool                     # False: no REDIS_URL, this server alone
+    heartbeat_s: float               # seconds between a member's beats
+    grace_s: float                   # a member is gone after heartbeat_s + grace_s without a beat
     servers: list[FleetServer]
     rows: list[EngineRow]
     totals: FleetTotals

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import orjson
 from pydantic import ValidationError
 
-from engines.fleet.membership import Member, Membership, ServerCard
+from engines.fleet.membership import GRACE_SHARE, HEARTBEAT_S, Member, Membership, ServerCard
 from engines.fleet.rows import ServerRows
 from engines.cancellation import within
 
@@ -39,6 +39,8 @@ class FleetStore(Protocol):
 
     name: str
     shared: bool
+    heartbeat_s: float               # seconds between a member's beats
+    grace_s: float                   # how late a beat may be before its member is gone
 
     async def announce(self, card: ServerCard) -> None: ...
     async def leave(self) -> None: ...
@@ -75,6 +77,7 @@ class RedisFleetStore:
         self.name = name
         self.membership = Membership(redis, name) if heartbeat_s is None else Membership(redis, name, heartbeat_s)
         self.keys = self.membership.keys
+        self.heartbeat_s, self.grace_s = self.membership.heartbeat_s, self.membership.grace_s
 
     async def announce(self, card: ServerCard) -> None:
         await self.membership.announce(card)
@@ -158,6 +161,9 @@ class LocalFleetStore:
     """A fleet of one: this server, and the foreign servers it polls itself."""
 
     shared = False
+    # Nominal: this server is the fleet's only member, up while it runs.
+    heartbeat_s = HEARTBEAT_S
+    grace_s = HEARTBEAT_S * GRACE_SHARE
 
     def __init__(self, name: str = "default") -> None:
         self.name = name

@@ -74,6 +74,7 @@ async def test_the_view_lists_members_with_their_rows_and_marks_a_silent_one_gon
     await store.put_rows(ServerRows(server="b:2", at=1.0, rows=[row("b:2", running=5, waiting=1)]))
     view = await fleet_view(store, [])
     assert view.shared and {s.server: s.state for s in view.servers} == {"a:1": "up", "b:2": "up"}
+    assert (view.heartbeat_s, view.grace_s) == (0.2, 0.1)  # what the page states: gone after 0.3 s
     assert view.totals.running == 7 and view.totals.servers_up == 2
     await asyncio.sleep(0.25 * 3 + 0.2)      # b stops beating; a goes on
     await store.announce(card("a:1"))

@@ -8,7 +8,7 @@ import uuid
 import pytest
 import redis.asyncio as aioredis
 
-from engines.fleet.membership import EngineCard, Membership, ServerCard
+from engines.fleet.membership import EngineCard, Membership, ServerCard, member_state
 from tests.fleet.conftest import REDIS_URL
 
 
@@ -66,3 +66,21 @@ async def test_the_heartbeat_loop_survives_a_redis_that_does_not_answer(fleet, c
     task.cancel()
     await dead.aclose()
     assert sum("announcing this server" in r.message for r in caplog.records) == 1  # once per outage
+
+
+def test_a_member_is_gone_at_its_first_missed_beat_plus_the_stated_grace() -> None:
+    heartbeat = Membership(None)
+    assert (heartbeat.heartbeat_s, heartbeat.grace_s, heartbeat.gone_after_s) == (2.0, 1.0, 3.0)
+    assert member_state(2.9, 3.0, stopped=False) == "up"      # a beat late by less than the grace
+    assert member_state(3.1, 3.0, stopped=False) == "gone"
+    assert member_state(0.0, 3.0, stopped=True) == "stopped"
+
+
+async def test_a_silent_member_is_gone_one_heartbeat_and_the_grace_after_its_last_beat(fleet):
+    client, name = fleet
+    a = Membership(client, name, heartbeat_s=0.2)                # gone after 0.2 s + 0.1 s
+    await a.announce(card("host-a:1"))
+    assert [m.state for m in await a.members()] == ["up"]
+    await asyncio.sleep(0.45)                                    # two beats missed, not three
+    (member,) = await a.members()
+    assert member.state == "gone" and member.age_s > a.gone_after_s

@@ -3,6 +3,7 @@ server's /metrics is (counters as rates, latencies over the last minute from its
 from __future__ import annotations
 
 import asyncio
+import itertools
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -93,3 +94,34 @@ async def test_the_publisher_announces_and_writes_rows_each_second_and_survives_
     assert by_engine["b"].figures["running"] is None         # did not answer in time: unknown, not 0
     assert by_engine["c"].state == "dead"
     assert [m.card.server for m in await store.members()] == ["s:1"]
+
+
+async def test_the_publisher_beats_every_heartbeat_even_when_its_loop_wakes_a_hair_early(monkeypatch) -> None:
+    import engines.fleet.publisher as publisher
+
+    clock = SimpleNamespace(now=1000.0)
+    real_sleep = asyncio.sleep
+
+    async def early_sleep(seconds: float) -> None:
+        clock.now += max(0.0, seconds - 1e-6)    # asyncio may run a timer up to its clock's resolution early
+        await real_sleep(0)
+
+    monkeypatch.setattr(publisher, "time", SimpleNamespace(monotonic=lambda: clock.now, time=lambda: clock.now))
+    monkeypatch.setattr(publisher.asyncio, "sleep", early_sleep)
+    beats: list[float] = []
+
+    class Store(LocalFleetStore):
+        async def announce(self, card: ServerCard) -> None:
+            beats.append(clock.now)
+
+    card = ServerCard(server="s:1", url="http://s", version="t", roles=[], engines=[], started_at=0.0)
+    pub = FleetPublisher(Store(), "s:1", list, lambda: card, rows_interval_s=1.0, heartbeat_s=2.0)
+    task = asyncio.create_task(pub.run())
+    for _ in range(10_000):
+        if len(beats) == 5:
+            break
+        await real_sleep(0)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    gaps = [b - a for a, b in itertools.pairwise(beats)]
+    assert max(gaps) < 2.0 + 0.01, gaps                      # never the 3 s after which a member is gone

@@ -121,11 +121,11 @@ function fill(entry, row, now, server) {
     set(c.itl, ...pair(row, "itl"));
   }
   const stale = now - row.at;
-  set(c.age, age(stale), `read ${new Date(row.at * 1000).toLocaleTimeString()}`);
+  set(c.age, age(stale), `read ${fmt.clock(row.at)}`);
   entry.tr.dataset.stale = stale > 5 ? "yes" : "no";
 }
 
-function groupRow(key, text, detail, state) {
+function groupRow(key, text, detail, state, title = "") {
   let tr = groupEls.get(key);
   if (!tr) {
     tr = document.createElement("tr");
@@ -137,7 +137,7 @@ function groupRow(key, text, detail, state) {
     groupEls.set(key, tr);
   }
   const th = tr.firstChild;
-  const wanted = `${text}\u0000${detail}\u0000${state || ""}`;
+  const wanted = `${text}\u0000${detail}\u0000${state || ""}\u0000${title}`;
   if (tr.dataset.text !== wanted) {
     th.replaceChildren();
     const name = document.createElement("span");
@@ -149,6 +149,7 @@ function groupRow(key, text, detail, state) {
       badge.className = "state";
       badge.dataset.state = state === "up" ? "running" : state;
       badge.textContent = state;
+      badge.title = title;
       th.append(" ", badge);
     }
     const help = document.createElement("span");
@@ -160,12 +161,30 @@ function groupRow(key, text, detail, state) {
   return tr;
 }
 
+/** Seconds as the liveness rule states them: "3 s", "0.3 s". */
+function secs(value) {
+  return `${Number(value.toPrecision(3))} s`;
+}
+
+/** When a server of ours counts as gone, as the view's heartbeat and grace say. */
+function goneRule(view) {
+  return `no beat for ${secs(view.heartbeat_s + view.grace_s)} ` +
+    `(a heartbeat of ${secs(view.heartbeat_s)} + ${secs(view.grace_s)} grace)`;
+}
+
+/** A server of ours' state badge's tooltip: its last beat, and when it would be gone. */
+function beatTitle(s, view) {
+  if (s.kind !== "ours" || s.last_seen == null) return "";
+  const last = s.state === "up" ? `last beat ${age(s.age_s)} ago` : `last beat at ${fmt.clock(s.last_seen)}`;
+  return `${last}; a server is gone after ${goneRule(view)}`;
+}
+
 function serverDetail(s, now) {
   const parts = [s.kind + (s.version ? ` ${s.version}` : "")];
   if (s.roles && s.roles.length) parts.push(s.roles.join(", "));
   if (s.url) parts.push(s.url);
   if (s.state === "gone" || s.state === "stopped") {
-    parts.push(`last seen ${age(s.age_s)} ago (${new Date(s.last_seen * 1000).toLocaleTimeString()})`);
+    parts.push(`last seen ${age(s.age_s)} ago (${fmt.clock(s.last_seen)})`);
   }
   if (s.error) parts.push(s.error);
   const missing = Object.keys(s.missing_controls || {});
@@ -210,7 +229,8 @@ function renderView(view) {
     if (!byModel && needle && !group.rows.length && !(s && s.name.toLowerCase().includes(needle))) continue;
     const head = byModel
       ? groupRow(`m:${key}`, key, `${group.rows.length} engine(s)`, null)
-      : groupRow(`s:${key}`, s ? s.name : key, s ? serverDetail(s, now) : "", s ? s.state : null);
+      : groupRow(`s:${key}`, s ? s.name : key, s ? serverDetail(s, now) : "", s ? s.state : null,
+        s ? beatTitle(s, view) : "");
     wanted.push(head);
     seen.add(head);
     for (const row of group.rows.sort((a, b) => (a.server + a.engine).localeCompare(b.server + b.engine))) {
@@ -253,9 +273,11 @@ function renderTotals(view) {
   const q = t.quantiles;
   set(total("ttft"), `${quantile(q.ttft_p50)} / ${quantile(q.ttft_p99)}`, quantileTitle(q.ttft_p99));
   set(total("itl"), `${quantile(q.itl_p50)} / ${quantile(q.itl_p99)}`, quantileTitle(q.itl_p99));
+  set(document.getElementById("fleet-liveness"),
+    `Servers of ours beat every ${secs(view.heartbeat_s)}; one is gone after ${goneRule(view)}.`);
   const where = view.shared ? `fleet “${view.fleet}”, shared over Redis` : "this server alone (no REDIS_URL)";
   summary.textContent = `${view.servers.length} server(s), ${view.rows.length} engine(s) · ${where} · ` +
-    `as of ${new Date(view.at * 1000).toLocaleTimeString()}`;
+    `as of ${fmt.clock(view.at)}`;
 }
 
 function onMessage(message) {
@@ -273,7 +295,7 @@ function onMessage(message) {
   } else if (message.type === "fleet_unavailable") {
     notice.hidden = false;
     notice.textContent = `The live feed is interrupted: ${message.error}. The figures below are from ` +
-      (latest ? new Date(latest.at * 1000).toLocaleTimeString() : "nowhere yet") + "; retrying every second.";
+      (latest ? fmt.clock(latest.at) : "nowhere yet") + "; retrying every second.";
     document.body.dataset.feed = "interrupted";
   } else if (message.type === "error") {
     notice.hidden = false;

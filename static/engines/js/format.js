@@ -28,6 +28,13 @@ export function compact(value) {
   return Math.abs(value) >= 10 ? value.toFixed(0) : String(Number(value.toPrecision(2)));
 }
 
+/** A wall-clock time from Unix seconds, "HH:MM:SS" on a 24-hour clock in the viewer's time zone. */
+export function clock(unixSeconds) {
+  if (unixSeconds == null || Number.isNaN(unixSeconds)) return "–";
+  const d = new Date(unixSeconds * 1000);
+  return [d.getHours(), d.getMinutes(), d.getSeconds()].map((n) => String(n).padStart(2, "0")).join(":");
+}
+
 export function percent(fraction) {
   return fraction == null || Number.isNaN(fraction) ? "–" : `${(fraction * 100).toFixed(1)} %`;
 }
