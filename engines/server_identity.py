@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 from django.conf import settings
 
-__all__ = ["configure", "fleet_name", "server_id", "url_server_id"]
+__all__ = ["configure", "fleet_name", "host_of", "server_id", "url_server_id"]
 
 _HOST = socket.gethostname()
 _port: int | None = int(os.environ["ENGINES_PORT"]) if os.environ.get("ENGINES_PORT", "").isdigit() else None
@@ -35,6 +35,11 @@ def configure(port: int) -> None:
 def server_id() -> str:
     """This server: ``host:port``, or ``host:pid<pid>`` when no port was configured."""
     return f"{_HOST}:{_port}" if _port is not None else f"{_HOST}:pid{os.getpid()}"
+
+
+def host_of(server: str) -> str:
+    """The host part of a server id (``host`` of ``host:port`` and of ``host:pid<pid>``)."""
+    return server.rpartition(":")[0]
 
 
 def fleet_name() -> str:

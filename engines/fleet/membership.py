@@ -2,15 +2,15 @@
 heartbeat; every member reads the same list.
 
 Its keys (``keys.FleetKeys``): ``cards``, server id -> its :class:`ServerCard` (URL, version,
-roles, engines), written at start and whenever the card changes (an engine restarted, a model
-swapped); ``beats``, server id -> its last heartbeat on the Redis server's clock (``TIME``), so
-that members whose clocks disagree still agree on ages; ``left``, server id -> when it stopped on
-purpose.
+roles, engines), written every beat; ``beats``, server id -> its last heartbeat on the Redis
+server's clock (``TIME``), so that members whose clocks disagree still agree on ages; ``left``,
+server id -> when it stopped on purpose.
 
-A member is *up* until its next beat is late by more than a grace (:func:`gone_after_s`: a
+A member is *up* until its next beat is late by more than a grace (``Membership.gone_after_s``: a
 heartbeat of 2 s and half of one, 3 s with no beat), then *gone* (shown with when it was last
-seen); one that beats again is back. Members gone longer than ``forget_after_s``
-are dropped from the list. No process or port beyond the servers themselves.
+seen); one that beats again is back, and one restarted on its host and URL under another id
+replaces its ghost. Members gone longer than ``forget_after_s`` are dropped from the list. No
+process or port beyond the servers themselves.
 """
 from __future__ import annotations
 
@@ -24,10 +24,12 @@ from pydantic import BaseModel
 from engines.cancellation import check_cancelled
 from engines.fleet.keys import FleetKeys
 from engines.fleet.outage_log import OutageLog
+from engines.server_identity import host_of
 
 logger = logging.getLogger("engines.fleet")
 
-__all__ = ["GRACE_SHARE", "HEARTBEAT_S", "EngineCard", "Member", "Membership", "ServerCard", "member_state"]
+__all__ = ["GRACE_SHARE", "HEARTBEAT_S", "EngineCard", "Member", "Membership", "ServerCard", "member_state",
+           "replaced_ghosts"]
 
 #: Seconds between a server's beats.
 HEARTBEAT_S = 2.0
@@ -103,15 +105,15 @@ class Membership:
         return seconds + micros / 1e6
 
     async def announce(self, card: ServerCard) -> None:
-        """Write the card (if it changed) and beat."""
-        data = card.model_dump_json().encode()
+        """Write the card and beat. The card goes every beat, not only when it changed: a member
+        purged meanwhile (forgotten, taken for a ghost, or its Redis restarted empty) is back at
+        its next beat."""
         pipe = self.redis.pipeline(transaction=False)
-        if data != self._card_json:
-            pipe.hset(self.keys.cards, card.server, data)
-            pipe.hdel(self.keys.left, card.server)
+        pipe.hset(self.keys.cards, card.server, card.model_dump_json())
+        pipe.hdel(self.keys.left, card.server)
         pipe.zadd(self.keys.beats, {card.server: await self._now()})
         await pipe.execute()
-        self._card_json, self._server = data, card.server
+        self._server = card.server
 
     async def leave(self) -> None:
         """Say this server stopped on purpose (it stays listed, as stopped, until forgotten)."""
@@ -119,22 +121,18 @@ class Membership:
             await self.redis.hset(self.keys.left, self._server, await self._now())
 
     async def members(self) -> list[Member]:
-        """Every server of the fleet, up or gone, newest beat first; forgets the long gone."""
+        """Every server of the fleet, up or gone, newest beat first. Forgets the long gone, and
+        the ghosts of servers back on their URL (:func:`replaced_ghosts`): their card, beat and
+        rows leave the fleet's keys."""
         now = await self._now()
         pipe = self.redis.pipeline(transaction=False)
         pipe.hgetall(self.keys.cards)
         pipe.zrange(self.keys.beats, 0, -1, withscores=True)
         pipe.hgetall(self.keys.left)
         cards, beats, left = await pipe.execute()
-        stale = [_text(server) for server, at in beats if now - at > self.forget_after_s]
-        if stale:
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.zrem(self.keys.beats, *stale)
-            pipe.hdel(self.keys.cards, *stale)
-            pipe.hdel(self.keys.left, *stale)
-            await pipe.execute()
+        stale = {_text(server) for server, at in beats if now - at > self.forget_after_s}
         stopped = {_text(k) for k in left}
-        out = []
+        listed = []
         for server, at in sorted(beats, key=lambda pair: -pair[1]):
             server = _text(server)
             raw = cards.get(server.encode()) or cards.get(server)
@@ -146,9 +144,21 @@ class Membership:
                 logger.warning("fleet %s: member %s announced a card this version cannot read", self.fleet, server)
                 continue
             age = max(0.0, now - at)
-            out.append(Member(card=card, last_seen=at, age_s=age,
-                              state=member_state(age, self.gone_after_s, server in stopped)))
-        return out
+            listed.append(Member(card=card, last_seen=at, age_s=age,
+                                 state=member_state(age, self.gone_after_s, server in stopped)))
+        ghosts = replaced_ghosts(listed)
+        await self._forget(stale | ghosts)
+        return [m for m in listed if m.card.server not in ghosts]
+
+    async def _forget(self, servers: set[str]) -> None:
+        """Drop ``servers`` from the fleet: card, beat, stop and rows."""
+        if not servers:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.zrem(self.keys.beats, *servers)
+        for key in (self.keys.cards, self.keys.left, self.keys.rows):
+            pipe.hdel(key, *servers)
+        await pipe.execute()
 
     async def run(self, card: Any) -> None:
         """Announce ``card()`` every heartbeat until cancelled; a Redis that does not answer is
@@ -162,6 +172,25 @@ class Membership:
             except Exception as exc:  # noqa: BLE001 - Redis down: the server serves on, the fleet waits
                 outage.failed(exc)
             await asyncio.sleep(self.heartbeat_s)
+
+
+def replaced_ghosts(members: list[Member]) -> set[str]:
+    """The members (newest beat first) that are not up and that a member with a newer beat on
+    the same host and URL replaced: a server restarted there under another id (a bare ASGI
+    server is ``host:pid<pid>``). Servers without a URL, or on other hosts (``127.0.0.1:8000``
+    names a different server on each machine), replace nothing; two live ones are both kept."""
+    newest: set[tuple[str, str]] = set()
+    ghosts = set()
+    for member in members:
+        card = member.card
+        if not card.url:
+            continue
+        place = (host_of(card.server), card.url.rstrip("/"))
+        if place not in newest:
+            newest.add(place)
+        elif member.state != "up":
+            ghosts.add(card.server)
+    return ghosts
 
 
 def _text(value: bytes | str) -> str:

@@ -84,3 +84,59 @@ async def test_a_silent_member_is_gone_one_heartbeat_and_the_grace_after_its_las
     await asyncio.sleep(0.45)                                    # two beats missed, not three
     (member,) = await a.members()
     assert member.state == "gone" and member.age_s > a.gone_after_s
+
+
+async def test_a_server_back_on_its_port_is_the_same_member_with_its_new_card(fleet):
+    client, name = fleet
+    before = Membership(client, name, heartbeat_s=0.1)
+    await before.announce(card("host-a:8000"))
+    await before.leave()
+    after = Membership(client, name, heartbeat_s=0.1)           # the restarted process
+    restarted = card("host-a:8000", engines=2).model_copy(update={"started_at": 5.0})
+    await after.announce(restarted)
+    (member,) = await after.members()
+    assert member.state == "up" and member.card.started_at == 5.0 and len(member.card.engines) == 2
+
+
+async def test_a_server_back_on_its_url_under_another_id_replaces_its_ghost(fleet):
+    client, name = fleet
+    a = Membership(client, name, heartbeat_s=0.1)
+    url = "http://10.0.0.5:8000/"
+    await a.announce(card("host-a:pid100").model_copy(update={"url": url}))
+    await client.hset(f"fleet:{name}:rows", "host-a:pid100", b"{}")
+    # Another machine's server on the same loopback URL is another server: not a ghost of it.
+    await a.announce(card("host-b:pid7").model_copy(update={"url": url}))
+    await asyncio.sleep(0.2)                                      # both gone
+    await a.announce(card("host-a:pid200").model_copy(update={"url": url.rstrip("/")}))
+    members = {m.card.server: m.state for m in await a.members()}
+    assert members == {"host-a:pid200": "up", "host-b:pid7": "gone"}
+    for key in ("cards", "rows", "left"):
+        assert not await client.hexists(f"fleet:{name}:{key}", "host-a:pid100")
+    assert await client.zscore(f"fleet:{name}:beats", "host-a:pid100") is None
+
+
+async def test_two_live_servers_claiming_one_url_are_both_listed(fleet):
+    client, name = fleet
+    a = Membership(client, name, heartbeat_s=10)
+    for server in ("host-a:pid1", "host-a:pid2"):
+        await a.announce(card(server).model_copy(update={"url": "http://h:1"}))
+    assert {m.state for m in await a.members()} == {"up"} and len(await a.members()) == 2
+
+
+async def test_a_member_purged_while_it_lives_is_back_at_its_next_beat(fleet):
+    client, name = fleet
+    a = Membership(client, name, heartbeat_s=10)
+    await a.announce(card("host-a:1"))
+    await client.delete(f"fleet:{name}:cards")                    # e.g. its Redis restarted empty
+    await a.announce(card("host-a:1"))
+    assert [m.card.server for m in await a.members()] == ["host-a:1"]
+
+
+async def test_a_forgotten_member_leaves_the_rows_too(fleet):
+    client, name = fleet
+    a = Membership(client, name, heartbeat_s=0.1, forget_after_s=0.3)
+    await a.announce(card("host-a:1"))
+    await client.hset(f"fleet:{name}:rows", "host-a:1", b"{}")
+    await asyncio.sleep(0.4)
+    assert await a.members() == []
+    assert not await client.exists(f"fleet:{name}:rows")

@@ -26,6 +26,7 @@ def test_a_server_told_its_port_is_host_port(restored_port) -> None:
 def test_without_a_port_it_names_its_process(restored_port) -> None:
     server_identity._port = None
     assert server_identity.server_id() == f"{socket.gethostname()}:pid{os.getpid()}"
+    assert server_identity.host_of(server_identity.server_id()) == socket.gethostname()  # as of host:port
 
 
 def test_a_bare_asgi_server_names_its_port_in_the_environment() -> None:
