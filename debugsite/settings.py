@@ -3,7 +3,7 @@
 Everything a deployment changes comes from the environment:
 ``DATABASE_URL`` (default: SQLite file under ``var/``), ``REDIS_URL`` (the channel layer and the
 fleet's shared state; default: the in-memory channel layer, and a fleet of this server alone),
-``FLEET_NAME``, ``SECRET_KEY`` (default: generated once and kept in
+``FLEET_NAME``, ``FLEET_KEY_TTL_S``, ``SECRET_KEY`` (default: generated once and kept in
 ``var/secret_key``), ``DEBUG`` and ``ALLOWED_HOSTS`` (comma-separated).
 """
 from __future__ import annotations
@@ -108,6 +108,8 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 # The fleet (engines.fleet): servers sharing this Redis see one another; FLEET_NAME partitions it.
 REDIS_URL = os.environ.get("REDIS_URL", "")
 FLEET_NAME = os.environ.get("FLEET_NAME", "default")
+# Seconds the fleet's Redis keys outlive the last beat of its last member (a day).
+FLEET_KEY_TTL_S = float(os.environ.get("FLEET_KEY_TTL_S", "86400"))
 # The fleet's history in the database: per-minute rollups kept this many hours, hourly ones days.
 FLEET_ROLLUP_MINUTES_H = float(os.environ.get("FLEET_ROLLUP_MINUTES_H", "24"))
 FLEET_ROLLUP_HOURS_D = float(os.environ.get("FLEET_ROLLUP_HOURS_D", "30"))

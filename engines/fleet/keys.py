@@ -9,6 +9,10 @@
 * ``foreign``: a hash, attached server id -> its last poll's ``ServerRows``;
 * ``lease:<what>``: the member doing a job for the whole fleet;
 * ``control:<server>``: a list, the control commands other members sent that server.
+
+Every key expires: the shared ones a while (``FLEET_KEY_TTL_S``) after the last member's last
+beat, leases when their holder stops renewing them, a control queue a minute after its last
+command.
 """
 from __future__ import annotations
 
@@ -46,6 +50,11 @@ class FleetKeys:
     @property
     def foreign(self) -> str:
         return self.base + "foreign"
+
+    def shared(self) -> tuple[str, ...]:
+        """The keys every member writes, whose expiry each beat pushes back (leases and control
+        queues expire on their own)."""
+        return self.cards, self.beats, self.left, self.rows, self.foreign
 
     def lease(self, what: str) -> str:
         return self.base + "lease:" + what

@@ -28,14 +28,17 @@ from engines.server_identity import host_of
 
 logger = logging.getLogger("engines.fleet")
 
-__all__ = ["GRACE_SHARE", "HEARTBEAT_S", "EngineCard", "Member", "Membership", "ServerCard", "member_state",
-           "replaced_ghosts"]
+__all__ = ["GRACE_SHARE", "HEARTBEAT_S", "KEY_TTL_S", "EngineCard", "Member", "Membership", "ServerCard",
+           "member_state", "replaced_ghosts"]
 
 #: Seconds between a server's beats.
 HEARTBEAT_S = 2.0
 #: How late a beat may come, as a share of the heartbeat (1 s of 2 s), before its server is gone:
 #: a loop busy for a moment is no outage, and a server that died is gone 3 s after its last beat.
 GRACE_SHARE = 0.5
+#: Seconds every key of a fleet outlives the last beat of its last member (``FLEET_KEY_TTL_S``):
+#: each beat pushes their expiry back, so a fleet whose servers all stopped leaves nothing behind.
+KEY_TTL_S = 24 * 3600.0
 
 
 class EngineCard(BaseModel):
@@ -84,7 +87,11 @@ class Membership:
     """One server's part in the fleet list, over a ``redis.asyncio`` client."""
 
     def __init__(self, redis: Any, fleet: str = "default", heartbeat_s: float = HEARTBEAT_S,
-                 forget_after_s: float = 24 * 3600, grace_s: float | None = None) -> None:
+                 forget_after_s: float = 24 * 3600, grace_s: float | None = None,
+                 key_ttl_s: float = KEY_TTL_S) -> None:
+        if not key_ttl_s >= 2 * heartbeat_s:
+            raise ValueError(f"the fleet's keys must live at least two heartbeats ({2 * heartbeat_s:g} s), "
+                             f"not {key_ttl_s!r} s")
         self.redis = redis
         self.fleet = fleet
         self.heartbeat_s = heartbeat_s
@@ -92,6 +99,7 @@ class Membership:
         self.grace_s = heartbeat_s * GRACE_SHARE if grace_s is None else grace_s
         self.forget_after_s = forget_after_s
         self.keys = FleetKeys(fleet)
+        self.key_ttl_ms = round(key_ttl_s * 1000)
         self._card_json: bytes | None = None
         self._server: str | None = None
 
@@ -107,18 +115,24 @@ class Membership:
     async def announce(self, card: ServerCard) -> None:
         """Write the card and beat. The card goes every beat, not only when it changed: a member
         purged meanwhile (forgotten, taken for a ghost, or its Redis restarted empty) is back at
-        its next beat."""
+        its next beat. Each beat also pushes back the expiry of every key of the fleet."""
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(self.keys.cards, card.server, card.model_dump_json())
         pipe.hdel(self.keys.left, card.server)
         pipe.zadd(self.keys.beats, {card.server: await self._now()})
+        for key in self.keys.shared():
+            pipe.pexpire(key, self.key_ttl_ms)
         await pipe.execute()
         self._server = card.server
 
     async def leave(self) -> None:
-        """Say this server stopped on purpose (it stays listed, as stopped, until forgotten)."""
+        """Say this server stopped on purpose (it stays listed, as stopped, until forgotten or,
+        when it was the last, until the fleet's keys expire)."""
         if self._server is not None:
-            await self.redis.hset(self.keys.left, self._server, await self._now())
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.hset(self.keys.left, self._server, await self._now())
+            pipe.pexpire(self.keys.left, self.key_ttl_ms)
+            await pipe.execute()
 
     async def members(self) -> list[Member]:
         """Every server of the fleet, up or gone, newest beat first. Forgets the long gone, and

@@ -3,8 +3,9 @@ server's publisher, the pollers of attached servers and the board the fleet page
 
 One :class:`FleetService` per event loop (:func:`fleet_service`), started by ``serve`` once it
 listens, or by the first fleet page opened (tests, another ASGI server). Settings:
-``REDIS_URL`` (shared with the channel layer; without it the fleet is this server alone) and
-``FLEET_NAME`` (one Redis may hold several fleets).
+``REDIS_URL`` (shared with the channel layer; without it the fleet is this server alone),
+``FLEET_NAME`` (one Redis may hold several fleets) and ``FLEET_KEY_TTL_S`` (how long the fleet's
+keys outlive its last member's last beat; a day).
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from engines.fleet.outage_log import OutageLog
 from engines.fleet.board import FleetBoard, ForeignTarget
 from engines.fleet.aliases import QUANTITIES
 from engines.fleet.controls import ROUTER_ENGINE, ControlListener
-from engines.fleet.membership import EngineCard, ServerCard
+from engines.fleet.membership import KEY_TTL_S, EngineCard, ServerCard
 from engines.fleet.polling import TARGETS_REFRESH_S, ForeignPolling
 from engines.fleet.publisher import FleetPublisher
 from engines.fleet.rollups import RollupWriter
@@ -96,7 +97,7 @@ def make_store() -> FleetStore:
 
     # Short timeouts: a Redis that went away must not hold a page or a poll for long.
     client = aioredis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
-    return RedisFleetStore(client, name)
+    return RedisFleetStore(client, name, key_ttl_s=float(getattr(settings, "FLEET_KEY_TTL_S", KEY_TTL_S)))
 
 
 class FleetService:

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import orjson
 from pydantic import ValidationError
 
-from engines.fleet.membership import GRACE_SHARE, HEARTBEAT_S, Member, Membership, ServerCard
+from engines.fleet.membership import GRACE_SHARE, HEARTBEAT_S, KEY_TTL_S, Member, Membership, ServerCard
 from engines.fleet.rows import ServerRows
 from engines.cancellation import within
 
@@ -72,10 +72,11 @@ class RedisFleetStore:
 
     shared = True
 
-    def __init__(self, redis: Any, name: str = "default", heartbeat_s: float | None = None) -> None:
+    def __init__(self, redis: Any, name: str = "default", heartbeat_s: float = HEARTBEAT_S,
+                 key_ttl_s: float = KEY_TTL_S) -> None:
         self.redis = redis
         self.name = name
-        self.membership = Membership(redis, name) if heartbeat_s is None else Membership(redis, name, heartbeat_s)
+        self.membership = Membership(redis, name, heartbeat_s, key_ttl_s=key_ttl_s)
         self.keys = self.membership.keys
         self.heartbeat_s, self.grace_s = self.membership.heartbeat_s, self.membership.grace_s
 
@@ -94,6 +95,7 @@ class RedisFleetStore:
         data = rows.model_dump_json()
         pipe = self.redis.pipeline(transaction=False)
         pipe.hset(self.keys.rows, rows.server, data)
+        pipe.pexpire(self.keys.rows, self.membership.key_ttl_ms)  # a hash new since the last beat expires too
         pipe.publish(self.keys.rows, data)
         await pipe.execute()
 
@@ -117,7 +119,10 @@ class RedisFleetStore:
         return _decode_rows(await self.redis.hgetall(self.keys.rows))
 
     async def put_foreign(self, server: str, rows: ServerRows) -> None:
-        await self.redis.hset(self.keys.foreign, server, rows.model_dump_json())
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.hset(self.keys.foreign, server, rows.model_dump_json())
+        pipe.pexpire(self.keys.foreign, self.membership.key_ttl_ms)
+        await pipe.execute()
 
     async def all_foreign(self) -> dict[str, ServerRows]:
         return _decode_rows(await self.redis.hgetall(self.keys.foreign))

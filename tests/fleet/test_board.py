@@ -16,7 +16,7 @@ from engines.fleet.foreign import ForeignReader, reading_rows
 from engines.fleet.membership import EngineCard, ServerCard
 from engines.fleet.quantiles import fleet_quantile
 from engines.fleet.rows import EngineRow, ServerRows, WindowHistogram
-from engines.fleet.store import LocalFleetStore
+from engines.fleet.store import LocalFleetStore, RedisFleetStore
 from tests.fleet import foreign_expositions as expo
 
 
@@ -181,3 +181,28 @@ async def test_a_page_gets_a_servers_new_rows_within_a_push_interval_not_a_secon
     assert update["at"] - published <= 2 * PUSH_INTERVAL_S
     board.viewers.clear()
     await asyncio.sleep(0.3)
+
+
+async def test_every_key_of_a_fleet_expires_once_no_member_beats(store) -> None:
+    short = RedisFleetStore(store.redis, store.name, heartbeat_s=0.2, key_ttl_s=1.0)
+    await short.announce(card("a:1"))
+    await short.put_rows(ServerRows(server="a:1", at=0.0, rows=[row("a:1", running=1)]))
+    await short.put_foreign("foreign-1", ServerRows(server="foreign-1", at=0.0, rows=[], kind="vllm"))
+    assert await short.take_lease("poll:foreign-1", "a:1", ttl_s=1.0)
+    await short.push_control("a:1", "{}")
+    await short.leave()
+    keys = [k async for k in store.redis.scan_iter(f"fleet:{store.name}:*")]
+    assert {k.decode().rsplit(":", 1)[-1] for k in keys} >= {"cards", "beats", "left", "rows", "foreign"}
+    for key in keys:
+        assert 0 < await store.redis.pttl(key) <= 60_000, key   # none without an expiry
+    await asyncio.sleep(0.6)
+    await short.announce(card("a:1"))                         # a beat pushes every shared key's expiry back
+    for key in ("cards", "beats", "rows", "foreign"):
+        assert await store.redis.pttl(f"fleet:{store.name}:{key}") > 700, key
+    await asyncio.sleep(1.2)
+    assert [k async for k in store.redis.scan_iter(f"fleet:{store.name}:*") if not k.endswith(b":control:a:1")] == []
+
+
+def test_the_fleets_keys_must_outlive_two_heartbeats() -> None:
+    with pytest.raises(ValueError, match="at least two heartbeats"):
+        RedisFleetStore(None, "x", heartbeat_s=2.0, key_ttl_s=3.0)

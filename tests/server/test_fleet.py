@@ -129,6 +129,15 @@ async def test_a_second_server_in_the_shared_redis_shows_up_and_goes(page: httpx
     assert {s["server"]: s["state"] for s in view["servers"]}["other:9"] == "stopped"
 
 
+async def test_the_fleets_keys_expire_as_fleet_key_ttl_s_says(page: httpx.AsyncClient,
+                                                                shared_fleet: RedisFleetStore, settings) -> None:
+    settings.FLEET_KEY_TTL_S = 30
+    view = await fleet_json(page, lambda v: len(v["rows"]) == 2)
+    assert view["shared"] and [s["state"] for s in view["servers"]] == ["up"]
+    for key in ("cards", "beats", "rows"):
+        assert 0 < await shared_fleet.redis.pttl(f"fleet:{shared_fleet.name}:{key}") <= 30_000, key
+
+
 async def test_attaching_a_foreign_server_from_the_page(page: httpx.AsyncClient, server: FakeServer) -> None:
     headers = await csrf(page)
     for body, error in (({"url": "ftp://x"}, "is not an http(s) URL"), ({"url": server.url, "interval": 60},
