@@ -9,6 +9,7 @@ with the interval the servers' buckets allow.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
@@ -16,17 +17,20 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from django.urls import NoReverseMatch, reverse
+
 from engines.cancellation import check_cancelled
 from engines.fleet.outage_log import OutageLog
 from engines.fleet.aliases import ALIASES, ServerKind
 from engines.fleet.quantiles import fleet_quantile
 from engines.fleet.rows import (FLEET_WINDOW_QUANTITIES, EngineRow, FleetRowsUpdate, FleetServer, FleetTotals,
                                 FleetUnavailable, FleetView, ServerRows, TotalQuantile)
+from engines.fleet.membership import ServerCard
 from engines.fleet.store import FleetStore
 
 logger = logging.getLogger("engines.fleet")
 
-__all__ = ["FleetBoard", "ForeignTarget", "fleet_totals", "fleet_view"]
+__all__ = ["FleetBoard", "ForeignTarget", "engine_pages", "fleet_totals", "fleet_view"]
 
 #: Seconds between whole views sent to the fleet pages (members, attached servers, totals).
 VIEW_INTERVAL_S = 1.0
@@ -48,6 +52,26 @@ class ForeignTarget:
     kind: str = ""                   # as detected at attach time; "" to detect on each poll
     interval_s: float = 2.0
     api_key: str = field(default="", repr=False)
+
+
+@functools.lru_cache(maxsize=4096)
+def _engine_path(name: str) -> str | None:
+    """``/dashboard/engines/<name>/``, or None for a name no URL can carry ("/"). Cached: the
+    view names every engine every second, and a ``reverse`` is tens of µs."""
+    try:
+        return reverse("dashboard-engine", args=[name])
+    except NoReverseMatch:
+        return None
+
+
+def engine_pages(card: ServerCard) -> dict[str, str]:
+    """Each engine's dashboard page on its own server (``<url>/dashboard/engines/<name>/``); none
+    for a server that gave no URL, nor for a router's lane, which has no page."""
+    if not card.url:
+        return {}
+    base = card.url.rstrip("/")
+    return {engine.name: base + path for engine in card.engines
+            if engine.backend != "router" and (path := _engine_path(engine.name)) is not None}
 
 
 def _total(rows: Sequence[EngineRow], quantity: str) -> float:
@@ -88,7 +112,8 @@ async def fleet_view(store: FleetStore, foreign: Sequence[ForeignTarget], now: f
         these = published.rows if published is not None else []
         servers.append(FleetServer(server=card.server, name=card.server, url=card.url, kind=ServerKind.OURS.value,
                                    version=card.version, roles=card.roles, state=member.state,
-                                   last_seen=member.last_seen, age_s=member.age_s, engines=len(card.engines)))
+                                   last_seen=member.last_seen, age_s=member.age_s, engines=len(card.engines),
+                                   engine_pages=engine_pages(card)))
         rows.extend(these)
         if member.state == "up":
             live_rows.extend(these)

@@ -85,6 +85,8 @@ class FleetServer(BaseModel):
     engines: int = 0
     #: Why a control is disabled on it (foreign servers without that endpoint): control -> reason.
     missing_controls: dict[str, str] = {}
+    #: Ours: engine -> its dashboard page on this server (a foreign server's rows link to ``url``).
+    engine_pages: dict[str, str] = {}
 
 
 class TotalQuantile(BaseModel):

@@ -88,6 +88,17 @@ async def test_the_view_lists_members_with_their_rows_and_marks_a_silent_one_gon
     assert {s.state for s in (await fleet_view(store, [])).servers} == {"up"}
 
 
+async def test_each_engine_of_ours_links_to_its_page_on_its_own_server(store) -> None:
+    router = EngineCard(name="router", model="", backend="router", dtype="", mode="thread", tracing=True)
+    with_router = card("a:1").model_copy(update={"url": "http://10.0.0.1:8000/", "engines": [*card("a:1").engines,
+                                                                                             router]})
+    await store.announce(with_router)
+    await store.announce(card("b:2").model_copy(update={"url": ""}))
+    servers = {s.server: s for s in (await fleet_view(store, [ForeignTarget("foreign-1", "v", "http://v")])).servers}
+    assert servers["a:1"].engine_pages == {"demo": "http://10.0.0.1:8000/dashboard/engines/demo/"}  # no router page
+    assert servers["b:2"].engine_pages == {} and servers["foreign-1"].engine_pages == {}
+
+
 async def test_foreign_rows_keep_not_exported_and_an_unreachable_server_says_why(store) -> None:
     reader = ForeignReader()
     reader.read(expo.llama_cpp(prompt_tokens=100), now=0.0)

@@ -46,8 +46,14 @@ function age(seconds) {
   return seconds < 10 ? `${seconds.toFixed(1)} s` : `${Math.round(seconds)} s`;
 }
 
+/** Where an engine's name leads: its page on its own server (ours), or its server (foreign). */
+function engineLink(row, server) {
+  if (!server) return "";
+  return (server.engine_pages || {})[row.engine] || (server.kind !== "ours" ? server.url : "");
+}
+
 /** The row of one engine; under its name, its model (grouped by server) or its server (by model). */
-function rowFor(key, row, under) {
+function rowFor(key, row, under, link) {
   let entry = rowEls.get(key);
   if (!entry) {
     const tr = document.createElement("tr");
@@ -82,10 +88,14 @@ function rowFor(key, row, under) {
     entry = { tr, th, cells, box, label: "" };
     rowEls.set(key, entry);
   }
-  const label = `${row.engine}\u0000${under}`;
+  const label = `${row.engine}\u0000${under}\u0000${link}`;
   if (entry.label !== label) {
     entry.th.replaceChildren();
-    const name = document.createElement("span");
+    const name = document.createElement(link ? "a" : "span");
+    if (link) {
+      name.href = link;
+      name.title = link;
+    }
     name.textContent = row.engine || "(no engine)";
     entry.th.append(name);
     if (under && under !== row.engine) {
@@ -236,7 +246,8 @@ function renderView(view) {
     for (const row of group.rows.sort((a, b) => (a.server + a.engine).localeCompare(b.server + b.engine))) {
       const rowKey = `${row.server}\u0000${row.engine}`;
       const server = servers.get(row.server);
-      const entry = rowFor(rowKey, row, byModel ? (server ? server.name : row.server) : row.model);
+      const entry = rowFor(rowKey, row, byModel ? (server ? server.name : row.server) : row.model,
+        engineLink(row, server));
       fill(entry, row, now, server);
       entry.tr.classList.toggle("in-model-group", byModel);
       wanted.push(entry.tr);
