@@ -4,9 +4,12 @@ that stops shows as stopped. Screenshots in ``var/screenshots/fleet-*.png``."""
 from __future__ import annotations
 
 import os
+import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Iterator
 
@@ -161,6 +164,143 @@ async def test_two_servers_and_a_foreign_one_in_one_grid_from_either(fleet_serve
         assert errors_a == [] and errors_b == []
     finally:
         foreign.close()
+
+
+def tolerant_load(base: str, stop: threading.Event, clients: int = 4) -> list[threading.Thread]:
+    """Streaming requests on ``demo`` until ``stop``; a server killed under them ends them quietly."""
+    body = {"model": "demo", "messages": [{"role": "user", "content": "Tell me a long story."}],
+            "max_tokens": 200, "stream": True, "debug_config": {"ignore_eos": True}}
+
+    def client() -> None:
+        with httpx.Client(base_url=base, timeout=60) as http:
+            while not stop.is_set():
+                try:
+                    with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                        for _ in response.iter_lines():
+                            if stop.is_set():
+                                return
+                except httpx.HTTPError:
+                    stop.wait(0.2)
+
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+# The grid as it is on screen at one instant: each row's server state and cells, and the totals.
+GRID = """() => ({
+  rows: [...document.querySelectorAll('#fleet-body tr.fleet-row')].map((tr) => ({
+    server: tr.dataset.server, engine: tr.dataset.engine, live: tr.dataset.live,
+    load: tr.querySelector('[data-field=load]').textContent,
+    decode: tr.querySelector('[data-field=decode]').textContent,
+    cells: [...tr.querySelectorAll('td.num')].map((td) => td.textContent),
+    last: tr.querySelector('.fleet-last').hidden ? null : tr.querySelector('.fleet-last').textContent,
+    link: tr.querySelector('th a') ? tr.querySelector('th a').href : null})),
+  groups: [...document.querySelectorAll('#fleet-body tr.fleet-group')].map((tr) => ({
+    name: tr.querySelector('.fleet-group-name').textContent, state: tr.querySelector('.state').textContent,
+    title: tr.querySelector('.state').title})),
+  servers: document.querySelector('[data-total=servers]').textContent,
+  engines: document.querySelector('[data-total=engines]').textContent,
+  load: document.querySelector('[data-total=load]').textContent,
+  decode: document.querySelector('[data-total=decode]').textContent,
+})"""
+
+
+def number(text: str) -> float:
+    return float(text.replace(",", ""))
+
+
+def assert_totals_are_the_live_rows(grid: dict) -> None:
+    """The totals row equals the sum of the rows shown whose servers are up, at that instant."""
+    live = [r for r in grid["rows"] if r["live"] == "yes"]
+    running = sum(number(r["load"].split(" / ")[0]) for r in live)
+    waiting = sum(number(r["load"].split(" / ")[1]) for r in live)
+    assert grid["load"] == f"{running:.0f} / {waiting:.0f}", grid
+    assert grid["engines"] == str(len(live)), grid
+    # Each rate is shown rounded (0.1 below 100 tok/s, 1 above): the sum of those within their rounding.
+    shown = [number(r["decode"]) for r in live]
+    slack = sum(0.05 if v < 100 else 0.5 for v in shown) + (0.05 if number(grid["decode"]) < 100 else 0.5)
+    assert abs(number(grid["decode"]) - sum(shown)) <= slack + 1e-9, grid
+
+
+async def detach_all(page, base: str) -> None:
+    """Detach every foreign server the fleet has (another test attached them), from the page."""
+    view = httpx.get(f"{base}/fleet.json", timeout=10).json()
+    for server in view["servers"]:
+        if server["server"].startswith("foreign-"):
+            pk = server["server"].removeprefix("foreign-")
+            status = await page.evaluate(
+                """async (url) => (await fetch(url, {method: 'POST', headers: {'X-CSRFToken':
+                     document.querySelector('#fleet-attach [name=csrfmiddlewaretoken]').value}})).status""",
+                f"{base}/dashboard/fleet/servers/{pk}/detach/")
+            assert status == 200
+
+
+async def test_a_killed_server_greys_out_and_its_restart_on_the_port_takes_its_place(fleet_servers, browser) -> None:
+    first, second, _ = fleet_servers
+    if first.process.poll() is not None:                          # the test above killed it
+        first.process = first.start()
+    port = first.base.rsplit(":", 1)[1]
+    first_id = f"{socket.gethostname()}:{port}"                   # named host:port, not host:pid
+    page, errors = await signed_in(browser, second.base)
+    await detach_all(page, second.base)
+    await page.wait_for_function(
+        "() => document.querySelector('[data-total=servers]').textContent === '2 / 2' &&"
+        " document.querySelectorAll('#fleet-body tr.fleet-row').length === 2", timeout=30000)
+    stop = threading.Event()
+    threads = tolerant_load(first.base, stop)
+    try:
+        await page.wait_for_function(
+            """() => [...document.querySelectorAll('#fleet-body tr.fleet-row[data-engine=demo] [data-field=load]')]
+                     .some((td) => td.textContent.startsWith('4 /'))""", timeout=60000)
+        # Totals are summed from the rows on screen: equal to them at every instant, pushes included.
+        for _ in range(20):
+            assert_totals_are_the_live_rows(await page.evaluate(GRID))
+            await page.wait_for_timeout(150)
+        grid = await page.evaluate(GRID)
+        (demo,) = [r for r in grid["rows"] if r["engine"] == "demo"]
+        assert demo["server"] == first_id and demo["link"] == f"{first.base}/dashboard/engines/demo/"
+        assert "no beat for 3 s (a heartbeat of 2 s + 1 s grace)" in grid["groups"][0]["title"]
+        await page.screenshot(path=str(SHOTS / "fleet-before-kill.png"), full_page=True)
+        # Killed under load (no goodbye): gone, live columns blank, last figures greyed "as of".
+        first.process.send_signal(signal.SIGKILL)
+        first.process.wait(10)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+    await page.wait_for_function(
+        f"""() => [...document.querySelectorAll('#fleet-body tr.fleet-group')].some((tr) =>
+                 tr.querySelector('.fleet-group-name').textContent === '{first_id}' &&
+                 tr.querySelector('.state').textContent === 'gone')""", timeout=30000)
+    grid = await page.evaluate(GRID)
+    (ghost,) = [r for r in grid["rows"] if r["server"] == first_id]
+    assert ghost["live"] == "no" and ghost["cells"][:6] == [""] * 6, ghost
+    last = r"as of \d\d:\d\d:\d\d: \d+ running · \d+ waiting · KV .* · decode [\d.,]+ tok/s"
+    assert re.fullmatch(last, ghost["last"]), ghost
+    assert grid["servers"] == "1 / 2"
+    assert_totals_are_the_live_rows(grid)                         # the ghost's figures count in no total
+    await page.screenshot(path=str(SHOTS / "fleet-ghost.png"), full_page=True)
+    await page.locator("#fleet").screenshot(path=str(SHOTS / "fleet-ghost-grid.png"))
+    dark = await browser.new_context(viewport={"width": 1400, "height": 1000}, color_scheme="dark")
+    dark_page = await dark.new_page()
+    await sign_in(dark_page, second.base, "/dashboard/fleet/")
+    await dark_page.wait_for_selector("#fleet-body tr.fleet-row[data-live=no]")
+    await dark_page.screenshot(path=str(SHOTS / "fleet-ghost-dark.png"), full_page=True)
+    await dark_page.locator("#fleet").screenshot(path=str(SHOTS / "fleet-ghost-grid-dark.png"))
+    await dark.close()
+    # Back on the same port: the same server, in its own place, not beside its ghost.
+    first.process = first.start()
+    await page.wait_for_function(
+        "() => document.querySelector('[data-total=servers]').textContent === '2 / 2'", timeout=30000)
+    grid = await page.evaluate(GRID)
+    assert len(grid["groups"]) == 2 and first_id in [g["name"] for g in grid["groups"]]
+    assert {g["state"] for g in grid["groups"]} == {"up"}
+    assert sorted(r["engine"] for r in grid["rows"]) == ["demo", "demo-b"]
+    assert all(r["live"] == "yes" and r["last"] is None for r in grid["rows"])
+    await page.screenshot(path=str(SHOTS / "fleet-ghost-replaced.png"), full_page=True)
+    assert errors == []
 
 
 async def test_the_history_page_charts_the_fleet_with_its_jobs(fleet_servers, browser) -> None:

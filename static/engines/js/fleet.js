@@ -10,6 +10,7 @@ const filterInput = document.getElementById("fleet-filter");
 const summary = document.getElementById("fleet-summary");
 const notice = document.getElementById("fleet-notice");
 const CELLS = ["state", "load", "kv", "prefill", "decode", "ttft", "itl", "age"];
+const LIVE_CELLS = ["load", "kv", "prefill", "decode", "ttft", "itl"];
 const rowEls = new Map(); // "server\u0000engine" -> {tr, cells}
 const groupEls = new Map(); // group key -> tr
 const selected = new Set(); // row keys of the engines the next job acts on
@@ -85,7 +86,10 @@ function rowFor(key, row, under, link) {
         cells[name] = td;
       }
     }
-    entry = { tr, th, cells, box, label: "" };
+    const last = document.createElement("div");
+    last.className = "help fleet-last";
+    last.hidden = true;
+    entry = { tr, th, cells, box, last, label: "" };
     rowEls.set(key, entry);
   }
   const label = `${row.engine}\u0000${under}\u0000${link}`;
@@ -104,6 +108,7 @@ function rowFor(key, row, under, link) {
       help.textContent = under;
       entry.th.append(help);
     }
+    entry.th.append(entry.last);
     entry.label = label;
   }
   entry.tr.dataset.server = row.server;
@@ -113,13 +118,55 @@ function rowFor(key, row, under, link) {
   return entry;
 }
 
+/** Whether a row's figures are live: its server is up (a gone, stopped or unreachable one's are not). */
+function isLive(server) {
+  return server != null && server.state === "up";
+}
+
+/** A row's last figures, for a server that is no longer up: when they were read, then each figure. */
+function lastFigures(row) {
+  const has = (q) => !row.not_exported.includes(q) && row.figures[q] != null;
+  const parts = [];
+  if (has("running")) parts.push(`${fmt.count(row.figures.running)} running`);
+  if (has("waiting")) parts.push(`${fmt.count(row.figures.waiting)} waiting`);
+  if (has("kv_usage")) parts.push(`KV ${fmt.percent(row.figures.kv_usage)}`);
+  if (has("prompt_tokens")) parts.push(`prefill ${fmt.rate(row.figures.prompt_tokens)} tok/s`);
+  if (has("generation_tokens")) parts.push(`decode ${fmt.rate(row.figures.generation_tokens)} tok/s`);
+  return [`as of ${fmt.clock(row.at)}`, ...parts];
+}
+
+/** Show `parts` in `line`, "first: a · b · c", each part kept on one line. */
+function showParts(line, parts) {
+  const text = parts.join("\u0000");
+  if (line.dataset.text === text) return;
+  line.dataset.text = text;
+  line.replaceChildren();
+  parts.forEach((part, i) => {
+    if (i) line.append(i === 1 ? ": " : " · ");
+    const span = document.createElement("span");
+    span.className = "fleet-part";
+    span.textContent = part;
+    line.append(span);
+  });
+}
+
 function fill(entry, row, now, server) {
   const c = entry.cells;
+  const live = isLive(server);
   const state = server && server.state !== "up" ? server.state : row.state;
   set(c.state, state, row.error || "");
   c.state.dataset.state = state === "up" ? "running" : state;
+  entry.tr.dataset.live = live ? "yes" : "no";
+  const ghost = !live && !row.error;
+  entry.last.hidden = !ghost;
+  if (ghost) {
+    showParts(entry.last, lastFigures(row));
+    entry.last.title = "the last figures its server published; they count in no total";
+  }
   if (row.error) {
-    for (const name of ["load", "kv", "prefill", "decode", "ttft", "itl"]) set(c[name], "–", row.error);
+    for (const name of LIVE_CELLS) set(c[name], "–", row.error);
+  } else if (!live) {
+    for (const name of LIVE_CELLS) set(c[name], "", `no live figure: the server is ${state}`);
   } else {
     const load = row.not_exported.includes("running") ? ["n/e", "not exported by this server"]
       : [`${fmt.count(row.figures.running)} / ${fmt.count(row.figures.waiting)}`, ""];
@@ -221,13 +268,15 @@ function renderView(view) {
   const matches = (row, server) => !needle || [row.engine, row.model, row.server, server && server.name]
     .some((text) => text && text.toLowerCase().includes(needle));
   const byModel = groupSelect.value === "model";
+  const shownRows = view.rows.filter((row) => matches(row, servers.get(row.server)));
+  const withRows = new Set(shownRows.map((row) => row.server));
+  const shownServers = view.servers.filter((s) => !needle || withRows.has(s.server) ||
+    s.name.toLowerCase().includes(needle));
   const groups = new Map();
   if (!byModel) {
-    for (const s of view.servers) groups.set(s.server, { header: s, rows: [] });
+    for (const s of shownServers) groups.set(s.server, { header: s, rows: [] });
   }
-  for (const row of view.rows) {
-    const server = servers.get(row.server);
-    if (!matches(row, server)) continue;
+  for (const row of shownRows) {
     const key = byModel ? (row.model || row.engine) : row.server;
     if (!groups.has(key)) groups.set(key, { header: null, rows: [] });
     groups.get(key).rows.push(row);
@@ -236,7 +285,6 @@ function renderView(view) {
   const seen = new Set();
   for (const [key, group] of [...groups].sort((a, b) => a[0].localeCompare(b[0]))) {
     const s = group.header;
-    if (!byModel && needle && !group.rows.length && !(s && s.name.toLowerCase().includes(needle))) continue;
     const head = byModel
       ? groupRow(`m:${key}`, key, `${group.rows.length} engine(s)`, null)
       : groupRow(`s:${key}`, s ? s.name : key, s ? serverDetail(s, now) : "", s ? s.state : null,
@@ -259,7 +307,7 @@ function renderView(view) {
   if (current.length !== wanted.length || current.some((el, i) => el !== wanted[i])) body.replaceChildren(...wanted);
   for (const [key, entry] of rowEls) if (!seen.has(entry.tr)) rowEls.delete(key);
   for (const [key, tr] of groupEls) if (!seen.has(tr)) groupEls.delete(key);
-  renderTotals(view);
+  renderTotals(view, shownRows.filter((row) => isLive(servers.get(row.server))), shownServers, needle);
 }
 
 function quantile(q) {
@@ -273,19 +321,39 @@ function quantileTitle(q) {
   return `between ${fmt.seconds(q.low)} and ${high} (the servers' buckets); ${fmt.count(q.count)} observations`;
 }
 
-function renderTotals(view) {
-  const t = view.totals;
+/** A quantity summed over rows, as the fleet's totals define it: the rows that report it. */
+function sum(rows, quantity) {
+  let total = 0;
+  for (const row of rows) {
+    const value = row.figures[quantity];
+    if (value != null && Number.isFinite(value) && !row.not_exported.includes(quantity)) total += value;
+  }
+  return total;
+}
+
+/**
+ * The totals row, summed from the rows on screen whose servers are up (so that it always equals
+ * the sum of the figures shown beside it, pushes between views included). The percentiles are
+ * the server's: they need every engine's histogram, which stays server-side.
+ */
+function renderTotals(view, liveRows, shownServers, needle) {
   const total = (name) => document.querySelector(`[data-total="${name}"]`);
-  set(total("servers"), `${t.servers_up} / ${view.servers.length}`);
-  set(total("engines"), fmt.count(t.engines));
-  set(total("load"), `${fmt.count(t.running)} / ${fmt.count(t.waiting)}`);
-  set(total("prefill"), fmt.rate(t.prompt_tokens));
-  set(total("decode"), fmt.rate(t.generation_tokens));
-  const q = t.quantiles;
-  set(total("ttft"), `${quantile(q.ttft_p50)} / ${quantile(q.ttft_p99)}`, quantileTitle(q.ttft_p99));
-  set(total("itl"), `${quantile(q.itl_p50)} / ${quantile(q.itl_p99)}`, quantileTitle(q.itl_p99));
+  const up = shownServers.filter((s) => s.state === "up").length;
+  set(total("servers"), `${up} / ${shownServers.length}`);
+  set(total("engines"), fmt.count(liveRows.length));
+  set(total("load"), `${fmt.count(sum(liveRows, "running"))} / ${fmt.count(sum(liveRows, "waiting"))}`);
+  set(total("prefill"), fmt.rate(sum(liveRows, "prompt_tokens")));
+  set(total("decode"), fmt.rate(sum(liveRows, "generation_tokens")));
+  document.getElementById("fleet-totals-caption").textContent =
+    needle ? `Totals of the engines shown (filter “${needle}”)` : "Fleet totals";
+  const q = view.totals.quantiles;
+  const whose = needle ? "the whole fleet's, not only the engines shown: " : "";
+  set(total("ttft"), `${quantile(q.ttft_p50)} / ${quantile(q.ttft_p99)}`, whose + quantileTitle(q.ttft_p99));
+  set(total("itl"), `${quantile(q.itl_p50)} / ${quantile(q.itl_p99)}`, whose + quantileTitle(q.itl_p99));
   set(document.getElementById("fleet-liveness"),
-    `Servers of ours beat every ${secs(view.heartbeat_s)}; one is gone after ${goneRule(view)}.`);
+    `Servers of ours beat every ${secs(view.heartbeat_s)}; one is gone after ${goneRule(view)}: ` +
+    "its live columns go blank, its last figures stay under its engines' names, greyed, as of their " +
+    "reading, and count in no total. A server back on its URL takes its own place.");
   const where = view.shared ? `fleet “${view.fleet}”, shared over Redis` : "this server alone (no REDIS_URL)";
   summary.textContent = `${view.servers.length} server(s), ${view.rows.length} engine(s) · ${where} · ` +
     `as of ${fmt.clock(view.at)}`;
