@@ -1,7 +1,8 @@
 """``/dashboard/fleet/history/``: the fleet over time from its rollups (``engines.fleet.rollups``):
 SLO figures (TTFT and ITL p50/p90/p99 and the share of requests within the targets the user
 sets) for the fleet, each server and each engine over the window, and charts of the fleet per
-minute (per hour past six hours) marked with the jobs run across the fleet meanwhile."""
+minute (per hour past six hours) marked with the jobs run across the fleet meanwhile, each saying
+how many periods of data it holds (a lone one is drawn as a dot)."""
 from __future__ import annotations
 
 import datetime as dt
@@ -19,6 +20,8 @@ __all__ = ["fleet_history"]
 
 #: The windows offered, in hours.
 WINDOWS_H = (1, 6, 24, 24 * 7, 24 * 30)
+#: Each chart's columns in a row of the charts' series (``fleet_history.js`` draws the same).
+CHART_COLUMNS = {"latency": (1, 2), "within": (3, 4)}
 
 
 def _number(raw: str | None, default: float, low: float, high: float) -> float:
@@ -67,11 +70,20 @@ def fleet_history(request: HttpRequest) -> HttpResponse:
     shown = {"fleet": _display(figures["fleet"]), "models": [_display(f) for f in figures["models"]],
              "servers": [_display(f) for f in figures["servers"]],
              "engines": [_display(f) for f in figures["engines"]]}
+    holds = {name: _holds(sum(1 for row in series if any(row[i] is not None for i in columns)), period)
+             for name, columns in CHART_COLUMNS.items()}
     context = page_context(request, "Fleet history and SLOs", figures=shown, hours=hours, windows=WINDOWS_H,
                            ttft_ms=ttft_ms, itl_ms=itl_ms, period=period, rollups=len(rows), jobs=jobs,
-                           choices=choices, of=of, charted=dict(choices)[of],
-                           chart={"window": hours * 3600, "series": series, "jobs": jobs})
+                           choices=choices, of=of, charted=dict(choices)[of], holds=holds,
+                           chart={"window": hours * 3600, "end": now.timestamp(), "series": series, "jobs": jobs})
     return render(request, "dashboard/fleet_history.html", context)
+
+
+def _holds(periods: int, period: str) -> str:
+    """What a chart holds: "3 minutes of data", "1 hour of data", "no data in this range"."""
+    if not periods:
+        return "no data in this range"
+    return f"{periods} {period}{'' if periods == 1 else 's'} of data"
 
 
 def _ms(seconds: float | None) -> float | None:

@@ -314,3 +314,34 @@ async def test_the_history_page_charts_the_fleet_with_its_jobs(fleet_servers, br
     assert await page.text_content('tr.slo-fleet [data-slo="ttft-within"]') == "90.0 %"
     await page.screenshot(path=str(SHOTS / "fleet-history.png"), full_page=True)
     assert errors == []
+
+
+# Where each chart drew its one non-null value, and the canvas pixel there.
+LONE_POINTS = """() => Object.fromEntries(Object.entries(window.fleetHistoryCharts).map(([name, chart]) => {
+  const u = chart.plot;
+  const i = u.data[1].findIndex((v) => v != null);
+  const x = Math.round(u.valToPos(u.data[0][i], 'x', true));
+  const y = Math.round(u.valToPos(u.data[1][i], 'y', true));
+  return [name, {count: u.data[1].filter((v) => v != null).length, inside: x > u.bbox.left &&
+                 x < u.bbox.left + u.bbox.width, pixel: [...u.ctx.getImageData(x, y, 1, 1).data]}];
+}))"""
+
+
+async def test_a_load_of_one_minute_is_drawn_as_a_point_on_the_history_charts(fleet_servers, browser) -> None:
+    _, second, _ = fleet_servers
+    env = second.env | {"DJANGO_SETTINGS_MODULE": "debugsite.settings", "PYTHONPATH": str(REPO)}
+    subprocess.run([sys.executable, "-m", "tests.fleet.history_rows", "one-minute"], cwd=REPO, env=env, check=True)
+    page, errors = await signed_in(browser, second.base)
+    await page.goto(f"{second.base}/dashboard/fleet/history/?hours=1&of=server:c:3")
+    await page.wait_for_function("() => window.fleetHistoryCharts && window.fleetHistoryCharts.within.plot")
+    assert await page.text_content('[data-holds="latency"]') == "1 minute of data"
+    drawn = await page.evaluate(LONE_POINTS)
+    for name, chart in drawn.items():
+        red, green, blue, alpha = chart["pixel"]
+        assert chart["count"] == 1 and chart["inside"], (name, chart)
+        # TTFT's colour (#417690) where its lone value is, not the empty canvas.
+        assert alpha > 200 and abs(red - 0x41) < 40 and abs(green - 0x76) < 40 and abs(blue - 0x90) < 40, (name, chart)
+    await page.screenshot(path=str(SHOTS / "fleet-history-one-minute.png"), full_page=True)
+    await page.goto(f"{second.base}/dashboard/fleet/history/?hours=1&of=server:idle:4")
+    assert await page.text_content('[data-holds="latency"]') == "no data in this range"
+    assert errors == []

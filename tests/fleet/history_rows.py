@@ -29,8 +29,35 @@ def make_history(minutes: int = 30) -> None:
     FleetJob.objects.filter(pk=job.pk).update(created_at=now - dt.timedelta(minutes=minutes - 12))
 
 
+def make_one_minute_load(busy: str = "c:3", idle: str = "idle:4", minutes: int = 6) -> None:
+    """Two servers' last ``minutes``, idle (histograms of no request) but for one minute of load
+    on ``busy``, three minutes before the last."""
+    import datetime as dt
+
+    from engines.fleet.rows import WindowHistogram
+    from engines.models import FleetRollup
+
+    now = dt.datetime.now(dt.timezone.utc).replace(second=0, microsecond=0)
+    bounds = [0.05, 0.1, 0.2, 0.5, 1.0]
+    nothing = WindowHistogram(bounds=bounds, cumulative=[0.0] * 6).model_dump()
+    rows = []
+    for m in range(minutes):
+        start = now - dt.timedelta(minutes=minutes - m)
+        for server in (busy, idle):
+            loaded = server == busy and m == minutes - 3
+            ttft = WindowHistogram(bounds=bounds, cumulative=[10.0, 18.0, 19.0, 20.0, 20.0, 20.0]).model_dump()
+            itl = WindowHistogram(bounds=bounds, cumulative=[15.0, 19.0, 20.0, 20.0, 20.0, 20.0]).model_dump()
+            rows.append(FleetRollup(period="minute", start=start, server=server, server_name=server, engine="demo",
+                                    model="demo", samples=12, running=2.0 if loaded else 0.0, waiting=0.0,
+                                    generation_tokens=900.0 if loaded else 0.0, ttft=ttft if loaded else nothing,
+                                    itl=itl if loaded else nothing))
+    FleetRollup.objects.bulk_create(rows)
+
+
 if __name__ == "__main__":  # the browser tests write it into a live server's database
+    import sys
+
     import django
 
     django.setup()
-    make_history()
+    make_one_minute_load() if sys.argv[1:] == ["one-minute"] else make_history()

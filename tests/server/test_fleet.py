@@ -339,3 +339,18 @@ async def test_an_sglang_server_read_and_reset_through_its_own_routes(page: http
         assert [path for path, _ in sglang.posts] == ["/flush_cache"]
     finally:
         sglang.close()
+
+
+async def test_a_load_of_one_minute_is_one_minute_of_data_on_the_history_charts(page: httpx.AsyncClient) -> None:
+    from tests.fleet.history_rows import make_one_minute_load
+
+    await sync_to_async(make_one_minute_load)()
+    html = (await page.get("/dashboard/fleet/history/?hours=1&of=server:c:3")).text
+    assert '<span class="help chart-holds" data-holds="latency">1 minute of data</span>' in html
+    assert '<span class="help chart-holds" data-holds="within">1 minute of data</span>' in html
+    chart = orjson.loads(html[html.index('<script id="fleet-history" type="application/json">') + 51:
+                              html.index("</script>", html.index('id="fleet-history"'))])
+    assert [row[1] is not None for row in chart["series"]] == [False, False, False, True, False, False]
+    assert chart["end"] >= chart["series"][-1][0] + 60              # the window ends now, past the last minute
+    idle = (await page.get("/dashboard/fleet/history/?hours=1&of=server:idle:4")).text
+    assert '<span class="help chart-holds" data-holds="latency">no data in this range</span>' in idle

@@ -1,7 +1,7 @@
 // Live time-series charts on uPlot for the engine page and the overview: the last five minutes,
 // in the admin's colours (light or dark, redrawn when the theme changes), y labels sized to fit,
 // whole numbers on count axes, each legend showing the newest values until the cursor points at
-// others, and a gap (not a line) where the engine gave no numbers.
+// others, and a gap (not a line) where the engine gave no numbers (a value alone between gaps: a dot).
 import * as fmt from "./format.js";
 
 export const WINDOW_SECONDS = 300;
@@ -56,14 +56,30 @@ export function axisSize(u, values, axisIdx, cycleNum) {
   return Math.ceil(size) + 4;
 }
 
+// A value between two gaps draws no line: it is drawn as a dot instead, so that a series of one
+// sample (a load that lasted a minute, on the fleet's history) still shows. uPlot calls this with
+// `show` false (points are off) and draws the points at the indices it returns.
+function lonePoints(u, seriesIdx, show) {
+  if (show) return null;
+  const ys = u.data[seriesIdx];
+  const lone = [];
+  for (let i = 0; i < ys.length; i++) {
+    if (ys[i] != null && ys[i - 1] == null && ys[i + 1] == null) lone.push(i);
+  }
+  return lone.length ? lone : null;
+}
+
 export class TimeChart {
   /**
    * box: the element to draw in; series: [[label, colour], ...]; kind: count | rate | percent | ms.
    * window: seconds shown (the x axis always spans it, however few points have come).
    * markers: [{at, label}], drawn as dashed vertical lines (the fleet history's jobs).
+   * end: the x axis' right end (Unix seconds), fixed; by default the newest sample's time.
    */
-  constructor(box, { series, kind = "rate", height = 170, window = WINDOW_SECONDS, compact = false, markers = [] }) {
+  constructor(box, { series, kind = "rate", height = 170, window = WINDOW_SECONDS, compact = false, markers = [],
+                     end = null }) {
     this.markers = markers;
+    this.end = end;
     this.box = box;
     this.series = series;
     this.kind = KINDS[kind];
@@ -83,7 +99,7 @@ export class TimeChart {
     const axisY = themedAxis({ size: axisSize, values: (u, splits) => splits.map(kind.format),
                                ...(kind.incrs ? { incrs: kind.incrs } : {}) });
     const windowed = (u, min, max) => {
-      const end = Number.isFinite(max) ? max : Date.now() / 1000;
+      const end = this.end ?? (Number.isFinite(max) ? max : Date.now() / 1000);
       return [end - this.window, end];
     };
     this.plot = new uPlot({
@@ -97,7 +113,8 @@ export class TimeChart {
         y: { range: (u, min, max) => [0, kind.max ?? Math.max(Number.isFinite(max) ? max * 1.1 : 1, 1)] },
       },
       series: [{}, ...this.series.map(([label, stroke]) => ({
-        label, stroke, width: 1.5, points: { show: false }, value: (u, v) => (v == null ? "–" : kind.format(v)),
+        label, stroke, width: 1.5, points: { show: false, filter: lonePoints, size: 6, stroke, fill: stroke },
+        value: (u, v) => (v == null ? "–" : kind.format(v)),
         ...(this.compact ? { fill: `${stroke}26` } : {}),
       }))],
       axes: this.compact ? [{ show: false }, { show: false }] : [themedAxis(), axisY],
