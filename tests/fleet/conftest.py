@@ -17,10 +17,11 @@ REDIS_URL = os.environ.get("REDIS_TEST_URL", "redis://127.0.0.1:6379/1")
 
 @pytest.fixture
 async def store() -> AsyncIterator[RedisFleetStore]:
-    """A fleet of its own in the shared Redis (heartbeats every 0.2 s), its keys deleted after."""
+    """A fleet of its own in the shared Redis (heartbeats every 0.4 s: gone after 0.6 s), its keys
+    deleted after."""
     client = aioredis.from_url(REDIS_URL)
     name = f"test-{uuid.uuid4().hex[:8]}"
-    yield RedisFleetStore(client, name, heartbeat_s=0.2)
+    yield RedisFleetStore(client, name, heartbeat_s=0.4)
     keys = [k async for k in client.scan_iter(f"fleet:{name}:*")]
     if keys:
         await client.delete(*keys)

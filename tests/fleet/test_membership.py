@@ -31,13 +31,13 @@ async def fleet():
 
 async def test_members_see_each_other_and_a_silent_one_goes(fleet):
     client, name = fleet
-    a, b = Membership(client, name, heartbeat_s=0.1), Membership(client, name, heartbeat_s=0.1)
+    a, b = Membership(client, name, heartbeat_s=0.3), Membership(client, name, heartbeat_s=0.3)  # gone after 0.45 s
     await a.announce(card("host-a:1", engines=2))
     await b.announce(card("host-b:2"))
     members = {m.card.server: m for m in await a.members()}
     assert set(members) == {"host-a:1", "host-b:2"} and all(m.state == "up" for m in members.values())
     assert [e.name for e in members["host-a:1"].card.engines] == ["e0", "e1"]
-    await asyncio.sleep(0.35)  # b misses three beats; a beats on
+    await asyncio.sleep(0.6)   # b misses its beats; a beats on
     await a.announce(card("host-a:1", engines=2))
     members = {m.card.server: m for m in await b.members()}
     assert members["host-a:1"].state == "up" and members["host-b:2"].state == "gone"
@@ -78,20 +78,20 @@ def test_a_member_is_gone_at_its_first_missed_beat_plus_the_stated_grace() -> No
 
 async def test_a_silent_member_is_gone_one_heartbeat_and_the_grace_after_its_last_beat(fleet):
     client, name = fleet
-    a = Membership(client, name, heartbeat_s=0.2)                # gone after 0.2 s + 0.1 s
+    a = Membership(client, name, heartbeat_s=1.0)                # gone after 1 s + 0.5 s
     await a.announce(card("host-a:1"))
     assert [m.state for m in await a.members()] == ["up"]
-    await asyncio.sleep(0.45)                                    # two beats missed, not three
+    await asyncio.sleep(1.8)                                     # one beat missed and the grace, not three
     (member,) = await a.members()
     assert member.state == "gone" and member.age_s > a.gone_after_s
 
 
 async def test_a_server_back_on_its_port_is_the_same_member_with_its_new_card(fleet):
     client, name = fleet
-    before = Membership(client, name, heartbeat_s=0.1)
+    before = Membership(client, name, heartbeat_s=10)
     await before.announce(card("host-a:8000"))
     await before.leave()
-    after = Membership(client, name, heartbeat_s=0.1)           # the restarted process
+    after = Membership(client, name, heartbeat_s=10)            # the restarted process
     restarted = card("host-a:8000", engines=2).model_copy(update={"started_at": 5.0})
     await after.announce(restarted)
     (member,) = await after.members()
@@ -100,13 +100,13 @@ async def test_a_server_back_on_its_port_is_the_same_member_with_its_new_card(fl
 
 async def test_a_server_back_on_its_url_under_another_id_replaces_its_ghost(fleet):
     client, name = fleet
-    a = Membership(client, name, heartbeat_s=0.1)
+    a = Membership(client, name, heartbeat_s=0.4)                # gone after 0.6 s
     url = "http://10.0.0.5:8000/"
     await a.announce(card("host-a:pid100").model_copy(update={"url": url}))
     await client.hset(f"fleet:{name}:rows", "host-a:pid100", b"{}")
     # Another machine's server on the same loopback URL is another server: not a ghost of it.
     await a.announce(card("host-b:pid7").model_copy(update={"url": url}))
-    await asyncio.sleep(0.2)                                      # both gone
+    await asyncio.sleep(0.8)                                      # both gone
     await a.announce(card("host-a:pid200").model_copy(update={"url": url.rstrip("/")}))
     members = {m.card.server: m.state for m in await a.members()}
     assert members == {"host-a:pid200": "up", "host-b:pid7": "gone"}
