@@ -4,10 +4,42 @@ cumulative since a reset) and for foreign servers' ``/metrics`` alike."""
 from __future__ import annotations
 
 from collections import deque
+from typing import Generic, TypeVar
 
 from engines.fleet.quantiles import Buckets, window_delta
 
 __all__ = ["CounterRate", "HistogramWindow"]
+
+_Reading = TypeVar("_Reading")
+
+
+class _Readings(Generic[_Reading]):
+    """The readings a window needs: the newest one at or before the window's start (the base a
+    change is counted from), and every one since."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._ring: deque[tuple[float, _Reading]] = deque()
+
+    def add(self, now: float, reading: _Reading) -> tuple[float, _Reading] | None:
+        """Record a reading at ``now`` (monotonic seconds); the base, ``(time, reading)``: the
+        newest at least ``window_s`` old, or the oldest kept until a window has passed, or None
+        for the first reading."""
+        ring = self._ring
+        ring.append((now, reading))
+        while len(ring) > 2 and ring[1][0] <= now - self.window_s:
+            ring.popleft()
+        return ring[0] if len(ring) > 1 else None
+
+    @property
+    def newest(self) -> tuple[float, _Reading] | None:
+        """The last reading recorded, ``(time, reading)``."""
+        return self._ring[-1] if self._ring else None
+
+    def restart(self, now: float, reading: _Reading) -> None:
+        """Forget every reading but this one (the source restarted: its counts began anew)."""
+        self._ring.clear()
+        self._ring.append((now, reading))
 
 
 class CounterRate:
@@ -15,14 +47,18 @@ class CounterRate:
     and for one where the counter went back: its source restarted in between)."""
 
     def __init__(self) -> None:
-        self._last: tuple[float, float] | None = None
+        self._readings: _Readings[float] = _Readings(0.0)  # the base: the previous reading
 
     def add(self, now: float, value: float) -> float | None:
         """Record ``value`` read at ``now`` (monotonic seconds); the rate per second since the last."""
-        last, self._last = self._last, (now, value)
-        if last is None or now <= last[0] or value < last[1]:
+        last = self._readings.newest
+        if last is not None and (now <= last[0] or value < last[1]):
+            self._readings.restart(now, value)
             return None
-        return (value - last[1]) / (now - last[0])
+        base = self._readings.add(now, value)
+        if base is None:
+            return None
+        return (value - base[1]) / (now - base[0])
 
 
 class HistogramWindow:
@@ -31,19 +67,14 @@ class HistogramWindow:
     oldest kept, until a window has passed)."""
 
     def __init__(self, window_s: float = 60.0) -> None:
-        self.window_s = window_s
-        self._ring: deque[tuple[float, Buckets]] = deque()
+        self._readings: _Readings[Buckets] = _Readings(window_s)
 
     def add(self, now: float, buckets: Buckets) -> Buckets:
         """Record a reading; the window's observations (all the reading holds after a restart or
         a change of bounds)."""
-        ring = self._ring
-        ring.append((now, buckets))
-        while len(ring) > 2 and ring[1][0] <= now - self.window_s:
-            ring.popleft()  # keep the newest reading at or before the window's start
-        delta = window_delta(buckets, ring[0][1] if len(ring) > 1 else None)
+        base = self._readings.add(now, buckets)
+        delta = window_delta(buckets, base[1] if base is not None else None)
         if delta is None:
-            ring.clear()
-            ring.append((now, buckets))
+            self._readings.restart(now, buckets)
             return buckets
         return delta
