@@ -13,17 +13,20 @@ from engines import __version__
 from engines.history.downloads import PAYLOAD_ERROR_STATUS, PayloadForm, payload_response
 from engines.history.payload import PayloadError
 from engines.models import PayloadRecord
+from engines.runtime import NOW_WINDOW_S
 
 __all__ = ["data_error", "page_context", "record_payload"]
 
 
 def page_context(request: HttpRequest, title: str, **extra: Any) -> dict[str, Any]:
     """What every dashboard page renders with: the admin's frame (header, sidebar), its title,
-    the versions in the footer, and ``extra``."""
+    the versions in the footer, the window of the "now" figures (``now_window_s``: seconds, as
+    the labels say it), and ``extra``."""
     import numba  # for its version only: loaded when a page renders, not with the URLconf
 
     versions = [("server", __version__), ("numba", numba.__version__), ("python", platform.python_version())]
-    return {**admin.site.each_context(request), "title": title, "versions": versions, **extra}
+    return {**admin.site.each_context(request), "title": title, "versions": versions,
+            "now_window_s": f"{NOW_WINDOW_S:g}", **extra}
 
 
 def data_error(message: str, status: int) -> JsonResponse:

@@ -116,12 +116,15 @@ class FeedEvent(BaseModel):
 
 
 #: The metrics the engine page's and the overview's charts draw, as paths into a snapshot's
-#: ``metrics`` (counters the pages turn into rates, gauges, and the last minute's percentiles).
+#: ``metrics``: the engine's ``now`` figures (tokens/s and decode batch size over its steps of the
+#: last ``NOW_WINDOW_S``, charted as they are, so a chart and the number beside it agree), gauges,
+#: request counters (the pages rate them over the same window of samples), and the last
+#: minute's percentiles.
 CHART_FIELDS: tuple[str, ...] = (
-    "prefill_tokens_processed", "decode_tokens_processed", "num_decode_steps", "num_running_requests",
-    "num_waiting_requests", "kv_cache_usage", "num_preemptions", "num_finished_requests", "num_aborted_requests",
-    "num_failed_requests", "ttft_s.last_60s.p50", "ttft_s.last_60s.p99", "token_gap_s.last_60s.p50",
-    "token_gap_s.last_60s.p99",
+    "now.prefill_tokens_per_s", "now.decode_tokens_per_s", "now.decode_batch_size", "now.decode_batch_size_max",
+    "num_running_requests", "num_waiting_requests", "kv_cache_usage", "num_preemptions", "num_finished_requests",
+    "num_aborted_requests", "num_failed_requests", "ttft_s.last_60s.p50", "ttft_s.last_60s.p99",
+    "token_gap_s.last_60s.p50", "token_gap_s.last_60s.p99",
 )
 
 

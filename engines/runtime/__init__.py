@@ -99,6 +99,7 @@ _EXPORTS: dict[str, str] = {
     "EngineMetrics": "telemetry.metrics",
     "HistogramSnapshot": "telemetry.metrics",
     "LatencyDistribution": "telemetry.metrics",
+    "NOW_WINDOW_S": "telemetry.metrics",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -148,7 +149,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names resolve l
     from engines.runtime.model.forward_batch import ForwardBatch
     from engines.runtime.model.llama import LlamaModel
     from engines.runtime.model.tokenizer import ChatTemplateError, Tokenizer
-    from engines.runtime.telemetry.metrics import EngineMetrics, HistogramSnapshot, LatencyDistribution
+    from engines.runtime.telemetry.metrics import NOW_WINDOW_S, EngineMetrics, HistogramSnapshot, LatencyDistribution
     from engines.runtime.telemetry.profiler import ProfiledBackend, ProfileResult, ProfilerStateError, \
         ProfileStatus, StepProfiler, measure_host_bandwidth
     from engines.runtime.telemetry.trace_recorder import TraceDelta, TraceRecorder, epoch_anchor_ns

@@ -126,3 +126,22 @@ async def test_a_channel_layer_that_is_away_is_said_once_and_the_sampler_goes_on
     assert len(warnings) == 1 and not any(r.exc_info for r in caplog.records)
     assert any("answers again" in r.getMessage() for r in caplog.records)
     assert sampler.latest is not None and sampler.layer.sent  # snapshots were taken throughout
+
+
+def test_the_history_carries_the_engines_now_figures_for_the_charts() -> None:
+    """The charts draw the engine's "now" figures as they are (the numbers the pages show beside
+    them), not rates the page derives from counters between samples."""
+    from engines.dashboard.messages import CHART_FIELDS, chart_values
+    from engines.runtime import EngineMetrics
+
+    metrics = EngineMetrics()
+    metrics.set_gauges(num_running_requests=4)
+    metrics.on_step(0.1, prefill_tokens=20, decode_seqs=3)
+    metrics.on_step(0.1, prefill_tokens=0, decode_seqs=4)
+    reading = metrics.as_dict()
+    values = dict(zip(CHART_FIELDS, chart_values(reading), strict=True))
+    now = reading["now"]
+    assert values["now.decode_tokens_per_s"] == now["decode_tokens_per_s"] > 0
+    assert values["now.prefill_tokens_per_s"] == now["prefill_tokens_per_s"] > 0
+    assert values["now.decode_batch_size"] == pytest.approx(3.5) and values["now.decode_batch_size_max"] == 4
+    assert values["num_running_requests"] == 4

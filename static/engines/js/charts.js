@@ -173,33 +173,45 @@ export class TimeChart {
   }
 }
 
+/** The counters the engine page charts as rates (requests ended, preemptions). */
+const COUNTERS = ["num_finished_requests", "num_aborted_requests", "num_failed_requests", "num_preemptions"];
+
 /**
- * The engine's numbers a chart draws, from one sample (a snapshot, or a row of the history):
- * gauges as they are, counters turned into per-second rates against the previous sample (null
- * after a gap or a reset), percentiles in milliseconds. `metrics` null: the engine gave none.
+ * The engine's numbers a chart draws, from one sample (a snapshot, or a row of the history): its
+ * "now" figures as the engine gives them (tokens/s and decode batch size over its steps of the
+ * last `windowSeconds`: `metrics.now`), gauges as they are, percentiles in milliseconds, and
+ * the request counters as rates over the samples of the same window (since the newest sample at
+ * least that old; null until a second sample, and after a gap or a reset). `metrics` null: the
+ * engine gave none.
  */
 export class Derivation {
-  constructor() {
-    this.last = null;
+  constructor(windowSeconds) {
+    this.window = windowSeconds;
+    this.samples = []; // {at, m}, oldest first: the newest at or before the window's start, then the rest
   }
 
   next(at, m) {
-    const last = this.last;
-    this.last = m ? { at, m } : null;
-    const rate = (key) => {
-      if (!m || !last || at <= last.at || m[key] < last.m[key]) return null;
-      return (m[key] - last.m[key]) / (at - last.at);
-    };
-    if (!m) return { empty: true };
-    const steps = last && m.num_decode_steps >= last.m.num_decode_steps ? m.num_decode_steps - last.m.num_decode_steps : 0;
-    const tokens = last ? m.decode_tokens_processed - last.m.decode_tokens_processed : 0;
+    if (!m) {
+      this.samples = [];
+      return { empty: true };
+    }
+    const samples = this.samples;
+    const last = samples[samples.length - 1];
+    const reset = last && COUNTERS.some((key) => m[key] < last.m[key]);
+    if (reset) samples.length = 0;
+    if (reset || !last || at > last.at) samples.push({ at, m }); // not the history's last sample again
+    while (samples.length > 2 && samples[1].at <= at - this.window) samples.shift();
+    const base = samples[0];
+    const rate = (key) => (base.at < at ? (m[key] - base.m[key]) / (at - base.at) : null);
     const ms = (d, p) => (d && d.last_60s && d.last_60s.count ? d.last_60s[p] * 1000 : null);
+    const now = m.now || {};
     return {
-      prefill: rate("prefill_tokens_processed"),
-      decode: rate("decode_tokens_processed"),
+      prefill: now.prefill_tokens_per_s ?? null,
+      decode: now.decode_tokens_per_s ?? null,
       running: m.num_running_requests,
       waiting: m.num_waiting_requests,
-      batch: steps > 0 && tokens >= 0 ? tokens / steps : null,
+      batch: now.decode_batch_size ?? null,
+      batchMax: now.decode_batch_size_max ?? null,
       kv: m.kv_cache_usage * 100,
       ttft50: ms(m.ttft_s, "p50"),
       ttft99: ms(m.ttft_s, "p99"),

@@ -4,6 +4,7 @@ import * as fmt from "./format.js";
 import { connect } from "./live.js";
 
 const page = document.querySelector(".engine-page");
+const NOW_WINDOW = Number(page.dataset.nowWindow); // seconds the "now" figures are over
 
 // ---------------------------------------------------------------------------- charts
 
@@ -11,7 +12,7 @@ const page = document.querySelector(".engine-page");
 const CHARTS = {
   rates: { kind: "rate", series: [["prefill tok/s", "#417690", "prefill"], ["decode tok/s", "#d46a00", "decode"]] },
   requests: { kind: "count", series: [["running", "#417690", "running"], ["waiting", "#ba2121", "waiting"]] },
-  batch: { kind: "count", series: [["decode batch", "#417690", "batch"]] },
+  batch: { kind: "count", series: [["mean", "#417690", "batch"], ["max", "#79aec8", "batchMax"]] },
   kv: { kind: "percent", series: [["KV cache", "#417690", "kv"]] },
   ttft: { kind: "ms", series: [["p50", "#417690", "ttft50"], ["p99", "#79aec8", "ttft99"]] },
   itl: { kind: "ms", series: [["p50", "#d46a00", "itl50"], ["p99", "#f0a35e", "itl99"]] },
@@ -23,7 +24,7 @@ const charts = {};
 for (const [name, spec] of Object.entries(CHARTS)) {
   charts[name] = new TimeChart(page.querySelector(`[data-chart="${name}"]`), spec);
 }
-let derivation = new Derivation();
+let derivation = new Derivation(NOW_WINDOW);
 window.enginePage = { charts }; // for a reader in the console, and the browser tests
 
 /** One sample into every chart (a gap in each while the engine gave no numbers). */
@@ -38,7 +39,7 @@ function plotSample(at, metrics, draw = true) {
 
 /** The last five minutes the server sampled: the charts start full when the page opens. */
 function onHistory(history) {
-  derivation = new Derivation();
+  derivation = new Derivation(NOW_WINDOW);
   Object.values(charts).forEach((chart) => chart.clear());
   for (const row of historyRows(history)) plotSample(row.at, row.metrics, false);
   Object.values(charts).forEach((chart) => chart.draw());
@@ -47,7 +48,7 @@ function onHistory(history) {
 // --------------------------------------------------------------------------- metrics
 
 const GROUPS = [
-  ["Now", ["num_running_requests", "num_waiting_requests", "kv_pages_used", "kv_pages_total", "kv_cache_usage",
+  ["Gauges (as of the read)", ["num_running_requests", "num_waiting_requests", "kv_pages_used", "kv_pages_total", "kv_cache_usage",
            "prefix_cache_hit_rate"]],
   ["Counters", ["num_finished_requests", "num_aborted_requests", "num_failed_requests", "num_prefill_steps",
                 "num_decode_steps", "num_preemptions",
@@ -82,9 +83,29 @@ const EXPLAINED = {
   decode_tokens_per_s: "decode_tokens_per_s (decode tokens ÷ decode step time, since reset)",
 };
 
+// The engine's "now" figures (`metrics.now`, over its steps of the last few seconds): what the
+// charts draw, and the same numbers the overview and the fleet page show.
+function nowRows(now) {
+  const batch = now.decode_batch_size == null ? "–"
+    : `${now.decode_batch_size.toFixed(1)} / ${fmt.count(now.decode_batch_size_max)}`;
+  return [
+    ["prefill-rate", "prefill tok/s", fmt.rate(now.prefill_tokens_per_s)],
+    ["decode-rate", "decode tok/s", fmt.rate(now.decode_tokens_per_s)],
+    ["decode-batch", "decode batch size (mean / max)", batch],
+    ["busy", "time in steps", fmt.percent(now.busy)],
+    ["steps", "steps", fmt.count(now.steps)],
+  ].map(([name, label, value]) => {
+    const tr = row(`${label}, ${fmt.lastSeconds(now.window_s)}`, value);
+    tr.dataset.figure = name;
+    return tr;
+  });
+}
+
 function renderMetrics(m) {
   const body = document.querySelector("#metrics tbody");
   const rows = [];
+  if (m.now) rows.push(row(`Now (over the engine steps of the ${fmt.lastSeconds(m.now.window_s)})`, null, true),
+                       ...nowRows(m.now));
   for (const [title, keys] of GROUPS) {
     rows.push(row(title, null, true));
     for (const key of keys) if (key in m) rows.push(row(EXPLAINED[key] || key, fmt.metric(key, m[key])));

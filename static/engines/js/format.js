@@ -35,6 +35,11 @@ export function clock(unixSeconds) {
   return [d.getHours(), d.getMinutes(), d.getSeconds()].map((n) => String(n).padStart(2, "0")).join(":");
 }
 
+/** The window a "now" figure is over, as its label says it: "last 5 s" (`metrics.now.window_s`). */
+export function lastSeconds(seconds) {
+  return `last ${compact(seconds)} s`;
+}
+
 export function percent(fraction) {
   return fraction == null || Number.isNaN(fraction) ? "–" : `${(fraction * 100).toFixed(1)} %`;
 }

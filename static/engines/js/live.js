@@ -92,17 +92,3 @@ export function connect(path, onMessage) {
     },
   };
 }
-
-/** Tokens/s from a counter that only grows (a drop means the engine was reset). */
-export class Rate {
-  constructor() {
-    this.last = null;
-  }
-
-  update(value, at) {
-    const last = this.last;
-    this.last = { value, at };
-    if (!last || at <= last.at || value < last.value) return null;
-    return (value - last.value) / (at - last.at);
-  }
-}

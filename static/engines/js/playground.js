@@ -4,7 +4,7 @@
 // engine's load beside it. Whatever the model or the server wrote is set as text
 // (textContent), never parsed as HTML: tokens and error messages can hold anything.
 import * as fmt from "./format.js";
-import { connect, Rate } from "./live.js";
+import { connect } from "./live.js";
 
 const form = document.getElementById("playground-form");
 const $ = (id) => document.getElementById(id);
@@ -451,17 +451,16 @@ if (form) {
   });
   renderModeNote();
 
-  const decode = new Map();
   connect("/ws/engines/", (message) => {
     if (message.type !== "snapshot" || message.engine !== $("pg-engine").value) return;
     const m = message.metrics;
-    if (!decode.has(message.engine)) decode.set(message.engine, new Rate());
     if (!m) {
       $("pg-engine-now").textContent = fmt.state(message);
       return;
     }
-    const rate = decode.get(message.engine).update(m.decode_tokens_processed, message.at);
+    // The engine's own "now" rate, the number its page and the overview show.
     $("pg-engine-now").textContent = `${fmt.state(message)} · running ${m.num_running_requests}, waiting ` +
-      `${m.num_waiting_requests} · decode ${fmt.rate(rate)} tok/s · KV cache ${fmt.percent(m.kv_cache_usage)}`;
+      `${m.num_waiting_requests} · decode ${fmt.rate(m.now.decode_tokens_per_s)} tok/s ` +
+      `(${fmt.lastSeconds(m.now.window_s)}) · KV cache ${fmt.percent(m.kv_cache_usage)}`;
   });
 }
