@@ -3,8 +3,9 @@
 :func:`fetch_metrics` reads a ``/metrics`` body within bounded time and bytes (a slow, huge,
 redirecting or wrongly typed answer is an error that says so, never a stall);
 :func:`detect_kind` names the kind of server from the body's metric prefixes and a few probes;
-:class:`ForeignReader` keeps what the previous readings said, so that counters become rates and
-histograms become percentiles over the last minute, and returns one :class:`ForeignReading` a
+:class:`ForeignReader` keeps what the previous readings said, so that counters become rates over
+the polls of the last ``windows.RATE_WINDOW_S`` or more and histograms become percentiles over
+the last minute, and returns one :class:`ForeignReading` a
 poll: per model, each quantity of :data:`~engines.fleet.aliases.QUANTITIES`, or the note that
 the server does not export it.
 """
@@ -217,7 +218,9 @@ def _read_raw(exposition: Exposition, aliases: KindAliases) -> dict[str, dict[st
 @dataclass(frozen=True)
 class ForeignReading:
     """One poll of a foreign server. ``models`` maps each model it serves to its figures:
-    gauges as read, counters as rates per second (None until two polls), histograms as
+    gauges as read, counters as rates per second over the polls of the last
+    :data:`~engines.fleet.windows.RATE_WINDOW_S` or more (``windows.CounterRate``; None until two
+    polls), histograms as
     ``{"p50", "p90", "p99", "count", "window"}`` (``window``: the buckets) over the last
     :data:`WINDOW_S` (or since the server started, until a window has passed). ``not_exported``
     lists the quantities it has no name for, shown as such and never as 0. ``error`` is set (and

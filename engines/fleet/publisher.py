@@ -3,7 +3,9 @@
 The rows come from one read of each engine a second (``metrics_with_histograms``, answered by the
 engine process even mid-step) turned into the fleet's quantities by :class:`EngineRowReader`:
 the same quantities, rates and last-minute windows as a foreign server's ``/metrics`` gives
-(``foreign.ForeignReader``), so that a grid of ours and theirs compares like with like.
+(``foreign.ForeignReader``), so that a grid of ours and theirs compares like with like. The
+tokens/s are the engine's own ``now`` figures (over its steps of the last ``NOW_WINDOW_S``), the
+numbers its dashboard pages show; the request counters are rated over the readings of as long.
 """
 from __future__ import annotations
 
@@ -34,17 +36,16 @@ READ_TIMEOUT_S = 2.0
 # Our engine metrics (``EngineMetrics.as_dict()`` keys) for the fleet's quantities.
 _GAUGES = {"running": "num_running_requests", "waiting": "num_waiting_requests", "kv_usage": "kv_cache_usage",
            "prefix_hit_rate": "prefix_cache_hit_rate"}
-_COUNTERS = {"prompt_tokens": "prefill_tokens_processed", "generation_tokens": "decode_tokens_processed",
-             "finished": "num_finished_requests", "aborted": "num_aborted_requests",
-             "preemptions": "num_preemptions"}
+_NOW = {"prompt_tokens": "prefill_tokens_per_s", "generation_tokens": "decode_tokens_per_s"}  # of metrics["now"]
+_COUNTERS = {"finished": "num_finished_requests", "aborted": "num_aborted_requests", "preemptions": "num_preemptions"}
 # ... and the histogram families (``EngineMetrics.histograms()`` keys, vLLM's names).
 _HISTOGRAMS = {"ttft": "time_to_first_token_seconds", "itl": "inter_token_latency_seconds",
                "e2e": "e2e_request_latency_seconds", "queue_time": "request_queue_time_seconds"}
 
 
 class EngineRowReader:
-    """Turns one engine's successive readings into :class:`EngineRow` s (it keeps the previous
-    counters and the last minute of histogram readings)."""
+    """Turns one engine's successive readings into :class:`EngineRow` s (it keeps the counters'
+    readings of the last few seconds and the histograms' of the last minute)."""
 
     def __init__(self, server: str, engine: str, model: str) -> None:
         self.server, self.engine, self.model = server, engine, model
@@ -59,10 +60,13 @@ class EngineRowReader:
         figures: dict[str, float | None] = {}
         windows: dict[str, WindowHistogram] = {}
         if metrics is None:
-            figures.update(dict.fromkeys([*_GAUGES, *_COUNTERS]))
+            figures.update(dict.fromkeys([*_GAUGES, *_NOW, *_COUNTERS]))
         else:
             for quantity, key in _GAUGES.items():
                 figures[quantity] = _number(metrics.get(key))
+            now_figures = metrics.get("now") or {}
+            for quantity, key in _NOW.items():
+                figures[quantity] = _number(now_figures.get(key))
             for quantity, key in _COUNTERS.items():
                 value = _number(metrics.get(key))
                 rate = self._rates.setdefault(quantity, CounterRate())

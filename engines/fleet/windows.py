@@ -1,14 +1,23 @@
-"""Cumulative readings turned into recent ones: a counter's rate since the previous reading, and
-a histogram's observations over the last minute. Used for our own engines (their metrics are
-cumulative since a reset) and for foreign servers' ``/metrics`` alike."""
+"""Cumulative readings turned into recent ones: a counter's rate over the readings of the last few
+seconds, and a histogram's observations over the last minute. Used for our own engines (their
+metrics are cumulative since a reset) and for foreign servers' ``/metrics`` alike.
+
+Both are over a window of readings, not between the last two: a rate between two polls a second
+apart jumps by a step's worth of tokens (a 0.26 s step, one more or less in a second), and a
+window of :data:`RATE_WINDOW_S` holds still, the same window as our engines' ``now`` figures.
+"""
 from __future__ import annotations
 
 from collections import deque
 from typing import Generic, TypeVar
 
 from engines.fleet.quantiles import Buckets, window_delta
+from engines.runtime import NOW_WINDOW_S
 
-__all__ = ["CounterRate", "HistogramWindow"]
+__all__ = ["RATE_WINDOW_S", "CounterRate", "HistogramWindow"]
+
+#: Seconds of readings a counter's rate is over (at least; see :class:`CounterRate`).
+RATE_WINDOW_S = NOW_WINDOW_S
 
 _Reading = TypeVar("_Reading")
 
@@ -43,14 +52,17 @@ class _Readings(Generic[_Reading]):
 
 
 class CounterRate:
-    """The rate of a cumulative counter between successive readings (None for the first reading,
-    and for one where the counter went back: its source restarted in between)."""
+    """A cumulative counter's rate over the last ``window_s`` seconds of readings: its change since
+    the newest reading at least that old (or the oldest kept, until a window has passed), per
+    second of the time between. With readings ``p`` seconds apart the window is ``window_s`` to
+    ``window_s + p``. None for the first reading, and for one where the counter went back (its
+    source restarted in between: the window starts again there)."""
 
-    def __init__(self) -> None:
-        self._readings: _Readings[float] = _Readings(0.0)  # the base: the previous reading
+    def __init__(self, window_s: float = RATE_WINDOW_S) -> None:
+        self._readings: _Readings[float] = _Readings(window_s)
 
     def add(self, now: float, value: float) -> float | None:
-        """Record ``value`` read at ``now`` (monotonic seconds); the rate per second since the last."""
+        """Record ``value`` read at ``now`` (monotonic seconds); the rate per second over the window."""
         last = self._readings.newest
         if last is not None and (now <= last[0] or value < last[1]):
             self._readings.restart(now, value)

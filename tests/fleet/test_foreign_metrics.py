@@ -94,6 +94,23 @@ def test_the_production_stack_router_is_not_counted_as_an_engine():
     assert reading.not_exported == QUANTITIES
 
 
+def test_a_servers_rates_are_over_the_polls_of_the_window_and_hold_still():
+    """Polled every second while its tokens come in lumps (a 0.26 s step's worth, 3 or 4 steps a
+    poll): a rate between two polls jumps between 12 and 16 tok/s; over the polls of the last
+    5 s or more it stays within a step's worth of the true 15.4."""
+    from engines.fleet.windows import RATE_WINDOW_S
+
+    reader = ForeignReader()
+    rates = []
+    for second in range(20):
+        tokens = 4 * int(second / 0.26)  # 4 tokens a step, the steps ended by then
+        reading = reader.read(fx.vllm("0.11", generation_tokens=1 + tokens), now=100.0 + second)
+        rates.append(reading.models["meta-llama/Llama-3.1-8B-Instruct"]["generation_tokens"])
+    steady = rates[int(RATE_WINDOW_S) + 1:]
+    step_worth = 4 / RATE_WINDOW_S
+    assert all(abs(rate - 4 / 0.26) <= step_worth for rate in steady), steady
+
+
 def test_a_counter_that_goes_back_is_a_restart_not_a_negative_rate():
     reading = read_twice(fx.vllm("0.11", prompt_tokens=5000), fx.vllm("0.11", prompt_tokens=100))
     [figures] = reading.models.values()

@@ -1,5 +1,6 @@
 """Our engines' rows: the engine's own metrics turned into the fleet's quantities, as a foreign
-server's /metrics is (counters as rates, latencies over the last minute from its buckets)."""
+server's /metrics is (tokens/s the engine's "now" figures, request counters as rates over the
+readings of the last few seconds, latencies over the last minute from its buckets)."""
 from __future__ import annotations
 
 import asyncio
@@ -14,6 +15,7 @@ from engines.fleet.publisher import EngineRowReader, FleetPublisher
 from engines.fleet.quantiles import bucket_quantile
 from engines.fleet.store import LocalFleetStore
 from engines.runtime import EngineMetrics
+from tests.metrics_clock import metrics_clock
 
 
 def test_a_row_has_gauges_rates_and_last_minute_percentiles() -> None:
@@ -22,15 +24,19 @@ def test_a_row_has_gauges_rates_and_last_minute_percentiles() -> None:
     reader = EngineRowReader("s:1", "demo", "demo-model")
     first = reader.row("running", metrics.as_dict(), metrics.histograms(), now=100.0)
     assert first.figures["running"] == 3 and first.figures["kv_usage"] == 0.25
-    assert first.figures["generation_tokens"] is None       # a rate needs two readings
+    assert first.figures["generation_tokens"] == 0.0          # no step yet: the engine's own rate is 0
+    assert first.figures["finished"] is None                    # a counter's rate needs two readings
     assert first.figures["ttft_p50"] is None and first.windows["ttft"].cumulative[-1] == 0
     for ttft in (0.01, 0.02, 0.03, 2.0):
         metrics.on_first_token(ttft)
     metrics.on_step(0.1, prefill_tokens=0, decode_seqs=8)
     metrics.on_step(0.1, prefill_tokens=64, decode_seqs=0)
-    second = reader.row("running", metrics.as_dict(), metrics.histograms(), now=102.0)
-    assert second.figures["generation_tokens"] == pytest.approx(8 / 2.0)
-    assert second.figures["prompt_tokens"] == pytest.approx(64 / 2.0)
+    reading = metrics.as_dict()
+    second = reader.row("running", reading, metrics.histograms(), now=102.0)
+    # The tokens/s are the engine's "now" figures, the numbers its dashboard pages show.
+    assert reading["now"]["decode_tokens_per_s"] > 0
+    assert second.figures["generation_tokens"] == reading["now"]["decode_tokens_per_s"]
+    assert second.figures["prompt_tokens"] == reading["now"]["prefill_tokens_per_s"]
     window = second.windows["ttft"].buckets()
     assert window[-1][1] == 4
     assert second.figures["ttft_p50"] == bucket_quantile(0.5, window) and 0.01 <= second.figures["ttft_p50"] <= 0.05
@@ -38,6 +44,25 @@ def test_a_row_has_gauges_rates_and_last_minute_percentiles() -> None:
     later = reader.row("running", metrics.as_dict(), metrics.histograms(), now=170.0)
     later = reader.row("running", metrics.as_dict(), metrics.histograms(), now=171.0)
     assert later.figures["ttft_p50"] is None and later.windows["ttft"].cumulative[-1] == 0
+
+
+def test_a_rows_tokens_per_s_hold_still_where_a_rate_between_readings_jumps(monkeypatch) -> None:
+    """Steps of 0.26 s decoding 4 sequences, read once a second: a rate between two readings
+    counts 3 or 4 steps (12 or 16 tok/s, the issue's flicker); the engine's window of steps
+    gives 4 / 0.26 = 15.4 at every reading."""
+    clock = metrics_clock(monkeypatch, 1000.0)
+    metrics = EngineMetrics()
+    reader = EngineRowReader("s:1", "demo", "m")
+    figures = []
+    step_end = clock.now
+    for second in range(1, 21):
+        while step_end + 0.26 <= 1000.0 + second:
+            step_end += 0.26
+            metrics.on_step(0.26, prefill_tokens=0, decode_seqs=4, ended_at=step_end)
+        clock.now = 1000.0 + second
+        figures.append(reader.row("running", metrics.as_dict(), None, now=clock.now).figures["generation_tokens"])
+    steady = figures[5:]  # once a whole window of steps lies behind
+    assert min(steady) == pytest.approx(4 / 0.26, rel=0.05) and max(steady) == pytest.approx(4 / 0.26, rel=0.05)
 
 
 def test_an_engine_that_gives_no_metrics_has_every_figure_unknown() -> None:

@@ -74,6 +74,10 @@ def test_a_counter_rate_and_a_sliding_histogram_window():
     assert rate.add(2.0, 30.0) == 10.0
     assert rate.add(3.0, 5.0) is None  # went back: a restart
     assert rate.add(4.0, 9.0) == 4.0
+    # Over the readings of its window: since the newest at least window_s old.
+    windowed = CounterRate(window_s=5.0)
+    assert [windowed.add(t, v) for t, v in ((0.0, 0.0), (2.0, 10.0), (6.0, 20.0), (7.0, 21.0))] == \
+        [None, 5.0, 20.0 / 6.0, 11.0 / 5.0]  # at t=7 since t=2 (the newest at or before 7 - 5)
     window = HistogramWindow(window_s=60.0)
     reading = lambda n: ((0.1, float(n)), (math.inf, float(n)))  # noqa: E731
     assert window.add(0.0, reading(5)) == reading(5)  # the first: everything it holds
