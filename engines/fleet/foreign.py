@@ -196,9 +196,12 @@ def _read_raw(exposition: Exposition, aliases: KindAliases) -> dict[str, dict[st
             _, samples = found
             samples = _selected(samples, source)
             if source.type == "histogram":
+                sums = _find(exposition, aliases, source.name + "_sum")
+                sum_by_model = _by_model(_selected(sums[1], source), aliases.model_label) if sums else {}
                 for model, group in _by_model(samples, aliases.model_label).items():
                     pairs = [(float(s.labels["le"]), s.value) for s in group if "le" in s.labels]
-                    out.setdefault(model, {})[quantity] = _Raw(source, buckets=buckets_from_samples(pairs))
+                    total = sum(s.value for s in sum_by_model[model]) if model in sum_by_model else None
+                    out.setdefault(model, {})[quantity] = _Raw(source, value=total, buckets=buckets_from_samples(pairs))
             elif source.type == "ratio":
                 denominator = _find(exposition, aliases, source.denominator)
                 if denominator is None:
@@ -222,7 +225,8 @@ class ForeignReading:
     :data:`~engines.fleet.windows.RATE_WINDOW_S` or more (``windows.CounterRate``; None until two
     polls), histograms as
     ``{"p50", "p90", "p99", "count", "window"}`` (``window``: the buckets) over the last
-    :data:`WINDOW_S` (or since the server started, until a window has passed). ``not_exported``
+    :data:`WINDOW_S` (or since the server started, until a window has passed), with ``total`` and
+    ``total_sum``: the buckets and the sum as read, since the server's start. ``not_exported``
     lists the quantities it has no name for, shown as such and never as 0. ``error`` is set (and
     the rest empty) when the poll failed."""
 
@@ -285,9 +289,10 @@ class ForeignReader:
             return rate / below if rate is not None and below else None
         delta = self._windows.setdefault((model, quantity), HistogramWindow(WINDOW_S)).add(now, item.buckets or ())
         count = delta[-1][1] if delta else 0.0
+        total = {"total": item.buckets, "total_sum": item.value} if item.buckets else {}
         if count <= 0:
-            return {"count": 0.0}
-        return {"count": count, "window": delta,
+            return {"count": 0.0, **total}
+        return {"count": count, "window": delta, **total,
                 **{f"p{round(q * 100)}": bucket_quantile(q, delta) for q in _PERCENTILES}}
 
     def _rate(self, model: str, quantity: str, part: str, now: float, value: float) -> float | None:
@@ -309,15 +314,18 @@ def reading_rows(server: str, reading: ForeignReading) -> ServerRows:
     for model, quantities in sorted(reading.models.items()):
         figures: dict[str, float | None] = {}
         windows: dict[str, WindowHistogram] = {}
+        totals: dict[str, WindowHistogram] = {}
         for quantity, value in quantities.items():
             if isinstance(value, dict):
                 figures[f"{quantity}_p50"] = value.get("p50")
                 figures[f"{quantity}_p99"] = value.get("p99")
                 if quantity in FLEET_WINDOW_QUANTITIES and value.get("window"):
                     windows[quantity] = WindowHistogram.of(value["window"])
+                if quantity in FLEET_WINDOW_QUANTITIES and value.get("total"):
+                    totals[quantity] = WindowHistogram.of(value["total"], value.get("total_sum"))
             else:
                 figures[quantity] = value
         rows.append(EngineRow(server=server, engine=model or "(all)", model=model, kind=reading.kind.value,
                               state="up", at=reading.at, figures=figures, not_exported=list(reading.not_exported),
-                              windows=windows))
+                              windows=windows, totals=totals))
     return ServerRows(server=server, at=reading.at, rows=rows, kind=reading.kind.value)

@@ -59,6 +59,7 @@ class EngineRowReader:
         now = time.monotonic() if now is None else now
         figures: dict[str, float | None] = {}
         windows: dict[str, WindowHistogram] = {}
+        totals: dict[str, WindowHistogram] = {}
         if metrics is None:
             figures.update(dict.fromkeys([*_GAUGES, *_NOW, *_COUNTERS]))
         else:
@@ -81,8 +82,9 @@ class EngineRowReader:
             figures[f"{quantity}_p99"] = bucket_quantile(0.99, window)
             if quantity in FLEET_WINDOW_QUANTITIES:
                 windows[quantity] = WindowHistogram.of(window)
+                totals[quantity] = WindowHistogram.of(tuple(snapshot.cumulative()), snapshot.sum)
         return EngineRow(server=self.server, engine=self.engine, model=self.model, state=state, at=time.time(),
-                         figures=figures, windows=windows)
+                         figures=figures, windows=windows, totals=totals)
 
 
 def _number(value: Any) -> float | None:

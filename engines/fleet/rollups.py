@@ -3,9 +3,13 @@ database (``models.FleetRollup``), and SLO figures read back from them.
 
 One member at a time (the ``rollup`` lease) samples every server's rows every
 :data:`SAMPLE_S` seconds and, at each minute's end, writes a row per engine: the minute's mean
-load, its tokens (rate x time), and its last-minute TTFT and ITL histograms as its server
-published them (in that server's bounds). An hour's row sums its minutes (histograms summed
-where their bounds agree, as one engine's do). Minutes are kept ``FLEET_ROLLUP_MINUTES_H`` hours
+load, its tokens (rate x time), and its TTFT and ITL histograms in that server's bounds, with
+their sums: each sample adds the change in the engine's histograms since the sample before
+(``EngineRow.totals``), so every observation counts once, in the minute of the first sample
+after it (a source's reset, or a lease that changed hands, starts the count afresh: the
+observations between its last sample and the reset are lost). A row without totals (a server of
+an older version) gives its last-minute window as published. An hour's row sums its minutes
+(histograms summed where their bounds agree, as one engine's do). Minutes are kept ``FLEET_ROLLUP_MINUTES_H`` hours
 (default 24), hours ``FLEET_ROLLUP_HOURS_D`` days (default 30). A row names its server as every
 history record does (``host:port``: one of ours by its ``server_id()``, a foreign one by its URL's)
 and the fleet that wrote it, so that fleets sharing a database keep their rollups apart.
@@ -27,7 +31,7 @@ from typing import Any
 
 from engines.cancellation import check_cancelled
 from engines.fleet.outage_log import OutageLog
-from engines.fleet.quantiles import Buckets, fleet_quantile
+from engines.fleet.quantiles import Buckets, fleet_quantile, window_delta
 from engines.fleet.rows import EngineRow, WindowHistogram
 from engines.fleet.store import FleetStore
 from engines.db_calls import in_db_thread
@@ -86,6 +90,28 @@ class _Minute:
     sums: dict[str, float] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
     last_at: float | None = None
+    #: The minute's observations so far, per latency (from the samples' changes).
+    histograms: dict[str, WindowHistogram] = field(default_factory=dict)
+
+    def observe(self, quantity: str, change: WindowHistogram) -> None:
+        """Add one sample's change of a latency's histogram (a change of bounds starts it again)."""
+        held = self.histograms.get(quantity)
+        if held is None or held.bounds != change.bounds:
+            self.histograms[quantity] = change
+            return
+        self.histograms[quantity] = WindowHistogram(
+            bounds=held.bounds, cumulative=[a + b for a, b in zip(held.cumulative, change.cumulative, strict=True)],
+            sum=held.sum + change.sum if held.sum is not None and change.sum is not None else None)
+
+    def histogram(self, quantity: str) -> dict[str, Any] | None:
+        """The minute's histogram: its observations; None when they are unknown (the engine was
+        first seen in it); a row without totals (an older server): its last window."""
+        if quantity in self.histograms:
+            return self.histograms[quantity].model_dump()
+        if quantity in self.row.totals:
+            return None
+        window = self.row.windows.get(quantity)
+        return window.model_dump() if window is not None else None
 
     def add(self, row: EngineRow, now: float, sample_s: float) -> None:
         self.row = row
@@ -120,8 +146,7 @@ def _write_minute(start: dt.datetime, minutes: Sequence[_Minute], fleet: str, ke
                         engine=m.row.engine, model=m.row.model, kind=m.row.kind, samples=m.samples,
                         running=m.mean("running"), waiting=m.mean("waiting"), kv_usage=m.mean("kv_usage"),
                         prompt_tokens=m.sums.get("prompt_tokens"), generation_tokens=m.sums.get("generation_tokens"),
-                        ttft=m.row.windows["ttft"].model_dump() if "ttft" in m.row.windows else None,
-                        itl=m.row.windows["itl"].model_dump() if "itl" in m.row.windows else None)
+                        ttft=m.histogram("ttft"), itl=m.histogram("itl"))
             for m in minutes]
     FleetRollup.objects.bulk_create(rows, ignore_conflicts=True)  # a lease handed over mid-minute: first wins
     if start.minute == 59:
@@ -151,8 +176,11 @@ def _write_hour(start: dt.datetime, fleet: str) -> None:
             return sum(values) if values else None
 
         def histogram(name: str, rows: list[Any] = rows) -> dict[str, Any] | None:
-            summed = sum_histograms(WindowHistogram(**getattr(r, name)).buckets() for r in rows if getattr(r, name))
-            return WindowHistogram.of(summed[0]).model_dump() if summed else None
+            parts = [WindowHistogram(**getattr(r, name)) for r in rows if getattr(r, name)]
+            summed = sum_histograms(p.buckets() for p in parts)
+            sums = [p.sum for p in parts]
+            total_sum = sum(s for s in sums if s is not None) if len(summed) == 1 and None not in sums else None
+            return WindowHistogram.of(summed[0], total_sum).model_dump() if summed else None
 
         last = rows[-1]
         hours.append(FleetRollup(period="hour", start=start, server=server, server_name=last.server_name, fleet=fleet,
@@ -178,6 +206,8 @@ class RollupWriter:
         self.keep_minutes_h, self.keep_hours_d, self.sample_s = keep_minutes_h, keep_hours_d, sample_s
         self.minute: dt.datetime | None = None
         self.engines: dict[tuple[str, str], _Minute] = {}
+        #: Each engine's latency histograms at its last sample, since its source's reset.
+        self.totals: dict[tuple[str, str, str], WindowHistogram] = {}
 
     async def sample(self, now: float | None = None) -> None:
         """Take one sample of every up server's rows; at a new minute, write the last one."""
@@ -203,6 +233,22 @@ class RollupWriter:
                     entry = self.engines[key] = _Minute(row, addresses.get(row.server, row.server),
                                                         names.get(row.server, row.server))
                 entry.add(row, now, self.sample_s)
+                for quantity, total in row.totals.items():
+                    change = self._change((row.server, row.engine, quantity), total)
+                    if change is not None:
+                        entry.observe(quantity, change)
+
+    def _change(self, key: tuple[str, str, str], total: WindowHistogram) -> WindowHistogram | None:
+        """What a histogram gained since the last sample of it (None at its first sight: when its
+        observations came is unknown); after its source's reset, all it holds now."""
+        last, self.totals[key] = self.totals.get(key), total
+        if last is None:
+            return None
+        buckets = window_delta(total.buckets(), last.buckets())
+        if buckets is None:  # the source was reset or restarted in between: its counts began anew
+            return total
+        change_sum = total.sum - last.sum if total.sum is not None and last.sum is not None else None
+        return WindowHistogram.of(buckets, change_sum)
 
     async def run(self) -> None:
         outage = OutageLog("sampling the fleet's rollups")
@@ -211,8 +257,8 @@ class RollupWriter:
             try:
                 if await self.store.take_lease("rollup", self.holder, ttl_s=3 * self.sample_s):
                     await self.sample()
-                else:
-                    self.minute, self.engines = None, {}  # another member writes; start afresh if it stops
+                else:  # another member writes; start afresh if it stops
+                    self.minute, self.engines, self.totals = None, {}, {}
                 outage.worked()
             except Exception as exc:  # noqa: BLE001 - Redis or the database down: the next sample tries again
                 outage.failed(exc)
@@ -225,7 +271,7 @@ class SloFigures:
 
     label: str
     requests: float
-    ttft: dict[str, float | None]    # "p50", "p90", "p99", "within" (share within the target)
+    ttft: dict[str, float | None]    # "p50", "p90", "p99", "mean", "within" (share within the target)
     itl: dict[str, float | None]
     prompt_tokens: float
     generation_tokens: float
@@ -236,16 +282,23 @@ def _figures(label: str, rows: Sequence[Any], ttft_target_s: float, itl_target_s
     count = 0.0
     for name, target in (("ttft", ttft_target_s), ("itl", itl_target_s)):
         by_engine: dict[tuple[str, str], list[Buckets]] = {}
+        sums: list[float | None] = []
         for row in rows:
             value = getattr(row, name)
             if value:
-                by_engine.setdefault((row.server, row.engine), []).append(WindowHistogram(**value).buckets())
+                histogram = WindowHistogram(**value)
+                by_engine.setdefault((row.server, row.engine), []).append(histogram.buckets())
+                sums.append(histogram.sum)
         histograms = [h for parts in by_engine.values() for h in sum_histograms(parts)]
         figures: dict[str, float | None] = {}
         for q in (0.5, 0.9, 0.99):
             found = fleet_quantile(q, histograms)
             figures[f"p{round(q * 100)}"] = found.value if found else None
         figures["within"] = share_within(target, histograms)
+        observed = sum(h[-1][1] for h in histograms)
+        # The mean where every part carries its sum (rollups from before sums were kept do not).
+        figures["mean"] = (sum(s for s in sums if s is not None) / observed
+                           if observed and sums and None not in sums else None)
         out[name] = figures
         if name == "ttft":
             count = sum(h[-1][1] for h in histograms)

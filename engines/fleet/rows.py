@@ -24,17 +24,19 @@ FLEET_WINDOW_QUANTITIES = ("ttft", "itl")
 
 
 class WindowHistogram(BaseModel):
-    """A histogram's last minute: its finite upper bounds and the cumulative count at each, then
-    the total (the ``+Inf`` bucket; JSON has no infinity)."""
+    """A histogram over some span (a row's last minute, a rollup's minute, or since its source's
+    reset): its finite upper bounds and the cumulative count at each, then the total (the ``+Inf``
+    bucket; JSON has no infinity), and the observations' sum where the source gives one."""
 
     bounds: list[float]
     cumulative: list[float]  # len(bounds) + 1
+    sum: float | None = None
 
     @classmethod
-    def of(cls, buckets: Buckets) -> WindowHistogram:
+    def of(cls, buckets: Buckets, total_sum: float | None = None) -> WindowHistogram:
         finite = [(b, c) for b, c in buckets if not math.isinf(b)]
         total = buckets[-1][1] if buckets else 0.0
-        return cls(bounds=[b for b, _ in finite], cumulative=[c for _, c in finite] + [total])
+        return cls(bounds=[b for b, _ in finite], cumulative=[c for _, c in finite] + [total], sum=total_sum)
 
     def buckets(self) -> Buckets:
         return (*zip(self.bounds, self.cumulative, strict=False), (math.inf, self.cumulative[-1]))
@@ -53,6 +55,9 @@ class EngineRow(BaseModel):
     figures: dict[str, float | None] = {}
     not_exported: list[str] = []
     windows: dict[str, WindowHistogram] = {}
+    #: The same histograms since their source's last reset, as read (with their sums): what the
+    #: rollups count each minute's observations from, exactly (``rollups.RollupWriter``).
+    totals: dict[str, WindowHistogram] = {}
     error: str | None = None
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from engines.fleet.aliases import ALIASES, QUANTITIES, ServerKind
 from engines.fleet.exposition import ExpositionError, parse_exposition
-from engines.fleet.foreign import ForeignReader, PollError, detect_kind, fetch_metrics, probe_kind
+from engines.fleet.foreign import ForeignReader, PollError, detect_kind, fetch_metrics, probe_kind, reading_rows
 from tests.fleet import foreign_expositions as fx
 
 
@@ -35,6 +35,10 @@ def test_vllm_before_and_after_its_renames_gives_the_same_figures(version):
     # The last minute's TTFT: the 100 new observations, 90 of them at 3 ms.
     assert figures["ttft"]["count"] == 100 and figures["ttft"]["p50"] < 0.005 and 0.25 < figures["ttft"]["p99"] <= 0.5
     assert figures["itl"]["count"] == 50
+    # And the histograms as read, since the server started, with their sums (for the rollups).
+    assert figures["ttft"]["total"][-1][1] == 200 and figures["ttft"]["total_sum"] == pytest.approx(180 * 0.003 + 6.0)
+    totals = reading_rows("v", reading).rows[0].totals
+    assert totals["ttft"].cumulative[-1] == 200 and totals["ttft"].sum == pytest.approx(6.54)
     assert "kv_cache_usage_perc" in reading.sources["kv_usage"] if version == "0.11" else \
         "gpu_cache_usage_perc" in reading.sources["kv_usage"]
     assert reading.not_exported == ("queue_time",)  # the fixture has no queue-time histogram

@@ -39,6 +39,8 @@ def test_a_row_has_gauges_rates_and_last_minute_percentiles() -> None:
     assert second.figures["prompt_tokens"] == reading["now"]["prefill_tokens_per_s"]
     window = second.windows["ttft"].buckets()
     assert window[-1][1] == 4
+    # Since the engine's reset, with the sum: what the rollups count a minute's observations from.
+    assert second.totals["ttft"].cumulative[-1] == 4 and second.totals["ttft"].sum == pytest.approx(2.06)
     assert second.figures["ttft_p50"] == bucket_quantile(0.5, window) and 0.01 <= second.figures["ttft_p50"] <= 0.05
     # A minute later with no new first token, the window is empty again: an old stall no longer counts.
     later = reader.row("running", metrics.as_dict(), metrics.histograms(), now=170.0)

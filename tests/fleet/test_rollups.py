@@ -90,7 +90,8 @@ def test_slo_figures_per_engine_server_and_fleet() -> None:
     summed = sum_histograms([histogram(expo.VLLM_TTFT, a1).buckets(), histogram(expo.VLLM_TTFT, a2).buckets()])
     expected = fleet_quantile(0.99, summed + [histogram(expo.SGLANG_TTFT, b).buckets()])
     assert fleet.ttft["p99"] == expected.value
-    assert fleet.itl == {"p50": None, "p90": None, "p99": None, "within": None}
+    assert fleet.itl == {"p50": None, "p90": None, "p99": None, "within": None, "mean": None}
+    assert fleet.ttft["mean"] is None  # these rollups carry no sums
     assert [s.label for s in figures["servers"]] == ["a", "b"] and figures["servers"][0].requests == 400
     assert [m.label for m in figures["models"]] == ["model x", "model y"] and figures["models"][1].requests == 100
     assert [e.label for e in figures["engines"]] == ["x @ a", "y @ b"]
@@ -129,3 +130,49 @@ async def test_rows_name_the_server_as_history_does_and_the_fleet_that_wrote_the
                     ("minute", "blue", "h:8001", "h:8001", "demo", 2.0)]
     # The other fleet's minute is still its own, and was not summed into this fleet's hour.
     assert await sync_to_async(FleetRollup.objects.filter(fleet="green").count)() == 1
+
+
+async def test_each_observation_counts_once_in_the_minute_of_the_sample_after_it() -> None:
+    """From the engines' histograms since their reset (a row's totals), not the last-minute window
+    at a minute's last sample: a minute's counts and sum are exactly what came in it, and its mean
+    is the mean of those observations."""
+    from engines.models import FleetRollup
+
+    store = LocalFleetStore()
+    await store.announce(ServerCard(server="s:1", url="http://s", version="t", roles=[], engines=[], started_at=0))
+    hour = (dt.datetime.now(dt.timezone.utc).replace(minute=0, second=0, microsecond=0)
+            - dt.timedelta(hours=1)).timestamp()
+    writer = RollupWriter(store, "s:1", sample_s=5.0)
+    bounds = (0.5, 1.0, 2.0)
+    seen: list[float] = []
+
+    async def sample(at: float, new: list[float]) -> None:
+        seen.extend(new)
+        values = np.array(seen)
+        total = histogram(bounds, values)
+        total.sum = float(values.sum()) if values.size else 0.0
+        window = histogram(bounds, values[-2:])  # a last-minute window that would miss and repeat
+        await store.put_rows(ServerRows(server="s:1", at=at, rows=[EngineRow(
+            server="s:1", engine="demo", model="m", state="running", at=at, figures={},
+            windows={"ttft": window}, totals={"ttft": total})]))
+        await writer.sample(now=at)
+
+    await sample(hour + 3535, [0.3, 0.4])             # 10:58:55, first sight: counted from here on
+    await sample(hour + 3540, [0.6])                  # 10:59:00
+    await sample(hour + 3570, [0.7, 1.5, 3.0])        # 10:59:30
+    await sample(hour + 3600, [0.2])                  # 11:00:00: into the 11:00 minute
+    await sample(hour + 3610, [])
+    await sample(hour + 3660, [])                     # 11:01: 11:00 written
+    rows = await sync_to_async(lambda: {r.start.minute: r for r in FleetRollup.objects.filter(period="minute")})()
+    got = {minute: WindowHistogram(**row.ttft) for minute, row in rows.items() if row.ttft}
+    assert rows[58].ttft is None  # first seen then: when its observations came is unknown
+    assert got[59].cumulative == [0.0, 2.0, 3.0, 4.0] and got[59].sum == pytest.approx(0.6 + 0.7 + 1.5 + 3.0)
+    assert got[0].cumulative == [1.0, 1.0, 1.0, 1.0] and got[0].sum == pytest.approx(0.2)
+    hourly = await sync_to_async(lambda: FleetRollup.objects.get(period="hour"))()
+    assert WindowHistogram(**hourly.ttft).cumulative[-1] == 4.0
+    figures = slo_figures([rows[59]], ttft_target_s=1.0, itl_target_s=1.0)["fleet"]
+    assert figures.requests == 4 and figures.ttft["mean"] == pytest.approx((0.6 + 0.7 + 1.5 + 3.0) / 4)
+    # The source reset (its counts fell): what it holds afterwards is all new.
+    seen.clear()
+    await sample(hour + 3665, [0.9])
+    assert writer.engines[("s:1", "demo")].histograms["ttft"].cumulative == [0.0, 1.0, 1.0, 1.0]
