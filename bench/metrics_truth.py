@@ -15,10 +15,13 @@ client measures what aiperf and guidellm measure, on its own clock:
 
 The same requests as the server tells them: each request's ``usage.extra`` (``ttft_s``,
 ``end_to_end_latency_s``, ``inter_token_latency_standard_s``), the ``/metrics`` histograms' and
-counters' deltas over the run (means from ``_sum`` / ``_count``), and the request summaries the
-history makes of the run's trace (``engines.history.analysis``). Means and p90 must agree within
-5 % or 20 ms, token counts exactly; ``--aiperf`` runs aiperf 0.13 (``bench/requirements-truth.txt``,
-in ``var/truth-venv``) at each concurrency too and holds the server's ``/metrics`` to its figures.
+counters' deltas over the run (means from ``_sum`` / ``_count``), the request summaries the
+history makes of the run's trace (``engines.history.analysis``), and, over the whole run, the
+fleet's minute rollups in the server's database (TTFT: their count against every level's, their
+mean from their sums against the clients', their p90 bucket against the clients' p90). Means and
+p90 must agree within 5 % or 20 ms, token counts exactly; ``--aiperf`` runs aiperf 0.13
+(``bench/requirements-truth.txt``, in ``var/truth-venv``) at each concurrency too and holds the
+server's ``/metrics`` to its figures.
 
     python bench/metrics_truth.py                          # smollm2, concurrency 1 4 16
     python bench/metrics_truth.py --model demo --concurrency 4 --requests 16 --json report.json
@@ -33,6 +36,7 @@ import asyncio
 import json
 import os
 import random
+import sqlite3
 import statistics
 import subprocess
 import sys
@@ -59,6 +63,8 @@ from engines.history.analysis import analyze_trace  # noqa: E402  (after Django 
 #: A figure agrees when the server's is within this share of the client's, or within ABS_TOLERANCE_S.
 REL_TOLERANCE = 0.05
 ABS_TOLERANCE_S = 0.020
+#: The fleet's rollup sampler's period (engines.fleet.rollups.SAMPLE_S).
+ROLLUP_SAMPLE_S = 5.0
 #: Words of the prompts: a short chat, a paragraph, a long document (their token counts vary by model).
 PROMPT_WORDS = (8, 120, 700)
 OUTPUT_TOKENS = (8, 24, 48)
@@ -178,11 +184,15 @@ class Comparison:
     client: float
     server: float
     exact: bool = False
+    #: A figure known to its histogram bucket: it agrees when the client's lies in ``[low, high]``.
+    bucket: tuple[float, float] | None = None
 
     @property
     def ok(self) -> bool:
         if self.exact:
             return self.client == self.server
+        if self.bucket is not None:
+            return self.bucket[0] <= self.client <= self.bucket[1]
         return abs(self.server - self.client) <= max(REL_TOLERANCE * abs(self.client), ABS_TOLERANCE_S)
 
     def row(self) -> str:
@@ -191,8 +201,10 @@ class Comparison:
             return (f"  {self.figure:<28} {self.source:<18} client {self.client:>10.0f}  "
                     f"server {self.server:>10.0f}  {mark}")
         ratio = self.server / self.client if self.client else float("nan")
+        known = (f"  bucket {self.bucket[0] * 1000:.0f}-{self.bucket[1] * 1000:.0f} ms" if self.bucket is not None
+                 else f"  ({ratio:.3f})")
         return (f"  {self.figure:<28} {self.source:<18} client {self.client * 1000:>9.1f} ms  "
-                f"server {self.server * 1000:>9.1f} ms  ({ratio:.3f})  {mark}")
+                f"server {self.server * 1000:>9.1f} ms{known}  {mark}")
 
 
 def compare(records: list[ClientRecord], before: dict[str, float], after: dict[str, float],
@@ -249,6 +261,9 @@ def compare(records: list[ClientRecord], before: dict[str, float], after: dict[s
 def run_level(base: str, model: str, concurrency: int, requests: int, seed: int,
               prompt_words: tuple[int, ...], output_tokens: tuple[int, ...]) -> dict[str, Any]:
     """One concurrency level: reset, drive, read the server's side, compare."""
+    # The rollups count what the engine's histograms gained between their samples: one more sample
+    # before the reset, or the last level's last observations are lost to them.
+    time.sleep(ROLLUP_SAMPLE_S + 1.0)
     httpx.post(f"{base}/debug/reset_engine", json={"model": model, "clear_trace": True}, timeout=60).raise_for_status()
     before = scrape(base, model)
     began = time.perf_counter()
@@ -264,8 +279,13 @@ def run_level(base: str, model: str, concurrency: int, requests: int, seed: int,
                     "server": {k: r.usage.get("extra", {}).get(k) for k in ("ttft_s", "queue_time_s",
                                                                            "end_to_end_latency_s")}}
                    for r in records]
+    ttft_count = after.get("time_to_first_token_seconds_count", 0) - before.get("time_to_first_token_seconds_count", 0)
+    ttft_sum = after.get("time_to_first_token_seconds_sum", 0.0) - before.get("time_to_first_token_seconds_sum", 0.0)
+    client_ttfts = [r.first_chunk - r.sent for r in records
+                    if r.error is None and r.output_tokens >= 1 and r.first_chunk is not None]
     return {"concurrency": concurrency, "requests": requests, "wall_s": wall, "errors": errors,
-            "per_request": per_request, "comparisons": [{**asdict(c), "ok": c.ok} for c in comparisons],
+            "per_request": per_request, "ttft_count": ttft_count, "ttft_sum": ttft_sum,
+            "client_ttfts": client_ttfts, "comparisons": [{**asdict(c), "ok": c.ok} for c in comparisons],
             "ok": not errors and all(c.ok for c in comparisons)}
 
 
@@ -302,6 +322,39 @@ def run_aiperf(base: str, model: str, concurrency: int, requests: int, tokenizer
     return {"concurrency": concurrency, "requests": requests, "notes": notes,
             "comparisons": [{**asdict(c), "ok": c.ok} for c in comparisons],
             "ok": bool(comparisons) and all(c.ok for c in comparisons)}
+
+
+def rollup_comparisons(var_dir: Path, model: str, levels: list[dict[str, Any]]) -> list[Comparison]:
+    """The fleet's minute rollups of the whole run (the server's own database) against the levels:
+    TTFT count (exact), mean (from the rollups' sums) and p90 (the bucket it falls in)."""
+    from engines.fleet.quantiles import bucket_quantile
+    from engines.fleet.rollups import sum_histograms
+    from engines.fleet.rows import WindowHistogram
+
+    # A minute is written at the first sample of the next: wait for the one after the run.
+    now = time.time()
+    time.sleep(60 - now % 60 + ROLLUP_SAMPLE_S + 2.0)
+    with sqlite3.connect(var_dir / "db.sqlite3") as db:
+        stored = [json.loads(row[0]) for row in db.execute(
+            "SELECT ttft FROM engines_fleetrollup WHERE period = 'minute' AND engine = ? AND ttft IS NOT NULL",
+            (model,))]
+    parts = [WindowHistogram(**h) for h in stored]
+    summed = sum_histograms(p.buckets() for p in parts)
+    count = sum(level["ttft_count"] for level in levels)
+    clients = [t for level in levels for t in level["client_ttfts"]]
+    out = [Comparison("ttft count", "rollups", count, summed[0][-1][1] if summed else 0.0, exact=True)]
+    sums = [p.sum for p in parts]
+    known_sums = [s for s in sums if s is not None]
+    if summed and len(known_sums) == len(sums) and len(clients) == count:
+        out.append(Comparison("ttft mean", "rollups", statistics.fmean(clients), sum(known_sums) / summed[0][-1][1]))
+    if len(summed) == 1 and clients:
+        # The rollups know the p90 to its bucket: the clients' p90 must fall in that bucket.
+        buckets = summed[0]
+        estimate = bucket_quantile(0.9, buckets) or 0.0
+        low = max((b for b, _ in buckets if b < estimate), default=0.0)
+        high = min((b for b, _ in buckets if b >= estimate), default=float("inf"))
+        out.append(Comparison("ttft p90", "rollups", p90(clients), estimate, bucket=(low, high)))
+    return out
 
 
 def truth_venv() -> Path:
@@ -363,11 +416,15 @@ def main() -> None:
                 if args.aiperf:
                     tokenizer = write_tokenizer(args.model, Path(var_dir) / "tokenizer")
                     level["aiperf"] = run_aiperf(base, model, concurrency, requests, tokenizer, truth_venv())
+            # aiperf's requests are in the rollups too, and its clients' times are not ours.
+            rollups = [] if args.aiperf else rollup_comparisons(Path(var_dir), model, levels)
         finally:
             server.terminate()
             server.wait(30)
     report = {"model": args.model, "levels": levels,
-              "ok": all(level["ok"] and level.get("aiperf", {"ok": True})["ok"] for level in levels)}
+              "rollups": [{**asdict(c), "ok": c.ok} for c in rollups],
+              "ok": all(level["ok"] and level.get("aiperf", {"ok": True})["ok"] for level in levels)
+              and all(c.ok for c in rollups)}
     results = ResultsFile(args.results, "metrics_truth")
     for level in levels:
         print(f"concurrency {level['concurrency']}: {level['requests']} requests in {level['wall_s']:.1f} s"
@@ -381,6 +438,10 @@ def main() -> None:
             print(Comparison(**{k: v for k, v in row.items() if k != "ok"}).row())
         for note in level.get("aiperf", {}).get("notes", []):
             print(f"  aiperf {note}")
+    if rollups:
+        print("the whole run, in the fleet's minute rollups:")
+        for c in rollups:
+            print(c.row())
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     print("all figures agree" if report["ok"] else "SOME FIGURES DISAGREE")
