@@ -90,6 +90,7 @@ export class Lane {
     // What a summary needs, kept as events arrive (engines/history/analysis.py's rules).
     this.addedTs = null;
     this.addedArgs = null;
+    this.arrivalTs = null; // the earliest "receive request" or queue start: the request's arrival
     this.firstTokenTs = null;
     this.finishTs = null;
     this.finishArgs = null;
@@ -105,6 +106,10 @@ export class Lane {
   touch(ts) {
     if (ts < this.first) this.first = ts;
     if (ts > this.last) this.last = ts;
+  }
+
+  arrive(ts) {
+    if (this.arrivalTs === null || ts < this.arrivalTs) this.arrivalTs = ts;
   }
 }
 
@@ -123,15 +128,17 @@ export function laneSummary(lane, names) {
   const completion = count(finishArgs.completion_tokens);
   const queueId = names.indexOf("queue");
   const decode = total("decode");
+  // Counted from the arrival the server stamped (docs/metrics.md); an older trace has only the add.
+  const arrival = lane.arrivalTs !== null ? lane.arrivalTs : lane.addedTs;
   return {
     request_id: lane.label,
     prompt_tokens: prompt,
     completion_tokens: completion,
     queue_us: queueId >= 0 && lane.totals.has(queueId) ? lane.totals.get(queueId) : null,
-    ttft_us: lane.addedTs !== null && lane.firstTokenTs !== null ? lane.firstTokenTs - lane.addedTs : null,
+    ttft_us: arrival !== null && lane.firstTokenTs !== null ? lane.firstTokenTs - arrival : null,
     prefill_us: total("prefill"),
     decode_us: decode,
-    e2e_us: lane.addedTs !== null && finished ? lane.finishTs - lane.addedTs : null,
+    e2e_us: arrival !== null && finished ? lane.finishTs - arrival : null,
     finish_reason: String(finishArgs.finish_reason || ""),
     preemptions: lane.preemptions,
     decode_tokens_per_s: completion && decode ? completion / (decode / 1e6) : null,
@@ -205,6 +212,7 @@ export class TraceModel {
     const index = lane.row(depth).add(ts, Infinity, name, counter, arg);
     lane.openStack.push({ name, depth, index });
     this.touch(lane, ts);
+    if (lane.kind === "request" && base === "queue" && counter === 0) lane.arrive(ts);
   }
 
   /** Close the most recent open span named `base`; false when none is open (an orphan). */
@@ -239,6 +247,8 @@ export class TraceModel {
         lane.addedTs = ts;
         lane.addedArgs = args;
       }
+    } else if (name === "receive request") {
+      lane.arrive(ts);
     } else if (name === "preempt") {
       lane.preemptions += 1;
     }
