@@ -101,3 +101,12 @@ def child_pids(pid: int) -> list[int]:
         except FileNotFoundError:  # the thread ended between the listing and the read
             continue
     return children
+
+
+def is_running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (a zombie, reparented and waiting to be reaped, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -21,6 +21,7 @@ from engines.runtime.model.demo_model import demo_checkpoint_path
 from engines.runtime.core.engine import EngineConfig
 from engines.runtime.core.request import EngineRequestError
 
+from tests.processes import is_running
 from tests.runtime.demo_engine import consume, lane_events, prompts, request
 
 PROJECT_ROOT = Path(__file__).resolve().parents[3]
@@ -235,21 +236,12 @@ def test_the_engine_process_stops_when_its_server_is_killed(tmp_path) -> None:
         os.kill(server.pid, signal.SIGKILL)
         server.wait(10)
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and _running(child):
+        while time.monotonic() < deadline and is_running(child):
             time.sleep(0.05)
-        assert not _running(child)
+        assert not is_running(child)
     finally:
         server.kill()
         server.wait(10)
-
-
-def _running(pid: int) -> bool:
-    """Whether ``pid`` is a live process (a zombie, reparented and waiting to be reaped, counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_a_checkpoint_that_fails_in_the_engine_process_raises_at_start(tmp_path) -> None:
