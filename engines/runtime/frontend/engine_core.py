@@ -59,8 +59,8 @@ from engines.runtime.telemetry.trace_recorder import TraceRecorder
 
 logger = logging.getLogger("engines.runtime")
 
-__all__ = ["EngineCore", "create_engine", "engine_info", "main", "portable_error", "run_engine_process",
-           "start_kv_listener"]
+__all__ = ["EngineCore", "ServerGone", "create_engine", "engine_info", "main", "portable_error",
+           "run_engine_process", "start_kv_listener"]
 
 #: How long the K/V listener waits for the engine loop to store a block (it runs between steps).
 LOCAL_CALL_TIMEOUT_S = 60.0
@@ -102,6 +102,12 @@ def engine_info(engine: Engine) -> EngineInfo:
                       engine.max_seq_len, engine.tracer is not None, engine.model.kv_bytes_per_token,
                       kv_cache=engine.kv_size, source_format=engine.checkpoint.source_format,
                       weights_format=engine.model.weights_format)
+
+
+class ServerGone(EOFError):
+    """A send found the server's end of the socket closed: the server died (killed outright,
+    say) while the engine was stepping. An EOF like the receiver's, so the loop stops with one
+    line in the log rather than a ``BrokenPipeError`` traceback."""
 
 
 class EngineCore:
@@ -147,7 +153,7 @@ class EngineCore:
             logger.exception("engine %s stopped on an internal error", self.name)
             try:
                 send(Dead(repr(e)))
-            except (OSError, ValueError):  # the front end is gone too
+            except (OSError, ValueError, EOFError):  # the front end is gone too
                 pass
 
     @staticmethod
@@ -239,7 +245,7 @@ class EngineCore:
                 send(StepOutputs([dataclasses.replace(out, kv_block=None, kv_delivery=delivery)]))
                 if aborted:
                     send(Aborted(out.request_id))
-            except (OSError, ValueError):  # the front end is gone
+            except (OSError, ValueError, EOFError):  # the front end is gone
                 pass
 
         threading.Thread(target=post, name=f"kv-post-{out.request_id[:16]}", daemon=True).start()
@@ -300,7 +306,10 @@ def run_engine_process(conn: Any, spec: EngineSpec) -> None:
 
     def send(message: CoreMessage) -> None:
         with send_lock:
-            conn.send(message)
+            try:
+                conn.send(message)
+            except (BrokenPipeError, ConnectionResetError) as e:
+                raise ServerGone(f"engine {spec.name}: its server went away") from e
 
     def receive_all() -> None:
         while True:
@@ -313,7 +322,11 @@ def run_engine_process(conn: Any, spec: EngineSpec) -> None:
                 logger.exception("engine %s: dropped a command it could not read", spec.name)
                 continue
             if core.is_immediate(message):
-                core.handle(message, send)
+                try:
+                    core.handle(message, send)
+                except ServerGone:  # the loop stops at the next look, with one line
+                    inbox.put(None)
+                    return
             else:
                 inbox.put(message)
 
