@@ -23,6 +23,7 @@ import logging
 import math
 import os
 import signal
+import socket
 from argparse import ArgumentParser, ArgumentTypeError
 from collections.abc import Callable, Collection
 from typing import Any
@@ -84,6 +85,22 @@ def allow_host(host: str) -> None:
     entry = f"[{host.strip('[]')}]" if ":" in host else host
     if entry not in settings.ALLOWED_HOSTS:
         settings.ALLOWED_HOSTS = [*settings.ALLOWED_HOSTS, entry]
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise a CommandError when ``host:port`` cannot be listened on (another server holds it):
+    checked before the models load, which takes from seconds to minutes. Bound as Twisted binds
+    (``SO_REUSEADDR``), so a port left in TIME_WAIT by a server that just stopped passes; Daphne's
+    own listen still catches one taken in between."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as exc:
+        raise CommandError(f"could not listen on {host}:{port}: {exc.strerror or exc} (is the port already in "
+                           "use? pick another with --port)") from None
 
 
 def byte_size(text: str) -> int:
@@ -215,6 +232,7 @@ class Command(BaseCommand):
                                "dequantized weights are stored in --dtype (or keep a GGUF's quantized: "
                                "--weights-dtype gguf)")
         specs = [] if options["router"] else self._model_specs(options["models"] or list(builtin_model_names()))
+        check_port_free(host, port)
 
         # Until Daphne installs its own handlers, SIGTERM must unwind like Ctrl-C: a migration
         # rolls back and engines built so far are stopped, rather than the process dying mid-step.
