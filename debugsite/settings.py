@@ -15,6 +15,7 @@ from typing import overload
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
+from debugsite.cookies import cookie_names
 from debugsite.secret_key import kept_secret_key
 
 BASE_DIR = Path(__file__).resolve().parent.parent
@@ -136,6 +137,11 @@ STATICFILES_DIRS = [BASE_DIR / "static"]
 STATIC_ROOT = VAR_DIR / "staticfiles"
 
 LOGIN_URL = "admin:login"
+# Named per port (debugsite/cookies.py says why): ``serve`` sets them from --port before it loads
+# the ASGI app, whose websocket session middleware reads the name once; a bare Daphne from
+# ENGINES_PORT, as engines.server_identity names the server.
+_PORT = os.environ.get("ENGINES_PORT", "")
+SESSION_COOKIE_NAME, CSRF_COOKIE_NAME = cookie_names(int(_PORT) if _PORT.isdigit() else None)
 
 # The test suite's throwaway accounts hash with MD5, as Django advises for tests: PBKDF2's million
 # rounds on every login and every superuser made were ~140 of the suite's CPU-seconds. Never set

@@ -12,6 +12,8 @@ import httpx
 import openai
 import pytest
 
+from debugsite.cookies import cookie_names
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -25,6 +27,11 @@ class Server:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(base_url=self.base, timeout=60, headers=headers)
         self.openai = openai.OpenAI(base_url=f"{self.base}/v1", api_key=api_key or "not-needed", max_retries=0)
+
+    @property
+    def csrf_cookie(self) -> str:
+        """The name of this server's CSRF cookie (named after its port: debugsite/cookies.py)."""
+        return cookie_names(self.port)[1]
 
     def output(self) -> str:
         """Everything the server printed (only once it has exited)."""

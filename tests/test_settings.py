@@ -1,5 +1,5 @@
 """Settings read from the environment: a bad limit stops start-up with a message; the secret key
-kept on disk when none is configured."""
+kept on disk when none is configured; the cookies named after the port."""
 from __future__ import annotations
 
 import multiprocessing
@@ -37,6 +37,15 @@ def test_bad_limits_are_refused_at_start(name, value, message):
 def test_limits_from_the_environment():
     result = load_settings(TRACE_RETENTION_MAX_RECORDS="7")
     assert result.returncode == 0 and result.stdout.strip() == "7"
+
+
+@pytest.mark.parametrize(("port", "names"), [("8123", "sessionid_8123 csrftoken_8123"), ("", "sessionid csrftoken")])
+def test_the_cookies_are_named_after_the_port_from_the_environment(port, names):
+    """A bare Daphne told its port (ENGINES_PORT) names its cookies as serve does (--port)."""
+    result = subprocess.run(
+        [sys.executable, "-c", "import debugsite.settings as s; print(s.SESSION_COOKIE_NAME, s.CSRF_COOKIE_NAME)"],
+        cwd=REPO, env={**os.environ, "ENGINES_PORT": port}, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout.strip() == names, result.stderr
 
 
 def test_a_new_secret_key_is_private_and_kept(tmp_path):

@@ -64,7 +64,7 @@ def staff_browser(server: Server) -> httpx.Client:
     client = httpx.Client(base_url=server.base, timeout=60, follow_redirects=True)
     client.get("/admin/login/")
     reply = client.post("/admin/login/?next=/dashboard/fleet/", data={
-        "username": "admin", "password": PASSWORD, "csrfmiddlewaretoken": client.cookies["csrftoken"],
+        "username": "admin", "password": PASSWORD, "csrfmiddlewaretoken": client.cookies[server.csrf_cookie],
         "next": "/dashboard/fleet/"})
     assert reply.status_code == 200 and reply.url.path == "/dashboard/fleet/", reply.url
     return client
@@ -90,7 +90,7 @@ def test_one_disaggregated_request_on_one_timeline_across_the_fleet(fleet) -> No
     assert done.usage.completion_tokens == 8
 
     page = staff_browser(decode)
-    headers = {"X-CSRFToken": page.cookies["csrftoken"]}
+    headers = {"X-CSRFToken": page.cookies[decode.csrf_cookie]}
     submitted = page.post("/dashboard/fleet/jobs/", headers=headers, json={"action": "save_trace", "targets": [
         {"server": prefill_id, "engine": "demo"}, {"server": decode_id, "engine": "demo"},
         {"server": router_id, "engine": "router"}]})
@@ -169,7 +169,7 @@ def test_one_of_ours_without_redis_joins_by_url(fleet, tmp_path) -> None:
     loner = start_server(SERVE, tmp_path / "loner")
     try:
         page = staff_browser(decode)
-        headers = {"X-CSRFToken": page.cookies["csrftoken"]}
+        headers = {"X-CSRFToken": page.cookies[decode.csrf_cookie]}
         attached = page.post("/dashboard/fleet/attach/", headers=headers, json={"url": loner.base, "name": "loner"})
         assert attached.status_code == 201 and attached.json()["kind"] == "ours", attached.text
         deadline = time.monotonic() + 30

@@ -70,10 +70,15 @@ def test_byte_sizes() -> None:
 @pytest.fixture
 def any_port(monkeypatch) -> None:
     """``serve``'s port check passes: for tests of other steps, whatever holds this machine's ports
-    (port 8000, the default, or an address that is not this machine's)."""
+    (port 8000, the default, or an address that is not this machine's); the cookie names that
+    ``serve`` then sets from its port are put back after the test."""
+    from django.conf import settings
+
     from engines.management.commands import serve
 
     monkeypatch.setattr(serve, "check_port_free", lambda host, port: None)
+    for name in ("SESSION_COOKIE_NAME", "CSRF_COOKIE_NAME"):
+        monkeypatch.setattr(settings, name, getattr(settings, name))
 
 
 def test_serve_serves_both_built_in_models_by_default_and_takes_kv_cache_bytes(monkeypatch, any_port) -> None:

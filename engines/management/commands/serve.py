@@ -35,6 +35,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import DEFAULT_DB_ALIAS, connections
 from django.db.migrations.executor import MigrationExecutor
 
+from debugsite.cookies import cookie_names
 from engines.dashboard.local_login import local_login_path
 from engines.dashboard.sampler import hub_for
 from engines.fleet import service as fleet
@@ -233,6 +234,8 @@ class Command(BaseCommand):
                                "--weights-dtype gguf)")
         specs = [] if options["router"] else self._model_specs(options["models"] or list(builtin_model_names()))
         check_port_free(host, port)
+        # Before the ASGI app is built (its websocket session middleware reads the name once).
+        settings.SESSION_COOKIE_NAME, settings.CSRF_COOKIE_NAME = cookie_names(port)
 
         # Until Daphne installs its own handlers, SIGTERM must unwind like Ctrl-C: a migration
         # rolls back and engines built so far are stopped, rather than the process dying mid-step.
