@@ -363,3 +363,13 @@ async def test_a_field_that_is_not_json_is_named_and_nothing_is_sent(page, dashb
     assert len(sent) == 1 and body_of(sent[0])["debug_config"] == {"ignore_eos": False}
     assert await page.is_hidden("#pg-debug-config-error") and await page.is_hidden("#pg-response-format-error")
     assert await page.text_content(".choice-text") == PARIS
+
+    # Caught here after an answer: the answer's stats and usage go, they are not this attempt's.
+    assert "TTFT" in await page.text_content("#pg-stats") and await page.is_visible("#pg-usage")
+    await page.fill("#pg-debug-config", "{ignore_eos}")
+    await page.click("#pg-send")
+    await page.wait_for_selector("#pg-debug-config-error li")
+    assert await page.text_content("#pg-stats") == "" and await page.is_hidden("#pg-usage")
+    assert await page.text_content(".choice-text") == PARIS  # the answer is the chat's: it stays
+    assert len(sent) == 1
+    await page.screenshot(path=str(SHOTS / "playground-bad-json-after-an-answer.png"), full_page=True)

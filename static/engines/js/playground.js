@@ -365,6 +365,9 @@ async function send(event) {
   const chat = kind === CHAT;
   const { request, errors } = buildRequest(kind);
   if (errors.length) {
+    // The last request's stats and usage are not this attempt's (its answer stays: it is in the chat).
+    $("pg-stats").textContent = "";
+    $("pg-usage").hidden = true;
     for (const [param, message] of errors) markField(param, message);
     // "debug_config is not JSON": the field's own line has the parser's words.
     showError(`Nothing was sent: ${errors.map(([, message]) => message.split(":")[0]).join("; ")} (see the form above).`);
