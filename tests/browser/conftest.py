@@ -129,6 +129,26 @@ async def page(dashboard_server: LiveServer, browser) -> AsyncIterator:
     assert errors == [], errors  # no script error on any page
 
 
+# The WCAG contrast ratio of an element's text colour against its background (its own, or the
+# nearest ancestor's that is not transparent): 4.5 or more reads as body text should.
+_CONTRAST = """element => {
+  const rgb = text => text.match(/[\\d.]+/g).map(Number);
+  const luminance = ([r, g, b]) => [r, g, b].map(v => v / 255)
+    .map(v => (v <= 0.03928 ? v / 12.92 : ((v + 0.055) / 1.055) ** 2.4))
+    .reduce((sum, v, i) => sum + v * [0.2126, 0.7152, 0.0722][i], 0);
+  let box = element;
+  while (box && rgb(getComputedStyle(box).backgroundColor)[3] === 0) box = box.parentElement;
+  const [fg, bg] = [getComputedStyle(element).color, box ? getComputedStyle(box).backgroundColor : "rgb(255,255,255)"]
+    .map(c => luminance(rgb(c)));
+  return (Math.max(fg, bg) + 0.05) / (Math.min(fg, bg) + 0.05);
+}"""
+
+
+async def contrast(page, selector: str) -> float:
+    """The contrast ratio of the first element ``selector`` finds (text against its background)."""
+    return await page.locator(selector).first.evaluate(_CONTRAST)
+
+
 def load(base: str, stop: threading.Event, clients: int = 4) -> threading.Thread:
     """Streaming requests in the background until ``stop``."""
     def run() -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.browser.conftest import SHOTS, LiveServer
+from tests.browser.conftest import SHOTS, LiveServer, contrast
 
 pytestmark = pytest.mark.slow
 
@@ -97,6 +97,15 @@ async def test_a_profile_page_sorts_draws_and_compares(page, dashboard_server: L
     assert await page.locator("#compare-kernels tbody tr td.change").first.text_content() != ""
     assert await page.evaluate("window.__xss") is None
     await page.screenshot(path=str(SHOTS / "profile-compare.png"), full_page=True)
+    # Its highlighted rows read in the dark theme too (the admin's text is near-white there).
+    await page.emulate_media(color_scheme="dark")
+    highlighted = [verdict for verdict in ("slower", "faster")
+                   if await page.locator(f"#compare-kernels tr.change-{verdict}").count()]
+    assert highlighted, "no kernel changed by more than the threshold: nothing to look at"
+    for verdict in highlighted:
+        assert await contrast(page, f"#compare-kernels tr.change-{verdict} td") >= 4.5, verdict
+    await page.screenshot(path=str(SHOTS / "profile-compare-dark.png"), full_page=True)
+    await page.emulate_media(color_scheme="light")
 
     # The kernels on the timeline: three lanes (steps, phases, kernels).
     await page.goto(f"{base}{second['url']}timeline/")
