@@ -13,7 +13,8 @@ from engines.models import ServerRecord
 from engines.registry import registry
 from engines.server_identity import server_id
 
-__all__ = ["LIST_NOTE_CHARS", "capture_window_text", "engine_dashboard_link", "ms_text", "note_cell", "when_cell"]
+__all__ = ["LIST_NOTE_CHARS", "capture_window_text", "engine_dashboard_link", "ms_text", "note_cell", "one_line_cell",
+           "when_cell"]
 
 #: How much of a note a list row shows (the whole note is the cell's tooltip and on the record).
 LIST_NOTE_CHARS = 90
@@ -40,6 +41,13 @@ def note_cell(note: str, tags: list[str] | None = None) -> str:
                        Truncator(note).chars(LIST_NOTE_CHARS)) if note else ""
     labels = format_html_join("", '<span class="engines-tag">{}</span>', ((tag,) for tag in tags or ()))
     return format_html("{}{}", text, format_html('<span class="engines-tags">{}</span>', labels) if labels else "")
+
+
+def one_line_cell(text: str) -> str:
+    """A list cell with ``text`` on one line, cut short with an ellipsis where the column is too
+    narrow for it (history.css) and whole in its tooltip: ids and names that broke over many
+    lines, or pushed the table past its box, at 900 px."""
+    return format_html('<span class="engines-one-line" title="{}">{}</span>', text, text)
 
 
 def when_cell(moment: datetime, below: str = "") -> str:

@@ -15,7 +15,7 @@ from django.http import HttpRequest, HttpResponse
 from django.utils.html import format_html
 from django.utils.http import urlencode
 
-from engines.admin.cells import engine_dashboard_link, when_cell
+from engines.admin.cells import engine_dashboard_link, one_line_cell, when_cell
 from engines.admin.large_tables import EstimatedCountPaginator, IndexedValuesFilter, distinct_rows
 from engines.admin.servers import UNRECORDED_PARAMETER, ServerColumn, ServerFilter, server_choice
 from engines.history.autosave import METRICS_HEARTBEAT_S
@@ -52,7 +52,7 @@ _SNAPSHOT_COLUMNS = (
 class MetricsSnapshotAdmin(ServerColumn, admin.ModelAdmin):
     """Snapshots of the engines' metrics; filtered to one engine, one server's charted above the list."""
 
-    list_display = ("taken", "engine", "server_column", "model", *_SNAPSHOT_COLUMNS)
+    list_display = ("taken", "engine_name", "server_column", "model_name", *_SNAPSHOT_COLUMNS)
     list_display_links = ("taken",)
     list_filter = (("engine", IndexedValuesFilter), ServerFilter, "taken_at")
     ordering = ("-taken_at", "-id")
@@ -110,6 +110,14 @@ class MetricsSnapshotAdmin(ServerColumn, admin.ModelAdmin):
     @admin.display(description="taken at", ordering="taken_at")
     def taken(self, obj: MetricsSnapshot) -> str:
         return when_cell(obj.taken_at)
+
+    @admin.display(description="engine", ordering="engine")
+    def engine_name(self, obj: MetricsSnapshot) -> str:
+        return one_line_cell(obj.engine)
+
+    @admin.display(description="model", ordering="model")
+    def model_name(self, obj: MetricsSnapshot) -> str:
+        return one_line_cell(obj.model)
 
     @admin.display(description="dashboard")
     def engine_dashboard(self, obj: MetricsSnapshot) -> str:

@@ -13,7 +13,7 @@ from django.http import HttpRequest
 from django.urls import reverse
 from django.utils.html import format_html
 
-from engines.admin.cells import ms_text
+from engines.admin.cells import ms_text, one_line_cell
 from engines.admin.large_tables import EstimatedCountPaginator, distinct_values, indexed_fields
 from engines.admin.servers import ServerColumn, ServerFilter
 from engines.history.columns import REQUEST_COLUMNS, RequestColumn
@@ -65,6 +65,8 @@ def _summary_column(column: RequestColumn, sortable: bool) -> Callable[[RequestS
     """``column`` in the request-summary admin: its header, a duration in ms, and sortable if asked."""
     def value(summary: RequestSummary) -> Any:
         raw = getattr(summary, column.field)
+        if column.field == "request_id":
+            return one_line_cell(raw)
         return ms_text(raw) if column.is_duration else raw
 
     value.__name__ = column.field  # the list's CSS class, column-<field>
@@ -110,9 +112,8 @@ class RequestSummaryAdmin(ServerColumn, admin.ModelAdmin):
     @admin.display(description="trace", ordering="trace_id")
     def trace_link(self, obj: RequestSummary) -> str:
         # trace_id only: linking back needs no join and no query per row.
-        return format_html('<a href="{}">{} #{}</a>',
-                           reverse("admin:engines_tracerecord_change", args=[obj.trace_id]), obj.engine,
-                           obj.trace_id)
+        return format_html('<a href="{}">{}</a>', reverse("admin:engines_tracerecord_change", args=[obj.trace_id]),
+                           one_line_cell(f"{obj.engine} #{obj.trace_id}"))
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False

@@ -149,6 +149,21 @@ async def contrast(page, selector: str) -> float:
     return await page.locator(selector).first.evaluate(_CONTRAST)
 
 
+# Each element's text, whether it takes more than one line, and whether the whole text is in its
+# tooltip when it is cut short (an ellipsis: its content is wider than its box).
+_LINES = """elements => elements.filter(e => e.getBoundingClientRect().width > 0).map(e => {
+  const line = parseFloat(getComputedStyle(e).lineHeight) || 1.2 * parseFloat(getComputedStyle(e).fontSize);
+  return {text: e.textContent, lines: Math.round(e.getBoundingClientRect().height / line),
+          cut: e.scrollWidth > e.clientWidth, tooltip: e.title};
+})"""
+
+
+async def text_lines(page, selector: str) -> list[dict]:
+    """Every visible element ``selector`` finds: ``text``, ``lines`` it takes, whether it is ``cut``
+    short, and its ``tooltip``."""
+    return await page.eval_on_selector_all(selector, _LINES)
+
+
 def load(base: str, stop: threading.Event, clients: int = 4) -> threading.Thread:
     """Streaming requests in the background until ``stop``."""
     def run() -> None:

@@ -13,7 +13,7 @@ import threading
 import httpx
 import pytest
 
-from tests.browser.conftest import SHOTS, LiveServer, load
+from tests.browser.conftest import SHOTS, LiveServer, load, text_lines
 
 pytestmark = pytest.mark.slow
 SERVE_MODELS = ("demo",)  # the real model's pages are test_playground's; this module restarts its server
@@ -215,6 +215,30 @@ async def test_a_disaggregated_requests_two_halves_show_in_the_recent_table(
     rows = await page.locator("#recent tbody tr").all_text_contents()
     assert all(row.startswith("disagg-in-the-browser") for row in rows[:2])
     await page.locator("#recent-module").screenshot(path=str(SHOTS / "engine-disaggregated-halves.png"))
+
+
+async def test_the_engine_page_fits_900_px_with_long_request_ids(page, dashboard_server: LiveServer) -> None:
+    """At 900 px beside the admin's sidebar: nothing past the window's edge (the request tables
+    scroll inside their modules), each request id on one line, cut short, whole in its tooltip."""
+    long_ids = [f"narrow-window-request-{i}-0123456789abcdef0123456789abcdef" for i in range(3)]
+    with httpx.Client(base_url=dashboard_server.base, timeout=60) as http:
+        for request_id in long_ids:
+            done = http.post("/v1/completions", json={"model": "demo", "prompt": "a long id", "max_tokens": 2,
+                                                       "user": request_id})
+            assert done.status_code == 200, done.text
+    for scheme in ("light", "dark"):
+        await page.emulate_media(color_scheme=scheme)
+        await page.set_viewport_size({"width": 900, "height": 1000})
+        await page.goto(f"{dashboard_server.base}/dashboard/engines/demo/")
+        await page.wait_for_selector(f'#recent .request-id[title="{long_ids[-1]}"]', timeout=15000)
+        assert await page.evaluate("document.scrollingElement.scrollWidth") <= 900
+        ids = await text_lines(page, "#recent .request-id")
+        assert set(long_ids) <= {request["text"] for request in ids}
+        assert all(request["lines"] == 1 and request["tooltip"] == request["text"] for request in ids), ids
+        assert all(request["cut"] for request in ids if request["text"] in long_ids)
+        await page.screenshot(path=str(SHOTS / f"engine-900-{scheme}.png"), full_page=True)
+    await page.emulate_media(color_scheme="light")
+    await page.set_viewport_size({"width": 1400, "height": 1000})
 
 
 async def test_a_killed_engine_shows_restarting_then_running(page, dashboard_server: LiveServer) -> None:

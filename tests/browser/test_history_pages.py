@@ -23,15 +23,19 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.browser.conftest import SHOTS, LiveServer, load
+from tests.browser.conftest import SHOTS, LiveServer, load, text_lines
 
 pytestmark = pytest.mark.slow
 
 WIDTHS = (1400, 900)
 #: Metrics snapshots every 2 s (serve's default is 10): the charts' points come in seconds.
 EXTRA_SERVE_ARGS = ["--metrics-snapshot-interval", "2"]
+#: The idle engine's served name: long, as a GGUF file's name is, for the lists at 900 px.
+IDLE = "idle-demo-engine-served-under-a-long-name"
 #: The demo, and a second one that no request goes to.
-SERVE_MODELS = ("demo", "demo:idle")
+SERVE_MODELS = ("demo", f"demo:{IDLE}")
+#: Request ids as long as clients send (an OpenAI ``user``, a uuid-bearing id).
+LONG_IDS = [f"history-page-request-{i}-0123456789abcdef0123456789abcdef" for i in range(2)]
 
 # What lies outside the window or outside the box that clips it (a change list's table scrolls
 # inside its .results box): the document's overflow, and each visible cell past either edge.
@@ -137,6 +141,10 @@ async def test_the_history_pages_fit_at_1400_and_900_px(page, dashboard_server: 
                     "num_finished_requests"] < 4:  # a trace with finished requests in it
                 assert time.monotonic() < deadline, "no request finished under load"
                 await asyncio.sleep(1)
+            for request_id in LONG_IDS:
+                done = http.post("/v1/completions", json={"model": "demo", "prompt": "a long id", "max_tokens": 2,
+                                                           "user": request_id})
+                assert done.status_code == 200, done.text
             saved = http.post("/debug/save_event_trace", json={
                 "model": "demo", "note": "history pages: three streaming clients, <b>not bold</b>",
                 "tags": ["browser", "history"]})
@@ -152,7 +160,7 @@ async def test_the_history_pages_fit_at_1400_and_900_px(page, dashboard_server: 
     finally:
         stop.set()
         worker.join(30)
-    idle_snapshots = snapshot_count(dashboard_server, "idle")  # the engine no request went to
+    idle_snapshots = snapshot_count(dashboard_server, IDLE)  # the engine no request went to
     assert idle_snapshots >= 1
 
     # The trace list: note, tags, source and the way into the timeline.
@@ -172,6 +180,12 @@ async def test_the_history_pages_fit_at_1400_and_900_px(page, dashboard_server: 
     readable = r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3} – \d\d:\d\d:\d\d\.\d{3} UTC \([\d.]+ (s|ms)\)"
     assert re.fullmatch(readable, window), window
 
+    # The snapshot list at 900 px: a long engine name on one line, cut short, whole in its tooltip.
+    await show(page, f"{base}/admin/engines/metricssnapshot/?engine={IDLE}", "snapshot-list", "#result_list")
+    names = await text_lines(page, "#result_list .field-engine_name > *")
+    assert IDLE in {name["text"] for name in names}
+    assert all(name["lines"] == 1 and name["tooltip"] == name["text"] for name in names), names
+    assert any(name["cut"] for name in names if name["text"] == IDLE)
     # The metrics snapshot charts, above the list: this server's engine, though another server
     # wrote snapshots of an engine of the same name in the same seconds.
     here = f"{socket.gethostname()}:{base.rsplit(':', 1)[1]}"
@@ -219,6 +233,10 @@ async def test_the_history_pages_fit_at_1400_and_900_px(page, dashboard_server: 
     await show(page, f"{base}/admin/engines/requestsummary/", "requests", "#result_list")
     assert await visible_columns(page) == ["request id", "trace", "finish reason", "prompt tokens",
                                            "completion tokens", "queue (ms)", "ttft (ms)", "e2e (ms)"]  # at 900 px
+    ids = await text_lines(page, "#result_list .field-request_id .engines-one-line")
+    assert set(LONG_IDS) <= {request["text"] for request in ids}
+    assert all(request["lines"] == 1 and request["tooltip"] == request["text"] for request in ids), ids
+    assert all(request["cut"] for request in ids if request["text"] in LONG_IDS)
     await page.set_viewport_size({"width": 1400, "height": 1000})
     assert len(await visible_columns(page)) == 13
     assert await page.evaluate(OFF_SCREEN) == []
@@ -237,4 +255,4 @@ async def test_the_history_pages_fit_at_1400_and_900_px(page, dashboard_server: 
     assert "(B − A) / A" in await page.locator("#compare-kernels thead").inner_text()
 
     # Tens of seconds later the idle engine has added no snapshot: each would equal its last.
-    assert snapshot_count(dashboard_server, "idle") == idle_snapshots
+    assert snapshot_count(dashboard_server, IDLE) == idle_snapshots

@@ -87,6 +87,12 @@ async def test_a_profile_page_sorts_draws_and_compares(page, dashboard_server: L
     zoomed = await canvas.bounding_box()
     await page.mouse.click(zoomed["x"] + 5, zoomed["y"] + zoomed["height"] - 18 - 9)
     assert await page.evaluate("window.profilePage.flame.focus.name") == "all"
+    # At 900 px beside the sidebar the page stays in the window: the kernel table scrolls in its box.
+    await page.set_viewport_size({"width": 900, "height": 1000})
+    # (the step chart and the flame graph are drawn again to their boxes' width once the resizing settles)
+    await page.wait_for_function("document.scrollingElement.scrollWidth <= 900", timeout=10000)
+    await page.screenshot(path=str(SHOTS / "profile-900.png"), full_page=True)
+    await page.set_viewport_size({"width": 1400, "height": 1000})
 
     # Compare with the first profile: every kernel in one table, the change column filled.
     await page.select_option("#compare-b", str(first["profile_id"]))

@@ -152,6 +152,11 @@ function fillTable(body, items, cells, emptyText, decorate = null) {
       td.textContent = value;  // ids and reasons come from clients: text, never HTML
       tr.append(td);
     }
+    // The request id on one line, cut short with an ellipsis; whole in its tooltip.
+    const id = document.createElement("span");
+    id.className = "request-id";
+    id.title = id.textContent = tr.firstChild.textContent;
+    tr.firstChild.replaceChildren(id);
     if (item.disagg) {  // one half of a disaggregated request: the other has the same id on its engine
       const tag = document.createElement("span");
       tag.className = "disagg-tag";

@@ -64,6 +64,7 @@ export class FlameGraph {
   }
 
   draw() {
+    this.canvas.style.width = "0"; // measured without the last draw's width, which held the box open
     const padding = parseFloat(getComputedStyle(this.box).paddingLeft) + parseFloat(getComputedStyle(this.box).paddingRight);
     const width = Math.max(320, this.box.clientWidth - padding);
     // The focused frame's ancestors each take a full-width row below it.

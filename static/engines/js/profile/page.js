@@ -121,10 +121,13 @@ async function load() {
     ? `${peak.bandwidth_gbs.toFixed(1)} GB/s (${peak.source === "device" ? "the device's" : "measured on this host"})`
     : "unknown";
   stepChart(profile);
-  onRestyle(() => stepChart(profile));
   if (profile.stacks && profile.stacks.samples) {
     state.flame = new FlameGraph($("flame"), $("flame-tip"), profile.stacks);
   }
+  onRestyle(() => { // another theme, or another window width: both drawn again to fit
+    stepChart(profile);
+    state.flame?.draw();
+  });
   configTable(profile.config);
   $("profile-status").textContent = "";
   state.ready = true;
