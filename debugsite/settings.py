@@ -131,6 +131,8 @@ LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
 USE_I18N = True
 USE_TZ = True
+# One time format across the product (debugsite/formats/en/formats.py says why it is a module).
+FORMAT_MODULE_PATH = ["debugsite.formats"]
 
 STATIC_URL = "static/"
 STATICFILES_DIRS = [BASE_DIR / "static"]

@@ -6,6 +6,7 @@ from datetime import datetime, timezone as dt_timezone
 
 from django.urls import reverse
 from django.utils import timezone
+from django.utils.formats import date_format, time_format
 from django.utils.html import format_html, format_html_join
 from django.utils.text import Truncator
 
@@ -51,12 +52,12 @@ def one_line_cell(text: str) -> str:
 
 
 def when_cell(moment: datetime, below: str = "") -> str:
-    """A list cell with a date and time to the second in the site's time zone (the admin's own
-    format has no seconds, and snapshots come seconds apart), and ``below`` under it."""
+    """A list cell with a date and time to the second in the site's time zone (the site's formats:
+    debugsite/formats), the time under the date, and ``below`` under both."""
     local = timezone.localtime(moment)
     under = format_html('<span class="engines-quiet">{}</span>', below) if below else ""
-    return format_html('<span class="engines-when">{} <span>{}</span></span>{}', f"{local:%Y-%m-%d}",
-                       f"{local:%H:%M:%S}", under)
+    return format_html('<span class="engines-when">{} <span>{}</span></span>{}', date_format(local, "DATE_FORMAT"),
+                       time_format(local, "TIME_FORMAT"), under)
 
 
 def _local_time(us: int) -> datetime:

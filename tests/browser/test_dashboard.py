@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import threading
 
@@ -79,6 +80,12 @@ async def test_engine_page_charts_controls_and_history_link(page, dashboard_serv
         assert "decode_tokens_per_s (decode tokens ÷ decode step time, since reset)" in headers
         await asyncio.sleep(3)
         await page.screenshot(path=str(SHOTS / "engine-load.png"), full_page=True)
+        # Times as the product prints them: 24-hour ticks (the date under the first), the legend's
+        # moment in full (uPlot's own are "8:00pm 12/1/26" and "2026-12-01 8:00pm").
+        ticks = await page.evaluate("window.enginePage.charts.rates.plot.axes[0]._values")
+        assert ticks and all(re.fullmatch(r"\d\d:\d\d(:\d\d)?(\n\d{4}-\d\d-\d\d)?", t) for t in ticks), ticks
+        moment = await page.text_content('[data-chart="rates"] .u-legend .u-series:first-child .u-value')
+        assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", moment), moment
     finally:
         stop.set()
         worker.join(30)

@@ -5,6 +5,7 @@ started again. Screenshots in ``var/screenshots/feed-*.png``."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 import uuid
 from collections.abc import Iterator
@@ -70,6 +71,7 @@ async def test_the_engine_pages_say_their_feed_is_interrupted_while_redis_is_dow
             notice = await page.text_content(NOTICE)
             assert notice.startswith("The live feed is interrupted: the channel layer (Redis) does not answer"), notice
             assert "they come back by themselves" in notice
+            assert re.search(r"The figures below are from \d\d:\d\d:\d\d;", notice), notice  # 24-hour
             assert await page.text_content("#connection") == "live feed interrupted"
         # The figures are faded, not shown as if live; the page's socket stays open (no reconnect).
         assert await engine.eval_on_selector("#charts", "el => getComputedStyle(el).opacity") == "0.5"

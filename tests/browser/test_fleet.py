@@ -159,7 +159,7 @@ async def test_two_servers_and_a_foreign_one_in_one_grid_from_either(fleet_serve
             """() => [...document.querySelectorAll('#fleet-body tr.fleet-group .state')]
                      .some(el => el.textContent === 'gone')""", timeout=30000)
         detail = await page_b.text_content("#fleet-body tr.fleet-group:has(.state[data-state=gone])")
-        assert "last seen" in detail
+        assert re.search(r"last seen .+ ago \(\d\d:\d\d:\d\d\)", detail), detail  # the time in 24-hour
         await page_b.screenshot(path=str(SHOTS / "fleet-one-gone.png"), full_page=True)
         assert errors_a == [] and errors_b == []
     finally:

@@ -223,7 +223,7 @@ def test_the_snapshot_list_charts_the_engine_it_is_filtered_to(admin_client, dja
     embedded = html.split('<script id="snapshot-charts-data" type="application/json">')[1].split("</script>")[0]
     assert json.loads(embedded) == json.loads(json.dumps(data))
     assert "vendor/uplot-1.6.32/uPlot.iife.min.js" in html and "engines/js/history/snapshots.js" in html
-    assert 'id="snapshot-charts" data-time-zone="UTC"' in html
+    assert '<meta name="time-zone" content="UTC">' in html  # the zone the charts' times are in (format.js)
     assert html.index('id="snapshot-charts"') < html.index('id="result_list"')  # above the table
     # The dashboard's links name the engine with the plain lookup: the same charts.
     assert admin_client.get(reverse(SNAPSHOTS), {"engine__exact": "eng-a"}).context["snapshot_charts"]["count"] == 30

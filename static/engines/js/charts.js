@@ -1,7 +1,8 @@
 // Live time-series charts on uPlot for the engine page and the overview: the last five minutes,
-// in the admin's colours (light or dark, redrawn when the theme changes), y labels sized to fit,
-// whole numbers on count axes, each legend showing the newest values until the cursor points at
-// others, and a gap (not a line) where the engine gave no numbers (a value alone between gaps: a dot).
+// in the admin's colours (light or dark, redrawn when the theme changes), times as the product
+// prints them (format.js: 24-hour, the site's time zone), y labels sized to fit, whole numbers on
+// count axes, each legend showing the newest values until the cursor points at others, and a gap
+// (not a line) where the engine gave no numbers (a value alone between gaps: a dot).
 import * as fmt from "./format.js";
 
 export const WINDOW_SECONDS = 300;
@@ -105,6 +106,7 @@ export class TimeChart {
     this.plot = new uPlot({
       width: this.compact ? this.box.clientWidth || 160 : Math.max(280, this.box.clientWidth - 8),
       height: this.height,
+      tzDate: fmt.zonedDate,
       legend: { show: !this.compact, live: true },
       cursor: { show: !this.compact },
       scales: {
@@ -112,12 +114,12 @@ export class TimeChart {
         // From zero, a little above the highest value, never below 1 (an idle chart reads 0 to 1).
         y: { range: (u, min, max) => [0, kind.max ?? Math.max(Number.isFinite(max) ? max * 1.1 : 1, 1)] },
       },
-      series: [{}, ...this.series.map(([label, stroke]) => ({
+      series: [{ value: (u, ts) => fmt.dateTime(ts) }, ...this.series.map(([label, stroke]) => ({
         label, stroke, width: 1.5, points: { show: false, filter: lonePoints, size: 6, stroke, fill: stroke },
         value: (u, v) => (v == null ? "–" : kind.format(v)),
         ...(this.compact ? { fill: `${stroke}26` } : {}),
       }))],
-      axes: this.compact ? [{ show: false }, { show: false }] : [themedAxis(), axisY],
+      axes: this.compact ? [{ show: false }, { show: false }] : [themedAxis({ values: fmt.timeTicks }), axisY],
       hooks: {
         setCursor: [(u) => { if (u.cursor.left == null || u.cursor.left < 0) this.showLatest(); }],
         draw: [(u) => this.drawMarkers(u)],

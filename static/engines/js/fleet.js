@@ -132,7 +132,7 @@ function lastFigures(row) {
   if (has("kv_usage")) parts.push(`KV ${fmt.percent(row.figures.kv_usage)}`);
   if (has("prompt_tokens")) parts.push(`prefill ${fmt.rate(row.figures.prompt_tokens)} tok/s`);
   if (has("generation_tokens")) parts.push(`decode ${fmt.rate(row.figures.generation_tokens)} tok/s`);
-  return [`as of ${fmt.clock(row.at)}`, ...parts];
+  return [`as of ${fmt.timeOfDay(row.at)}`, ...parts];
 }
 
 /** Show `parts` in `line`, "first: a · b · c", each part kept on one line. */
@@ -178,7 +178,7 @@ function fill(entry, row, now, server) {
     set(c.itl, ...pair(row, "itl"));
   }
   const stale = now - row.at;
-  set(c.age, age(stale), `read ${fmt.clock(row.at)}`);
+  set(c.age, age(stale), `read ${fmt.timeOfDay(row.at)}`);
   entry.tr.dataset.stale = stale > 5 ? "yes" : "no";
 }
 
@@ -232,7 +232,7 @@ function goneRule(view) {
 /** A server of ours' state badge's tooltip: its last beat, and when it would be gone. */
 function beatTitle(s, view) {
   if (s.kind !== "ours" || s.last_seen == null) return "";
-  const last = s.state === "up" ? `last beat ${age(s.age_s)} ago` : `last beat at ${fmt.clock(s.last_seen)}`;
+  const last = s.state === "up" ? `last beat ${age(s.age_s)} ago` : `last beat at ${fmt.timeOfDay(s.last_seen)}`;
   return `${last}; a server is gone after ${goneRule(view)}`;
 }
 
@@ -241,7 +241,7 @@ function serverDetail(s, now) {
   if (s.roles && s.roles.length) parts.push(s.roles.join(", "));
   if (s.url) parts.push(s.url);
   if (s.state === "gone" || s.state === "stopped") {
-    parts.push(`last seen ${age(s.age_s)} ago (${fmt.clock(s.last_seen)})`);
+    parts.push(`last seen ${age(s.age_s)} ago (${fmt.timeOfDay(s.last_seen)})`);
   }
   if (s.error) parts.push(s.error);
   const missing = Object.keys(s.missing_controls || {});
@@ -356,7 +356,7 @@ function renderTotals(view, liveRows, shownServers, needle) {
     "reading, and count in no total. A server back on its URL takes its own place.");
   const where = view.shared ? `fleet “${view.fleet}”, shared over Redis` : "this server alone (no REDIS_URL)";
   summary.textContent = `${view.servers.length} server(s), ${view.rows.length} engine(s) · ${where} · ` +
-    `as of ${fmt.clock(view.at)}`;
+    `as of ${fmt.timeOfDay(view.at)}`;
 }
 
 function onMessage(message) {
@@ -374,7 +374,7 @@ function onMessage(message) {
   } else if (message.type === "fleet_unavailable") {
     notice.hidden = false;
     notice.textContent = `The live feed is interrupted: ${message.error}. The figures below are from ` +
-      (latest ? fmt.clock(latest.at) : "nowhere yet") + "; retrying every second.";
+      (latest ? fmt.timeOfDay(latest.at) : "nowhere yet") + "; retrying every second.";
     document.body.dataset.feed = "interrupted";
   } else if (message.type === "error") {
     notice.hidden = false;

@@ -1,4 +1,5 @@
-// Numbers the way a person reads them: units, a few significant digits, never 17 of them.
+// Numbers the way a person reads them: units, a few significant digits, never 17 of them; and
+// times in one format across the product.
 
 const grouped = new Intl.NumberFormat(undefined, { maximumFractionDigits: 0 });
 
@@ -26,13 +27,6 @@ export function compact(value) {
   if (Math.abs(value) >= 1000) return short.format(value);
   if (Number.isInteger(value)) return String(value);
   return Math.abs(value) >= 10 ? value.toFixed(0) : String(Number(value.toPrecision(2)));
-}
-
-/** A wall-clock time from Unix seconds, "HH:MM:SS" on a 24-hour clock in the viewer's time zone. */
-export function clock(unixSeconds) {
-  if (unixSeconds == null || Number.isNaN(unixSeconds)) return "–";
-  const d = new Date(unixSeconds * 1000);
-  return [d.getHours(), d.getMinutes(), d.getSeconds()].map((n) => String(n).padStart(2, "0")).join(":");
 }
 
 /** The window a "now" figure is over, as its label says it: "last 5 s" (`metrics.now.window_s`). */
@@ -67,4 +61,59 @@ export function state(snapshot) {
 export function stateKind(snapshot) {
   if (snapshot.draining) return "draining";
   return snapshot.state === "running" && snapshot.slow ? "slow" : snapshot.state;
+}
+
+// ---------------------------------------------------------------------------------- times
+
+// One format for every time the product shows, the one its admin pages print (Django's
+// DATETIME_FORMAT, debugsite/formats): "2026-12-01 20:02:56", 24-hour, or "20:02:56" where only the
+// time of day matters; in the site's time zone, which the admin's base page names
+// (<meta name="time-zone">; the browser's own on a page that does not).
+
+/** The site's time zone (an IANA name), or undefined for the browser's own. */
+export const timeZone = document.querySelector('meta[name="time-zone"]')?.content || undefined;
+
+const clockFormat = new Intl.DateTimeFormat("en-GB", {
+  timeZone, hourCycle: "h23", year: "numeric", month: "2-digit", day: "2-digit",
+  hour: "2-digit", minute: "2-digit", second: "2-digit",
+});
+
+/** Unix seconds -> {date: "2026-12-01", minute: "20:02", second: "20:02:56"} in the site's zone. */
+export function clock(epochSeconds) {
+  const p = Object.fromEntries(clockFormat.formatToParts(new Date(epochSeconds * 1000))
+    .map(({ type, value }) => [type, value]));
+  const minute = `${p.hour}:${p.minute}`;
+  return { date: `${p.year}-${p.month}-${p.day}`, minute, second: `${minute}:${p.second}` };
+}
+
+/** "2026-12-01 20:02:56" (Unix seconds; a dash for none). */
+export function dateTime(epochSeconds) {
+  if (epochSeconds == null || !Number.isFinite(epochSeconds)) return "–";
+  const c = clock(epochSeconds);
+  return `${c.date} ${c.second}`;
+}
+
+/** "20:02:56" (Unix seconds; a dash for none). */
+export function timeOfDay(epochSeconds) {
+  return epochSeconds == null || !Number.isFinite(epochSeconds) ? "–" : clock(epochSeconds).second;
+}
+
+/** A uPlot time axis's labels (its `values`): hours and minutes, with seconds when the ticks are
+ * under a minute apart, and the date under the first tick and under each new day (uPlot's own
+ * are 12-hour, "8:00pm 12/1/26"). */
+export function timeTicks(u, splits, axisIdx, space, increment) {
+  let day = null;
+  return splits.map((ts) => {
+    const c = clock(ts);
+    const time = increment < 60 ? c.second : c.minute;
+    const label = c.date !== day ? `${time}\n${c.date}` : time;
+    day = c.date;
+    return label;
+  });
+}
+
+/** uPlot's `tzDate`: ticks fall on the site's round minutes and hours, not the browser's. */
+export function zonedDate(epochSeconds) {
+  const date = new Date(epochSeconds * 1000);
+  return timeZone && window.uPlot ? uPlot.tzDate(date, timeZone) : date;
 }

@@ -1,5 +1,6 @@
 // A dashboard websocket that comes back: reconnects with backoff and shows its state in the header,
 // and whether the snapshots it carries arrive (the server's `feed` messages).
+import { timeOfDay } from "./format.js";
 
 const indicator = () => document.getElementById("connection");
 
@@ -27,7 +28,7 @@ function showFeed(message, lastAt) {
   const notice = document.getElementById("feed-notice");
   if (notice) {
     notice.hidden = !interrupted;
-    const since = lastAt ? new Date(lastAt * 1000).toLocaleTimeString() : "before this page opened";
+    const since = lastAt ? timeOfDay(lastAt) : "before this page opened";
     notice.textContent = interrupted ? `The live feed is interrupted: ${message.reason}. The figures below are ` +
       `from ${since}; they come back by themselves when it answers.` : "";
   }

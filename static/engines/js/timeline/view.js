@@ -3,6 +3,7 @@
 // A frame costs what is on screen, not what is in the trace: only the lanes in view are drawn,
 // each row is entered by binary search, and where spans are thinner than a pixel the loop
 // draws one pixel and jumps (binary search again) to the first span of the next pixel.
+import { timeOfDay } from "../format.js";
 
 const ROW_H = 14;
 const LANE_PAD = 6;
@@ -386,9 +387,8 @@ export class TimelineView {
     this.ticks = ticks;
     // The trace's own clock: the wall time of the view's left edge (ts is µs since the epoch).
     ctx.fillStyle = "#417690";
-    const left = new Date(this.t0 / 1000);
     const clock = Number.isFinite(this.t0) && this.t0 > 1e12
-      ? `${left.toLocaleTimeString([], { hour12: false })}.${String(Math.floor((this.t0 / 1000) % 1000)).padStart(3, "0")}`
+      ? `${timeOfDay(this.t0 / 1e6)}.${String(Math.floor((this.t0 / 1000) % 1000)).padStart(3, "0")}`
       : "";
     ctx.fillText(clock, 6, RULER_H / 2);
   }
