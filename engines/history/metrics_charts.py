@@ -54,9 +54,13 @@ class ChartSeries:
 
 @dataclass(frozen=True)
 class MetricsChart:
+    """One chart: its key and title, its lines, and whether its values are counts (``integer``:
+    its axis ticks at whole numbers, never 0.5 requests)."""
+
     key: str
     title: str
     series: tuple[ChartSeries, ...]
+    integer: bool = False
 
 
 # The engine page's live charts (static/engines/js/engine.js), in its colours.
@@ -66,7 +70,7 @@ CHARTS: tuple[MetricsChart, ...] = (
         ChartSeries("decode tok/s", "#d46a00", "decode_tokens_processed", rate=True))),
     MetricsChart("requests", "Requests", (
         ChartSeries("running", "#417690", "num_running_requests"),
-        ChartSeries("waiting", "#ba2121", "num_waiting_requests"))),
+        ChartSeries("waiting", "#ba2121", "num_waiting_requests")), integer=True),
     MetricsChart("kv", "KV-cache use (%)", (
         ChartSeries("KV cache %", "#417690", "kv_cache_usage", scale=100),)),
     MetricsChart("latency", "TTFT and inter-token latency (ms)", (
@@ -75,7 +79,7 @@ CHARTS: tuple[MetricsChart, ...] = (
         ChartSeries("ITL p50", "#d46a00", "inter_token_latency_s__p50", scale=1000),
         ChartSeries("ITL p99", "#f0a35e", "inter_token_latency_s__p99", scale=1000))),
     MetricsChart("preemptions", "Preemptions (since the engine started)", (
-        ChartSeries("preemptions", "#ba2121", "num_preemptions"),)),
+        ChartSeries("preemptions", "#ba2121", "num_preemptions"),), integer=True),
 )
 
 _PATHS = tuple(dict.fromkeys(s.path for chart in CHARTS for s in chart.series))
@@ -95,7 +99,7 @@ def chart_data(points: Sequence[tuple[datetime, dict[str, Any]]], *, truncated: 
                heartbeat_s: float = METRICS_HEARTBEAT_S) -> dict[str, Any]:
     """Chart series from ``points`` (taken at, {path: value}), oldest first, by the module's rules.
 
-    Returns ``{"x": [epoch seconds], "charts": [{key, title, series: [{label, color, values}]}],
+    Returns ``{"x": [epoch seconds], "charts": [{key, title, integer, series: [{label, color, values}]}],
     "count", "first", "last", "truncated", "interval_s"}``; a value is ``None`` where there is none.
     """
     times = [taken_at.timestamp() for taken_at, _ in points]
@@ -113,7 +117,7 @@ def chart_data(points: Sequence[tuple[datetime, dict[str, Any]]], *, truncated: 
                 rows.append(points[i - 1][1])  # the values held until then
         xs.append(t)
         rows.append(values)
-    charts = [{"key": chart.key, "title": chart.title,
+    charts = [{"key": chart.key, "title": chart.title, "integer": chart.integer,
                "series": [{"label": s.label, "color": s.color, "values": _values(s, xs, rows)}
                           for s in chart.series]}
               for chart in CHARTS]

@@ -198,6 +198,11 @@ async def test_the_history_pages_fit_at_1400_and_900_px(page, dashboard_server: 
     assert len(data["x"]) >= 4 and len(data["x"]) == len(set(data["x"]))  # one point a moment: one server's
     decode = next(s["values"] for c in data["charts"] for s in c["series"] if s["label"] == "decode tok/s")
     assert 0 < max(v for v in decode if v is not None) < OTHER_RATE / 10
+    # Counts tick at whole numbers: never 0.5 requests or preemptions.
+    for index, chart in enumerate(data["charts"]):
+        if chart["key"] in ("requests", "preemptions"):
+            ticks = await page.evaluate(f"window.snapshotCharts.plots[{index}].axes[1]._values")
+            assert ticks and all(float(t.replace(",", "")).is_integer() for t in ticks), (chart["key"], ticks)
     # The pointer on one chart names the moment on all of them.
     await page.locator("#snapshot-charts .u-over").first.hover(position={"x": 120, "y": 40})
     moments = await page.locator("#snapshot-charts .u-legend tr:first-child .u-value").all_inner_texts()

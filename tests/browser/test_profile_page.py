@@ -134,6 +134,17 @@ async def test_a_profile_page_sorts_draws_and_compares(page, dashboard_server: L
     assert {"steps", "phases", "kernels"} == set(first_cells)
     await page.screenshot(path=str(SHOTS / "profile-timeline.png"), full_page=True)
 
+    # A profile of two or three steps: its step axis ticks at whole steps, never at step 0.5.
+    with httpx.Client(base_url=base, timeout=60) as http:
+        assert http.post("/debug/profile_start", json={"model": "demo"}).status_code == 200
+        http.post("/v1/completions", json={"model": "demo", "prompt": "short", "max_tokens": 2,
+                                           "debug_config": {"ignore_eos": True}})
+        short = http.post("/debug/profile_stop", json={"model": "demo"}).json()
+    await page.goto(f"{base}{short['url']}")
+    await page.wait_for_function("window.profilePage && window.profilePage.ready === true", timeout=30000)
+    ticks = await page.evaluate("window.profilePage.stepChart.axes[0]._values")
+    assert ticks and all(float(t).is_integer() for t in ticks), ticks
+
     # A profile that is not (or no longer) kept: a page that says so, in the admin's frame.
     missing = await page.goto(f"{base}/dashboard/profiles/999999/")
     assert missing.status == 404 and "There is no profile #999999" in await page.text_content("#profile-problem")

@@ -7,9 +7,13 @@ import * as fmt from "./format.js";
 
 export const WINDOW_SECONDS = 300;
 
+/** The steps a count's axis may tick at (uPlot `incrs`): whole numbers only, never 0.5 requests. */
+export const INTEGER_INCRS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1e3, 2e3, 5e3, 1e4, 2e4, 5e4, 1e5, 2e5, 5e5, 1e6,
+  2e6, 5e6, 1e7];
+
 // What each kind of axis shows, and the steps its ticks may take.
 const KINDS = {
-  count: { format: (v) => fmt.compact(v), incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1e3, 2e3, 5e3, 1e4, 2e4, 5e4, 1e5, 2e5, 5e5, 1e6] },
+  count: { format: (v) => fmt.compact(v), incrs: INTEGER_INCRS },
   rate: { format: (v) => fmt.compact(v) },
   percent: { format: (v) => `${Math.round(v)} %`, max: 100 },
   ms: { format: (v) => fmt.compact(v) },

@@ -4,7 +4,7 @@
 // the site's time zone, 24-hour clock), in the admin's colours (light or dark, drawn again when the
 // theme changes), and keeps each chart as wide as its box.
 
-import { axisSize, onRestyle, themedAxis } from "../charts.js";
+import { axisSize, INTEGER_INCRS, onRestyle, themedAxis } from "../charts.js";
 import { dateTime, timeTicks, zonedDate } from "../format.js";
 
 const data = JSON.parse(document.getElementById("snapshot-charts-data").textContent);
@@ -26,7 +26,8 @@ function draw(chart, box) {
              ...chart.series.map((s) => ({ label: s.label, stroke: s.color, width: 1.5,
                                            points: { show: data.x.length < 60 } }))],
     axes: [themedAxis({ values: timeTicks, size: 44 }),
-           themedAxis({ size: axisSize })],  // "1,000,000" fits as "0.5" does
+           // "1,000,000" fits as "0.5" does; counts tick at whole numbers
+           themedAxis({ size: axisSize, ...(chart.integer ? { incrs: INTEGER_INCRS } : {}) })],
   }, [data.x, ...chart.series.map((s) => s.values)], box);
 }
 

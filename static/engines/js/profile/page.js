@@ -2,7 +2,7 @@
 // engine thread's Python stacks as a flame graph, and the configuration. User text (frame
 // names, config values) only ever goes through textContent or canvas text.
 
-import { onRestyle, themedAxis } from "../charts.js";
+import { INTEGER_INCRS, onRestyle, themedAxis } from "../charts.js";
 import { count } from "../format.js";
 import { FlameGraph } from "./flame.js";
 
@@ -73,7 +73,7 @@ function stepChart(profile) {
   const plot = new uPlot({
     width: Math.max(320, box.clientWidth - 8), height: 260,
     scales: { x: { time: false }, y: { range: (u, min, max) => [0, Math.max(max, 0.001) * 1.05] } },
-    axes: [themedAxis({ label: "step", size: 36 }), themedAxis({ label: "ms", size: 56 })],
+    axes: [themedAxis({ label: "step", size: 36, incrs: INTEGER_INCRS }), themedAxis({ label: "ms", size: 56 })],
     legend: { live: true },
     series: [
       // The hovered step's number and its whole time, beside each phase's share of it.
