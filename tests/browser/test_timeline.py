@@ -142,6 +142,67 @@ async def test_live_timeline_follows_the_engine_and_matches_its_dump(page, dashb
     assert (await page.text_content("#timeline-tooltip .tip-title")) == HOSTILE_ID
 
 
+def stream(base: str, request_id: str, started: threading.Event, stop: threading.Event) -> None:
+    """A long streamed request that runs until ``stop`` (``started`` at its first chunk)."""
+    body = {"model": "demo", "prompt": "a long one", "max_tokens": 1500, "stream": True, "user": request_id,
+            "debug_config": {"ignore_eos": True}}
+    with httpx.Client(base_url=base, timeout=120) as http, http.stream("POST", "/v1/completions", json=body) as reply:
+        for _ in reply.iter_lines():
+            started.set()
+            if stop.is_set():
+                break
+
+
+async def test_following_shows_the_running_requests_first_and_hides_the_finished_lanes(
+        page, dashboard_server: LiveServer) -> None:
+    """After many requests (a long run's), the live timeline's first lanes are the requests running
+    now, not the first minute's: the lanes that ended before the window are hidden, counted, and
+    shown after the others on request."""
+    base = dashboard_server.base
+    await page.goto(f"{base}/dashboard/engines/demo/timeline/")
+    await wait_for(page, "window.timeline.stats.deltas > 0")
+    with httpx.Client(base_url=base, timeout=60) as http:
+        for i in range(150):
+            done = http.post("/v1/completions", json={"model": "demo", "prompt": f"early {i}", "max_tokens": 2,
+                                                       "user": f"early-{i}"})
+            assert done.status_code == 200, done.text
+    # Followed out of the window (10 s wide), the early lanes are hidden, one by one.
+    await wait_for(page, "window.timeline.view.lanes.every(l => !l.label.startsWith('early-'))")
+    running = [f"running-{i}" for i in range(4)]
+    started = [threading.Event() for _ in running]
+    stop = threading.Event()
+    streams = [threading.Thread(target=stream, args=(base, rid, flag, stop), daemon=True)
+               for rid, flag in zip(running, started, strict=True)]
+    for thread in streams:
+        thread.start()
+    try:
+        assert all(flag.wait(60) for flag in started)
+        await wait_for(page, "window.timeline.view.lanes.filter(l => l.label.startsWith('running-')).length === 4")
+        shown = await page.evaluate("window.timeline.view.lanes.map(l => l.label)")
+        assert shown[0] == "engine" and sorted(shown[1:5]) == running, shown[:8]
+        lanes = await page.evaluate("window.timeline.model.lanes.length")
+        assert lanes >= 150 + 5
+        button = page.locator("#show-finished")
+        hidden = lanes - len(shown)
+        assert await button.is_visible() and await button.text_content() == f"Show {hidden:,} finished lanes"
+        assert f"{hidden:,} finished lanes hidden" in await page.text_content("#timeline-status")
+        await page.screenshot(path=str(SHOTS / "timeline-live-many-lanes.png"), full_page=True)
+
+        # Shown on request: after the running ones, which stay at the top.
+        await button.click()
+        shown = await page.evaluate("window.timeline.view.lanes.map(l => l.label)")
+        assert len(shown) == await page.evaluate("window.timeline.model.lanes.length")
+        assert sorted(shown[1:5]) == running and "early-0" in shown[5:]
+        assert await button.text_content() == "Hide finished lanes"
+        await page.screenshot(path=str(SHOTS / "timeline-live-many-lanes-shown.png"), full_page=True)
+        await button.click()
+        await wait_for(page, "window.timeline.view.lanes.every(l => !l.label.startsWith('early-'))")
+    finally:
+        stop.set()
+        for thread in streams:
+            thread.join(60)
+
+
 async def test_after_an_engine_restart_the_live_ruler_counts_from_zero_again(
         page, dashboard_server: LiveServer) -> None:
     import os

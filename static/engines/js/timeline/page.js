@@ -19,6 +19,11 @@ let summaries = null; // saved: request id -> the record's RequestSummary row
 let changeUrl = null;
 let following = source.mode === "live";
 let paused = false;
+// Live: the lanes that ended before the window are hidden until asked for (a run of hours has
+// thousands; the running requests would be hundreds of lanes down). See shownLanes().
+let showFinished = false;
+let finishedLanes = new Set(); // the lanes that had ended before the window when it last moved by itself
+let hiddenLanes = 0;
 let clockOffset = null; // live: server µs minus performance.now() µs
 const held = []; // live deltas that arrived while paused
 
@@ -48,6 +53,7 @@ function updateStatus() {
   const lanes = profile ? `${count(model.lanes.length)} lanes` : `${count(requests)} request lanes`;
   const parts = [`${count(model.events)} events`, lanes];
   if (view.lanes.length !== model.lanes.length) parts.push(`${count(view.lanes.length - 1)} shown`);
+  if (hiddenLanes) parts.push(`${count(hiddenLanes)} finished lane${hiddenLanes === 1 ? "" : "s"} hidden`);
   if (source.mode === "live") {
     parts.push(paused ? "paused" : following ? "following the engine" : "not following (press Follow)");
     if (stats.missed) parts.push(`${count(stats.missed)} events missed (evicted or cleared before they were read)`);
@@ -222,7 +228,7 @@ function find(step) {
     view.invalidate();
     return;
   }
-  matches = view.lanes.filter((lane) => lane.kind === "request" && lane.label.toLowerCase().includes(text));
+  matches = filteredLanes().filter((lane) => lane.kind === "request" && lane.label.toLowerCase().includes(text));
   if (!matches.length) {
     view.highlight = null;
     setText("search-result", "no request matches");
@@ -233,27 +239,74 @@ function find(step) {
   const lane = matches[matchAt];
   view.highlight = lane;
   setFollowing(false);
+  if (!view.lanes.includes(lane)) setShowFinished(true); // a finished lane, hidden: show them all
   view.reveal(lane);
   view.selectedLane = lane;
   showLane(lane);
   setText("search-result", `${matchAt + 1} of ${matches.length}`);
 }
 
-function applyFilters() {
-  const reason = $("filter-reason").value;
-  const minMs = parseFloat($("filter-e2e").value);
+/** The lanes the finish-reason and end-to-end filters let through (every lane without them). */
+function filteredLanes() {
+  const reason = profile ? "" : $("filter-reason").value;
+  const minMs = profile ? NaN : parseFloat($("filter-e2e").value);
   const minUs = Number.isFinite(minMs) && minMs > 0 ? minMs * 1000 : null;
-  if (!reason && minUs === null) {
-    view.setLanes(model.lanes);
-  } else {
-    view.setLanes(model.lanes.filter((lane) => {
-      if (lane.kind !== "request") return true;
-      const s = summaryOf(lane);
-      if (reason && s.finish_reason !== reason) return false;
-      if (minUs !== null && !(s.e2e_us >= minUs)) return false;
-      return true;
-    }));
+  if (!reason && minUs === null) return model.lanes;
+  return model.lanes.filter((lane) => {
+    if (lane.kind !== "request") return true;
+    const s = summaryOf(lane);
+    if (reason && s.finish_reason !== reason) return false;
+    if (minUs !== null && !(s.e2e_us >= minUs)) return false;
+    return true;
+  });
+}
+
+/**
+ * The lanes to draw, in order. A saved trace: those the filters let through. Live: the same, less
+ * the requests that had ended before the window when it last moved by itself (following the
+ * present, or Fit): after an hour of serving the running requests and those of the last seconds
+ * are at the top, not hundreds of lanes down under the first minute's. The hidden lanes are
+ * counted and, once asked for (Show), drawn after the others. While the user zooms or pans, the
+ * hidden set stays as it was, so that no lane moves under the pointer; new lanes come at the end.
+ */
+function shownLanes({ recompute }) {
+  const lanes = filteredLanes();
+  if (source.mode !== "live") return { lanes, hidden: 0 };
+  if (recompute) {
+    finishedLanes = new Set(lanes.filter((lane) => lane.kind === "request" && lane.finishTs !== null
+      && !lane.openStack.length && lane.last < view.t0));
   }
+  const inWindow = lanes.filter((lane) => !finishedLanes.has(lane));
+  const hidden = lanes.length - inWindow.length;
+  if (!showFinished || !hidden) return { lanes: inWindow, hidden };
+  return { lanes: inWindow.concat(lanes.filter((lane) => finishedLanes.has(lane))), hidden: 0 };
+}
+
+function sameLanes(a, b) {
+  return a.length === b.length && a.every((lane, i) => lane === b[i]);
+}
+
+/** Draw shownLanes(), when they changed (a new order re-lays every lane); `recompute`: which lanes
+ * ended before the window, anew (the window moved by itself: following, or Fit). */
+function updateLanes({ recompute = following } = {}) {
+  const { lanes, hidden } = shownLanes({ recompute });
+  if (!sameLanes(lanes, view.lanes)) view.setLanes(lanes);
+  hiddenLanes = hidden;
+  const button = $("show-finished");
+  if (button) {
+    button.hidden = !hidden && !showFinished;
+    button.textContent = showFinished ? "Hide finished lanes" : `Show ${count(hidden)} finished lane${hidden === 1 ? "" : "s"}`;
+  }
+}
+
+function setShowFinished(on) {
+  showFinished = on;
+  updateLanes();
+  updateStatus();
+}
+
+function applyFilters() {
+  updateLanes();
   matchAt = -1;
   updateStatus();
 }
@@ -289,6 +342,8 @@ if (!profile) {
 $("fit").addEventListener("click", () => {
   setFollowing(false);
   view.fitAll();
+  updateLanes({ recompute: true }); // the whole trace in the window: no lane ended before it
+  updateStatus();
 });
 
 // ----------------------------------------------------------------------------- downloads and Perfetto
@@ -391,8 +446,7 @@ function applyDelta(delta) {
   stats.cursor = delta.cursor;
   stats.deltas = (stats.deltas || 0) + 1;
   stats.lastNowUs = delta.now_us;
-  if (view.lanes !== model.lanes && !$("filter-reason").value && !$("filter-e2e").value) view.setLanes(model.lanes);
-  else if (delta.calls.length && view.lanes !== model.lanes) applyFilters();
+  if (delta.calls.length) updateLanes();
   updateLegend();
   if (delta.calls.length) updateReasons();
 }
@@ -403,6 +457,7 @@ function followPresent() {
   const width = view.t1 - view.t0 > 1 && stats.windowSet ? view.t1 - view.t0 : 10e6;
   stats.windowSet = true;
   view.setWindow(now - width * 0.95, now + width * 0.05, "follow");
+  updateLanes();
 }
 
 function startLive() {
@@ -448,6 +503,7 @@ function startLive() {
     setFollowing(true);
     followPresent();
   });
+  $("show-finished").addEventListener("click", () => setShowFinished(!showFinished));
   $("pause").addEventListener("click", () => {
     paused = !paused;
     $("pause").textContent = paused ? "Resume" : "Pause";
