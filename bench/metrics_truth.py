@@ -373,8 +373,7 @@ def truth_venv() -> Path:
 def write_tokenizer(model: str, folder: Path) -> Path:
     """A Hugging Face tokenizer folder for aiperf, from the model's own tokenizer: its tokenizer.json
     (a GGUF's vocabulary as the engine reads it) and the settings beside it; no hub, no torch."""
-    from engines.runtime.model.builtin_models import BUILTIN_MODEL_NAMES, builtin_model_path
-    from engines.runtime.model.checkpoint import load_checkpoint
+    from engines.runtime import BUILTIN_MODEL_NAMES, builtin_model_path, load_checkpoint
 
     path = builtin_model_path(model) if model in BUILTIN_MODEL_NAMES else Path(model)
     tokenizer = load_checkpoint(path, load_weights=False).tokenizer

@@ -48,9 +48,10 @@ async def read_all(pages: dict) -> dict[str, float | None]:
 async def test_the_three_pages_agree_on_decode_tokens_per_s_and_it_never_reads_zero(
         page, dashboard_server: LiveServer) -> None:
     """With 4 steady streaming clients, "decode tok/s" on the overview, the engine page and the fleet
-    page is read at 12 moments over about 10 s: never 0, and at each moment the three agree within
-    15 % (the fleet's figure is read by the server up to a second and a half before the pages'
-    snapshot, and the window of steps moves meanwhile). A rate between two samples (0.25 s on
+    page is read at 12 moments over about 10 s: never 0; at each moment the overview and the engine
+    page agree within 15 % (one sampler's snapshot), and the fleet's row with what the engine page
+    showed in the last 1.6 s (the server reads the fleet's row up to a second and a half before the
+    pages' snapshot, and the window of steps moves meanwhile). A rate between two samples (0.25 s on
     the pages, 1 s on the fleet) read 0, 15 or 31 on a machine whose steps took 0.26 s."""
     base = dashboard_server.base
     pages = {"overview": page}
@@ -92,10 +93,16 @@ async def test_the_three_pages_agree_on_decode_tokens_per_s_and_it_never_reads_z
             await each.emulate_media(color_scheme="light")
     print("decode tok/s (overview, engine, fleet):",
           [(r["overview"], r["engine"], r["fleet"]) for r in readings])
-    for reading in readings:
+    for i, reading in enumerate(readings):
         assert all(value is not None and value > 0 for value in reading.values()), reading
-        low, high = min(reading.values()), max(reading.values())
-        assert high - low <= 0.15 * high, f"the pages disagree at one moment: {reading}"
+        # The overview and the engine page: one snapshot. The fleet's row: the publisher's own read,
+        # up to a second and a half older: it agrees with what the engine page showed meanwhile
+        # (under CI's load the rate itself moves by more than 15 % in that time).
+        pages_now = (reading["overview"], reading["engine"])
+        assert max(pages_now) - min(pages_now) <= 0.15 * max(pages_now), f"the pages disagree: {reading}"
+        shown = [r["engine"] for r in readings[max(0, i - 2):i + 1]]
+        fleet = reading["fleet"]
+        assert min(abs(fleet - e) for e in shown) <= 0.15 * fleet, f"the fleet disagrees: {reading}, {shown}"
     # The overview and the engine page show one sampler's snapshots: the very same number.
     same = sum(r["overview"] == r["engine"] for r in readings)
     assert same >= len(readings) - 2, readings
