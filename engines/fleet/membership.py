@@ -100,7 +100,6 @@ class Membership:
         self.forget_after_s = forget_after_s
         self.keys = FleetKeys(fleet)
         self.key_ttl_ms = round(key_ttl_s * 1000)
-        self._card_json: bytes | None = None
         self._server: str | None = None
 
     @property

@@ -486,13 +486,12 @@ class EngineMetrics:
             steps.append(record)
             while steps and steps[0].ended_at < ended_at - NOW_WINDOW_S:
                 steps.popleft()
-        if prefill_tokens:
-            with self._lock:
+            if prefill_tokens:
                 self.engine_prefill_time_sum += seconds
                 self.prefill_tokens_processed += prefill_tokens
                 self.decode_tokens_processed += decode_seqs
                 self.num_prefill_steps += 1
-        elif decode_seqs:
+        if not prefill_tokens and decode_seqs:
             self.on_decode_step(seconds, decode_seqs)
 
     def on_scheduled(self, queue_s: float) -> None:
