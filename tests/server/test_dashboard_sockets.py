@@ -140,7 +140,7 @@ async def test_two_sockets_on_one_engine_receive_every_snapshot(dashboard) -> No
 
 
 async def test_reset_is_acknowledged_done_and_the_counters_drop(dashboard, client) -> None:
-    body = {"model": TRACED, "prompt": "Once upon a time", "max_tokens": 4}
+    body = {"model": TRACED, "prompt": "Once upon a time", "max_tokens": 4, "debug_config": {"ignore_eos": True}}
     assert (await client.post("/v1/completions", json=body)).status_code == 200
     socket = await connected(f"/ws/engines/{TRACED}/")
     before = await next_message(socket, of_type("snapshot"))
