@@ -8,10 +8,10 @@
   (:mod:`.demo_model`): nonsense text, quick to load, for tests and benchmarks.
 
 The first time a wheel's file is served it is checked against the hash the wheel's ``RECORD``
-gives, and the result is kept under the cache folder (:func:`.demo_model.default_cache_root`), so
-later starts trust a file of the same size and modification time; a file that changed (the
-wheel reinstalled or upgraded) is checked again, and a damaged one is refused with the command
-that repairs it.
+gives, and the result is kept under the cache folder
+(:func:`engines.runtime.cache_root.default_cache_root`), so later starts trust a file of the same
+size and modification time; a file that changed (the wheel reinstalled or upgraded) is checked
+again, and a damaged one is refused with the command that repairs it.
 
 This module imports only the standard library at the top: the server resolves names with it
 before anything numeric is loaded.
@@ -52,7 +52,8 @@ def builtin_model_path(name: str, cache_dir: Path | None = None,
     a wheel that is not installed, or a file that is damaged, each with what to do.
     """
     from engines.runtime.model.config import CheckpointError
-    from engines.runtime.model.demo_model import default_cache_root, demo_checkpoint_path
+    from engines.runtime.cache_root import default_cache_root
+    from engines.runtime.model.demo_model import demo_checkpoint_path
 
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
     if name == DEMO:

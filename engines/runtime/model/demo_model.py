@@ -26,9 +26,10 @@ import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
+from engines.runtime.cache_root import default_cache_root
 from engines.runtime.model.config import ModelConfig, expected_tensor_shapes
 
-__all__ = ["DEMO_VERSION", "demo_checkpoint_path", "build_demo_checkpoint", "default_cache_root"]
+__all__ = ["DEMO_VERSION", "demo_checkpoint_path", "build_demo_checkpoint"]
 
 # Bump whenever anything below changes what gets written: the version names the cache folder,
 # so a stale build is never mistaken for the current one.
@@ -68,12 +69,6 @@ _ARCHITECTURE: dict[str, Any] = {
 }
 _WEIGHT_STD = 0.02
 _SEED = 20240601
-
-
-def default_cache_root() -> Path:
-    """Where built artifacts live: ``$ENGINES_CACHE_DIR``, else ``~/.cache/llm-debugsite``."""
-    env = os.environ.get("ENGINES_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "llm-debugsite"
 
 
 def demo_checkpoint_path(cache_dir: Path | None = None, progress: Callable[[str], None] | None = None) -> Path:
