@@ -132,7 +132,9 @@ def derive_int32(token_ids, starts, cached, table, vocab_size, max_positions, pa
     if width != table.shape[1]:
         padded = np.full((num_seqs, width), -1, np.int32)
         keep = min(width, table.shape[1])
-        padded[:, :keep] = table[:, :keep]
+        for r in range(num_seqs):  # not a slice assignment: see kernels/__init__.py
+            for c in range(keep):
+                padded[r, c] = table[r, c]
         table = padded
     positions = np.empty(num_tokens, np.int32)
     token_seq = np.empty(num_tokens, np.int32)

@@ -482,7 +482,8 @@ def _put(buf, pos, blob, seg_off, seg_len, s):
     """Copy segment ``s`` to ``buf[pos:]``; returns the position after it."""
     o = seg_off[s]
     n = seg_len[s]
-    buf[pos:pos + n] = blob[o:o + n]
+    for k in range(n):  # not a slice assignment: see model/kernels/__init__.py
+        buf[pos + k] = blob[o + k]
     return pos + n
 
 
@@ -549,7 +550,8 @@ def _assemble(buf, pos, lane_seg, order, name, counter, phase, ts, tid, args, id
                 pos += 1
             o = seg_off[a] + 1
             n = seg_len[a] - 1
-            buf[pos:pos + n] = blob[o:o + n]
+            for k in range(n):
+                buf[pos + k] = blob[o + k]
             pos += n
             buf[pos] = 125  # }
             pos += 1

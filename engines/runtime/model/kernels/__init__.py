@@ -13,6 +13,10 @@ The CPU twins compile with ``error_model="numpy"``: under numba's default (Pytho
 model a float division checks its divisor for zero and may raise, and that branch keeps LLVM
 from vectorising the loop (docs/perf-log/cpu-anchors.md#2026-11-25-vectorised-exp); their ``exp`` is
 ``fast_exp.exp_f32``, which vectorises where ``math.exp`` (a libm call) does not.
+Compiled code copies arrays in loops, never by slice assignment (``a[i:j] = b``): numba
+compiles that with a shape check whose error message is formatted in compiled code, which
+drags in numba's string functions, 5-7 s of a cold start's compile per process that meets one
+(docs/perf-log/serving-and-tools.md#first-start-compile-time); LLVM turns the loops into memcpy.
 """
 from engines.runtime.model.kernels import (
     argmax,

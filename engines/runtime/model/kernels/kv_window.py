@@ -41,7 +41,9 @@ def kv_window_gather_cpu(store, token_pages, token_slots, out):
     for layer in range(out.shape[0]):
         for head in range(out.shape[1]):
             for t in range(out.shape[2]):
-                out[layer, head, t, :] = store[layer, token_pages[t], head, token_slots[t], :]
+                src = store[layer, token_pages[t], head, token_slots[t]]
+                for d in range(out.shape[3]):  # not a slice assignment: see kernels/__init__.py
+                    out[layer, head, t, d] = src[d]
 
 
 @njit(nogil=True, cache=True, fastmath=False)
@@ -50,7 +52,9 @@ def kv_window_scatter_cpu(src, token_pages, token_slots, store):
     for layer in range(src.shape[0]):
         for head in range(src.shape[1]):
             for t in range(src.shape[2]):
-                store[layer, token_pages[t], head, token_slots[t], :] = src[layer, head, t, :]
+                dst = store[layer, token_pages[t], head, token_slots[t]]
+                for d in range(src.shape[3]):
+                    dst[d] = src[layer, head, t, d]
 
 
 def launch_shape(num_layers: int, num_kv_heads: int, num_tokens: int, head_dim: int) -> tuple[tuple[int, int], int]:

@@ -90,7 +90,8 @@ def append_kv_head(row, kv_head, num_q_heads, num_kv_heads, c, s, key, value):
     for i in range(half):
         key[i] = x1[i] * c[i] - x2[i] * s[i]
         key[half + i] = x2[i] * c[i] + x1[i] * s[i]
-    value[:] = row[v_base:v_base + head_dim]
+    for i in range(head_dim):  # not a slice assignment: see kernels/__init__.py
+        value[i] = row[v_base + i]
 
 
 @njit(nogil=True, cache=True, error_model="numpy", fastmath=False)
