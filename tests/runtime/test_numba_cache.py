@@ -48,7 +48,10 @@ print(json.dumps([result, len(caller.stats.cache_misses) > 0]))
 
 
 def run_caller(folder: Path, locators: str, cache: Path) -> tuple[int, bool]:
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(cache), "PYTHONPATH": str(REPO)}
+    return run_in(folder, locators, {**os.environ, "NUMBA_CACHE_DIR": str(cache), "PYTHONPATH": str(REPO)})
+
+
+def run_in(folder: Path, locators: str, env: dict[str, str]) -> tuple[int, bool]:
     done = subprocess.run([sys.executable, "-c", RUN, str(folder), locators], env=env, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -71,6 +74,47 @@ def test_an_edit_to_a_callee_retires_its_callers_cache_entry(tmp_path: Path) -> 
             assert got == (2, False), "numba's own stamp: the caller's stale entry, the callee's old code"
         else:
             assert got == (11, True)
+
+
+def test_checkouts_of_the_same_sources_share_one_kernel_cache(tmp_path: Path) -> None:
+    """Without NUMBA_CACHE_DIR, two copies of the sources in other folders (two clones, a
+    worktree) share the user's cache folder: the second starts warm; an edit to one gets a
+    folder of its own, and the other stays warm."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    env |= {"ENGINES_CACHE_DIR": str(tmp_path / "home-cache"), "PYTHONPATH": str(REPO)}
+    first, second = tmp_path / "clone-a" / "runtime", tmp_path / "clone-b" / "runtime"
+    for folder in (first, second):
+        folder.mkdir(parents=True)
+        (folder / "caller.py").write_text(CALLER)
+        (folder / "callee.py").write_text(CALLEE.format(value=1))
+    assert run_in(first, "runtime", env) == (2, True)
+    assert run_in(second, "runtime", env) == (2, False)  # the first clone's entry
+    assert not (second / "__pycache__").exists() or not any((second / "__pycache__").glob("*.nbi"))
+    (second / "callee.py").write_text(CALLEE.format(value=10))
+    assert run_in(second, "runtime", env) == (11, True)
+    assert run_in(first, "runtime", env) == (2, False)
+    folders = sorted(p.name for p in (tmp_path / "home-cache" / "kernels").iterdir())
+    assert len(folders) == 2 and all(len(name) == 16 for name in folders)
+
+
+def test_pruning_keeps_the_current_folder_and_the_last_used(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("ENGINES_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(numba_cache.config, "CACHE_DIR", "")
+    current = numba_cache.kernel_cache_dir()
+    current.mkdir(parents=True)
+    old = []
+    for age in range(5):
+        folder = tmp_path / "kernels" / f"old-{age}"
+        folder.mkdir()
+        os.utime(folder, (1_000_000 - age, 1_000_000 - age))
+        old.append(folder)
+    os.utime(current, (0, 0))  # the oldest mtime, still kept
+    removed = numba_cache.prune_kernel_caches(keep=3)
+    assert sorted(removed) == sorted(old[2:])
+    assert current.exists() and old[0].exists() and old[1].exists()
+    monkeypatch.setattr(numba_cache.config, "CACHE_DIR", str(tmp_path / "own"))
+    assert numba_cache.prune_kernel_caches(keep=1) == [] and old[0].exists()
+    assert numba_cache.kernel_cache_dir() == tmp_path / "own"
 
 
 def test_the_digest_covers_every_file_that_mentions_numba(tmp_path: Path) -> None:
@@ -109,6 +153,6 @@ def test_every_cached_function_of_the_runtime_is_stamped_by_all_its_sources() ->
     assert len(found) > 40
     for name, dispatcher in found:
         locator = dispatcher._cache._impl.locator
-        assert isinstance(locator, (numba_cache.RuntimeInTreeCacheLocator,
+        assert isinstance(locator, (numba_cache.RuntimeInTreeCacheLocator, numba_cache.RuntimeSharedCacheLocator,
                                     numba_cache.RuntimeUserProvidedCacheLocator)), name
         assert locator.get_source_stamp() == numba_cache.compiled_sources_digest(numba_cache.RUNTIME), name

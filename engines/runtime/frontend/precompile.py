@@ -17,7 +17,8 @@ kernels alone (the same steps run kernel by kernel), and the step itself after b
 finds them in the cache. Every unit's argument types are the ones the engine's own calls have,
 so nothing is compiled twice.
 
-A stamp in the cache folder records a complete run for these sources, this numba and this CPU;
+A stamp in the cache folder (``numba_cache.kernel_cache_dir``: one per user and sources, shared by
+every checkout of them) records a complete run for these sources, this numba and this CPU;
 with it present :func:`precompile` does nothing. Without it, a run over a cache that is mostly
 there costs the workers' start and loading what is cached (a few seconds).
 """
@@ -38,6 +39,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from engines.runtime.numba_cache import kernel_cache_dir, prune_kernel_caches
 
 if TYPE_CHECKING:
     from engines.runtime.core.engine import Engine
@@ -177,9 +180,7 @@ def precompile_stamp(quantized: bool = False) -> Path:
     for source in sorted(_RUNTIME.rglob("*.py")):
         digest.update(source.relative_to(_RUNTIME).as_posix().encode())
         digest.update(source.read_bytes())
-    cache = os.environ.get("NUMBA_CACHE_DIR")
-    folder = Path(cache).expanduser() if cache else _RUNTIME / "__pycache__"
-    return folder / f"precompiled-{digest.hexdigest()[:16]}"
+    return kernel_cache_dir() / f"precompiled-{digest.hexdigest()[:16]}"
 
 
 def precompile(jobs: int | None = None, progress: Callable[[str], None] | None = None,
@@ -195,6 +196,7 @@ def precompile(jobs: int | None = None, progress: Callable[[str], None] | None =
     quantized = quantized and _quantized_file_installed()
     stamp = precompile_stamp(quantized)
     if stamp.exists():
+        os.utime(stamp.parent)  # in use: prune_kernel_caches keeps the folders used last
         return False
     say = progress or (lambda line: None)
     stamp.parent.mkdir(parents=True, exist_ok=True)
@@ -211,7 +213,8 @@ def precompile(jobs: int | None = None, progress: Callable[[str], None] | None =
         _compile_units(jobs, say, UNITS + QUANTIZED_UNITS if quantized else UNITS, stamp)
         if quantized:  # the float engines' units were among them
             precompile_stamp(False).write_text(stamp.read_text())
-        return True
+    prune_kernel_caches()
+    return True
 
 
 def _compile_units(jobs: int | None, say: Callable[[str], None], units: tuple[CompileUnit, ...],

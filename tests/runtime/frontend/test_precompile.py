@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from engines.runtime import numba_cache
 from engines.runtime.core.warm_up import PARTS
 from engines.runtime.frontend.precompile import QUANTIZED_UNITS, UNITS, precompile_stamp
 from tests.cold_start import RECORD, cold_start, cold_start_env
@@ -79,8 +80,11 @@ def test_a_cold_cache_is_filled_on_every_core_and_then_nothing_compiles(tmp_path
 
 
 def test_the_stamp_lives_in_the_cache_and_names_the_sources(tmp_path: Path, monkeypatch) -> None:
-    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(numba_cache.config, "CACHE_DIR", str(tmp_path / "numba"))  # NUMBA_CACHE_DIR
     stamp = precompile_stamp()
-    assert stamp.parent == tmp_path and stamp.name.startswith("precompiled-")
-    monkeypatch.delenv("NUMBA_CACHE_DIR")
-    assert precompile_stamp().parent == REPO / "engines" / "runtime" / "__pycache__"
+    assert stamp.parent == tmp_path / "numba" and stamp.name.startswith("precompiled-")
+    monkeypatch.setattr(numba_cache.config, "CACHE_DIR", "")
+    monkeypatch.setenv("ENGINES_CACHE_DIR", str(tmp_path / "home"))
+    shared = precompile_stamp().parent  # the user's folder of these sources, beside their kernels
+    assert shared.parent == tmp_path / "home" / "kernels" and shared == numba_cache.kernel_cache_dir()
+    assert precompile_stamp(quantized=True) != precompile_stamp()
