@@ -17,6 +17,10 @@ from numba import cuda, float32, int32, njit, prange
 from engines.runtime.model.kernels.fast_exp import exp_f32, softmax_numerators_and_max
 from engines.runtime.model.kernels.variants import renamed
 
+# Reassociation lets LLVM vectorise the q.k dot products (the hot loop); no flags that
+# assume finite values or approximate exp, so NaN/inf still propagate as they should.
+_FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
+
 ATTN_MAX_THREADS = 128   # largest blockDim.x: keys scored per chunk
 ATTN_MAX_GROUP = 16      # largest number of q heads sharing one kv head
 ATTN_MAX_HEAD_DIM = 256
@@ -265,7 +269,11 @@ def _weigh_four_pages(p0, p1, p2, p3, first_head, first, stride, group, per_item
                     a[d] += w0 * v0[s, d] + w1 * v1[s, d] + w2 * v2[s, d] + w3 * v3[s, d]
 
 
-@njit(inline="always")
+# Compiled once, called by every step that attends (the kernels and both team steps), not inlined
+# into each: as numba's inline it was compiled again in each of them, 10-13 s of a cold start a
+# time (docs/perf-log/serving-and-tools.md#first-start-compile-time). One signature: callers pass
+# ``item`` as an int64.
+@njit(nogil=True, cache=True, fastmath=_FASTMATH, error_model="numpy")
 def attention_item(item, head_splits, key_splits, qkv, positions, token_seq, page_table, k_cache, v_cache, layer,
                    num_q_heads, scale, out, part_max, part_sum, part_out):
     """Work item ``item`` of :func:`paged_attention_cpu`: one token, one of ``head_splits`` slices of
@@ -416,16 +424,14 @@ def _paged_attention(qkv, positions, token_seq, page_table, k_cache, v_cache, la
     part_sum = np.empty((parts, num_q_heads), np.float32)
     part_out = np.empty((parts, num_q_heads, k_cache.shape[4]), np.float32)
     for item in prange(num_tokens * head_splits * key_splits):
-        attention_item(item, head_splits, key_splits, qkv, positions, token_seq, page_table, k_cache, v_cache, layer,
-                       num_q_heads, scale, out, part_max, part_sum, part_out)
+        # prange's index is unsigned in the parallel body: as an int64, one attention_item for all.
+        attention_item(np.int64(item), head_splits, key_splits, qkv, positions, token_seq, page_table, k_cache,
+                       v_cache, layer, num_q_heads, scale, out, part_max, part_sum, part_out)
     for t in range(num_tokens if key_splits > 1 else 0):  # merge the slices
         for i in range(num_q_heads):
             merge_key_slices(t, i, key_splits, part_max, part_sum, part_out, out)
 
 
-# Reassociation lets LLVM vectorise the q.k dot products (the hot loop); no flags that
-# assume finite values or approximate exp, so NaN/inf still propagate as they should.
-_FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
 paged_attention_cpu = njit(nogil=True, cache=True, parallel=True, fastmath=_FASTMATH, error_model="numpy")(
     renamed(_paged_attention, "paged_attention_cpu"))
 paged_attention_cpu.__doc__ = """CPU twin of :func:`paged_attention_cuda`: (token, head slice, key slice)
