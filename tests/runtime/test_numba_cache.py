@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from numba.core.caching import NullCache
 from numba.core.registry import CPUDispatcher
 
@@ -97,7 +98,7 @@ def test_checkouts_of_the_same_sources_share_one_kernel_cache(tmp_path: Path) ->
     assert len(folders) == 2 and all(len(name) == 16 for name in folders)
 
 
-def test_pruning_keeps_the_current_folder_and_the_last_used(tmp_path: Path, monkeypatch) -> None:
+def test_pruning_keeps_the_current_folder_and_the_last_used(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ENGINES_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(numba_cache.config, "CACHE_DIR", "")
     current = numba_cache.kernel_cache_dir()

@@ -45,7 +45,8 @@ from engines.runtime.numba_cache import kernel_cache_dir, prune_kernel_caches
 if TYPE_CHECKING:
     from engines.runtime.core.engine import Engine
 
-__all__ = ["QUANTIZED_UNITS", "UNITS", "CompileUnit", "precompile", "precompile_stamp", "worker_main"]
+__all__ = ["DEQUANTIZED_UNITS", "QUANTIZED_UNITS", "UNITS", "CompileUnit", "precompile", "precompile_stamp",
+           "worker_main"]
 
 _RUNTIME = Path(__file__).resolve().parents[1]
 _PROJECT_ROOT = _RUNTIME.parents[1]
@@ -149,12 +150,15 @@ UNITS: tuple[CompileUnit, ...] = (
     CompileUnit(_KERNELS, _step_kernels, weight=17),
     CompileUnit("the compiled step", _warm_up_parts("the batched step", "the one-token step"), weight=7,
                 after=(_TEAM, _KERNELS)),
-    CompileUnit("GGUF dequantization", _dequantization, weight=4),
     CompileUnit("the trace exporter", _warm_up_parts("the trace exporter"), weight=3),
     CompileUnit("steps kernel by kernel", _warm_up_parts("steps kernel by kernel"), weight=3, after=(_KERNELS,)),
     CompileUnit("profiling", _warm_up_parts("profiling"), weight=2, after=(_KERNELS,)),
     CompileUnit("K/V windows", _warm_up_parts("K/V windows"), weight=2),
 )
+#: The unit added when engines dequantize a GGUF's weights at load (``--weights-dtype float32``):
+#: every block format's kernel. Kept-quantized engines (the default) run none on the built-in
+#: file; one converting another file's K-quants compiles the one it needs while it loads.
+DEQUANTIZED_UNITS: tuple[CompileUnit, ...] = (CompileUnit("GGUF dequantization", _dequantization, weight=4),)
 #: The units added when an engine will keep a GGUF's weights quantized; after the float step's
 #: units, whose kernels (attention, norms, ...) they share. Split as the float step is (its team
 #: step beside its kernels, then the rest of the warm-up): as one unit it was a cold start's
@@ -168,8 +172,8 @@ QUANTIZED_UNITS: tuple[CompileUnit, ...] = (
 
 
 def precompile_stamp(quantized: bool = False) -> Path:
-    """The file that says the cache is complete for these sources, this numba and this CPU (and,
-    with ``quantized``, for kept-quantized weights too)."""
+    """The file that says the cache is complete for these sources, this numba and this CPU, for
+    engines that keep a GGUF's weights quantized (``quantized``) or dequantize them."""
     import llvmlite.binding as llvm
     import numba
 
@@ -186,9 +190,10 @@ def precompile_stamp(quantized: bool = False) -> Path:
 def precompile(jobs: int | None = None, progress: Callable[[str], None] | None = None,
                quantized: bool = False) -> bool:
     """Compile the CPU engine's functions into numba's disk cache on ``jobs`` processes (default:
-    one per core), with ``quantized`` those of kept-quantized weights too (:data:`QUANTIZED_UNITS`,
-    when the built-in GGUF they compile on is installed; else such an engine compiles them at its
-    first start). False, having done nothing, when the stamp says the cache is complete.
+    one per core): :data:`UNITS`, and with ``quantized`` those of kept-quantized weights
+    (:data:`QUANTIZED_UNITS`, when the built-in GGUF they compile on is installed; else such an
+    engine compiles them at its first start), without it the GGUF dequantizers
+    (:data:`DEQUANTIZED_UNITS`). False, having done nothing, when the stamp says the cache is complete.
 
     ``progress`` hears a line as the work starts and as each unit finishes ("compiling kernels
     3/8: the compiled step (6.8 s)"). Raises ``RuntimeError`` with a worker's output if one fails.
@@ -210,9 +215,7 @@ def precompile(jobs: int | None = None, progress: Callable[[str], None] | None =
             fcntl.flock(lock, fcntl.LOCK_EX)
         if stamp.exists():
             return False
-        _compile_units(jobs, say, UNITS + QUANTIZED_UNITS if quantized else UNITS, stamp)
-        if quantized:  # the float engines' units were among them
-            precompile_stamp(False).write_text(stamp.read_text())
+        _compile_units(jobs, say, UNITS + (QUANTIZED_UNITS if quantized else DEQUANTIZED_UNITS), stamp)
     prune_kernel_caches()
     return True
 
@@ -311,7 +314,7 @@ def worker_main() -> None:
     # Every path open: steps past the compiled step's rows, long prefills, wide batches.
     engine = Engine(LlamaModel.from_checkpoint(checkpoint, backend="cpu"), checkpoint,
                     EngineConfig(max_num_seqs=48, num_pages=256, prefill_chunk_size=512))
-    units = {unit.name: unit for unit in UNITS + QUANTIZED_UNITS}
+    units = {unit.name: unit for unit in UNITS + QUANTIZED_UNITS + DEQUANTIZED_UNITS}
     protocol, sys.stdout = sys.stdout, sys.stderr  # whatever else prints goes to the log
     for line in sys.stdin:
         began = time.perf_counter()

@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[3]
 
 # In a fresh interpreter with the empty cache: count what a served engine's warm-up compiles.
 COUNT_COMPILES = """
-import json
+import json, sys
 from numba.core import event
 compiled = []
 class Count(event.Listener):
@@ -32,7 +32,7 @@ class Count(event.Listener):
 event.register("numba:compile", Count())
 from engines.runtime import Engine, EngineConfig, LlamaModel, builtin_model_path, load_checkpoint
 from engines.runtime.core.warm_up import warm_up
-for name, quantized in (("smollm2", False), ("demo", False), ("smollm2", True)):
+for name, quantized in json.loads(sys.argv[1]):
     checkpoint = load_checkpoint(builtin_model_path(name), keep_quantized=quantized)
     warm_up(Engine(LlamaModel.from_checkpoint(checkpoint, backend="cpu"), checkpoint, EngineConfig()))
 print(json.dumps(compiled))
@@ -63,23 +63,35 @@ def test_a_cold_cache_is_filled_on_every_core_and_then_nothing_compiles(tmp_path
     # process seconds to compile: compiled code copies in loops (engines/runtime/model/kernels).
     assert [p.name for p in cache.rglob("*.nbc") if b"cannot assign slice" in p.read_bytes()] == []
     env = cold_start_env(cache)
-    # The engines' own warm-ups now load everything: not one function compiles.
-    warm = subprocess.run([sys.executable, "-c", COUNT_COMPILES], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert warm.returncode == 0, warm.stderr
-    # (the quantized model's layers are a typed list too: made in compiled code, whose cache entry
-    # holds the list's methods, so that not even those compile: step_weights._typed_list)
-    assert json.loads(warm.stdout.strip().splitlines()[-1]) == []
-    # The stamps: the next start does nothing at all, whether its engines keep weights quantized or not.
-    code = ("import json; from engines.runtime import precompile; lines = []; "
-            "did = precompile(progress=lines.append, quantized=QUANTIZED); print(json.dumps([did, lines]))")
-    for quantized in ("True", "False"):
-        again = subprocess.run([sys.executable, "-c", code.replace("QUANTIZED", quantized)], cwd=REPO, env=env,
-                               capture_output=True, text=True, timeout=120)
-        assert json.loads(again.stdout.strip().splitlines()[-1]) == [False, []]
+
+    def compiled_by_warm_ups(engines: list[tuple[str, bool]]) -> list[str]:
+        warm = subprocess.run([sys.executable, "-c", COUNT_COMPILES, json.dumps(engines)], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert warm.returncode == 0, warm.stderr
+        return json.loads(warm.stdout.strip().splitlines()[-1])
+
+    def precompile_again(quantized: bool) -> tuple[bool, list[str]]:
+        code = ("import json; from engines.runtime import precompile; lines = []; "
+                f"did = precompile(progress=lines.append, quantized={quantized}); print(json.dumps([did, lines]))")
+        again = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                               timeout=300)
+        assert again.returncode == 0, again.stderr
+        did, lines = json.loads(again.stdout.strip().splitlines()[-1])
+        return did, lines
+
+    # The default pair's own warm-ups (the built-in GGUF kept quantized, the demo in float32) now
+    # load everything: not one function compiles. (The quantized model's layers are a typed list
+    # too: made in compiled code, whose cache entry holds the list's methods: step_weights._typed_list.)
+    assert compiled_by_warm_ups([("smollm2", True), ("demo", False)]) == []
+    assert precompile_again(True) == (False, [])  # the stamp: the next start does nothing at all
+    # Engines that dequantize a GGUF (--weights-dtype float32) add the dequantizers, and only them.
+    did, lines = precompile_again(False)
+    assert did and [line.split(": ", 1)[1].split(" (")[0] for line in lines[1:-1]].count("GGUF dequantization") == 1
+    assert compiled_by_warm_ups([("smollm2", False)]) == []
+    assert precompile_again(False) == (False, [])
 
 
-def test_the_stamp_lives_in_the_cache_and_names_the_sources(tmp_path: Path, monkeypatch) -> None:
+def test_the_stamp_lives_in_the_cache_and_names_the_sources(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(numba_cache.config, "CACHE_DIR", str(tmp_path / "numba"))  # NUMBA_CACHE_DIR
     stamp = precompile_stamp()
     assert stamp.parent == tmp_path / "numba" and stamp.name.startswith("precompiled-")
