@@ -186,11 +186,15 @@ class LlamaModel:
             return np.concatenate([p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts], axis=0)
 
         qkv = [f"self_attn.{n}_proj" for n in "qkv"]
+        # A kept-quantized matmul adds a float32 bias whatever the dtype (quantized_matmul's
+        # signatures; a float one's is in dtype): a float16 bias there would be read as float32.
+        # (Every layer's q/k/v are of the same types in the files met: layer 0 decides.)
+        qkv_kept = all(isinstance(tensor(0, f"{n}.weight"), QuantizedWeight) for n in qkv)
         self.layer_weights = LayerWeights(
             input_norm=layers(lambda i: tensor(i, "input_layernorm.weight"), kind="float32"),
             qkv_w=layers(lambda i: fused(i, [f"{n}.weight" for n in qkv]), linear=True),
             qkv_bias=layers((lambda i: fused(i, [f"{n}.bias" for n in qkv])) if c.attention_bias
-                            else (lambda i: np.zeros(0, np.float32))),
+                            else (lambda i: np.zeros(0, np.float32)), kind="float32" if qkv_kept else dtype),
             o_w=layers(lambda i: tensor(i, "self_attn.o_proj.weight"), linear=True),
             post_attention_norm=layers(lambda i: tensor(i, "post_attention_layernorm.weight"), kind="float32"),
             gate_up_w=layers(lambda i: fused(i, ["mlp.gate_proj.weight", "mlp.up_proj.weight"]), linear=True),

@@ -89,12 +89,17 @@ def test_the_quantized_model_answers_as_the_dequantized_one(kept: Checkpoint, de
 
 
 @pytest.mark.usefixtures("quick_simulator_barriers")
-def test_the_cuda_backend_reads_quantized_weights_as_the_cpu_reads_them_dequantized(tmp_path: Path) -> None:
+@pytest.mark.parametrize("arch,dtype,tol", [("llama", "float32", 1e-4), ("qwen2", "float16", 3e-2)])
+def test_the_cuda_backend_reads_quantized_weights_as_the_cpu_reads_them_dequantized(tmp_path: Path, arch: str,
+                                                                                   dtype: str, tol: float) -> None:
     """A tiny checkpoint (rows of whole blocks) with its matrices in each kept type, the embedding
     and tied head in Q8_0: on the CUDA backend (the simulator here) kept quantized, its blocks read
     by ``quantized_gemv_cuda`` and ``quantized_embedding_cuda``, against the CPU's float32 model of
     the same values (float activations both: only the sums' order differs); a prefill and a decode
-    step."""
+    step. Also with ``dtype`` float16 (``serve --dtype float16`` on a GPU, the GGUF kept as it is by
+    default): the KV cache in float16, and a Qwen2's q/k/v biases in float32, as the quantized GEMV
+    declares them (on a GPU a float16 bias would be read as float32 bytes: the simulator does not
+    check, so the dtype is asserted)."""
     import dataclasses
 
     import gguf
@@ -102,29 +107,33 @@ def test_the_cuda_backend_reads_quantized_weights_as_the_cpu_reads_them_dequanti
     from engines.runtime.model.backend import DeviceQuantizedWeight
     from tests.runtime.model.test_model_parity import PagedSequences, save_tiny_checkpoint
 
-    checkpoint = load_checkpoint(save_tiny_checkpoint(tmp_path, "llama", vocab=32, hidden=32, layers=1, tied=True,
+    checkpoint = load_checkpoint(save_tiny_checkpoint(tmp_path, arch, vocab=32, hidden=32, layers=1, tied=True,
                                                       seed=11, intermediate=64))
     # (q/k/v and gate/up are fused: of one type each, so that the fused matrix keeps the values.)
     kinds = {"q_proj": "Q4_0", "k_proj": "Q4_0", "v_proj": "Q4_0", "o_proj": "Q8_0", "gate_proj": "Q4_1",
              "up_proj": "Q4_1", "down_proj": "Q4_0", "embed_tokens": "Q8_0"}
     kept_weights: dict = {}
     for name, values in checkpoint.weights.items():
-        kind = next((k for part, k in kinds.items() if f".{part}." in name), None)
+        kind = next((k for part, k in kinds.items() if f".{part}.weight" in name), None)  # a bias stays float
         kept_weights[name] = values if kind is None else QuantizedWeight.from_blocks(
             gguf.quants.quantize(values, gguf.GGMLQuantizationType[kind]).reshape(-1), kind, values.shape)
     dequantized = {name: w.dequantize() if isinstance(w, QuantizedWeight) else w for name, w in kept_weights.items()}
-    gpu = LlamaModel.from_checkpoint(dataclasses.replace(checkpoint, weights=kept_weights), backend="cuda")
+    gpu = LlamaModel.from_checkpoint(dataclasses.replace(checkpoint, weights=kept_weights), backend="cuda",
+                                     dtype=dtype)
     cpu = LlamaModel.from_checkpoint(dataclasses.replace(checkpoint, weights=dequantized), backend="cpu")
     assert gpu.weights_format == "Q4_0 x4, Q4_1 x2, Q8_0 x2" and cpu.weights_format == "float32"
     assert isinstance(gpu.lm_head_w, DeviceQuantizedWeight) and gpu.lm_head_w is gpu.embed_tokens
+    assert gpu.config.attention_bias == (arch == "qwen2")
+    assert [str(b.dtype) for b in gpu.layer_weights.qkv_bias] == ["float32"]
     prompts = [[1, 2, 3], [30]]
     kv_gpu, kv_cpu = gpu.new_kv_cache(12, 4), cpu.new_kv_cache(12, 4)
+    assert str(kv_gpu.k.dtype) == dtype
     seqs = PagedSequences(prompts, 12, seed=3)
     prefill = seqs.batch(prompts, all_logits=True)
     want = cpu.forward(prefill, kv_cpu)
-    np.testing.assert_allclose(gpu.forward(prefill, kv_gpu), want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(gpu.forward(prefill, kv_gpu), want, rtol=tol, atol=tol)
     seqs.advance(prompts)
     new = [[int(t)] for t in want[prefill.query_starts[1:] - 1].argmax(-1)]
     decode = seqs.batch(new)
     want = cpu.forward(decode, kv_cpu)
-    np.testing.assert_allclose(gpu.forward(decode, kv_gpu), want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(gpu.forward(decode, kv_gpu), want, rtol=tol, atol=tol)
