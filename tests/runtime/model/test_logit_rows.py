@@ -1,6 +1,7 @@
 """The last layer for the logit rows alone (``LlamaModel._launch`` with the CPU backend's
 ``compacts_last_layer``) against every row running every layer: the same logits, greedy ids and
-KV cache, transformers' logits, and the last layer's projections on as many rows as return logits."""
+KV cache, transformers' logits, and the last layer's projections on as many rows as return logits.
+The float32 path (test_model_parity's Hugging Face folders)."""
 from __future__ import annotations
 
 from typing import Any

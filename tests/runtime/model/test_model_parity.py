@@ -5,6 +5,9 @@ Checkpoints are made by transformers itself (``save_pretrained``, safetensors) a
 through our loader, so config parsing, weight fusion and the kernels are all on the path.
 Every parameter is randomised (transformers initialises biases to zero and norms to one,
 which would hide a missing bias or norm weight).
+
+The float32 path: a Hugging Face folder's weights are floats whatever ``--weights-dtype`` says (it
+concerns GGUF files); the kept-quantized path is tests/runtime/model/test_quantized_model.py's.
 """
 from __future__ import annotations
 

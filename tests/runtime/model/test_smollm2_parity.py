@@ -3,6 +3,11 @@ and greedy generation through the chat template, token for token.
 
 transformers reads a GGUF itself (``from_pretrained(folder, gguf_file=...)``: its own dequantizer
 and tokenizer conversion), so nothing of ours is on its side of the comparison.
+
+The model tests check the float32 path: the file dequantized at load (``keep_quantized=False``,
+``serve --weights-dtype float32``), as transformers dequantizes it. ``serve``'s default keeps the
+file's types, with int8 activations: tests/runtime/model/test_quantized_model.py bounds how far it
+is from this path.
 """
 from __future__ import annotations
 
@@ -35,7 +40,8 @@ TEXTS = ["Hello, world!", "In 2024, 12345 apples cost $3.99.", "  two  spaces,\t
 
 @pytest.fixture(scope="module")
 def smollm2(smollm2_file: Path) -> Checkpoint:
-    return load_checkpoint(smollm2_file)
+    """The file dequantized to float32: the path these tests hold to transformers'."""
+    return load_checkpoint(smollm2_file, keep_quantized=False)
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +109,9 @@ def hf_model(smollm2_file: Path):
 
 
 @pytest.mark.slow
-def test_greedy_chat_answers_equal_transformers_token_for_token(smollm2: Checkpoint, hf_tokenizer, hf_model) -> None:
+def test_float32_greedy_chat_answers_equal_transformers_token_for_token(smollm2: Checkpoint, hf_tokenizer,
+                                                                       hf_model) -> None:
+    """The float32 path (``smollm2``: dequantized at load), greedy through the chat template."""
     new_tokens = 32
     prompts = []
     for chat in CHATS:
@@ -126,7 +134,8 @@ def test_greedy_chat_answers_equal_transformers_token_for_token(smollm2: Checkpo
     assert ours["c0"].text == "The capital of France is Paris." and ours["c0"].finish_reason == "stop"
 
 
-def test_first_step_logits_are_close_to_transformers(smollm2: Checkpoint, hf_model) -> None:
+def test_float32_first_step_logits_are_close_to_transformers(smollm2: Checkpoint, hf_model) -> None:
+    """The float32 path's logits after a chat prompt's prefill."""
     from engines.runtime.model.forward_batch import ForwardBatch
 
     model = LlamaModel.from_checkpoint(smollm2, backend="cpu")
