@@ -50,7 +50,7 @@ def engine_facts(engine: Any) -> dict[str, Any]:
         "config": [
             ("checkpoint", str(checkpoint.path)),
             ("weights", engine.source_format),
-            ("weights in memory", engine.weights_format),
+            ("weights in memory", weights_in_memory(engine)),
             ("architecture", f"{model.model_type}: {model.num_hidden_layers} layers, hidden {model.hidden_size}, "
                              f"{model.num_attention_heads} heads / {model.num_key_value_heads} KV heads, "
                              f"head dim {model.head_dim}, intermediate {model.intermediate_size}"),
@@ -65,6 +65,17 @@ def engine_facts(engine: Any) -> dict[str, Any]:
             ("tracing", f"on (at most {config.max_trace_events:,} events)" if engine.tracing_enabled else "off"),
         ],
     }
+
+
+def weights_in_memory(engine: Any) -> str:
+    """What the engine computes with ("float32", "Q4_1 x210, Q8_0 x1"), and for a GGUF whether that is
+    the file's own types or floats made from them at load (``serve --weights-dtype``)."""
+    held = engine.weights_format
+    if not engine.source_format.startswith("GGUF") or held == "pending":
+        return held
+    if held in ("float32", "float16"):
+        return f"{held}, dequantized from the GGUF at load"
+    return f"{held}, as the GGUF holds them (--weights-dtype float32 dequantizes)"
 
 
 def _history_url(model: str, engine: str) -> str:

@@ -23,14 +23,14 @@ from engines.cancellation import check_cancelled
 from engines.fleet.outage_log import OutageLog
 from engines.fleet.aliases import ALIASES, ServerKind
 from engines.fleet.quantiles import fleet_quantile
-from engines.fleet.rows import (FLEET_WINDOW_QUANTITIES, EngineRow, FleetRowsUpdate, FleetServer, FleetTotals,
-                                FleetUnavailable, FleetView, ServerRows, TotalQuantile)
+from engines.fleet.rows import (FLEET_WINDOW_QUANTITIES, EngineRow, EngineWeights, FleetRowsUpdate, FleetServer,
+                                FleetTotals, FleetUnavailable, FleetView, ServerRows, TotalQuantile)
 from engines.fleet.membership import ServerCard
 from engines.fleet.store import FleetStore
 
 logger = logging.getLogger("engines.fleet")
 
-__all__ = ["FleetBoard", "ForeignTarget", "engine_pages", "fleet_totals", "fleet_view"]
+__all__ = ["FleetBoard", "ForeignTarget", "engine_pages", "engine_weights", "fleet_totals", "fleet_view"]
 
 #: Seconds between whole views sent to the fleet pages (members, attached servers, totals).
 VIEW_INTERVAL_S = 1.0
@@ -74,6 +74,13 @@ def engine_pages(card: ServerCard) -> dict[str, str]:
             if engine.backend != "router" and (path := _engine_path(engine.name)) is not None}
 
 
+def engine_weights(card: ServerCard) -> dict[str, EngineWeights]:
+    """What each engine of a server of ours computes with (its card's ``weights_in_memory``) and
+    what its file holds; none for a router's lane, nor from a server whose cards do not say."""
+    return {engine.name: EngineWeights(in_memory=engine.weights_in_memory, stored=engine.weights)
+            for engine in card.engines if engine.backend != "router" and engine.weights_in_memory}
+
+
 def _total(rows: Sequence[EngineRow], quantity: str) -> float:
     return sum(v for r in rows if (v := r.figures.get(quantity)) is not None and math.isfinite(v))
 
@@ -113,7 +120,7 @@ async def fleet_view(store: FleetStore, foreign: Sequence[ForeignTarget], now: f
         servers.append(FleetServer(server=card.server, name=card.server, url=card.url, kind=ServerKind.OURS.value,
                                    version=card.version, roles=card.roles, state=member.state,
                                    last_seen=member.last_seen, age_s=member.age_s, engines=len(card.engines),
-                                   engine_pages=engine_pages(card)))
+                                   engine_pages=engine_pages(card), engine_weights=engine_weights(card)))
         rows.extend(these)
         if member.state == "up":
             live_rows.extend(these)

@@ -51,7 +51,10 @@ class EngineCard(BaseModel):
     mode: Literal["process", "thread"]
     tracing: bool
     kv_cache: str = ""
-    weights: str = ""
+    weights: str = ""                # what the checkpoint holds: "safetensors", "GGUF F32 x61, Q4_1 x210, ..."
+    #: What the engine computes with: "float32", or a GGUF's types kept ("Q4_1 x210, Q8_0 x1"); "" from a
+    #: server that does not say (older ones), "pending" while its engine starts.
+    weights_in_memory: str = ""
 
 
 class ServerCard(BaseModel):

@@ -16,8 +16,9 @@ from pydantic import BaseModel
 
 from engines.fleet.quantiles import Buckets
 
-__all__ = ["FLEET_WINDOW_QUANTITIES", "EngineRow", "FleetRequest", "FleetRowsUpdate", "FleetServer", "FleetSocketError",
-           "FleetTotals", "FleetUnavailable", "FleetView", "ServerRows", "TotalQuantile", "WindowHistogram"]
+__all__ = ["FLEET_WINDOW_QUANTITIES", "EngineRow", "EngineWeights", "FleetRequest", "FleetRowsUpdate", "FleetServer",
+           "FleetSocketError", "FleetTotals", "FleetUnavailable", "FleetView", "ServerRows", "TotalQuantile",
+           "WindowHistogram"]
 
 #: The latencies whose last-minute histograms travel with a row, for the fleet's percentiles.
 FLEET_WINDOW_QUANTITIES = ("ttft", "itl")
@@ -74,6 +75,13 @@ class ServerRows(BaseModel):
     clock_uncertainty_s: float | None = None
 
 
+class EngineWeights(BaseModel):
+    """What an engine of ours computes with and what its checkpoint holds (its card's words)."""
+
+    in_memory: str                   # "Q4_1 x210, Q8_0 x1" (a GGUF's types kept), "float32", "pending"
+    stored: str = ""                 # "GGUF F32 x61, Q4_1 x210, Q8_0 x1", "safetensors"
+
+
 class FleetServer(BaseModel):
     """A server in the grid: a member of ours, or a foreign one attached by URL."""
 
@@ -92,6 +100,8 @@ class FleetServer(BaseModel):
     missing_controls: dict[str, str] = {}
     #: Ours: engine -> its dashboard page on this server (a foreign server's rows link to ``url``).
     engine_pages: dict[str, str] = {}
+    #: Ours: engine -> its weights, as its card says (none for a foreign server, or an older one of ours).
+    engine_weights: dict[str, EngineWeights] = {}
 
 
 class TotalQuantile(BaseModel):

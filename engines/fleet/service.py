@@ -54,7 +54,8 @@ def server_card() -> ServerCard:
                                 backend=engine.backend_name, dtype=engine.dtype,
                                 mode="process" if engine.process else "thread", tracing=engine.tracing_enabled,
                                 kv_cache=engine.kv_cache.describe() if engine.kv_cache else "",
-                                weights=str(getattr(engine, "source_format", ""))))
+                                weights=str(getattr(engine, "source_format", "")),
+                                weights_in_memory=str(getattr(engine, "weights_format", ""))))
     if registry.router is not None:  # the router's own lane: a job may save its trace
         cards.append(EngineCard(name=ROUTER_ENGINE, model="", backend="router", dtype="", mode="thread", tracing=True))
     roles = _server["roles"]

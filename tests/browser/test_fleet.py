@@ -69,6 +69,9 @@ async def test_two_servers_and_a_foreign_one_in_one_grid_from_either(fleet_serve
                      document.querySelectorAll('#fleet-body tr.fleet-group').length === 2""", timeout=30000)
         assert {await el.get_attribute("data-engine") for el in await page_a.query_selector_all("tr.fleet-row")} \
             == {"demo", "demo-b"}
+        # Under each name, the weights its engine computes with (the demo's floats: a Hugging Face folder).
+        assert [await el.text_content() for el in await page_a.query_selector_all("tr.fleet-row .fleet-weights")] \
+            == ["weights float32"] * 2
         summary = await page_a.text_content("#fleet-summary")
         assert f"fleet “{name}”, shared over Redis" in summary and "2 server(s), 2 engine(s)" in summary
         # Attach the foreign server from the first server's form.

@@ -15,7 +15,7 @@ from engines.fleet.board import ForeignTarget, fleet_totals, fleet_view
 from engines.fleet.foreign import ForeignReader, reading_rows
 from engines.fleet.membership import EngineCard, ServerCard
 from engines.fleet.quantiles import fleet_quantile
-from engines.fleet.rows import EngineRow, ServerRows, WindowHistogram
+from engines.fleet.rows import EngineRow, EngineWeights, ServerRows, WindowHistogram
 from engines.fleet.store import LocalFleetStore, RedisFleetStore
 from tests.fleet import foreign_expositions as expo
 
@@ -97,6 +97,42 @@ async def test_each_engine_of_ours_links_to_its_page_on_its_own_server(store) ->
     servers = {s.server: s for s in (await fleet_view(store, [ForeignTarget("foreign-1", "v", "http://v")])).servers}
     assert servers["a:1"].engine_pages == {"demo": "http://10.0.0.1:8000/dashboard/engines/demo/"}  # no router page
     assert servers["b:2"].engine_pages == {} and servers["foreign-1"].engine_pages == {}
+
+
+async def test_each_engine_of_ours_says_the_weights_it_computes_with(store) -> None:
+    """The weights in memory travel in each engine's card (a GGUF kept in its types, or float32) with
+    what the file holds; a server whose cards do not say (an older one) and a router's lane show none."""
+    router = EngineCard(name="router", model="", backend="router", dtype="", mode="thread", tracing=True)
+    kept = EngineCard(name="smollm2", model="SmolLM2-135M-Instruct.Q4_1", backend="cpu", dtype="float32",
+                      mode="process", tracing=False, weights="GGUF F32 x61, Q4_1 x210, Q8_0 x1",
+                      weights_in_memory="Q4_1 x210, Q8_0 x1")
+    floats = EngineCard(name="demo", model="demo", backend="cpu", dtype="float32", mode="process", tracing=False,
+                        weights="safetensors", weights_in_memory="float32")
+    await store.announce(card("a:1").model_copy(update={"engines": [kept, floats, router]}))
+    await store.announce(card("b:2"))
+    servers = {s.server: s for s in (await fleet_view(store, [])).servers}
+    assert servers["a:1"].engine_weights == {
+        "smollm2": EngineWeights(in_memory="Q4_1 x210, Q8_0 x1", stored="GGUF F32 x61, Q4_1 x210, Q8_0 x1"),
+        "demo": EngineWeights(in_memory="float32", stored="safetensors")}
+    assert servers["b:2"].engine_weights == {}
+
+
+def test_a_servers_card_says_what_each_engine_holds_its_weights_as() -> None:
+    """``server_card`` reads them off the served engines (``weights_format``, ``source_format``)."""
+    from types import SimpleNamespace
+
+    from engines.fleet.service import server_card
+    from engines.registry import ServerOptions, registry
+
+    engine = SimpleNamespace(name="smollm2", checkpoint=SimpleNamespace(name="SmolLM2-135M-Instruct.Q4_1"),
+                             backend_name="cpu", dtype="float32", process=True, tracing_enabled=False, kv_cache=None,
+                             source_format="GGUF F32 x61, Q4_1 x210, Q8_0 x1", weights_format="Q4_1 x210, Q8_0 x1")
+    registry.replace([engine], ServerOptions())  # type: ignore[list-item]
+    try:
+        (served,) = server_card().engines
+    finally:
+        registry.replace([], ServerOptions())
+    assert (served.weights, served.weights_in_memory) == ("GGUF F32 x61, Q4_1 x210, Q8_0 x1", "Q4_1 x210, Q8_0 x1")
 
 
 async def test_foreign_rows_keep_not_exported_and_an_unreachable_server_says_why(store) -> None:

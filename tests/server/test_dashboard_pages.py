@@ -66,6 +66,21 @@ async def test_an_engine_page_shows_its_configuration_and_an_unknown_one_is_404(
     assert missing.status_code == 404
 
 
+@pytest.mark.parametrize("source, held, shown", [
+    ("safetensors", "float32", "float32"),
+    ("GGUF F32 x61, Q4_1 x210, Q8_0 x1", "Q4_1 x210, Q8_0 x1",
+     "Q4_1 x210, Q8_0 x1, as the GGUF holds them (--weights-dtype float32 dequantizes)"),
+    ("GGUF F32 x61, Q4_1 x210, Q8_0 x1", "float32", "float32, dequantized from the GGUF at load"),
+    ("GGUF F32 x61, Q4_1 x210, Q8_0 x1", "pending", "pending"),
+])
+def test_the_engine_page_says_how_a_ggufs_weights_are_held(source: str, held: str, shown: str) -> None:
+    from types import SimpleNamespace
+
+    from engines.dashboard.pages import weights_in_memory
+
+    assert weights_in_memory(SimpleNamespace(source_format=source, weights_format=held)) == shown
+
+
 async def test_untraced_engines_have_their_trace_controls_disabled_with_the_reason(serve, staff_client) -> None:
     async with serve(enable_debug=True):
         html = (await sync_to_async(staff_client.get)(f"/dashboard/engines/{UNTRACED}/")).content.decode()

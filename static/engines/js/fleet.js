@@ -53,8 +53,16 @@ function engineLink(row, server) {
   return (server.engine_pages || {})[row.engine] || (server.kind !== "ours" ? server.url : "");
 }
 
-/** The row of one engine; under its name, its model (grouped by server) or its server (by model). */
-function rowFor(key, row, under, link) {
+/** What an engine of ours computes with, as its server's card says (null: a foreign or older server). */
+function engineWeights(row, server) {
+  return (server && (server.engine_weights || {})[row.engine]) || null;
+}
+
+/**
+ * The row of one engine; under its name, its model (grouped by server) or its server (by model),
+ * then the weights it holds in memory ("Q4_1 x210, Q8_0 x1": a GGUF kept in its types; "float32").
+ */
+function rowFor(key, row, under, link, weights) {
   let entry = rowEls.get(key);
   if (!entry) {
     const tr = document.createElement("tr");
@@ -92,7 +100,8 @@ function rowFor(key, row, under, link) {
     entry = { tr, th, cells, box, last, label: "" };
     rowEls.set(key, entry);
   }
-  const label = `${row.engine}\u0000${under}\u0000${link}`;
+  const inMemory = weights ? weights.in_memory : "";
+  const label = `${row.engine}\u0000${under}\u0000${link}\u0000${inMemory}\u0000${weights ? weights.stored : ""}`;
   if (entry.label !== label) {
     entry.th.replaceChildren();
     const name = document.createElement(link ? "a" : "span");
@@ -107,6 +116,14 @@ function rowFor(key, row, under, link) {
       help.className = "help model-name";
       help.textContent = under;
       entry.th.append(help);
+    }
+    if (inMemory) {
+      const held = document.createElement("div");
+      held.className = "help fleet-weights";
+      held.textContent = `weights ${inMemory}`;
+      held.title = "the weights in memory, as the engine computes with them" +
+        (weights.stored ? ` (stored as ${weights.stored})` : "");
+      entry.th.append(held);
     }
     entry.th.append(entry.last);
     entry.label = label;
@@ -265,8 +282,8 @@ function renderView(view) {
   const now = view.at;
   const servers = new Map(view.servers.map((s) => [s.server, s]));
   const needle = filterInput.value.trim().toLowerCase();
-  const matches = (row, server) => !needle || [row.engine, row.model, row.server, server && server.name]
-    .some((text) => text && text.toLowerCase().includes(needle));
+  const matches = (row, server) => !needle || [row.engine, row.model, row.server, server && server.name,
+    (engineWeights(row, server) || {}).in_memory].some((text) => text && text.toLowerCase().includes(needle));
   const byModel = groupSelect.value === "model";
   const shownRows = view.rows.filter((row) => matches(row, servers.get(row.server)));
   const withRows = new Set(shownRows.map((row) => row.server));
@@ -295,7 +312,7 @@ function renderView(view) {
       const rowKey = `${row.server}\u0000${row.engine}`;
       const server = servers.get(row.server);
       const entry = rowFor(rowKey, row, byModel ? (server ? server.name : row.server) : row.model,
-        engineLink(row, server));
+        engineLink(row, server), engineWeights(row, server));
       fill(entry, row, now, server);
       entry.tr.classList.toggle("in-model-group", byModel);
       wanted.push(entry.tr);
