@@ -8,6 +8,7 @@ models, so a spawned worker can unpickle its initializer before Django is set up
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 
@@ -29,8 +30,11 @@ def exit_with_parent(parent: int) -> None:
 
 def start_django_child(parent: int) -> None:
     """A pool worker's initializer (``initargs=(os.getpid(),)`` in the parent): Django set up
-    (``DJANGO_SETTINGS_MODULE`` is inherited), and the worker tied to its parent's life."""
+    (``DJANGO_SETTINGS_MODULE`` is inherited), the worker tied to its parent's life, and deaf to
+    Ctrl-C, which a terminal sends to the whole process group: the server's own shutdown ends the
+    worker (it printed a KeyboardInterrupt traceback over the server's goodbye before)."""
     import django
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     django.setup()
     exit_with_parent(parent)

@@ -43,6 +43,22 @@ def test_a_bad_trace_raises_its_own_error_from_the_process(process: DigestProces
         process.digest(b'{"no": "events"}')
 
 
+def test_ctrl_c_to_the_process_group_leaves_the_process_to_the_server() -> None:
+    """A terminal's Ctrl-C reaches every process of the group: the child ignores it (the server's
+    shutdown ends it) rather than dying mid-digest with a traceback on the server's console."""
+    process = DigestProcess()
+    try:
+        raw = orjson.dumps(serving_trace(num_requests=1))
+        process.digest(raw)
+        child = process.child_pid()
+        assert child is not None
+        os.kill(child, signal.SIGINT)
+        time.sleep(0.2)
+        assert process.digest(raw)[0].event_count > 0 and process.child_pid() == child
+    finally:
+        process.close()
+
+
 def test_the_process_is_replaced_after_its_quota(process: DigestProcess) -> None:
     raw = orjson.dumps(serving_trace(num_requests=1))
     pids = set()
