@@ -45,14 +45,12 @@ def memory_worker(kind: str) -> None:
     the model both kept, and print as one JSON line the weights' bytes and what the load added to
     the resident set of this fresh process, whose libraries were imported before (the first
     reading): what it adds is the arrays', and the cached kernels the load runs (a few MB)."""
-    import engines.runtime.model.checkpoint as checkpoint_module
-    import engines.runtime.model.llama as llama_module
-    from engines.runtime import builtin_model_path
+    from engines.runtime import LlamaModel, builtin_model_path, load_checkpoint
 
     path = builtin_model_path("smollm2")
     before = resident_bytes()
-    checkpoint = checkpoint_module.load_checkpoint(path, keep_quantized=kind == "gguf")
-    model = llama_module.LlamaModel.from_checkpoint(checkpoint, backend="cpu")
+    checkpoint = load_checkpoint(path, keep_quantized=kind == "gguf")
+    model = LlamaModel.from_checkpoint(checkpoint, backend="cpu")
     print(json.dumps({"weights": model.weights_format, "weight_bytes": model.weight_bytes,
                       "rss_added": resident_bytes() - before}))
 
