@@ -33,6 +33,7 @@ and no never-used page is left. Pinned pages (``pin``) are never evicted; only
 from __future__ import annotations
 
 import hashlib
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ __all__ = [
     "Admission",
     "KVCachePool",
     "KVCacheUsage",
+    "PrefixLeaf",
 ]
 
 SeqId = Hashable
@@ -85,6 +87,22 @@ class KVCacheUsage:
     def hit_rate(self) -> float:
         """Fraction of looked-up prompt tokens served from the cache (0.0 before any lookup)."""
         return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+@dataclass(frozen=True)
+class PrefixLeaf:
+    """A cached page that no cached page extends: the end of a cached prefix (``prefix_leaves``)."""
+
+    page: int
+    #: Pages from the prompt's start to this one (its prefix's length in pages).
+    depth: int
+    #: Admissions whose matched prefix reached this page.
+    hits: int
+    #: ``time.perf_counter()`` of its last match, fill or release.
+    last_use: float
+    #: Sequences holding it now.
+    held_by: int
+    pinned: bool
 
 
 _ROOT_KEY = b""  # parent key of a sequence's first page
@@ -150,6 +168,13 @@ class KVCachePool:
         self._pinned = [False] * self.num_pages
         self._num_pinned = 0
         self._cached: dict[bytes, int] = {}  # prefix key -> page holding it
+        # Of a cached page, for the debugger's dump: its parent's key, its depth in pages, the
+        # admissions that matched it, and when it was last matched, filled or released.
+        self._parent: list[bytes | None] = [None] * self.num_pages
+        self._depth = [0] * self.num_pages
+        self._hits = [0] * self.num_pages
+        self._last_use = [0.0] * self.num_pages
+        self._evictions = 0
         # Cached pages nobody holds and not pinned, least recently released first.
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._seqs: dict[SeqId, _Sequence] = {}
@@ -243,6 +268,8 @@ class KVCachePool:
             if key not in self._cached:
                 self._cached[key] = page
                 self._key[page] = key
+                self._parent[page], self._depth[page] = parent, i + 1
+                self._hits[page], self._last_use[page] = 0, time.perf_counter()
             if (i + 1) * ps <= seq.pin_tokens:
                 self._pin(key, page)
 
@@ -256,6 +283,9 @@ class KVCachePool:
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             return
+        now = time.perf_counter()
+        for page in seq.pages:
+            self._last_use[page] = now
         # Tail first, so a prefix's later pages are older in the LRU order than its
         # first ones: eviction then trims chains from the end, keeping the shared
         # beginnings that most matches need.
@@ -293,6 +323,38 @@ class KVCachePool:
     def pages(self, seq_id: SeqId) -> tuple[int, ...]:
         """The sequence's page ids in token order."""
         return tuple(self._seqs[seq_id].pages)
+
+    def pages_held(self, seq_id: SeqId) -> list[int]:
+        """A copy of the sequence's page ids ([] when it holds none); safe from any thread."""
+        seq = self._seqs.get(seq_id)
+        return list(seq.pages) if seq is not None else []
+
+    def num_pages_held(self, seq_id: SeqId) -> int:
+        """How many pages the sequence holds (0 when none); safe from any thread."""
+        seq = self._seqs.get(seq_id)
+        return len(seq.pages) if seq is not None else 0
+
+    @property
+    def num_evictions(self) -> int:
+        """Cached pages evicted to make room since the pool was made or reset."""
+        return self._evictions
+
+    def prefix_leaves(self) -> list[PrefixLeaf]:
+        """The ends of the cached prefixes (safe from any thread: one copy of the cache's map)."""
+        cached = list(self._cached.items())
+        parents = {self._parent[page] for _, page in cached}
+        return [PrefixLeaf(page, self._depth[page], self._hits[page], self._last_use[page], self._refcount[page],
+                           self._pinned[page]) for key, page in cached if key not in parents]
+
+    def first_page_hits(self, page: int) -> int:
+        """Admissions that matched the first page of the cached prefix ending at ``page``."""
+        parent = self._parent[page]
+        while parent:
+            above = self._cached.get(parent)
+            if above is None:
+                break
+            page, parent = above, self._parent[above]
+        return self._hits[page]
 
     def num_computed_tokens(self, seq_id: SeqId) -> int:
         """Tokens whose K/V is in the cache (``ForwardBatch.cached_lens``)."""
@@ -367,8 +429,11 @@ class KVCachePool:
         if needed > self.num_available_pages - reclaimed:
             return None
         seq = _Sequence()
+        now = time.perf_counter()
         for page in hits:
             self._acquire(page)
+            self._hits[page] += 1
+            self._last_use[page] = now
         seq.pages = hits
         seq.page_keys = keys
         seq.token_ids = list(token_ids[:cached_tokens])
@@ -428,6 +493,8 @@ class KVCachePool:
             assert key is not None, "an evictable page is a cached one"
             del self._cached[key]
             self._key[page] = None
+            self._parent[page] = None
+            self._evictions += 1
         self._refcount[page] = 1
         return page
 

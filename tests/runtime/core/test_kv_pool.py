@@ -410,3 +410,26 @@ def test_reserve_may_match_past_its_end_and_refuses_without_side_effects():
     assert pool.usage() == before and "big" not in pool
     with pytest.raises(ValueError, match="end must be in 1..3"):
         pool.reserve("bad", toks(0, 3), 4)
+
+
+def test_prefix_leaves_are_the_ends_of_shared_chains_and_count_their_hits() -> None:
+    """What the debugger's KV dump lists: cached prefixes, their hits and evictions."""
+    pool = KVCachePool(8, 4)
+    base = list(range(8))
+    for sid, tail in (("a", [100, 101, 102, 103, 9]), ("b", [200, 201, 202, 203, 9])):
+        tokens = base + tail
+        admission = pool.admit(sid, tokens, len(tokens))
+        assert admission is not None
+        pool.commit(sid, tokens[admission.cached_tokens:])
+        pool.free(sid)
+    leaves = pool.prefix_leaves()
+    assert sorted(leaf.depth for leaf in leaves) == [3, 3]  # two chains sharing their first two pages
+    assert all(pool.first_page_hits(leaf.page) == 1 for leaf in leaves)  # b matched the shared start
+    assert pool.num_evictions == 0
+    big = list(range(1000, 1032))  # 8 pages: every cached page must go
+    assert pool.admit("big", big, len(big)) is not None
+    assert pool.num_evictions == 4 and pool.prefix_leaves() == []
+    assert pool.num_pages_held("big") == 8 and pool.pages_held("big") == list(pool.pages("big"))
+    assert pool.pages_held("gone") == [] and pool.num_pages_held("gone") == 0
+    pool.reset()
+    assert pool.num_evictions == 0
