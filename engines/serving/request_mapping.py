@@ -111,11 +111,14 @@ def tokenize_chat(tokenizer: Tokenizer, body: ChatCompletionRequest) -> tuple[li
 
 
 def make_generation_request(
-    request_id: str, prompt: list[int], body: ChatCompletionRequest | CompletionRequest, arrival_time: float
+    request_id: str, prompt: list[int], body: ChatCompletionRequest | CompletionRequest, arrival_time: float,
+    client_request_id: str | None = None,
 ) -> GenerationRequest:
     """Map the OpenAI parameters, and MLC's ``debug_config`` options, onto the engine's fields
     (the pydantic ``DebugConfig`` never crosses into the runtime). ``arrival_time``: when the HTTP
-    request arrived (``engines.request_arrival.arrival_of``).
+    request arrived (``engines.request_arrival.arrival_of``). The client's ids go along for the
+    live table: ``user`` from the body, ``client_request_id`` as the caller read it (the seam for
+    ``X-Request-Id``: no view passes it yet).
 
     ``SamplingParams`` is where the sampling ranges are checked (``REQUEST_LIMITS``): a value
     out of range is a 400 naming the parameter the client sent.
@@ -157,6 +160,8 @@ def make_generation_request(
         pin_system_prompt=debug is not None and debug.pinned_system_prompt,
         grammar_mode=GrammarMode(debug.grammar_execution_mode) if debug is not None else GrammarMode.JUMP_FORWARD,
         arrival_time=arrival_time,
+        user=body.user,
+        client_request_id=client_request_id,
     )
 
 

@@ -60,6 +60,10 @@ class GenerationRequest:
     #: ours in front of it says (``X-Request-Age``). Its metrics count from that earlier moment,
     #: the client's; its trace stays on this server's own time.
     age_at_arrival_s: float = 0.0
+    #: The client's own ids, shown beside ours in the live table: OpenAI's ``user``, and the
+    #: ``X-Request-Id`` header (the seam for it: the server does not read the header yet).
+    user: str | None = None
+    client_request_id: str | None = None
 
     def __post_init__(self) -> None:
         self.grammar_mode = GrammarMode(self.grammar_mode)  # a plain "constraint" works too
@@ -111,6 +115,8 @@ class Sequence:
         self.num_prompt_tokens = len(prompt)
         self.num_computed = 0
         self.num_cached_prefix_tokens = 0  # of the last admission, for its trace event
+        self.num_preemptions = 0
+        self.preempted = False  # sent back to the queue, not readmitted yet
         self.last_token_time: float | None = None
         self.finish_reason: FinishReason | None = None  # set once, when the choice ends
         self.finish_reported = False  # the output carrying finish_reason has gone out

@@ -172,6 +172,7 @@ class Scheduler:
                 out.out_of_pages.append(seq)
                 continue
             self.waiting.popleft()
+            seq.preempted = False
             seq.num_computed = admission.cached_tokens
             seq.num_cached_prefix_tokens = admission.cached_tokens
             self.running.append(seq)
@@ -197,5 +198,7 @@ class Scheduler:
         self.running.remove(seq)
         self.kv_pool.free(seq.seq_id)
         seq.num_computed = 0
+        seq.num_preemptions += 1
+        seq.preempted = True
         self.num_preemptions += 1
         self.waiting.appendleft(seq)

@@ -26,6 +26,8 @@ class FakeSeq:
     num_prompt_tokens: int = field(init=False)
     num_computed: int = 0
     num_cached_prefix_tokens: int = 0
+    num_preemptions: int = 0
+    preempted: bool = False
     kv_send: object = None  # a prefill-only sequence of disaggregated serving (never samples)
 
     def __post_init__(self) -> None:
@@ -153,6 +155,7 @@ def test_the_newest_running_sequence_is_preempted_first_and_requeued_at_the_fron
     assert (b.num_computed, c.num_computed) == (0, 0)
     assert b.seq_id not in pool and c.seq_id not in pool
     assert sched.num_preemptions == 2
+    assert (b.preempted, c.preempted, b.num_preemptions, d.preempted) == (True, True, 1, False)
 
 
 def test_nothing_is_admitted_in_a_step_that_preempted():

@@ -8,6 +8,7 @@ refused, releases its pages, and the pool returns to where it was.
 from __future__ import annotations
 
 import secrets
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -40,6 +41,8 @@ class KVReservation:
     pool_id: tuple[str, str]
     deadline: float
     received: bool = False
+    #: ``time.perf_counter()`` when it was made (the live table's age).
+    reserved_at: float | None = None
 
 
 class KVReceiver:
@@ -85,7 +88,7 @@ class KVReceiver:
                             segments=tuple(segments))
         # A window the prefix cache already covers needs no transfer (the router skips remote_send).
         self.reservations[request_id] = KVReservation(receipt, list(prompt), pool_id, now + timeout_s,
-                                                      received=matched >= end)
+                                                      received=matched >= end, reserved_at=time.perf_counter())
         if self.tracer is not None:
             self.tracer.add_event(request_id, "prepare receive", {
                 "end": end, "prefix_matched_length": matched, "pages": len(self.kv_pool.pages(pool_id))})
