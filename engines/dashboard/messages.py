@@ -57,8 +57,12 @@ class EngineSnapshot(BaseModel):
     metrics: dict[str, Any] | None = None
     #: The last requests that ended, newest first (``RecentRequest`` fields); None while not running.
     recent_requests: list[dict[str, Any]] | None = None
-    #: The requests in the engine now, oldest first (``OutputProcessor.live_requests`` fields); None while not running.
+    #: The requests in the engine now, oldest first (``LiveRequest`` fields, at most
+    #: ``DEFAULT_LIVE_LIMIT`` of ``live_total``); None while not running.
     live_requests: list[dict[str, Any]] | None = None
+    live_total: int | None = None
+    #: The KV cache opened (``KVCacheDump`` fields); None while not running.
+    kv_cache: dict[str, Any] | None = None
     #: The server is shutting down: it refuses new requests while those in flight finish.
     draining: bool = False
     #: Running, but its metrics read went unanswered (a long step or compilation holds it): the

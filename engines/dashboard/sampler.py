@@ -10,6 +10,7 @@ engine process's receiving thread even mid-step, so sampling never waits for a l
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import deque
@@ -82,7 +83,9 @@ class EngineSampler:
             server=server_id(), engine=engine.name, at=time.time(), state=status.state.value,
             reason=status.reason, restarts=status.restarts, backend=engine.backend_name, dtype=engine.dtype,
             mode="process" if engine.process else "thread", tracing=engine.tracing_enabled, metrics=metrics,
-            recent_requests=view.ended if view else None, live_requests=view.live if view else None, slow=slow,
+            recent_requests=view.ended if view else None, slow=slow,
+            live_requests=[dataclasses.asdict(row) for row in view.live.requests] if view else None,
+            live_total=view.live.total if view else None, kv_cache=dataclasses.asdict(view.kv) if view else None,
             draining=served_engines.draining, profile=profile_state(engine))
 
     def history_text(self) -> str:

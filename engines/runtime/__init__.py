@@ -66,6 +66,13 @@ _EXPORTS: dict[str, str] = {
     "InvalidSamplingParams": "core.sampler",
     "TokenLogprob": "core.sampler",
     "RequestLimits": "core.limits",
+    "DEFAULT_KV_ENTRIES": "core.live_view",
+    "DEFAULT_LIVE_LIMIT": "core.live_view",
+    "LiveRequest": "core.live_view",
+    "LiveRequests": "core.live_view",
+    "KVCacheDump": "core.live_view",
+    "PrefixCacheEntry": "core.live_view",
+    "RequestPages": "core.live_view",
     "REQUEST_LIMITS": "core.limits",
     # model
     "LlamaModel": "model.llama",
@@ -122,6 +129,8 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names resolve lazily above
     from engines.runtime.core.engine import Engine, EngineConfig
     from engines.runtime.core.limits import REQUEST_LIMITS, RequestLimits
+    from engines.runtime.core.live_view import (DEFAULT_KV_ENTRIES, DEFAULT_LIVE_LIMIT, KVCacheDump, LiveRequest,
+                                                LiveRequests, PrefixCacheEntry, RequestPages)
     from engines.runtime.core.request import (
         ChoiceDelta,
         EngineRequestError,

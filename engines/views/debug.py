@@ -1,7 +1,8 @@
 """MLC's ``/debug/*`` endpoints: event trace, engine metrics, reset, CUDA profiler start/stop;
-and ours: ``save_event_trace`` (the event trace into the trace history) and
+and ours: ``save_event_trace`` (the event trace into the trace history),
 ``profile_start`` / ``profile_stop`` (the built-in profiler, on every backend, which the CUDA
-profiler routes start and stop too).
+profiler routes start and stop too), ``list_requests`` (every request in the engine now) and
+``dump_kv_cache`` (the KV cache opened).
 
 They exist only with ``--enable-debug``; otherwise every route answers 404 as if
 it were not mounted (the gate is checked per request so tests and ``serve`` can
@@ -14,6 +15,7 @@ profiler routes accept ``model`` and answer a status.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, TypeVar
 
 from django.http import HttpRequest, HttpResponse
@@ -35,7 +37,7 @@ from engines.models import TraceRecord
 from engines.profiling import DEFAULT_MAX_SECONDS, ProfileSaved, start_profile, stop_profile
 from engines.protocol.errors import ProtocolError
 from engines.registry import registry
-from engines.runtime import AsyncEngine, ProfilerStateError
+from engines.runtime import DEFAULT_KV_ENTRIES, DEFAULT_LIVE_LIMIT, AsyncEngine, ProfilerStateError
 from engines.views.api import InvalidBody, debug_gated, json_body, json_response
 
 NOT_MOUNTED = "Not found: the /debug endpoints exist only when the server runs with --enable-debug."
@@ -77,6 +79,22 @@ class ProfileStopOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     note: StrictStr = Field(default="", max_length=MAX_NOTE_CHARS)
+
+
+class ListRequestsOptions(BaseModel):
+    """What ``list_requests`` takes besides ``model``: how many rows at most (oldest first)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    limit: StrictInt = Field(default=DEFAULT_LIVE_LIMIT, ge=1, le=4096)
+
+
+class KVDumpOptions(BaseModel):
+    """What ``dump_kv_cache`` takes besides ``model``: how many prefix-cache entries at most."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    max_entries: StrictInt = Field(default=DEFAULT_KV_ENTRIES, ge=0, le=4096)
 
 
 Options = TypeVar("Options", bound=BaseModel)
@@ -204,6 +222,29 @@ async def reset_engine(request: HttpRequest) -> HttpResponse:
     engine = lookup(body.model)
     await engine.reset(clear_trace=body.clear_trace)
     return json_response({"status": "reset", "model": engine.name, "trace_cleared": body.clear_trace})
+
+
+@debug_view
+async def list_requests(request: HttpRequest) -> HttpResponse:
+    """Every request in the engine now, oldest first (``LiveRequest`` fields), at most ``limit``
+    of ``total``; ``model`` optional (the first engine), an empty body allowed."""
+    body = parse_body(request, model_required=False, empty_ok=True)
+    engine = lookup(body.model)
+    options = parse_options(request, ListRequestsOptions, 'Send "limit" as a whole number from 1 to 4096.')
+    live = await engine.live_requests(options.limit)
+    return json_response({"model": engine.name, "total": live.total, "truncated": live.truncated,
+                          "requests": [dataclasses.asdict(row) for row in live.requests]})
+
+
+@debug_view
+async def dump_kv_cache(request: HttpRequest) -> HttpResponse:
+    """The KV cache opened (``KVCacheDump`` fields): pages used, cached and free, the pages each
+    request holds, the most recently used prefix-cache entries and the cache's counters."""
+    body = parse_body(request, model_required=False, empty_ok=True)
+    engine = lookup(body.model)
+    options = parse_options(request, KVDumpOptions, 'Send "max_entries" as a whole number from 0 to 4096.')
+    dump = await engine.dump_kv_cache(options.max_entries)
+    return json_response({"model": engine.name, **dataclasses.asdict(dump)})
 
 
 async def _start_builtin(request: HttpRequest, engine: AsyncEngine) -> dict[str, Any]:

@@ -138,7 +138,7 @@ async def test_the_engine_page_opens_with_its_last_minutes_and_lists_the_request
     worker = threading.Thread(target=stream, daemon=True)
     worker.start()
     try:
-        await page.wait_for_selector("#live tbody tr:not(.empty) >> text=decode", timeout=30000)
+        await page.wait_for_selector("#live tbody tr[data-state=decoding]", timeout=30000)
         assert "(1)" in await page.text_content("#live-count")
         await page.screenshot(path=str(SHOTS / "engine-live-requests.png"), full_page=True)
         charts = await page.evaluate("""() => {

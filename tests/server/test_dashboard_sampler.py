@@ -10,7 +10,11 @@ import pytest
 from engines.dashboard import sampler as sampler_module
 from engines.dashboard.sampler import EngineSampler
 from engines.runtime import EngineDeadError
+from engines.runtime.core.live_view import KVCacheDump, LiveRequests
 from engines.runtime.frontend.messages import DashboardReading
+
+#: An idle engine's KV cache, as the reading carries it.
+EMPTY_KV = KVCacheDump(16, 64, 0, 0, 64, 0, 0, 0, 0.0, 0, 0, [], [], 0)
 
 
 class Layer:
@@ -41,7 +45,7 @@ class SlowEngine:
         await asyncio.sleep(self.delay)
         if self.error is not None:
             raise self.error
-        return DashboardReading({"num_running_requests": 0}, live=[], ended=[])
+        return DashboardReading({"num_running_requests": 0}, live=LiveRequests([], 0), ended=[], kv=EMPTY_KV)
 
 
 @pytest.fixture
@@ -76,7 +80,8 @@ async def test_an_engine_that_answers_in_time_is_not_slow(quick_timeout) -> None
     sampler_module.READ_TIMEOUT_S = 1.0
     snap = await EngineSampler(SlowEngine(delay=0.01), Layer()).snapshot()
     assert not snap.slow and snap.metrics == {"num_running_requests": 0} and snap.recent_requests == []
-    assert snap.live_requests == []
+    assert snap.live_requests == [] and snap.live_total == 0
+    assert snap.kv_cache is not None and snap.kv_cache["free_pages"] == 64 and snap.kv_cache["entries"] == []
 
 
 async def test_an_engine_that_died_mid_read_is_not_slow(quick_timeout) -> None:

@@ -30,6 +30,8 @@ from engines.runtime.core.disagg.transfer import KVBlock, KVReceipt, KVTransferE
 from engines.runtime.core.grammar import GrammarCompiler, GrammarError
 from engines.runtime.core.kv_pool import KVCachePool
 from engines.runtime.core.kv_sizing import resolve_kv_cache_size
+from engines.runtime.core.live_view import (DEFAULT_KV_ENTRIES, DEFAULT_LIVE_LIMIT, KVCacheDump, LiveRequests,
+                                            dump_kv_cache, live_requests)
 from engines.runtime.core.output_processor import OutputProcessor
 from engines.runtime.core.profiler_control import ProfilerControl
 from engines.runtime.telemetry.metrics import EngineMetrics
@@ -214,6 +216,14 @@ class Engine:
         out = self.outputs.collect(state)
         self.outputs.update_gauges()
         return out
+
+    def live_requests(self, limit: int = DEFAULT_LIVE_LIMIT) -> LiveRequests:
+        """The requests in the engine now (``live_view.live_requests``); any thread, mid-step too."""
+        return live_requests(self.requests, self.scheduler, self.kv_pool, self.kv_receiver, self.max_seq_len, limit)
+
+    def dump_kv_cache(self, max_entries: int = DEFAULT_KV_ENTRIES) -> KVCacheDump:
+        """The KV cache opened (``live_view.dump_kv_cache``); any thread, mid-step too."""
+        return dump_kv_cache(self.kv_pool, self.requests, self.scheduler.num_preemptions, max_entries)
 
     def reset(self, clear_trace: bool = False) -> list[RequestOutput]:
         """Abort everything, free all KV pages and the prefix cache (pinned too), zero every metric."""

@@ -3,8 +3,8 @@
 :class:`OutputProcessor` turns what each touched request's choices produced since its last
 output into one ``RequestOutput`` (text deltas, token ids, logprobs, finish reasons), accounts
 for a request whose every choice ended (usage, metrics, the recent-requests record, the trace's
-``finish``), keeps the running/waiting and KV gauges current, and lists the requests in the
-engine now for the dashboard. Engine thread only, except :meth:`OutputProcessor.live_requests`.
+``finish``), and keeps the running/waiting and KV gauges current. Engine thread only (the
+requests in the engine now, for the dashboard, are ``live_view``'s).
 """
 from __future__ import annotations
 
@@ -142,21 +142,3 @@ class OutputProcessor:
             kv_pages_total=usage.total_pages,
             prefix_cache_hit_rate=usage.hit_rate,
         )
-
-    def live_requests(self) -> list[dict[str, Any]]:
-        """The requests in the engine now, oldest first: waiting for their first step, in their
-        prefill, or decoding (JSON-ready). Safe from any thread, mid-step included (a reader of
-        plain fields; a request that ends meanwhile may still show)."""
-        now = time.perf_counter()
-        out = []
-        for state in list(self.requests.values()):  # a copy taken in one go under the GIL
-            phase = ("waiting" if state.first_scheduled_time is None
-                     else "prefill" if state.first_token_time is None else "decode")
-            out.append({
-                "request_id": state.request_id, "phase": phase, "prompt_tokens": len(state.request.prompt),
-                "output_tokens": sum(seq.num_output_tokens for seq in state.sequences), "n": len(state.sequences),
-                "age_s": now - state.arrival_time,
-                "ttft_s": None if state.first_token_time is None else state.first_token_time - state.arrival_time,
-                "disagg": describe_half(state.request),
-            })
-        return out

@@ -29,6 +29,7 @@ from engines.runtime.core.disagg.transfer import KVBlock, KVReceipt
 from engines.runtime.core.request import ChoiceDelta, EngineRequestError, GenerationRequest, RequestOutput, \
     validate_request
 from engines.runtime.frontend.engine_core import EngineCore, create_engine, engine_info, shorten_gil_switch
+from engines.runtime.core.live_view import DEFAULT_KV_ENTRIES, DEFAULT_LIVE_LIMIT, KVCacheDump, LiveRequests
 from engines.runtime.frontend.messages import (
     AbortRequest,
     Aborted,
@@ -43,6 +44,8 @@ from engines.runtime.frontend.messages import (
     EngineInfo,
     DashboardReading,
     EngineSpec,
+    KVCacheDumpCall,
+    LiveRequestsCall,
     MetricsCall,
     PrepareReceiveCall,
     ProfileCall,
@@ -353,6 +356,15 @@ class AsyncEngine:
         """The metrics, the requests in the engine now and the last that ended, in one read
         (``DashboardReading``); answered even mid-step."""
         return await self._acall(DashboardCall())
+
+    async def live_requests(self, limit: int = DEFAULT_LIVE_LIMIT) -> LiveRequests:
+        """The requests in the engine now, oldest first, at most ``limit`` (``Engine.live_requests``);
+        answered even mid-step."""
+        return await self._acall(LiveRequestsCall(limit))
+
+    async def dump_kv_cache(self, max_entries: int = DEFAULT_KV_ENTRIES) -> KVCacheDump:
+        """The KV cache opened (``Engine.dump_kv_cache``); answered even mid-step."""
+        return await self._acall(KVCacheDumpCall(max_entries))
 
     async def metrics_with_histograms(self) -> tuple[dict[str, Any], dict[str, HistogramSnapshot]]:
         """``metrics()`` and the latency histograms, read one after the other (possibly mid-step)."""

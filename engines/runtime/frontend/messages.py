@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal, Union
 
 from engines.runtime.core.engine import EngineConfig
 from engines.runtime.core.kv_sizing import KVCacheSize
+from engines.runtime.core.live_view import DEFAULT_KV_ENTRIES, DEFAULT_LIVE_LIMIT, KVCacheDump, LiveRequests
 from engines.runtime.core.disagg.kv_http import KVListenSpec
 from engines.runtime.core.disagg.transfer import KVBlock
 from engines.runtime.core.request import GenerationRequest, RequestOutput
@@ -44,7 +45,8 @@ if TYPE_CHECKING:
     from engines.runtime.core.engine import Engine
 
 __all__ = [
-    "AbortRequest", "AddRequest", "Aborted", "Call", "CoreCommand", "CoreMessage", "CudaProfilerCall", "Dead",
+    "AbortRequest", "AddRequest", "Aborted", "KVCacheDumpCall", "LiveRequestsCall", "Call",
+    "CoreCommand", "CoreMessage", "CudaProfilerCall", "Dead",
     "DumpTraceCall", "EngineCall", "EngineInfo", "DashboardReading", "EngineSpec", "Failed", "LocalCall",
     "MessageConnection", "MetricsCall", "PrepareReceiveCall", "ProfileCall", "DashboardCall", "Ready", "ReceiveKVCall",
     "Rejected", "ReleaseReceiveCall", "Reply", "ResetCall", "Send", "ServerTraceEvent", "ServerTraceEvents",
@@ -143,12 +145,13 @@ class MetricsCall(EngineCall):
 @dataclass(frozen=True)
 class DashboardReading:
     """One read of what the dashboard shows of an engine: its ``metrics``
-    (``EngineMetrics.as_dict()``), the requests in it now (``live``, oldest first) and the last
-    that ended (``ended``, newest first), each a list of JSON-ready dicts."""
+    (``EngineMetrics.as_dict()``), the requests in it now (``live``, oldest first, bounded), the
+    last that ended (``ended``, newest first, JSON-ready dicts) and its KV cache (``kv``)."""
 
     metrics: dict[str, Any]
-    live: list[dict[str, Any]]
+    live: LiveRequests
     ended: list[dict[str, Any]]
+    kv: KVCacheDump
 
 
 @dataclass(frozen=True)
@@ -158,8 +161,32 @@ class DashboardCall(EngineCall):
     immediate: ClassVar[bool] = True
 
     def run(self, engine: "Engine", send: "Send") -> DashboardReading:
-        return DashboardReading(engine.metrics.as_dict(), engine.outputs.live_requests(),
-                             engine.metrics.recent_requests())
+        return DashboardReading(engine.metrics.as_dict(), engine.live_requests(), engine.metrics.recent_requests(),
+                                engine.dump_kv_cache())
+
+
+@dataclass(frozen=True)
+class LiveRequestsCall(EngineCall):
+    """The requests in the engine now (``Engine.live_requests``), a :class:`LiveRequests` of at
+    most ``limit``; answered at once, even mid-step."""
+
+    immediate: ClassVar[bool] = True
+    limit: int = DEFAULT_LIVE_LIMIT
+
+    def run(self, engine: "Engine", send: "Send") -> LiveRequests:
+        return engine.live_requests(self.limit)
+
+
+@dataclass(frozen=True)
+class KVCacheDumpCall(EngineCall):
+    """The KV cache opened (``Engine.dump_kv_cache``), a :class:`KVCacheDump` listing at most
+    ``max_entries`` prefix-cache entries; answered at once, even mid-step."""
+
+    immediate: ClassVar[bool] = True
+    max_entries: int = DEFAULT_KV_ENTRIES
+
+    def run(self, engine: "Engine", send: "Send") -> KVCacheDump:
+        return engine.dump_kv_cache(self.max_entries)
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,7 @@
 import { Derivation, historyRows, TimeChart } from "./charts.js";
 import * as fmt from "./format.js";
 import { connect } from "./live.js";
+import { LiveTable, renderKV } from "./live_requests.js";
 
 const page = document.querySelector(".engine-page");
 const NOW_WINDOW = Number(page.dataset.nowWindow); // seconds the "now" figures are over
@@ -184,13 +185,8 @@ function renderRecent(recent) {
     });
 }
 
-function renderLive(live) {
-  fillTable(document.querySelector("#live tbody"), live,
-    (r) => [r.request_id, r.phase, fmt.count(r.prompt_tokens), fmt.count(r.output_tokens), fmt.count(r.n),
-      fmt.seconds(r.age_s), fmt.seconds(r.ttft_s)],
-    "No request is in the engine now.");
-  document.getElementById("live-count").textContent = live.length ? `(${live.length})` : "";
-}
+const liveTable = new LiveTable(document.getElementById("live"));
+window.enginePage.liveTable = liveTable;
 
 // ---------------------------------------------------------------------------- state
 
@@ -254,7 +250,8 @@ function onSnapshot(snap) {
   if (!m) return;
   renderMetrics(m);
   if (snap.recent_requests) renderRecent(snap.recent_requests);
-  if (snap.live_requests) renderLive(snap.live_requests);
+  if (snap.live_requests) liveTable.render(snap.live_requests, snap.live_total ?? snap.live_requests.length);
+  renderKV(snap.kv_cache);
 }
 
 // -------------------------------------------------------------------------- controls

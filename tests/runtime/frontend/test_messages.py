@@ -11,11 +11,16 @@ import pytest
 from engines.runtime.core.engine import EngineConfig
 from engines.runtime.core.disagg.kv_http import KVListenSpec
 from engines.runtime.core.disagg.transfer import KVBlock, KVDelivery, ModelIdentity
+from engines.runtime.core.live_view import KVCacheDump, LiveRequest, LiveRequests, PrefixCacheEntry, RequestPages
 from engines.runtime.core.request import ChoiceDelta, FinishReason, RequestOutput
 from engines.runtime.frontend import messages as m
 from engines.runtime.frontend.engine_core import EngineCore
 from tests.runtime.demo_engine import request
 
+LIVE = LiveRequests([LiveRequest("r2", "alice", None, "decoding", 1.5, 0.1, 40, 16, 40, 0, 3, 8, 12.5, 0.2, 3,
+                                  "json_object", 0.7, 1.0, 1, 0, None)], 1)
+KV = KVCacheDump(16, 64, 3, 2, 59, 0, 80, 32, 0.4, 1, 0, [RequestPages("r2", 3, "0-2")],
+                 [PrefixCacheEntry(32, 2, 1, 1, 0.5, 0, False)], 1)
 INFO = m.EngineInfo("cpu", "float32", 4096, 2048, True, kv_bytes_per_token=1024, kv_port=9100)
 SAMPLES = [
     m.AddRequest(request("r1", [5, 6, 7], max_tokens=3, response_format={"type": "json_object"})),
@@ -34,6 +39,8 @@ SAMPLES = [
                                        np.arange(24, dtype=np.float32).reshape(2, 1, 3, 4),
                                        np.ones((2, 1, 3, 4), dtype=np.float32)))),
     m.Call(17, m.ReleaseReceiveCall("r1")),
+    m.Call(18, m.LiveRequestsCall(limit=5)),
+    m.Call(19, m.KVCacheDumpCall(max_entries=3)),
     m.Shutdown(),
     m.Ready(INFO),
     m.StepOutputs([RequestOutput("r1", [ChoiceDelta(0, "hi", [5], None, FinishReason.STOP)], {"prompt_tokens": 3})]),
@@ -41,8 +48,7 @@ SAMPLES = [
         "http://127.0.0.1:9100", 96, 10, 20, 400, "KV from another model"))]),
     m.Aborted("r1"),
     m.Reply(7, True, {"ttft_s": 0.1}),
-    m.Reply(11, True, m.DashboardReading({"ttft_s": 0.1}, live=[{"request_id": "r2", "phase": "decode"}],
-                                      ended=[{"request_id": "r1"}])),
+    m.Reply(11, True, m.DashboardReading({"ttft_s": 0.1}, live=LIVE, ended=[{"request_id": "r1"}], kv=KV)),
     m.Dead("RuntimeError('boom')"),
     m.EngineSpec(Path("/tmp/model"), "demo", EngineConfig(max_num_seqs=4)),
     m.EngineSpec(Path("/tmp/model"), "demo", EngineConfig(max_num_seqs=4),
@@ -73,7 +79,7 @@ def test_every_message_class_is_covered_by_the_samples() -> None:
 def test_every_call_carries_its_own_handler() -> None:
     calls = [c for name in m.__all__ if isinstance(c := getattr(m, name), type) and issubclass(c, m.EngineCall)
              and c is not m.EngineCall]
-    assert len(calls) == 10
+    assert len(calls) == 12
     for call in calls:
         assert call.run is not m.EngineCall.run, f"{call.__name__} has no handler"
 
@@ -87,7 +93,8 @@ def test_error_messages_keep_their_exception() -> None:
 def test_only_metrics_calls_are_answered_mid_step() -> None:
     immediate = [s for s in SAMPLES if EngineCore.is_immediate(s)]
     assert immediate == [m.Call(8, m.MetricsCall(with_histograms=True)), m.Call(11, m.DashboardCall()),
-                         m.Call(12, m.TraceSinceCall(cursor=42)), m.Call(14, m.ProfileCall("status"))]
+                         m.Call(12, m.TraceSinceCall(cursor=42)), m.Call(14, m.ProfileCall("status")),
+                         m.Call(18, m.LiveRequestsCall(limit=5)), m.Call(19, m.KVCacheDumpCall(max_entries=3))]
     assert EngineCore.is_immediate(m.Call(1, m.MetricsCall()))
 
 

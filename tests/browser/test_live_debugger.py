@@ -1,0 +1,100 @@
+"""The engine page's live debugger in a real browser: every request in the engine, sortable, with
+its progress and the client's ids; the KV cache section. Screenshots at 1400 and 900 px in
+``var/screenshots/``.
+"""
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+
+from tests.browser.conftest import SHOTS, LiveServer
+
+pytestmark = pytest.mark.slow
+SERVE_MODELS = ("demo",)
+
+PROMPT = "Tell me about the tides of the sea, the moon that pulls them and the shores they wash, at length."
+
+
+def streams(base: str, users: list[str], finished: dict[str, list], stop: threading.Event,
+            **extra) -> list[threading.Thread]:
+    """One long stream per user in the background; each one's SSE payloads land in ``finished``."""
+    def run(user: str) -> None:
+        body = {"model": "demo", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 1500,
+                "stream": True, "user": user, "debug_config": {"ignore_eos": True}, **extra.get(user, {})}
+        events = []
+        with httpx.Client(base_url=base, timeout=120) as http:
+            with http.stream("POST", "/v1/chat/completions", json=body) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                    if stop.is_set():
+                        break
+        finished[user] = events
+
+    threads = [threading.Thread(target=run, args=(user,), daemon=True) for user in users]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+async def rows(page) -> list[dict]:
+    return await page.eval_on_selector_all("#live tbody tr[data-request-id]", """trs => trs.map(tr => ({
+        id: tr.dataset.requestId, state: tr.dataset.state,
+        cells: [...tr.children].map(td => td.textContent)}))""")
+
+
+async def test_the_live_table_sorts_and_the_kv_section_opens(page, dashboard_server: LiveServer) -> None:
+    base = dashboard_server.base
+    await page.goto(f"{base}/dashboard/engines/demo/")
+    await page.wait_for_selector('#connection[data-state="open"]', timeout=15000)
+    finished: dict[str, list] = {}
+    stop = threading.Event()
+    users = ["browser-a", "browser-b", "browser-c"]
+    threads = streams(base, users, finished, stop,
+                      **{"browser-b": {"temperature": 0.6, "top_p": 0.9, "response_format": {"type": "json_object"}}})
+    try:
+        await page.wait_for_function(
+            "() => document.querySelectorAll('#live tbody tr[data-state=decoding]').length === 3", timeout=60000)
+        live = {row["id"]: row for row in await rows(page)}
+        headers = await page.locator("#live thead th").all_text_contents()
+        assert headers[:4] == ["request id", "state", "age", "queued"]
+        b = dict(zip(headers, live["browser-b"]["cells"], strict=True))
+        assert b["grammar"] == "json_object" and b["sampling"] == "T 0.6 · p 0.9"
+        assert live["browser-a"]["cells"][headers.index("grammar")] == "no"
+        assert b["output / max"].endswith("/ 1,500") and int(b["KV pages"]) >= 1
+        assert b["prompt: cached / computed / left"].endswith("/ 0")  # the prefill is done
+        # Sort by age: ascending puts the newest first, the other way the oldest.
+        age = page.locator('#live thead th[data-sort="age_s"] button')
+        await age.click()
+        assert await page.get_attribute('#live thead th[data-sort="age_s"]', "aria-sort") == "ascending"
+        await page.wait_for_timeout(600)  # redrawn by later snapshots: the order holds
+        ascending = [row["id"] for row in await rows(page)]
+        await age.click()
+        assert await page.get_attribute('#live thead th[data-sort="age_s"]', "aria-sort") == "descending"
+        assert [row["id"] for row in await rows(page)] == ascending[::-1]
+        # The KV section: counts that add up, and each stream's pages.
+        await page.wait_for_function("() => document.querySelectorAll('#kv-requests tbody tr:not(.empty)').length >= 3")
+        figures = dict(zip(await page.locator("#kv-figures th").all_text_contents(),
+                           await page.locator("#kv-figures td").all_text_contents(), strict=True))
+        def pages(label: str) -> int:
+            return int(next(v for k, v in figures.items() if k.startswith(label)).split()[0].replace(",", ""))
+
+        assert pages("pages (16 tokens each)") == pages("used") + pages("cached") + pages("free") == 4096 // 16
+        held = await page.locator("#kv-requests tbody tr").all_text_contents()
+        assert all(any(row.startswith(user) for row in held) for user in users)
+        await page.locator("#live-module").screenshot(path=str(SHOTS / "live-requests-1400.png"))
+        await page.locator("#kv-module").screenshot(path=str(SHOTS / "kv-cache-1400.png"))
+        await page.screenshot(path=str(SHOTS / "engine-live-debugger-1400.png"), full_page=True)
+        await page.set_viewport_size({"width": 900, "height": 1000})
+        await page.wait_for_timeout(500)
+        assert await page.evaluate("document.scrollingElement.scrollWidth") <= 900
+        await page.locator("#live-module").screenshot(path=str(SHOTS / "live-requests-900.png"))
+        await page.locator("#kv-module").screenshot(path=str(SHOTS / "kv-cache-900.png"))
+        await page.set_viewport_size({"width": 1400, "height": 1000})
+
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(30)
