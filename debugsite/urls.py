@@ -33,6 +33,7 @@ urlpatterns = [
     path("debug/profile_start", debug.profile_start, name="debug-profile-start"),
     path("debug/profile_stop", debug.profile_stop, name="debug-profile-stop"),
     path("debug/list_requests", debug.list_requests, name="debug-list-requests"),
+    path("debug/abort_request", debug.abort_request, name="debug-abort-request"),
     path("debug/dump_kv_cache", debug.dump_kv_cache, name="debug-dump-kv-cache"),
     path("microserving/prep_recv", microserving.prep_recv, name="microserving-prep-recv"),
     path("microserving/remote_send", microserving.remote_send, name="microserving-remote-send"),

@@ -1,5 +1,6 @@
-"""The dashboard's engine actions (reset, save or clear the trace, start or stop a profile), one
-definition for the engine page's socket and the fleet's control jobs (``engines.fleet.controls``).
+"""The dashboard's engine actions (reset, save or clear the trace, start or stop a profile, abort
+one request), one definition for the engine page's socket and the fleet's control jobs
+(``engines.fleet.controls``).
 
 :func:`run_action` carries one out on an engine of this server and returns what the page shows;
 a refusal the user can act on is :data:`EXPECTED_FAILURES` (said as is), anything else a bug.
@@ -14,6 +15,7 @@ from django.urls import reverse
 from engines.dashboard.messages import ActionRequest
 from engines.history import EmptyTraceError, HistoryUnavailableError, TraceUnavailableError, asave_engine_trace
 from engines.profiling import start_profile, stop_profile
+from engines.request_abort import RequestNotLiveError, abort_live_request
 from engines.runtime import AsyncEngine, EngineDeadError, ProfilerStateError
 
 __all__ = ["EXPECTED_FAILURES", "run_action"]
@@ -21,14 +23,15 @@ __all__ = ["EXPECTED_FAILURES", "run_action"]
 #: What an action may fail with for a reason the user can act on (the engine is down, it records
 #: no trace, a profile is already running, ...).
 EXPECTED_FAILURES = (EngineDeadError, TraceUnavailableError, EmptyTraceError, HistoryUnavailableError,
-                     ProfilerStateError, ValueError)
+                     ProfilerStateError, RequestNotLiveError, ValueError)
 
 Progress = Callable[[str], Awaitable[None]]
 
 
 async def run_action(request: ActionRequest, engine: AsyncEngine, progress: Progress,
-                     source: str = "dashboard") -> dict[str, Any]:
-    """Carry out ``request`` on ``engine``; ``progress(message)`` hears of a long step."""
+                     source: str = "dashboard", user: str = "") -> dict[str, Any]:
+    """Carry out ``request`` on ``engine`` for ``user`` (who the history names for an abort);
+    ``progress(message)`` hears of a long step."""
     match request.action:
         case "reset":
             await engine.reset()
@@ -54,4 +57,9 @@ async def run_action(request: ActionRequest, engine: AsyncEngine, progress: Prog
             saved = await stop_profile(engine, note=request.note, source=source)
             return {"profiling": False, "record_id": saved.id, "url": saved.url,
                     "message": f"profile #{saved.id} saved ({saved.steps} steps)"}
+        case "abort_request":
+            if request.request_id is None:
+                raise ValueError("name the request: add \"request_id\" to the message")
+            outcome = await abort_live_request(engine, request.request_id, user or source, source)
+            return {**outcome.as_dict(), "message": f"request {request.request_id} was aborted"}
     raise AssertionError(request.action)  # ActionRequest admits no other action

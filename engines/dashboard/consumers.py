@@ -11,7 +11,7 @@ stays open. Every message either way is a model of ``messages`` or ``timeline_me
 (:class:`DashboardConsumer`). Snapshots come from the process's samplers (``sampler``) through
 the channel layer; this consumer only forwards them, and says (``feed``: ``feed.FeedWatch``) when
 they stop arriving, the layer (Redis) away, and when they come again. Actions (``reset``,
-``save_trace``, ``clear_trace``, ``profile_start``, ``profile_stop``) run as tasks of their own, so
+``save_trace``, ``clear_trace``, ``profile_start``, ``profile_stop``, ``abort_request``) run as tasks of their own, so
 a slow one (saving a million-event trace) never blocks the socket, and report back with ``ack``,
 ``progress``, ``done`` or ``error`` events carrying the request's ``id``.
 
@@ -296,7 +296,8 @@ class DashboardConsumer(StaffSocket[ActionRequest]):
     async def _carry_out(self, request: ActionRequest, engine: AsyncEngine) -> None:
         """Run one action and report how it ended; its own task."""
         try:
-            result = await run_action(request, engine, functools.partial(self._progress, request, engine))
+            result = await run_action(request, engine, functools.partial(self._progress, request, engine),
+                                      user=self._username())
         except asyncio.CancelledError:
             raise
         except EXPECTED_FAILURES as exc:
@@ -313,6 +314,12 @@ class DashboardConsumer(StaffSocket[ActionRequest]):
 
     async def _progress(self, request: ActionRequest, engine: AsyncEngine, message: str) -> None:
         await self._event("progress", request, engine=engine.name, message=message)
+
+    def _username(self) -> str:
+        """The name of the socket's (staff) user, as the history records who acted."""
+        user = self.scope["user"]
+        assert user is not None
+        return str(user.get_username())
 
     def _user_pk(self) -> int:
         """The id of the socket's user: a staff member's (``connect`` opens no other socket)."""

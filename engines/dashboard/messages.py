@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from engines.history import MAX_NOTE_CHARS, MAX_TAGS
 from engines.profiling import ProfileState
+from engines.runtime import REQUEST_LIMITS
 
 __all__ = ["CHART_FIELDS", "ActionEvent", "ActionEventType", "ActionRequest", "EngineHistory",
            "EngineSnapshot", "FeedEvent", "FeedState", "engine_group", "chart_values"]
@@ -76,7 +77,7 @@ class ActionRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    action: Literal["reset", "save_trace", "clear_trace", "profile_start", "profile_stop"]
+    action: Literal["reset", "save_trace", "clear_trace", "profile_start", "profile_stop", "abort_request"]
     id: StrictStr | StrictInt
     engine: StrictStr | None = None
     note: StrictStr = Field(default="", max_length=MAX_NOTE_CHARS)
@@ -84,6 +85,8 @@ class ActionRequest(BaseModel):
     # profile_start only: stop by itself after this many steps; sample the engine's Python stacks.
     max_steps: StrictInt | None = Field(default=None, ge=1, le=1_000_000)
     stack_sampling: StrictBool = False
+    # abort_request only: the request to end (an id of the live table).
+    request_id: StrictStr | None = Field(default=None, min_length=1, max_length=REQUEST_LIMITS.max_request_id_chars)
 
 
 #: An ``ActionEvent``'s ``type``.

@@ -1,8 +1,8 @@
 """MLC's ``/debug/*`` endpoints: event trace, engine metrics, reset, CUDA profiler start/stop;
 and ours: ``save_event_trace`` (the event trace into the trace history),
 ``profile_start`` / ``profile_stop`` (the built-in profiler, on every backend, which the CUDA
-profiler routes start and stop too), ``list_requests`` (every request in the engine now) and
-``dump_kv_cache`` (the KV cache opened).
+profiler routes start and stop too), ``list_requests`` and ``abort_request`` (every request in
+the engine now, and cancelling one by id) and ``dump_kv_cache`` (the KV cache opened).
 
 They exist only with ``--enable-debug``; otherwise every route answers 404 as if
 it were not mounted (the gate is checked per request so tests and ``serve`` can
@@ -37,7 +37,8 @@ from engines.models import TraceRecord
 from engines.profiling import DEFAULT_MAX_SECONDS, ProfileSaved, start_profile, stop_profile
 from engines.protocol.errors import ProtocolError
 from engines.registry import registry
-from engines.runtime import DEFAULT_KV_ENTRIES, DEFAULT_LIVE_LIMIT, AsyncEngine, ProfilerStateError
+from engines.request_abort import RequestNotLiveError, abort_live_request
+from engines.runtime import DEFAULT_KV_ENTRIES, DEFAULT_LIVE_LIMIT, REQUEST_LIMITS, AsyncEngine, ProfilerStateError
 from engines.views.api import InvalidBody, debug_gated, json_body, json_response
 
 NOT_MOUNTED = "Not found: the /debug endpoints exist only when the server runs with --enable-debug."
@@ -87,6 +88,14 @@ class ListRequestsOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     limit: StrictInt = Field(default=DEFAULT_LIVE_LIMIT, ge=1, le=4096)
+
+
+class AbortOptions(BaseModel):
+    """What ``abort_request`` takes besides ``model``: the id of the request to end."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    request_id: StrictStr = Field(min_length=1, max_length=REQUEST_LIMITS.max_request_id_chars)
 
 
 class KVDumpOptions(BaseModel):
@@ -234,6 +243,22 @@ async def list_requests(request: HttpRequest) -> HttpResponse:
     live = await engine.live_requests(options.limit)
     return json_response({"model": engine.name, "total": live.total, "truncated": live.truncated,
                           "requests": [dataclasses.asdict(row) for row in live.requests]})
+
+
+@debug_view
+async def abort_request(request: HttpRequest) -> HttpResponse:
+    """End one request by id as a client's disconnect would (its stream ends with ``abort``);
+    a 404 when the engine holds no such request. Kept in the history (``engines.request_abort``)."""
+    body = parse_body(request, model_required=False, empty_ok=True)
+    engine = lookup(body.model)
+    options = parse_options(request, AbortOptions, 'Send "request_id" as the id the live table or '
+                                                   '/debug/list_requests shows.')
+    who = f"api from {request.META.get('REMOTE_ADDR') or 'unknown address'}"
+    try:
+        outcome = await abort_live_request(engine, options.request_id, who, "api")
+    except RequestNotLiveError as exc:
+        raise ProtocolError(404, f"Not found: {exc}.", param="request_id") from None
+    return json_response(outcome.as_dict())
 
 
 @debug_view

@@ -1,9 +1,10 @@
 """The engine page's live debugger in a real browser: every request in the engine, sortable, with
-its progress and the client's ids; the KV cache section. Screenshots at 1400 and 900 px in
-``var/screenshots/``.
+its progress and the client's ids; the Abort button (asks first; the stream ends with ``abort``;
+the history names who); the KV cache section. Screenshots at 1400 and 900 px in ``var/screenshots/``.
 """
 from __future__ import annotations
 
+import json
 import threading
 
 import httpx
@@ -45,7 +46,7 @@ async def rows(page) -> list[dict]:
         cells: [...tr.children].map(td => td.textContent)}))""")
 
 
-async def test_the_live_table_sorts_and_the_kv_section_opens(page, dashboard_server: LiveServer) -> None:
+async def test_the_live_table_sorts_aborts_and_the_kv_section_opens(page, dashboard_server: LiveServer) -> None:
     base = dashboard_server.base
     await page.goto(f"{base}/dashboard/engines/demo/")
     await page.wait_for_selector('#connection[data-state="open"]', timeout=15000)
@@ -94,7 +95,40 @@ async def test_the_live_table_sorts_and_the_kv_section_opens(page, dashboard_ser
         await page.locator("#kv-module").screenshot(path=str(SHOTS / "kv-cache-900.png"))
         await page.set_viewport_size({"width": 1400, "height": 1000})
 
+        # Abort asks first: dismissed, nothing happens.
+        dialogs: list[str] = []
+
+        async def dismiss(dialog) -> None:
+            dialogs.append(dialog.message)
+            await dialog.dismiss()
+
+        page.once("dialog", dismiss)
+        await page.click('#live button[data-abort="browser-a"]')
+        await page.wait_for_timeout(700)
+        assert dialogs and "browser-a" in dialogs[0]
+        assert "browser-a" in {row["id"] for row in await rows(page)}
+
+        async def accept(dialog) -> None:
+            await dialog.accept()
+
+        page.once("dialog", accept)
+        await page.click('#live button[data-abort="browser-a"]')
+        await page.wait_for_selector("#action-log li.success >> text=request browser-a was aborted", timeout=15000)
+        await page.wait_for_function(
+            "() => !document.querySelector('#live tbody tr[data-request-id=\"browser-a\"]')", timeout=15000)
+        for thread in threads[:1]:
+            thread.join(30)
+        events = finished["browser-a"]
+        assert events[-1] == "[DONE]"
+        reasons = [c["finish_reason"] for e in events[:-1] for c in json.loads(e).get("choices", [])]
+        assert reasons[-1] == "abort"
+        assert {row["id"] for row in await rows(page)} == {"browser-b", "browser-c"}
     finally:
         stop.set()
         for thread in threads:
             thread.join(30)
+    # The history keeps who did it.
+    await page.goto(f"{base}/admin/engines/fleetjob/?action=abort_request")
+    listed = await page.locator("#result_list tbody tr").all_text_contents()
+    assert len(listed) == 1 and "admin" in listed[0] and "1 done" in listed[0], listed
+    await page.screenshot(path=str(SHOTS / "admin-abort-history.png"), full_page=True)

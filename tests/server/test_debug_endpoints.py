@@ -11,7 +11,7 @@ from engines.registry import registry
 from tests.server.conftest import TRACED, UNTRACED, assert_error, assert_invalid_request, sse_payloads
 
 ROUTES = ["dump_event_trace", "save_event_trace", "dump_engine_metrics", "reset_engine", "cuda_profiler_start",
-          "cuda_profiler_stop", "profile_start", "profile_stop", "list_requests", "dump_kv_cache"]
+          "cuda_profiler_stop", "profile_start", "profile_stop", "list_requests", "abort_request", "dump_kv_cache"]
 
 
 async def generate(http: httpx.AsyncClient, user: str, max_tokens: int = 4, model: str = TRACED) -> dict:

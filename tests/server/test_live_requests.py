@@ -1,15 +1,18 @@
-"""The live debugger's routes: every request in the engine (``/debug/list_requests``) and the KV
-cache opened (``/debug/dump_kv_cache``), on the real demo engines through the ASGI app."""
+"""The live debugger's routes: every request in the engine (``/debug/list_requests``), cancelling
+one by id (``/debug/abort_request``, kept in the history) and the KV cache opened
+(``/debug/dump_kv_cache``), on the real demo engines through the ASGI app."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
 
+from engines.models import FleetJob
 from engines.registry import registry
-from tests.server.conftest import TRACED, UNTRACED, assert_error
-from tests.server.test_dashboard_sockets import connected, next_message
+from tests.server.conftest import TRACED, UNTRACED, assert_error, sse_payloads
+from tests.server.test_dashboard_sockets import connected, next_message, of_type
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("async_db_connections_closed")]
 
@@ -48,7 +51,7 @@ async def test_list_requests_shows_a_live_stream_with_its_progress(client: httpx
     assert row["max_output_tokens"] == 1500 and row["kv_pages"] >= 1
     assert (row["temperature"], row["top_p"], row["grammar"]) == (0.5, 0.8, "json_object")
     assert row["ttft_s"] is not None and row["queued_s"] <= row["age_s"]
-    await client.post("/debug/reset_engine", json={"model": TRACED})
+    await client.post("/debug/abort_request", json={"model": TRACED, "request_id": "live-1"})
     await asyncio.wait_for(stream, 30)
     assert await live_row(client, "live-1") is None  # gone once ended
 
@@ -61,6 +64,43 @@ async def test_list_requests_empty_body_is_the_first_engine_and_bounded(client: 
     assert_error(await client.post("/debug/list_requests", json={"model": "nope"}), 400)
 
 
+async def test_abort_ends_a_stream_with_abort_and_done_and_keeps_it_in_the_history(
+        client: httpx.AsyncClient) -> None:
+    stream = asyncio.create_task(client.post("/v1/chat/completions", json=chat("abort-me")))
+    await until_decoding(client, "abort-me")
+    reply = await client.post("/debug/abort_request", json={"model": TRACED, "request_id": "abort-me"})
+    assert reply.status_code == 200, reply.text
+    body = reply.json()
+    assert body["status"] == "aborted" and body["request_id"] == "abort-me" and body["model"] == TRACED
+    events = sse_payloads((await asyncio.wait_for(stream, 30)).text)
+    assert events[-1] == "[DONE]"
+    assert [e["choices"][0]["finish_reason"] for e in events[:-1] if e.get("choices")][-1] == "abort"
+    job = await FleetJob.objects.prefetch_related("targets").aget(pk=body["history_id"])
+    assert job.action == "abort_request" and job.requested_by.startswith("api from ")
+    assert job.options == {"request_id": "abort-me", "source": "api"} and job.finished_at is not None
+    [target] = job.targets.all()
+    assert (target.engine, target.state) == (TRACED, "done")
+
+
+async def test_abort_of_a_non_streaming_call_returns_what_it_had(client: httpx.AsyncClient) -> None:
+    call = asyncio.create_task(client.post("/v1/chat/completions", json=chat("whole", stream=False)))
+    row = await until_decoding(client, "whole")
+    await client.post("/debug/abort_request", json={"request_id": "whole", "model": TRACED})
+    reply = (await asyncio.wait_for(call, 30)).json()
+    assert reply["choices"][0]["finish_reason"] == "abort"
+    assert reply["usage"]["completion_tokens"] >= row["output_tokens"]
+
+
+async def test_abort_of_an_unknown_or_ended_request_is_a_404(client: httpx.AsyncClient) -> None:
+    error = assert_error(await client.post("/debug/abort_request", json={"model": TRACED, "request_id": "ghost"}), 404)
+    assert "ghost" in error["message"] and error["param"] == "request_id"
+    done = await client.post("/v1/chat/completions", json=chat("ended", max_tokens=2, stream=False))
+    assert done.status_code == 200
+    assert_error(await client.post("/debug/abort_request", json={"model": TRACED, "request_id": "ended"}), 404)
+    assert_error(await client.post("/debug/abort_request", json={"model": TRACED}), 400)
+    assert not await FleetJob.objects.filter(action="abort_request").aexists()
+
+
 async def test_dump_kv_cache_counts_pages_and_the_prefix_cache(client: httpx.AsyncClient) -> None:
     empty = (await client.post("/debug/dump_kv_cache", content=b"")).json()
     assert empty["model"] == registry.first().name
@@ -70,7 +110,7 @@ async def test_dump_kv_cache_counts_pages_and_the_prefix_cache(client: httpx.Asy
     assert dump["used_pages"] + dump["cached_pages"] + dump["free_pages"] == dump["total_pages"]
     [held] = [r for r in dump["requests"] if r["request_id"] == "holder"]
     assert held["pages"] >= row["kv_pages"] - 1 and held["page_ids"]
-    await client.post("/debug/reset_engine", json={"model": TRACED})
+    await client.post("/debug/abort_request", json={"model": TRACED, "request_id": "holder"})
     await asyncio.wait_for(stream, 30)
     # Full pages stay cached after a request; the same prompt again is a hit on them.
     for user in ("again", "and-again"):
@@ -83,8 +123,8 @@ async def test_dump_kv_cache_counts_pages_and_the_prefix_cache(client: httpx.Asy
     assert_error(await client.post("/debug/dump_kv_cache", json={"model": UNTRACED, "max_entries": -1}), 400)
 
 
-async def test_the_live_tables_socket_carries_the_rows_and_the_kv_cache(dashboard, client) -> None:
-    """The live table's and the KV section's data: each snapshot's rows and KV dump."""
+async def test_the_live_tables_socket_shows_the_request_and_aborts_it_naming_the_user(dashboard, client) -> None:
+    """The live table's data and its button: the snapshot's rows, an ``abort_request`` action."""
     stream = asyncio.create_task(client.post("/v1/chat/completions", json=chat("from-page")))
     await until_decoding(client, "from-page")
     socket = await connected(f"/ws/engines/{TRACED}/")
@@ -92,6 +132,13 @@ async def test_the_live_tables_socket_carries_the_rows_and_the_kv_cache(dashboar
         r["request_id"] == "from-page" for r in m.get("live_requests") or []))
     assert snap["live_total"] >= 1 and snap["kv_cache"]["total_pages"] > 0
     assert any(r["request_id"] == "from-page" for r in snap["kv_cache"]["requests"])
-    await client.post("/debug/reset_engine", json={"model": TRACED})
-    await asyncio.wait_for(stream, 30)
+    await socket.send_to(text_data=json.dumps({"action": "abort_request", "id": 3, "request_id": "from-page"}))
+    done = await next_message(socket, of_type("done", id=3))
+    assert done["result"]["request_id"] == "from-page"
+    events = sse_payloads((await asyncio.wait_for(stream, 30)).text)
+    assert events[-1] == "[DONE]"
+    job = await FleetJob.objects.aget(pk=done["result"]["history_id"])
+    assert job.requested_by.startswith("u") and job.options["source"] == "dashboard"
+    await socket.send_to(text_data=json.dumps({"action": "abort_request", "id": 4, "request_id": "from-page"}))
+    assert "holds no request" in (await next_message(socket, of_type("error", id=4)))["message"]
     await socket.disconnect()

@@ -31,6 +31,7 @@ from engines.runtime.core.request import ChoiceDelta, EngineRequestError, Genera
 from engines.runtime.frontend.engine_core import EngineCore, create_engine, engine_info, shorten_gil_switch
 from engines.runtime.core.live_view import DEFAULT_KV_ENTRIES, DEFAULT_LIVE_LIMIT, KVCacheDump, LiveRequests
 from engines.runtime.frontend.messages import (
+    AbortCall,
     AbortRequest,
     Aborted,
     AddRequest,
@@ -365,6 +366,12 @@ class AsyncEngine:
     async def dump_kv_cache(self, max_entries: int = DEFAULT_KV_ENTRIES) -> KVCacheDump:
         """The KV cache opened (``Engine.dump_kv_cache``); answered even mid-step."""
         return await self._acall(KVCacheDumpCall(max_entries))
+
+    async def abort_request(self, request_id: str) -> bool:
+        """Abort the request ``request_id`` as a client's disconnect does (its stream ends with
+        finish reason ``abort``); answers once it is done, whether the engine had it (False: unknown
+        or ended already)."""
+        return await self._acall(AbortCall(request_id))
 
     async def metrics_with_histograms(self) -> tuple[dict[str, Any], dict[str, HistogramSnapshot]]:
         """``metrics()`` and the latency histograms, read one after the other (possibly mid-step)."""

@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from engines.runtime.core.engine import Engine
 
 __all__ = [
-    "AbortRequest", "AddRequest", "Aborted", "KVCacheDumpCall", "LiveRequestsCall", "Call",
+    "AbortCall", "AbortRequest", "AddRequest", "Aborted", "KVCacheDumpCall", "LiveRequestsCall", "Call",
     "CoreCommand", "CoreMessage", "CudaProfilerCall", "Dead",
     "DumpTraceCall", "EngineCall", "EngineInfo", "DashboardReading", "EngineSpec", "Failed", "LocalCall",
     "MessageConnection", "MetricsCall", "PrepareReceiveCall", "ProfileCall", "DashboardCall", "Ready", "ReceiveKVCall",
@@ -187,6 +187,21 @@ class KVCacheDumpCall(EngineCall):
 
     def run(self, engine: "Engine", send: "Send") -> KVCacheDump:
         return engine.dump_kv_cache(self.max_entries)
+
+
+@dataclass(frozen=True)
+class AbortCall(EngineCall):
+    """Abort one request by id, between two steps (``Engine.abort_request``, the path a client's
+    disconnect takes): its last outputs (finish reason ``abort``) go to its stream first; replies
+    whether it was in the engine (False: unknown, or already ended)."""
+
+    request_id: str
+
+    def run(self, engine: "Engine", send: "Send") -> bool:
+        output = engine.abort_request(self.request_id)
+        if output is not None:
+            send(StepOutputs([output]))
+        return output is not None
 
 
 @dataclass(frozen=True)

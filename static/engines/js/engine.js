@@ -185,7 +185,7 @@ function renderRecent(recent) {
     });
 }
 
-const liveTable = new LiveTable(document.getElementById("live"));
+const liveTable = new LiveTable(document.getElementById("live"), (requestId) => act("abort_request", { request_id: requestId }));
 window.enginePage.liveTable = liveTable;
 
 // ---------------------------------------------------------------------------- state

@@ -1,5 +1,5 @@
-// The engine page's live debugger: every request in the engine now, sortable; and the KV cache
-// opened. Both are drawn from each snapshot (4 Hz).
+// The engine page's live debugger: every request in the engine now, sortable, with a staff
+// member's Abort button; and the KV cache opened. Both are drawn from each snapshot (4 Hz).
 import * as fmt from "./format.js";
 
 // Each column: its header, the row field it sorts by, how a cell shows the row (text, never HTML:
@@ -76,10 +76,11 @@ function idCell(r) {
   return td;
 }
 
-/** The live table in `table` (its header made here). */
+/** The live table in `table` (its header made here); `onAbort(requestId)` after the user confirmed. */
 export class LiveTable {
-  constructor(table) {
+  constructor(table, onAbort) {
     this.table = table;
+    this.onAbort = onAbort;
     this.sort = { key: "age_s", descending: true }; // oldest first, as the engine lists them
     this.rows = [];
     const tr = document.createElement("tr");
@@ -94,7 +95,18 @@ export class LiveTable {
       th.append(button);
       tr.append(th);
     }
+    tr.append(text("th", ""));
     table.tHead.replaceChildren(tr);
+    // One listener for every row's button: the body is redrawn four times a second.
+    table.tBodies[0].addEventListener("click", (event) => {
+      const button = event.target.closest("button[data-abort]");
+      if (!button) return;
+      const id = button.dataset.abort;
+      if (confirm(`Abort request ${id}? Its client gets what it has so far, with finish_reason "abort".`)) {
+        button.disabled = true;
+        this.onAbort(id);
+      }
+    });
     this.showSort();
   }
 
@@ -123,7 +135,7 @@ export class LiveTable {
       const tr = document.createElement("tr");
       tr.className = "empty";
       const td = text("td", "No request is in the engine now.");
-      td.colSpan = COLUMNS.length;
+      td.colSpan = COLUMNS.length + 1;
       tr.append(td);
       body.replaceChildren(tr);
       return;
@@ -144,6 +156,14 @@ export class LiveTable {
           tr.append(td);
         }
       }
+      const td = document.createElement("td");
+      if (r.state !== "kv_transfer") {
+        const button = text("button", "Abort…", "button abort-button");
+        button.type = "button";
+        button.dataset.abort = r.request_id;
+        td.append(button);
+      }
+      tr.append(td);
       return tr;
     }));
   }

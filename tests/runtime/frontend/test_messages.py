@@ -41,6 +41,7 @@ SAMPLES = [
     m.Call(17, m.ReleaseReceiveCall("r1")),
     m.Call(18, m.LiveRequestsCall(limit=5)),
     m.Call(19, m.KVCacheDumpCall(max_entries=3)),
+    m.Call(20, m.AbortCall("r1")),
     m.Shutdown(),
     m.Ready(INFO),
     m.StepOutputs([RequestOutput("r1", [ChoiceDelta(0, "hi", [5], None, FinishReason.STOP)], {"prompt_tokens": 3})]),
@@ -79,7 +80,7 @@ def test_every_message_class_is_covered_by_the_samples() -> None:
 def test_every_call_carries_its_own_handler() -> None:
     calls = [c for name in m.__all__ if isinstance(c := getattr(m, name), type) and issubclass(c, m.EngineCall)
              and c is not m.EngineCall]
-    assert len(calls) == 12
+    assert len(calls) == 13
     for call in calls:
         assert call.run is not m.EngineCall.run, f"{call.__name__} has no handler"
 
@@ -112,6 +113,21 @@ def test_profile_calls_start_stop_and_report(make_engine) -> None:
     assert stopped.ok and stopped.value.engine == "demo" and stopped.value.stopped_by == "request"
     assert not none.ok and "no profile is running" in str(none.value)
     assert pickle.loads(pickle.dumps(stopped)).value == stopped.value  # crosses the process boundary
+
+
+def test_an_abort_call_ends_a_live_request_and_says_whether_it_was_there(make_engine) -> None:
+    engine = make_engine()
+    core = EngineCore(engine, "demo")
+    engine.add_request(request("victim", [5, 6, 7], max_tokens=50, ignore_eos=True))
+    engine.step()
+    sent: list[m.CoreMessage] = []
+    core.handle(m.Call(1, m.AbortCall("victim")), sent.append)
+    core.handle(m.Call(2, m.AbortCall("victim")), sent.append)
+    outputs, first, second = sent
+    assert isinstance(outputs, m.StepOutputs) and outputs.outputs[-1].finished
+    assert outputs.outputs[-1].choices[-1].finish_reason == FinishReason.ABORT
+    assert (first.value, second.value) == (True, False)  # gone once aborted
+    assert not engine.has_work
 
 
 def test_a_call_that_fails_is_replied_with_its_error(make_engine) -> None:
