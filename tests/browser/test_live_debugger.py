@@ -85,6 +85,9 @@ async def test_the_live_table_sorts_aborts_and_the_kv_section_opens(page, dashbo
         assert pages("pages (16 tokens each)") == pages("used") + pages("cached") + pages("free") == 4096 // 16
         held = await page.locator("#kv-requests tbody tr").all_text_contents()
         assert all(any(row.startswith(user) for row in held) for user in users)
+        # The KV chart draws the prefix cache's hit rate over time beside its use.
+        series = await page.evaluate("window.enginePage.charts.kv.plot.series.map((s) => s.label)")
+        assert "prefix hit rate" in series
         await page.locator("#live-module").screenshot(path=str(SHOTS / "live-requests-1400.png"))
         await page.locator("#kv-module").screenshot(path=str(SHOTS / "kv-cache-1400.png"))
         await page.screenshot(path=str(SHOTS / "engine-live-debugger-1400.png"), full_page=True)

@@ -219,6 +219,7 @@ export class Derivation {
       batch: now.decode_batch_size ?? null,
       batchMax: now.decode_batch_size_max ?? null,
       kv: m.kv_cache_usage * 100,
+      hitRate: m.prefix_cache_hit_rate == null ? null : m.prefix_cache_hit_rate * 100,
       ttft50: ms(m.ttft_s, "p50"),
       ttft99: ms(m.ttft_s, "p99"),
       itl50: ms(m.token_gap_s, "p50"),

@@ -14,7 +14,7 @@ const CHARTS = {
   rates: { kind: "rate", series: [["prefill tok/s", "#417690", "prefill"], ["decode tok/s", "#d46a00", "decode"]] },
   requests: { kind: "count", series: [["running", "#417690", "running"], ["waiting", "#ba2121", "waiting"]] },
   batch: { kind: "count", series: [["mean", "#417690", "batch"], ["max", "#79aec8", "batchMax"]] },
-  kv: { kind: "percent", series: [["KV cache", "#417690", "kv"]] },
+  kv: { kind: "percent", series: [["KV cache", "#417690", "kv"], ["prefix hit rate", "#79aec8", "hitRate"]] },
   ttft: { kind: "ms", series: [["p50", "#417690", "ttft50"], ["p99", "#79aec8", "ttft99"]] },
   itl: { kind: "ms", series: [["p50", "#d46a00", "itl50"], ["p99", "#f0a35e", "itl99"]] },
   outcomes: { kind: "rate", series: [["finished/s", "#417690", "finished"], ["aborted/s", "#d46a00", "aborted"],
