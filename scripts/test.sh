@@ -6,14 +6,29 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# The browser tests drive Debian's chromium (never a downloaded browser build); a machine without it
-# installs it while the virtualenv is made.
-chromium_install=""
-if ! [ -x /usr/bin/chromium ]; then
-  echo "installing chromium for the browser tests, in the background"
-  chromium_log="$(mktemp)"
-  (apt-get update -qq && apt-get install -y -qq chromium) >"$chromium_log" 2>&1 &
-  chromium_install=$!
+# The browser tests drive Debian's chromium (never a downloaded browser build), and the metrics and
+# alert-rule tests Debian's promtool (the prometheus package); a machine without them installs them
+# while the virtualenv is made, one apt-get after the other (they share dpkg's lock).
+packages_install=""
+install_promtool() {
+  # promtool only: no recommends (the node exporter), and the Prometheus server the package's
+  # postinst would start stays stopped: invoke-rc.d and deb-systemd-invoke ask policy-rc.d, and
+  # its exit 101 says no. A policy-rc.d made here is removed again; one already there is kept.
+  local policy=/usr/sbin/policy-rc.d made="" status=0
+  if ! [ -e "$policy" ]; then
+    printf '#!/bin/sh\nexit 101\n' >"$policy" && chmod 755 "$policy" && made=1
+  fi
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus || status=$?
+  [ -z "$made" ] || rm -f "$policy"
+  return "$status"
+}
+if ! [ -x /usr/bin/chromium ] || ! command -v promtool >/dev/null; then
+  echo "installing chromium (browser tests) and promtool (metrics tests) where missing, in the background"
+  packages_log="$(mktemp)"
+  (apt-get update -qq \
+     && { [ -x /usr/bin/chromium ] || apt-get install -y -qq chromium; } \
+     && { command -v promtool >/dev/null || install_promtool; }) >"$packages_log" 2>&1 &
+  packages_install=$!
 fi
 
 source scripts/venv.sh dev
@@ -27,8 +42,8 @@ if [ $# -eq 0 ]; then  # seconds each, before minutes of tests; a finding fails 
   mypy
 fi
 
-if [ -n "$chromium_install" ] && ! wait "$chromium_install"; then  # before services.sh's own apt-get
-  cat "$chromium_log" >&2
+if [ -n "$packages_install" ] && ! wait "$packages_install"; then  # before services.sh's own apt-get
+  cat "$packages_log" >&2
   exit 1
 fi
 if [ "${ENSURE_SERVICES:-1}" = "1" ]; then  # PostgreSQL and Redis for the database tests
