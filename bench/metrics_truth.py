@@ -59,6 +59,7 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "debugsite.settings")
 django.setup()  # the history's analysis lives in a Django app's package
 
 from engines.history.analysis import analyze_trace  # noqa: E402  (after Django is set up)
+from engines.prometheus_names import our_prefix  # noqa: E402
 
 #: A figure agrees when the server's is within this share of the client's, or within ABS_TOLERANCE_S.
 REL_TOLERANCE = 0.05
@@ -169,14 +170,15 @@ async def drive(base: str, model: str, concurrency: int, requests: int, seed: in
 
 
 def scrape(base: str, model: str) -> dict[str, float]:
-    """The ``/metrics`` samples of one engine, by sample name (histogram ``_sum``/``_count`` included)."""
+    """The ``/metrics`` samples of one engine, by sample name after the server's prefix (histogram
+    ``_sum``/``_count`` included)."""
     text = httpx.get(f"{base}/metrics", timeout=30).text
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.labels.get("model") == model and "le" not in sample.labels:
-                out[sample.name] = sample.value
-    return out
+    samples = [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+    prefix = our_prefix({sample.name for sample in samples})
+    if prefix is None:
+        raise SystemExit(f"{base}/metrics is not this server's exposition")
+    return {sample.name.removeprefix(prefix): sample.value for sample in samples
+            if sample.labels.get("model") == model and "le" not in sample.labels}
 
 
 def p90(values: list[float]) -> float:

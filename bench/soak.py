@@ -18,7 +18,7 @@ under load, trace save, a profile, the trace cleared from the dashboard, hostile
 stopped for ``--outage`` s, PostgreSQL stopped for ``--outage`` s.
 
 Checks: see :func:`checks`. Figures sampled every second: server and engine RSS, open files,
-threads, KV pages in use, the server's event-loop lag (``event_loop_lag_seconds``).
+threads, KV pages in use, the server's event-loop lag (``llm_engine_event_loop_lag_seconds``).
 
     python bench/soak.py                                              # 30 minutes, the judge
     python bench/soak.py --minutes 2.5 --fault-every 8 --outage 8     # one of each fault (CI)
@@ -53,6 +53,8 @@ FAULTS = ("kill engine", "reset", "save trace", "profile", "clear trace", "hosti
           "postgres down")
 #: Seconds after a fault ends that still count as its window (an engine's restart, a reconnect).
 AFTERMATH_S = 10.0
+#: The server's ``--metrics-prefix``, given to it so that the /metrics names read here are its.
+METRICS_PREFIX = "llm_engine_"
 #: The server's trace autosave period, seconds (``serve --trace-autosave``; ``--autosave-every``).
 TRACE_AUTOSAVE_S = 60
 #: The RSS/fds/threads comparison: warm-up left out, then the first and the last window.
@@ -200,14 +202,14 @@ async def sample(http: httpx.AsyncClient, server: subprocess.Popen, started: flo
     except httpx.HTTPError:
         return figures
     figures["lag_buckets"] = _lag_buckets(text)
-    used = re.search(r'^kv_cache_pages_used\{model="' + MODEL + r'"\} (\S+)$', text, re.M)
+    used = re.search(rf'^{METRICS_PREFIX}kv_cache_pages_used\{{model="{MODEL}"\}} (\S+)$', text, re.M)
     if used:
         figures["kv_pages_used"] = float(used[1])
     return figures
 
 
 TRANSPORT_AT = re.compile(r"transport at (\d+) s")
-LAG_BUCKET = re.compile(r'^event_loop_lag_seconds_bucket\{le="([^"]+)"\} (\S+)$', re.M)
+LAG_BUCKET = re.compile(rf'^{METRICS_PREFIX}event_loop_lag_seconds_bucket\{{le="([^"]+)"\}} (\S+)$', re.M)
 
 
 def _lag_buckets(text: str) -> dict[str, float]:
@@ -550,7 +552,7 @@ def main() -> None:
     server = subprocess.Popen([sys.executable, "manage.py", "serve", "--model", MODEL, "--backend", "cpu",
                                "--enable-debug", "--enable-tracing", "--trace-autosave", str(args.autosave_every),
                                "--metrics-snapshot-interval", "30", "--max-total-tokens", "4096",
-                               "--max-num-seqs", "16", "--port", str(port)],
+                               "--max-num-seqs", "16", "--metrics-prefix", METRICS_PREFIX, "--port", str(port)],
                               cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:

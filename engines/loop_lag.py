@@ -4,7 +4,7 @@ Every request, stream, websocket and background task of a server process shares 
 loop; whatever holds it (a parse on the loop, a blocking call, the GIL held by a worker thread)
 delays them all alike. :class:`LoopLagMonitor` asks the loop for a timer every
 :data:`INTERVAL_S` and records how late it fires, the way Node's ``monitorEventLoopDelay`` and
-uvloop users measure it. ``GET /metrics`` exports it as ``event_loop_lag_seconds`` (a histogram)
+uvloop users measure it. ``GET /metrics`` exports it as ``<prefix>event_loop_lag_seconds`` (a histogram)
 and ``GET /stats`` as the last minute's p50/p99/max, which the soak (``bench/soak.py``) checks.
 """
 from __future__ import annotations
@@ -57,7 +57,7 @@ class LoopLagMonitor:
         return self._task is not None and not self._task.done()
 
     def histogram(self) -> HistogramSnapshot:
-        """Every probe since the start, bucketed (Prometheus' ``event_loop_lag_seconds``)."""
+        """Every probe since the start, bucketed (Prometheus' ``<prefix>event_loop_lag_seconds``)."""
         return self.lag.histogram()
 
     def summary(self) -> dict[str, Any]:

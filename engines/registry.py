@@ -25,6 +25,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
 
+from engines.prometheus_names import DEFAULT_METRICS_PREFIX, check_prefix
+
 if TYPE_CHECKING:  # the runtime (numba and all) loads only when engines are built
     from engines.disagg.router import DisaggRouter
     from engines.runtime import AsyncEngine, EngineConfig, KVListenSpec
@@ -123,6 +125,8 @@ class ServerOptions:
 
     enable_debug: bool = False  # mounts /debug/*, honours debug_config, returns usage.extra
     api_key: str | None = None  # required as "Authorization: Bearer <key>" when set
+    metrics_prefix: str = DEFAULT_METRICS_PREFIX  # starts every /metrics name (engines.prometheus_names)
+    metrics_vllm_aliases: bool = False  # /metrics repeats the series of vLLM's definition under its names
 
 
 @dataclass
@@ -253,13 +257,21 @@ def configure(
     enable_debug: bool = False,
     api_key: str | None = None,
     start: bool = True,
+    metrics_prefix: str = DEFAULT_METRICS_PREFIX,
+    metrics_vllm_aliases: bool = False,
 ) -> EngineRegistry:
     """Make the process-wide registry serve ``engines``; the one entry point for serve, tests and ASGI.
 
     The caller keeps ownership of engines it replaces: tests swap options
-    between cases without restarting a shared engine.
+    between cases without restarting a shared engine. A ``metrics_prefix`` that cannot start a
+    metric name is a :class:`RegistryError`.
     """
-    registry.replace(engines, ServerOptions(enable_debug=enable_debug, api_key=api_key or None))
+    try:
+        check_prefix(metrics_prefix)
+    except ValueError as exc:
+        raise RegistryError(str(exc)) from None
+    registry.replace(engines, ServerOptions(enable_debug=enable_debug, api_key=api_key or None,
+                                            metrics_prefix=metrics_prefix, metrics_vllm_aliases=metrics_vllm_aliases))
     if start:
         registry.start_all()
     return registry
@@ -369,10 +381,11 @@ def configure_from_env(env: dict[str, str] | None = None) -> EngineRegistry:
     ``ENGINES_MODELS`` (comma-separated ``--model`` specs), ``ENGINES_ENABLE_DEBUG``,
     ``ENGINES_ENABLE_TRACING``, ``ENGINES_RESTART`` (default on), ``ENGINES_BACKEND``, ``ENGINES_DTYPE``,
     ``ENGINES_MAX_NUM_SEQS``, ``ENGINES_NUM_PAGES``, ``ENGINES_MAX_TOTAL_TOKENS``, ``ENGINES_KV_CACHE_BYTES``,
-    ``ENGINES_PREFILL_CHUNK_SIZE``, ``ENGINES_ENGINE_MODE`` (``process``, the default, or
-    ``thread``), ``ENGINES_WEIGHTS_DTYPE`` (:data:`WEIGHTS_DTYPES`; unset: a GGUF's matrices kept in
-    the file's types), ``ENGINES_KV_HOST`` and ``ENGINES_KV_PORT`` (the K/V listeners, with debug on;
-    default 127.0.0.1, any free port) and ``API_KEY`` mean what the serve flags mean.
+    ``ENGINES_PREFILL_CHUNK_SIZE``, ``ENGINES_METRICS_PREFIX``, ``ENGINES_METRICS_VLLM_ALIASES``,
+    ``ENGINES_ENGINE_MODE`` (``process``, the default, or ``thread``), ``ENGINES_WEIGHTS_DTYPE``
+    (:data:`WEIGHTS_DTYPES`; unset: a GGUF's matrices kept in the file's types), ``ENGINES_KV_HOST`` and
+    ``ENGINES_KV_PORT`` (the K/V listeners, with debug on; default 127.0.0.1, any free port) and ``API_KEY``
+    mean what the serve flags mean.
     """
     from engines.runtime import EngineConfig, KVListenSpec
 
@@ -380,6 +393,11 @@ def configure_from_env(env: dict[str, str] | None = None) -> EngineRegistry:
     api_key = env.get("API_KEY") or None
     if api_key is not None and not api_key.strip():
         raise RegistryError("API_KEY is only whitespace: set a real key, or unset it")  # before any engine loads
+    metrics_prefix = env.get("ENGINES_METRICS_PREFIX", DEFAULT_METRICS_PREFIX)
+    try:
+        check_prefix(metrics_prefix)  # before any engine loads, as the key
+    except ValueError as exc:
+        raise RegistryError(f"ENGINES_METRICS_PREFIX: {exc}") from None
     default = ",".join(builtin_model_names())
     specs = [ModelSpec.parse(s) for s in env.get("ENGINES_MODELS", default).split(",") if s.strip()]
     dtype = env.get("ENGINES_DTYPE", "float32")
@@ -407,4 +425,5 @@ def configure_from_env(env: dict[str, str] | None = None) -> EngineRegistry:
         kv_listen=KVListenSpec(env.get("ENGINES_KV_HOST", "127.0.0.1"), int(env.get("ENGINES_KV_PORT") or 0), api_key)
         if _env_flag(env, "ENGINES_ENABLE_DEBUG") else None,
     )
-    return configure(engines, enable_debug=_env_flag(env, "ENGINES_ENABLE_DEBUG"), api_key=api_key)
+    return configure(engines, enable_debug=_env_flag(env, "ENGINES_ENABLE_DEBUG"), api_key=api_key,
+                     metrics_prefix=metrics_prefix, metrics_vllm_aliases=_env_flag(env, "ENGINES_METRICS_VLLM_ALIASES"))

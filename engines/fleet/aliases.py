@@ -17,10 +17,12 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Literal
 
+from engines.prometheus_names import DEFAULT_METRICS_PREFIX
+
 __all__ = ["ALIAS_TABLE_VERSION", "ALIASES", "QUANTITIES", "Control", "KindAliases", "ServerKind", "Source"]
 
 #: Bumped whenever a name is added or retired, and shown with a server's coverage.
-ALIAS_TABLE_VERSION = "2026-11-27"
+ALIAS_TABLE_VERSION = "2026-12-02"
 
 #: What the fleet grid shows per engine (keys of a normalised reading).
 QUANTITIES: tuple[str, ...] = (
@@ -98,8 +100,10 @@ def _h(name: str, note: str = "") -> Source:
 _NO_PROFILER = "no profiler on this server"
 
 ALIASES: dict[ServerKind, KindAliases] = {
+    # Ours name every family <prefix><name> (engines.prometheus_names): the reader takes the prefix
+    # a body has (``--metrics-prefix``), and a server from before the prefix has none.
     ServerKind.OURS: KindAliases(
-        prefixes=("",), model_label="model",
+        prefixes=(DEFAULT_METRICS_PREFIX, ""), model_label="model",
         sources={
             "running": (_g("num_requests_running"),),
             "waiting": (_g("num_requests_waiting"),),

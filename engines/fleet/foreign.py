@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -25,9 +25,10 @@ from engines.fleet.quantiles import Buckets, bucket_quantile, buckets_from_sampl
 from engines.fleet.rows import FLEET_WINDOW_QUANTITIES, EngineRow, ServerRows, WindowHistogram
 from engines.fleet.windows import CounterRate, HistogramWindow
 from engines.cancellation import within
+from engines.prometheus_names import our_prefix
 
-__all__ = ["MAX_METRICS_BYTES", "ForeignReader", "ForeignReading", "PollError", "detect_kind", "fetch_metrics",
-           "probe_kind", "reading_rows"]
+__all__ = ["MAX_METRICS_BYTES", "ForeignReader", "ForeignReading", "PollError", "aliases_for", "detect_kind",
+           "fetch_metrics", "probe_kind", "reading_rows"]
 
 #: The most a ``/metrics`` body may hold; vLLM's with every histogram is about 100 kB.
 MAX_METRICS_BYTES = 8 << 20
@@ -98,14 +99,24 @@ def detect_kind(exposition: Exposition) -> ServerKind:
     names = exposition.names
     if exposition.format == "mlc":
         return ServerKind.MLC
+    if our_prefix(names) is not None:  # before vLLM's: ours may carry vLLM's names too (--metrics-vllm-aliases)
+        return ServerKind.OURS
     if any(n.removeprefix("vllm:").removeprefix("vllm_") in ("healthy_pods_total", "current_qps") for n in names):
         return ServerKind.VLLM_ROUTER  # production-stack's router, not an engine (it re-exports theirs)
     for kind in (ServerKind.VLLM, ServerKind.SGLANG, ServerKind.LLAMA_CPP):
         if _has_prefix(exposition, kind):
             return kind
-    if "engine_up" in names and "engine_prefill_time_sum" in names:
-        return ServerKind.OURS
     return ServerKind.UNKNOWN
+
+
+def aliases_for(kind: ServerKind, exposition: Exposition) -> KindAliases:
+    """How to read a body of this kind: for ours, under the prefix it has (any ``--metrics-prefix``)."""
+    aliases = ALIASES[kind]
+    if kind is ServerKind.OURS:
+        prefix = our_prefix(exposition.names)
+        if prefix is not None:
+            return replace(aliases, prefixes=(prefix,))
+    return aliases
 
 
 _OWNERS = {"vllm": ServerKind.VLLM, "sglang": ServerKind.SGLANG, "llamacpp": ServerKind.LLAMA_CPP,
@@ -262,7 +273,7 @@ class ForeignReader:
             return ForeignReading(at=time.time(), kind=self.kind or ServerKind.UNKNOWN, version=self.version,
                                   error=f"/metrics is not metrics text: {exc}", nbytes=len(text))
         kind = self.kind or detect_kind(exposition)
-        aliases = ALIASES[kind]
+        aliases = aliases_for(kind, exposition)
         raw = _read_raw(exposition, aliases)
         models: dict[str, dict[str, Any]] = {}
         present: set[str] = set()

@@ -3,23 +3,29 @@
 MLC's ``/metrics`` is tab-separated text without TYPE/HELP lines, for the first
 engine only. Ours is real Prometheus exposition built by ``prometheus_client``
 from a custom collector that reads the registry at scrape time: every engine,
-each sample labelled ``model="<served name>"``. It carries
+each sample labelled ``model="<served name>"``, every name ``<prefix><name>``
+(:mod:`engines.prometheus_names`: ``llm_engine_`` unless ``--metrics-prefix`` says
+otherwise), and clean under ``promtool check metrics``. It carries
 
-- MLC's engine metric names as gauges (``engine_prefill_time_sum``, ...,
-  ``prefill_tokens_per_s``, ``decode_tokens_per_s``), ``last_finished_request_*``
-  and ``decode_time_by_batch_size_{mean,count}{batch_size=...}`` as MLC's own
-  ``prometheus_text()`` names them;
-- the serving series dashboards expect (vLLM's names, without its prefix):
+- MLC's engine-wide sums as counters named for what they count
+  (``prefill_time_seconds_total``, ``finished_prompt_tokens_total``, ...), MLC's
+  ``last_finished_request`` as ``last_finished_request_*`` gauges (units spelled out:
+  ``_seconds``, ``_per_second``) and its ``decode_time_by_batch_size`` as a summary,
+  ``decode_step_time_seconds{batch_size=...}``. ``/debug/dump_engine_metrics`` keeps
+  MLC's own names;
+- the serving series dashboards expect, under vLLM's names after the prefix:
   ``num_requests_running``, ``num_requests_waiting``, ``kv_cache_usage_perc``,
   ``prompt_tokens_total``, ``generation_tokens_total``, ..., and the latency
   histograms the engine keeps (``time_to_first_token_seconds``,
-  ``e2e_request_latency_seconds``, ...) with vLLM's bucket boundaries.
+  ``e2e_request_latency_seconds``, ...) with vLLM's bucket boundaries; with
+  ``--metrics-vllm-aliases``, those of vLLM's definition again under vLLM's own
+  names (``vllm:num_requests_running{model_name=...}``).
 
-MLC's sums are gauges, not counters, because ``/debug/reset_engine`` zeroes them
-(and a counter's ``_total`` suffix would rename them); they move at request finish, as
-MLC's do. ``prompt_tokens_total`` and ``generation_tokens_total`` count as things happen,
-as vLLM's do (a prompt once it is in the KV cache, each output token as it comes, aborted
-requests included); ``*_tokens_processed_total`` count what each step computed.
+``/debug/reset_engine`` zeroes every counter: Prometheus reads that as a counter reset,
+as it reads a restart. MLC's token sums move at request finish, as MLC's do;
+``prompt_tokens_total`` and ``generation_tokens_total`` count as things happen, as vLLM's
+do (a prompt once it is in the KV cache, each output token as it comes, aborted requests
+included); ``*_tokens_processed_total`` count what each step computed.
 """
 from __future__ import annotations
 
@@ -30,12 +36,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.http import HttpRequest, HttpResponse
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric,
+                                    SummaryMetricFamily)
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
 from engines.loop_lag import loop_lag
+from engines.prometheus_names import DEFAULT_METRICS_PREFIX, VLLM_ALIASES, VLLM_MODEL_LABEL
 from engines.registry import registry
 from engines.runtime import AsyncEngine, EngineDeadError, HistogramSnapshot
 from engines.views.api import api_view, json_response
@@ -43,18 +51,24 @@ from engines.cancellation import within
 
 logger = logging.getLogger(__name__)
 
-# MLC's engine-wide scalars (reference §5), exposed under their own names.
-MLC_GAUGES: dict[str, str] = {
-    "engine_prefill_time_sum": "Seconds spent in prefill steps (MLC).",
-    "engine_decode_time_sum": "Seconds spent in decode steps (MLC).",
-    "engine_jump_forward_time_sum": "Seconds spent appending grammar-forced tokens (MLC).",
-    "prompt_tokens_sum": "Prompt tokens of finished requests (MLC).",
-    "completion_tokens_sum": "Completion tokens of finished requests (MLC).",
-    "prefill_tokens_sum": "Tokens actually prefilled by finished requests, prefix-cache hits excluded (MLC).",
-    "decode_tokens_sum": "Tokens processed in decode steps by finished requests (MLC).",
-    "jump_forward_tokens_sum": "Grammar-forced tokens of finished requests (MLC).",
-    "prefill_tokens_per_s": "prefill_tokens_sum / engine_prefill_time_sum (MLC; absent until defined).",
-    "decode_tokens_per_s": "decode_tokens_sum / engine_decode_time_sum (MLC; absent until defined).",
+# MLC's engine-wide sums (reference §5) as counters: exposed name (the prefix before it,
+# _total after it) -> (MLC's key, help). MLC's two ratios of them (prefill_tokens_per_s,
+# decode_tokens_per_s) are not exported: PromQL divides the counters.
+MLC_COUNTERS: dict[str, tuple[str, str]] = {
+    "prefill_time_seconds": ("engine_prefill_time_sum", "Seconds spent in steps with any prefill (MLC)."),
+    "decode_time_seconds": ("engine_decode_time_sum", "Seconds spent in decode-only steps (MLC)."),
+    "jump_forward_time_seconds": ("engine_jump_forward_time_sum",
+                                  "Seconds spent appending grammar-forced tokens (MLC)."),
+    "finished_prompt_tokens": ("prompt_tokens_sum", "Prompt tokens of finished requests, counted as each "
+                                                    "finishes (MLC's prompt_tokens_sum)."),
+    "finished_completion_tokens": ("completion_tokens_sum", "Completion tokens of finished requests, counted "
+                                                            "as each finishes (MLC's completion_tokens_sum)."),
+    "finished_prefill_tokens": ("prefill_tokens_sum", "Tokens actually prefilled by finished requests, "
+                                                      "prefix-cache hits excluded (MLC's prefill_tokens_sum)."),
+    "finished_decode_tokens": ("decode_tokens_sum", "Tokens processed in decode steps by finished requests "
+                                                    "(MLC's decode_tokens_sum)."),
+    "finished_jump_forward_tokens": ("jump_forward_tokens_sum", "Grammar-forced tokens of finished requests "
+                                                                "(MLC's jump_forward_tokens_sum)."),
 }
 
 # Standard serving gauges: exposed name -> (engine metrics key, help).
@@ -63,7 +77,7 @@ SERVING_GAUGES: dict[str, tuple[str, str]] = {
     "num_requests_waiting": ("num_waiting_requests", "Requests waiting to be scheduled."),
     "kv_cache_usage_perc": ("kv_cache_usage", "Fraction of KV-cache pages in use (0-1)."),
     "kv_cache_pages_used": ("kv_pages_used", "KV-cache pages in use."),
-    "kv_cache_pages_total": ("kv_pages_total", "KV-cache pages in the pool."),
+    "kv_cache_pages_capacity": ("kv_pages_total", "KV-cache pages in the pool."),
     "prefix_cache_hit_rate": ("prefix_cache_hit_rate", "Fraction of prompt tokens served from the prefix cache."),
 }
 
@@ -80,8 +94,8 @@ SERVING_COUNTERS: dict[str, tuple[str, str]] = {
     "prefill_tokens_processed": ("prefill_tokens_processed", "Prompt tokens prefilled, counted every step."),
     "decode_tokens_processed": ("decode_tokens_processed", "Tokens decoded, counted every step."),
     "jump_forward_tokens_processed": ("jump_forward_tokens_processed", "Grammar-forced tokens, counted as appended."),
-    "engine_prefill_steps": ("num_prefill_steps", "Engine steps that prefilled."),
-    "engine_decode_steps": ("num_decode_steps", "Decode-only engine steps."),
+    "prefill_steps": ("num_prefill_steps", "Engine steps that prefilled."),
+    "decode_steps": ("num_decode_steps", "Decode-only engine steps."),
 }
 
 HISTOGRAM_HELP: dict[str, str] = {
@@ -134,40 +148,50 @@ async def read_engines(engines: Iterable[AsyncEngine]) -> list[EngineReading]:
 
 class EngineCollector(Collector):
     """Prometheus families over the engine readings of one scrape, and every served engine's
-    life (up or not, restarts), dead ones included."""
+    life (up or not, restarts), dead ones included: each named ``prefix`` + its name, and with
+    ``vllm_aliases`` those of vLLM's definition again under vLLM's names."""
 
-    def __init__(self, readings: list[EngineReading], engines: Iterable[AsyncEngine] = ()) -> None:
+    def __init__(self, readings: list[EngineReading], engines: Iterable[AsyncEngine] = (),
+                 prefix: str = DEFAULT_METRICS_PREFIX, vllm_aliases: bool = False) -> None:
         self.readings = readings
         self.engines = list(engines)
+        self.prefix = prefix
+        self.vllm_aliases = vllm_aliases
 
     def collect(self) -> Iterator[Metric]:
-        readings = self.readings
+        for family in self._families():
+            yield family
+            if self.vllm_aliases:
+                for alias in VLLM_ALIASES.get(family.name.removeprefix(self.prefix), ()):
+                    yield vllm_alias(family, alias)
+
+    def _families(self) -> Iterator[Metric]:
+        readings, p = self.readings, self.prefix
         yield from self._life(self.engines)
         yield self._info(readings)
-        for name, help_text in MLC_GAUGES.items():
-            yield self._family(GaugeMetricFamily(name, help_text, labels=["model"]), readings, name)
+        for name, (key, help_text) in MLC_COUNTERS.items():
+            yield self._family(CounterMetricFamily(p + name, help_text, labels=["model"]), readings, key)
         yield from self._last_finished_request(readings)
-        yield from self._decode_time_by_batch_size(readings)
+        yield self._decode_time_by_batch_size(readings)
         for name, (key, help_text) in SERVING_GAUGES.items():
-            yield self._family(GaugeMetricFamily(name, help_text, labels=["model"]), readings, key)
+            yield self._family(GaugeMetricFamily(p + name, help_text, labels=["model"]), readings, key)
         for name, (key, help_text) in SERVING_COUNTERS.items():
-            yield self._family(CounterMetricFamily(name, help_text, labels=["model"]), readings, key)
+            yield self._family(CounterMetricFamily(p + name, help_text, labels=["model"]), readings, key)
         yield from self._histograms(readings)
 
     @staticmethod
     def _family(family: GaugeMetricFamily | CounterMetricFamily, readings: list[EngineReading], key: str) -> Metric:
-        # A value MLC leaves out (a rate before anything ran) is left out here too, not faked as 0.
+        # A value the engine leaves out is left out here too, not faked as 0.
         for reading in readings:
             value = reading.metrics.get(key)
             if isinstance(value, (int, float)):
                 family.add_metric([reading.engine.name], float(value))
         return family
 
-    @staticmethod
-    def _life(engines: list[AsyncEngine]) -> Iterator[Metric]:
-        up = GaugeMetricFamily("engine_up", "1 while the engine runs; 0 while it restarts or is dead.",
+    def _life(self, engines: list[AsyncEngine]) -> Iterator[Metric]:
+        up = GaugeMetricFamily(self.prefix + "up", "1 while the engine runs; 0 while it restarts or is dead.",
                                labels=["model", "state"])
-        restarts = CounterMetricFamily("engine_restarts", "Times the engine was restarted after it died.",
+        restarts = CounterMetricFamily(self.prefix + "restarts", "Times the engine was restarted after it died.",
                                        labels=["model"])
         for engine in engines:
             status = engine.status
@@ -176,10 +200,9 @@ class EngineCollector(Collector):
         yield up
         yield restarts
 
-    @staticmethod
-    def _info(readings: list[EngineReading]) -> Metric:
+    def _info(self, readings: list[EngineReading]) -> Metric:
         family = GaugeMetricFamily(
-            "engine_info", "Served engines (value 1): backend, dtype and whether tracing is on.",
+            self.prefix + "info", "Served engines (value 1): backend, dtype and whether tracing is on.",
             labels=["model", "checkpoint", "backend", "dtype", "tracing"],
         )
         for r in readings:
@@ -188,46 +211,47 @@ class EngineCollector(Collector):
                 [r.engine.name, r.engine.checkpoint.name, r.engine.backend_name, r.engine.dtype, tracing], 1)
         return family
 
-    @staticmethod
-    def _last_finished_request(readings: list[EngineReading]) -> Iterator[Metric]:
-        """``last_finished_request_<key>`` gauges, as MLC's ``prometheus_text()`` flattens the dict."""
+    def _last_finished_request(self, readings: list[EngineReading]) -> Iterator[Metric]:
+        """``last_finished_request_<key>`` gauges, as MLC's ``prometheus_text()`` flattens the dict,
+        its abbreviated units spelled out."""
         keys: dict[str, None] = {}
         for r in readings:
             keys.update(dict.fromkeys(r.metrics.get("last_finished_request", {})))
         for key in keys:
-            family = GaugeMetricFamily(f"last_finished_request_{key}", f"{key} of the last finished request (MLC).",
-                                       labels=["model"])
+            family = GaugeMetricFamily(f"{self.prefix}last_finished_request_{spelled_units(key)}",
+                                       f"{key} of the last finished request (MLC).", labels=["model"])
             for r in readings:
                 value = r.metrics.get("last_finished_request", {}).get(key)
                 if isinstance(value, (int, float)):
                     family.add_metric([r.engine.name], float(value))
             yield family
 
-    @staticmethod
-    def _decode_time_by_batch_size(readings: list[EngineReading]) -> Iterator[Metric]:
-        """MLC's ``mean{batch_size=N}`` / ``count{batch_size=N}`` keys as two labelled gauges."""
-        families = {
-            "mean": GaugeMetricFamily("decode_time_by_batch_size_mean",
-                                      "Mean decode step time at this batch size, first step discarded (MLC).",
-                                      labels=["model", "batch_size"]),
-            "count": GaugeMetricFamily("decode_time_by_batch_size_count",
-                                       "Decode steps timed at this batch size (MLC).",
-                                       labels=["model", "batch_size"]),
-        }
+    def _decode_time_by_batch_size(self, readings: list[EngineReading]) -> Metric:
+        """MLC's ``mean{batch_size=N}`` / ``count{batch_size=N}`` keys as one summary (a sum and a
+        count per batch size): a ``rate()`` of each gives the mean step time of a recent window."""
+        family = SummaryMetricFamily(
+            self.prefix + "decode_step_time_seconds",
+            "Decode-only step time by batch size, each size's first step discarded (MLC's decode_time_by_batch_size).",
+            labels=["model", "batch_size"])
         for r in readings:
+            stats: dict[str, dict[str, float]] = {}
             for key, value in r.metrics.get("decode_time_by_batch_size", {}).items():
                 stat, _, rest = key.partition("{batch_size=")
-                if stat in families and rest.endswith("}"):
-                    families[stat].add_metric([r.engine.name, rest[:-1]], float(value))
-        yield from families.values()
+                if stat in ("mean", "count") and rest.endswith("}"):
+                    stats.setdefault(rest[:-1], {})[stat] = float(value)
+            for size, stat in stats.items():
+                if "count" in stat and "mean" in stat:  # MLC gives the mean as sum / count: its product is the sum
+                    family.add_metric([r.engine.name, size], count_value=int(stat["count"]),
+                                      sum_value=stat["mean"] * stat["count"])
+        return family
 
-    @staticmethod
-    def _histograms(readings: list[EngineReading]) -> Iterator[Metric]:
+    def _histograms(self, readings: list[EngineReading]) -> Iterator[Metric]:
         names: dict[str, None] = {}
         for r in readings:
             names.update(dict.fromkeys(r.histograms))
         for name in names:
-            family = HistogramMetricFamily(name, HISTOGRAM_HELP.get(name, name.replace("_", " ")), labels=["model"])
+            family = HistogramMetricFamily(self.prefix + name, HISTOGRAM_HELP.get(name, name.replace("_", " ")),
+                                           labels=["model"])
             for r in readings:
                 snap = r.histograms.get(name)
                 if snap is not None:
@@ -236,23 +260,47 @@ class EngineCollector(Collector):
             yield family
 
 
-def exposition_registry(readings: list[EngineReading], engines: Iterable[AsyncEngine] = ()) -> CollectorRegistry:
+def spelled_units(key: str) -> str:
+    """An MLC key with its abbreviated unit spelled out, as Prometheus names units:
+    ``ttft_s`` -> ``ttft_seconds``, ``decode_tokens_per_s`` -> ``decode_tokens_per_second``."""
+    if key.endswith("_per_s"):
+        return key.removesuffix("_s") + "_second"
+    if key.endswith("_s"):
+        return key.removesuffix("_s") + "_seconds"
+    return key
+
+
+def vllm_alias(family: Metric, alias: str) -> Metric:
+    """``family`` again as vLLM names it: ``alias`` for its name, ``model_name`` for its model label."""
+    ours = family.name + ("_total" if family.type == "counter" else "")
+    out = Metric(alias, f"{family.documentation} (vLLM's name for {ours}.)", family.type)
+    for sample in family.samples:
+        labels = {VLLM_MODEL_LABEL if k == "model" else k: v for k, v in sample.labels.items()}
+        out.samples.append(sample._replace(name=alias + sample.name.removeprefix(family.name), labels=labels))
+    return out
+
+
+def exposition_registry(readings: list[EngineReading], engines: Iterable[AsyncEngine] = (),
+                        prefix: str = DEFAULT_METRICS_PREFIX, vllm_aliases: bool = False) -> CollectorRegistry:
     """A ``prometheus_client`` registry that exposes these readings (one per scrape: the engines
     are asked asynchronously first, since they may run in other processes) and the life of
-    ``engines``."""
+    ``engines``, named with ``prefix`` (and vLLM's names too with ``vllm_aliases``)."""
     exposition = CollectorRegistry(auto_describe=False)
-    exposition.register(EngineCollector(readings, engines))
-    exposition.register(ServerCollector())
+    exposition.register(EngineCollector(readings, engines, prefix, vllm_aliases))
+    exposition.register(ServerCollector(prefix))
     return exposition
 
 
 class ServerCollector(Collector):
     """The serving process's own figures: its event loop's lag (:mod:`engines.loop_lag`), once probed."""
 
+    def __init__(self, prefix: str = DEFAULT_METRICS_PREFIX) -> None:
+        self.prefix = prefix
+
     def collect(self) -> Iterator[Metric]:
         snap = loop_lag.histogram()
         if snap.count:
-            family = HistogramMetricFamily("event_loop_lag_seconds",
+            family = HistogramMetricFamily(self.prefix + "event_loop_lag_seconds",
                                            "How late the server's event loop ran a 100 ms timer.")
             family.add_metric([], [(floatToGoString(le), float(n)) for le, n in snap.cumulative()], sum_value=snap.sum)
             yield family
@@ -260,10 +308,14 @@ class ServerCollector(Collector):
 
 @api_view("GET")
 async def prometheus_metrics(request: HttpRequest) -> HttpResponse:
-    """Every engine's metrics in the exposition format the scraper asks for (0.0.4 text by default)."""
+    """Every engine's metrics in the exposition format the scraper asks for (0.0.4 text by default),
+    named as ``serve --metrics-prefix`` and ``--metrics-vllm-aliases`` say."""
     encode, content_type = choose_encoder(request.headers.get("Accept", ""))
     engines = list(registry)
-    return HttpResponse(encode(exposition_registry(await read_engines(engines), engines)), content_type=content_type)
+    options = registry.options
+    exposition = exposition_registry(await read_engines(engines), engines, options.metrics_prefix,
+                                     options.metrics_vllm_aliases)
+    return HttpResponse(encode(exposition), content_type=content_type)
 
 
 @api_view("GET")

@@ -121,3 +121,38 @@ def production_stack_router() -> str:
     Gauge("vllm:current_qps", "qps", ["server"], registry=r).labels("http://a:8000").set(2.5)
     Gauge("vllm:healthy_pods_total", "healthy", registry=r).set(2)
     return generate_latest(r).decode()
+
+
+def ours(prefix: str = "llm_engine_", *, model: str = "demo", running: int = 2, prompt_tokens: int = 100,
+         finished: int = 4, ttfts: Iterable[float] = (), vllm_aliases: bool = False) -> str:
+    """A server of ours (the families the fleet reads, and those it is told by): every name under
+    ``prefix`` (``serve --metrics-prefix``), vLLM's names beside them with ``vllm_aliases``;
+    ``prefix=""``: as a server from before the prefix (issue 60) named them, MLC's sums as gauges
+    under MLC's names and the engine's life as ``engine_up``."""
+    r = CollectorRegistry()
+    legacy = prefix == ""
+    life = "engine_" if legacy else prefix
+    Gauge(life + "up", "up", ["model", "state"], registry=r).labels(model, "running").set(1)
+    Counter(life + "restarts", "restarts", ["model"], registry=r).labels(model).inc(0)
+    if legacy:
+        Gauge("engine_prefill_time_sum", "prefill seconds", ["model"], registry=r).labels(model).set(1.5)
+    else:
+        Counter(prefix + "prefill_time_seconds", "prefill seconds", ["model"], registry=r).labels(model).inc(1.5)
+    names = {"num_requests_running": Gauge(prefix + "num_requests_running", "running", ["model"], registry=r),
+             "prefill_tokens_processed": Counter(prefix + "prefill_tokens_processed", "prefilled", ["model"],
+                                                 registry=r),
+             "request_success": Counter(prefix + "request_success", "finished", ["model"], registry=r),
+             "time_to_first_token_seconds": Histogram(prefix + "time_to_first_token_seconds", "ttft", ["model"],
+                                                      buckets=VLLM_TTFT, registry=r)}
+    names["num_requests_running"].labels(model).set(running)
+    names["prefill_tokens_processed"].labels(model).inc(prompt_tokens)
+    names["request_success"].labels(model).inc(finished)
+    ttft_list = list(ttfts)
+    for value in ttft_list:
+        names["time_to_first_token_seconds"].labels(model).observe(value)
+    if vllm_aliases:  # what --metrics-vllm-aliases adds: the vLLM-named families a vLLM reader would take
+        Gauge("vllm:num_requests_running", "running", ["model_name"], registry=r).labels(model).set(running)
+        ttft = Histogram("vllm:time_to_first_token_seconds", "ttft", ["model_name"], buckets=VLLM_TTFT, registry=r)
+        for value in ttft_list:
+            ttft.labels(model).observe(value)
+    return generate_latest(r).decode()

@@ -215,3 +215,24 @@ def test_nan_gauges_read_as_unknown():
     body = fx.vllm("0.11").replace(f"{series} 0.42", f"{series} NaN")
     [figures] = ForeignReader().read(body).models.values()
     assert figures["kv_usage"] is None and not math.isnan(figures["running"])
+
+
+@pytest.mark.parametrize("prefix, aliases, stored", [
+    ("llm_engine_", False, False), ("llm_engine_", True, False), ("acme_", True, False), ("acme_", False, True),
+    ("", False, False), ("", False, True)])
+def test_ours_are_read_under_any_prefix_and_from_before_the_prefix(prefix, aliases, stored):
+    """Another of our servers: under the default prefix or its own (--metrics-prefix), with vLLM's
+    names beside ours (--metrics-vllm-aliases: still ours, not vLLM), or from before the prefix;
+    detected from the body, or attached earlier (its kind stored)."""
+    body = fx.ours(prefix, vllm_aliases=aliases, ttfts=[0.02] * 10)
+    assert detect_kind(parse_exposition(body)) is ServerKind.OURS
+    later = fx.ours(prefix, vllm_aliases=aliases, prompt_tokens=600, finished=14, ttfts=[0.02] * 30)
+    reader = ForeignReader(ServerKind.OURS if stored else None)
+    reader.read(body, now=100.0)
+    reading = reader.read(later, now=110.0)
+    assert reading.kind is ServerKind.OURS and reading.error is None
+    [(model, figures)] = reading.models.items()
+    assert model == "demo" and figures["running"] == 2
+    assert figures["prompt_tokens"] == pytest.approx(50.0) and figures["finished"] == pytest.approx(1.0)
+    assert figures["ttft"]["count"] == 20
+    assert {"running", "prompt_tokens", "finished", "ttft"} <= set(reading.sources)

@@ -43,7 +43,8 @@ def engines() -> Iterator[dict[str, AsyncEngine]]:
 
 @pytest.fixture
 def serve(engines: dict[str, AsyncEngine]) -> Iterator[Callable[..., httpx.AsyncClient]]:
-    """``serve(enable_debug=True, api_key=None, engines=None)`` -> an httpx client on the ASGI app.
+    """``serve(enable_debug=True, api_key=None, engines=None, **options)`` -> an httpx client on the
+    ASGI app; ``options``: :func:`~engines.registry.configure`'s others (``metrics_prefix``, ...).
 
     Configures the registry as ``manage.py serve`` would; the registry is emptied
     again after the test so no test sees another's settings.
@@ -53,9 +54,9 @@ def serve(engines: dict[str, AsyncEngine]) -> Iterator[Callable[..., httpx.Async
     clients: list[httpx.AsyncClient] = []
 
     def make(enable_debug: bool = True, api_key: str | None = None,
-             serving: list[AsyncEngine] | None = None) -> httpx.AsyncClient:
+             serving: list[AsyncEngine] | None = None, **options: Any) -> httpx.AsyncClient:
         configure(list(engines.values()) if serving is None else serving,
-                  enable_debug=enable_debug, api_key=api_key, start=False)
+                  enable_debug=enable_debug, api_key=api_key, start=False, **options)
         client = httpx.AsyncClient(
             transport=httpx.ASGITransport(app=application), base_url="http://127.0.0.1", timeout=60
         )

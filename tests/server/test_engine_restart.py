@@ -9,6 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from engines.prometheus_names import DEFAULT_METRICS_PREFIX as P
 from engines.registry import ModelSpec, build_engines
 from engines.runtime import AsyncEngine, EngineConfig, EngineState, RestartPolicy
 from engines.runtime.frontend.supervision import DeathLog
@@ -51,9 +52,9 @@ async def test_a_killed_engine_is_reported_restarting_then_serves_again(serve, p
         assert health.status_code == 200
         assert health.json()["engines"]["phoenix"] == {"state": "running", "reason": None, "restarts": 1}
         assert (await http.get("/stats")).json()["engines"]["phoenix"]["restarts"] == 1
-        exposition = (await http.get("/metrics")).text
-        assert 'engine_restarts_total{model="phoenix"} 1.0' in exposition
-        assert 'engine_up{model="phoenix",state="running"} 1.0' in exposition
+        exposition = (await http.get("/metrics")).text.splitlines()
+        assert f'{P}restarts_total{{model="phoenix"}} 1.0' in exposition
+        assert f'{P}up{{model="phoenix",state="running"}} 1.0' in exposition
 
 
 async def test_reset_engine_restarts_a_dead_engine(serve, phoenix) -> None:

@@ -1,4 +1,5 @@
-"""``GET /metrics`` parses as Prometheus exposition with MLC's names and the serving series; ``GET /health``."""
+"""``GET /metrics`` parses as Prometheus exposition, every name under our prefix: MLC's figures and the serving
+series; ``GET /health``."""
 from __future__ import annotations
 
 import asyncio
@@ -7,6 +8,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from engines.prometheus_names import DEFAULT_METRICS_PREFIX as P
 from engines.registry import ModelSpec, build_engines, registry
 from engines.runtime.core.engine import EngineConfig
 from tests.server.conftest import SMALL_ENGINE, TRACED, UNTRACED, assert_error
@@ -20,8 +22,9 @@ async def scrape(http: httpx.AsyncClient) -> dict:
 
 
 def sample(families: dict, family: str, name: str | None = None, **labels: str) -> float:
-    for s in families[family].samples:
-        if s.name == (name or family) and all(s.labels.get(k) == v for k, v in labels.items()):
+    """A sample of ``family`` (our prefix before it, as ``name``: ``generation_tokens_total``)."""
+    for s in families[P + family].samples:
+        if s.name == P + (name or family) and all(s.labels.get(k) == v for k, v in labels.items()):
             return s.value
     raise AssertionError(f"no sample {name or family} {labels}")
 
@@ -31,26 +34,32 @@ async def test_metrics_cover_every_engine_with_a_model_label(client: httpx.Async
             "debug_config": {"ignore_eos": True}}
     assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
     families = await scrape(client)
+    assert all(name.startswith(P) for name in families)
     for model in (TRACED, UNTRACED):
-        assert sample(families, "engine_decode_time_sum", model=model) >= 0
-        assert sample(families, "engine_info", model=model, backend="cpu") == 1
-    assert sample(families, "engine_info", model=TRACED, tracing="true") == 1
-    assert sample(families, "engine_info", model=UNTRACED, tracing="false") == 1
-    assert sample(families, "engine_prefill_time_sum", model=TRACED) > 0
-    assert sample(families, "completion_tokens_sum", model=TRACED) == 6
-    assert sample(families, "decode_tokens_per_s", model=TRACED) > 0
+        assert sample(families, "decode_time_seconds", "decode_time_seconds_total", model=model) >= 0
+        assert sample(families, "info", model=model, backend="cpu") == 1
+    assert sample(families, "info", model=TRACED, tracing="true") == 1
+    assert sample(families, "info", model=UNTRACED, tracing="false") == 1
+    # MLC's sums, as counters.
+    assert families[P + "prefill_time_seconds"].type == "counter"
+    assert sample(families, "prefill_time_seconds", "prefill_time_seconds_total", model=TRACED) > 0
+    assert sample(families, "finished_completion_tokens", "finished_completion_tokens_total", model=TRACED) == 6
     assert sample(families, "last_finished_request_completion_tokens", model=TRACED) == 6
-    assert families["prompt_tokens"].type == "counter"
+    assert sample(families, "last_finished_request_ttft_seconds", model=TRACED) > 0
+    assert sample(families, "last_finished_request_decode_tokens_per_second", model=TRACED) > 0
+    assert families[P + "prompt_tokens"].type == "counter"
     assert sample(families, "generation_tokens", "generation_tokens_total", model=TRACED) == 6
     assert sample(families, "request_success", "request_success_total", model=TRACED) == 1
     assert sample(families, "num_requests_running", model=TRACED) == 0
     assert sample(families, "num_requests_waiting", model=TRACED) == 0
     assert 0 <= sample(families, "kv_cache_usage_perc", model=TRACED) <= 1
+    capacity = (await registry.get(TRACED).metrics())["kv_pages_total"]
+    assert capacity > 0 and sample(families, "kv_cache_pages_capacity", model=TRACED) == capacity
     # Histograms with vLLM's buckets: cumulative, ending at +Inf == count.
-    assert families["inter_token_latency_seconds"].type == "histogram"
+    assert families[P + "inter_token_latency_seconds"].type == "histogram"
     # Six tokens, five gaps between them.
     assert sample(families, "inter_token_latency_seconds", "inter_token_latency_seconds_count", model=TRACED) == 5
-    ttft = families["time_to_first_token_seconds"]
+    ttft = families[P + "time_to_first_token_seconds"]
     assert ttft.type == "histogram"
     buckets = [s for s in ttft.samples if s.name.endswith("_bucket") and s.labels["model"] == TRACED]
     assert buckets[-1].labels["le"] == "+Inf" and buckets[-1].value == 1
@@ -59,12 +68,21 @@ async def test_metrics_cover_every_engine_with_a_model_label(client: httpx.Async
     assert sample(families, "e2e_request_latency_seconds", "e2e_request_latency_seconds_sum", model=TRACED) > 0
 
 
-async def test_decode_time_by_batch_size_is_labelled(client: httpx.AsyncClient) -> None:
+async def test_decode_time_by_batch_size_is_a_labelled_summary(client: httpx.AsyncClient) -> None:
     body = {"model": TRACED, "prompt": "hello", "max_tokens": 8, "debug_config": {"ignore_eos": True}}
     assert (await client.post("/v1/completions", json=body)).status_code == 200
     families = await scrape(client)
-    counts = [s for s in families["decode_time_by_batch_size_count"].samples if s.labels["model"] == TRACED]
-    assert counts and all(s.labels["batch_size"].isdigit() for s in counts)
+    mlc = (await registry.get(TRACED).metrics())["decode_time_by_batch_size"]
+    summary = families[P + "decode_step_time_seconds"]
+    assert summary.type == "summary"
+    counts = {s.labels["batch_size"]: s.value for s in summary.samples
+              if s.labels["model"] == TRACED and s.name.endswith("_count")}
+    sums = {s.labels["batch_size"]: s.value for s in summary.samples
+            if s.labels["model"] == TRACED and s.name.endswith("_sum")}
+    assert counts == {size: mlc[f"count{{batch_size={size}}}"] for size in counts} and counts
+    assert sums.keys() == counts.keys()
+    for size, total in sums.items():
+        assert total / counts[size] == pytest.approx(mlc[f"mean{{batch_size={size}}}"])
 
 
 async def test_metrics_speaks_openmetrics_when_asked(client: httpx.AsyncClient) -> None:
@@ -139,9 +157,10 @@ async def test_debug_routes_on_a_dead_engine_are_503_not_500(serve, stopped_engi
                          "alive": False, "state": "stopped",
                          "reason": None, "restarts": 0}
         exposition = (await http.get("/metrics")).text
-        assert 'engine_up{model="stopped",state="stopped"} 0.0' in exposition
-        assert 'engine_restarts_total{model="stopped"} 0.0' in exposition
-        assert [line for line in exposition.splitlines() if 'model="stopped"' in line and "engine_" not in line] == []
+        assert f'{P}up{{model="stopped",state="stopped"}} 0.0' in exposition
+        assert f'{P}restarts_total{{model="stopped"}} 0.0' in exposition
+        assert [line.split("{")[0] for line in exposition.splitlines() if 'model="stopped"' in line] == \
+            [f"{P}up", f"{P}restarts_total"]
 
 
 async def test_health_says_draining_during_a_shutdown(serve, engines) -> None:
@@ -159,7 +178,7 @@ async def test_health_says_draining_during_a_shutdown(serve, engines) -> None:
 
 
 async def test_token_counters_move_while_a_stream_runs_and_count_its_abort(client: httpx.AsyncClient) -> None:
-    """vLLM's prompt_tokens_total and generation_tokens_total count as tokens come: a dashboard's
+    """prompt_tokens_total and generation_tokens_total count as tokens come, as vLLM's do: a dashboard's
     rate() of them moves during a stream, and a stream the client left still counts. (Streamed
     from the engine: httpx's ASGI transport hands a body over only once it is whole.)"""
     from engines.runtime import GenerationRequest, SamplingParams
@@ -187,5 +206,5 @@ async def test_token_counters_move_while_a_stream_runs_and_count_its_abort(clien
     produced = sample(families, "generation_tokens", "generation_tokens_total", model=TRACED)
     assert received <= produced < 1500 and produced == metrics["num_generation_tokens"]
     # MLC's sums are of finished requests: the aborted one is not in them.
-    assert sample(families, "completion_tokens_sum", model=TRACED) == 0
-    assert sample(families, "prompt_tokens_sum", model=TRACED) == 0
+    assert sample(families, "finished_completion_tokens", "finished_completion_tokens_total", model=TRACED) == 0
+    assert sample(families, "finished_prompt_tokens", "finished_prompt_tokens_total", model=TRACED) == 0

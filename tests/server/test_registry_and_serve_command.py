@@ -258,7 +258,7 @@ def test_configure_from_env_builds_and_starts_engines() -> None:
         kv_port = sock.getsockname()[1]
     env = {"ENGINES_MODELS": "demo:env-demo", "ENGINES_ENABLE_DEBUG": "1", "ENGINES_ENABLE_TRACING": "yes",
            "ENGINES_BACKEND": "cpu", "ENGINES_MAX_NUM_SEQS": "2", "ENGINES_MAX_TOTAL_TOKENS": "512", "API_KEY": "k",
-           "ENGINES_KV_PORT": str(kv_port)}
+           "ENGINES_KV_PORT": str(kv_port), "ENGINES_METRICS_PREFIX": "env_", "ENGINES_METRICS_VLLM_ALIASES": "1"}
     reg = configure_from_env(env)
     try:
         engine = reg.get("env-demo")
@@ -266,7 +266,8 @@ def test_configure_from_env_builds_and_starts_engines() -> None:
         assert engine._spec.keep_quantized  # the default; the demo is safetensors: its weights stay float32
         assert engine.weights_format == "float32"
         assert engine.tracing_enabled and engine.config.max_num_seqs == 2
-        assert reg.options == ServerOptions(enable_debug=True, api_key="k")
+        assert reg.options == ServerOptions(enable_debug=True, api_key="k", metrics_prefix="env_",
+                                            metrics_vllm_aliases=True)
         assert engine.kv_port == kv_port  # debug on: the engine's K/V listener, on the port asked for
         with socket.create_connection(("127.0.0.1", kv_port), timeout=10):
             pass

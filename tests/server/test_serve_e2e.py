@@ -23,6 +23,7 @@ from tests.processes import Server, child_pids, start_server
 pytestmark = pytest.mark.slow
 
 MAX_TOKENS = 16
+PREFIX = "e2e_"  # serve --metrics-prefix: every /metrics name of ours starts with it
 STREAM_USER = "e2e-stream-1"
 
 
@@ -30,7 +31,8 @@ STREAM_USER = "e2e-stream-1"
 def server(tmp_path_factory) -> Iterator[Server]:
     srv = start_server(["--model", "demo", "--enable-debug", "--enable-tracing", "--backend", "cpu",
                         "--max-num-seqs", "4",
-                        "--max-total-tokens", "2048", "--prefill-chunk-size", "128", "--drain-timeout", "1"],
+                        "--max-total-tokens", "2048", "--prefill-chunk-size", "128", "--drain-timeout", "1",
+                        "--metrics-prefix", PREFIX, "--metrics-vllm-aliases"],
                        tmp_path_factory.mktemp("var"))
     yield srv
     srv.stop()
@@ -93,15 +95,29 @@ def _value(family, sample_name: str, **labels: str) -> float:
 
 def test_metrics_parse_as_prometheus_exposition(server: Server) -> None:
     families = _metrics(server)
-    assert _value(families["engine_prefill_time_sum"], "engine_prefill_time_sum", model="demo") > 0
-    assert _value(families["completion_tokens_sum"], "completion_tokens_sum", model="demo") == MAX_TOKENS + 4
-    assert _value(families["generation_tokens"], "generation_tokens_total", model="demo") == MAX_TOKENS + 4
-    assert families["time_to_first_token_seconds"].type == "histogram"
-    assert _value(families["time_to_first_token_seconds"], "time_to_first_token_seconds_count", model="demo") == 2
-    assert _value(families["num_requests_running"], "num_requests_running", model="demo") == 0
+    p = PREFIX
+    assert _value(families[p + "prefill_time_seconds"], p + "prefill_time_seconds_total", model="demo") > 0
+    assert _value(families[p + "finished_completion_tokens"], p + "finished_completion_tokens_total",
+                  model="demo") == MAX_TOKENS + 4
+    assert _value(families[p + "generation_tokens"], p + "generation_tokens_total", model="demo") == MAX_TOKENS + 4
+    assert families[p + "time_to_first_token_seconds"].type == "histogram"
+    assert _value(families[p + "time_to_first_token_seconds"], p + "time_to_first_token_seconds_count",
+                  model="demo") == 2
+    assert _value(families[p + "num_requests_running"], p + "num_requests_running", model="demo") == 0
+    # --metrics-vllm-aliases: the same figures again under vLLM's names and model label.
+    assert _value(families["vllm:generation_tokens"], "vllm:generation_tokens_total",
+                  model_name="demo") == MAX_TOKENS + 4
+    assert _value(families["vllm:time_to_first_token_seconds"], "vllm:time_to_first_token_seconds_count",
+                  model_name="demo") == 2
+    assert {name for name in families if not name.startswith(p)} == {
+        "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+        "vllm:gpu_cache_usage_perc", "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:num_preemptions",
+        "vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
+        "vllm:request_time_per_output_token_seconds", "vllm:inter_token_latency_seconds",
+        "vllm:time_per_output_token_seconds"}
     # The server's own event loop, probed since it started listening (engines.loop_lag).
-    assert families["event_loop_lag_seconds"].type == "histogram"
-    assert _value(families["event_loop_lag_seconds"], "event_loop_lag_seconds_count") > 0
+    assert families[p + "event_loop_lag_seconds"].type == "histogram"
+    assert _value(families[p + "event_loop_lag_seconds"], p + "event_loop_lag_seconds_count") > 0
     lag = server.http.get("/stats").json()["event_loop_lag"]
     assert lag["probes"] > 0 and 0 <= lag["p50_ms_1m"] <= lag["max_ms_1m"]
 
@@ -110,10 +126,13 @@ def test_reset_brings_metrics_back_to_zero(server: Server) -> None:
     response = server.http.post("/debug/reset_engine", json={"model": "demo"})
     assert response.status_code == 200
     families = _metrics(server)
-    assert _value(families["engine_prefill_time_sum"], "engine_prefill_time_sum", model="demo") == 0
-    assert _value(families["completion_tokens_sum"], "completion_tokens_sum", model="demo") == 0
-    assert _value(families["generation_tokens"], "generation_tokens_total", model="demo") == 0
-    assert _value(families["time_to_first_token_seconds"], "time_to_first_token_seconds_count", model="demo") == 0
+    p = PREFIX
+    assert _value(families[p + "prefill_time_seconds"], p + "prefill_time_seconds_total", model="demo") == 0
+    assert _value(families[p + "finished_completion_tokens"], p + "finished_completion_tokens_total",
+                  model="demo") == 0
+    assert _value(families[p + "generation_tokens"], p + "generation_tokens_total", model="demo") == 0
+    assert _value(families[p + "time_to_first_token_seconds"], p + "time_to_first_token_seconds_count",
+                  model="demo") == 0
 
 
 def test_a_burst_of_connections_waits_in_the_listen_queue(server: Server) -> None:

@@ -44,6 +44,7 @@ from engines.history.autosave import HistoryAutosave
 from engines.history.capture import start_digest_process, stop_digest_process
 from engines.loop_lag import loop_lag
 from engines.malloc_tuning import tune_malloc
+from engines.prometheus_names import DEFAULT_METRICS_PREFIX, check_prefix
 from engines import server_identity
 from engines.registry import (
     ENGINE_MODES,
@@ -125,6 +126,14 @@ def seconds(text: str) -> float:
     return value
 
 
+def metrics_prefix(text: str) -> str:
+    """argparse type for ``--metrics-prefix``: a prefix that can start a metric name."""
+    try:
+        return check_prefix(text)
+    except ValueError as exc:
+        raise ArgumentTypeError(str(exc)) from None
+
+
 class _Interrupted(Exception):
     """SIGTERM arrived before Daphne took over signal handling (while engines were loading)."""
 
@@ -199,6 +208,14 @@ class Command(BaseCommand):
                              default=settings.METRICS_SNAPSHOT_INTERVAL_S,
                              help="every SECONDS, save each engine's metrics into the history (0: off; "
                                   "default %(default)g, from $METRICS_SNAPSHOT_INTERVAL_S)")
+        metrics = parser.add_argument_group("Prometheus /metrics")
+        metrics.add_argument("--metrics-prefix", type=metrics_prefix, default=DEFAULT_METRICS_PREFIX, metavar="PREFIX",
+                             help="start every /metrics name with PREFIX, our namespace in a shared Prometheus "
+                                  "(default %(default)s: llm_engine_num_requests_running, ...)")
+        metrics.add_argument("--metrics-vllm-aliases", action="store_true",
+                             help="also export the series vLLM defines alike under vLLM's names and model_name "
+                                  "label (vllm:num_requests_running, ...), for vLLM's Grafana dashboards and "
+                                  "inference-perf; promtool flags their colons")
         sizing = parser.add_argument_group("engine sizing")
         sizing.add_argument("--max-num-seqs", type=int, help="concurrent running sequences per engine")
         pages = sizing.add_mutually_exclusive_group()
@@ -327,7 +344,8 @@ class Command(BaseCommand):
                 progress=lambda message: self._say(f"  {message}..."),
                 keep_quantized=options["keep_quantized"],
             )
-            configure(engines, enable_debug=options["enable_debug"], api_key=options["api_key"])
+            configure(engines, enable_debug=options["enable_debug"], api_key=options["api_key"],
+                      metrics_prefix=options["metrics_prefix"], metrics_vllm_aliases=options["metrics_vllm_aliases"])
         except (CheckpointError, RegistryError, ValueError, RuntimeError) as exc:
             registry.shutdown_all()  # the engines that did start
             raise CommandError(str(exc)) from exc
@@ -346,7 +364,8 @@ class Command(BaseCommand):
     def _configure_router(self, options: dict[str, Any]) -> None:
         from engines.disagg.router import DisaggRouter
 
-        configure([], enable_debug=options["enable_debug"], api_key=options["api_key"], start=False)
+        configure([], enable_debug=options["enable_debug"], api_key=options["api_key"], start=False,
+                  metrics_prefix=options["metrics_prefix"], metrics_vllm_aliases=options["metrics_vllm_aliases"])
         registry.router = DisaggRouter(options["prefill_url"], options["decode_url"], api_key=options["api_key"])
         self.stdout.write(f"Routing over prefill {', '.join(registry.router.prefill_urls)} and decode "
                           f"{', '.join(registry.router.decode_urls)}")
