@@ -25,6 +25,10 @@ Requests
     ``null`` for a top-level field means "not given", as in OpenAI's API, so the default
     applies (``"n": null`` is ``n = 1``).
 
+    vLLM's sampling extensions that benchmark tools send are honoured at the top level:
+    ``top_k``, ``repetition_penalty``, ``ignore_eos`` (as MLC's ``debug_config.ignore_eos``,
+    which works on; either one true is enough) and ``min_tokens``.
+
 Responses
     Plain ``model_dump()`` (or ``model_dump_json()``) gives the wire shape: streaming
     chunks keep ``finish_reason: null`` and every ``delta``, the usage chunk has
@@ -209,6 +213,12 @@ class _GenerationRequest(BaseModel):
     presence_penalty: float | None = None
     #: Extension: multiplicative penalty on tokens already present (1.0 = off).
     repetition_penalty: float | None = None
+    #: Extension (vLLM's): no EOS, stop tokens or stop strings end a choice; only max_tokens
+    #: or the context does. The same as ``debug_config.ignore_eos``, which needs --enable-debug.
+    ignore_eos: bool = Field(default=False, strict=True)
+    #: Extension (vLLM's): no EOS, stop token or stop string ends a choice before it has this
+    #: many tokens (at most max_tokens: ``SamplingParams`` checks it).
+    min_tokens: int = Field(default=0, strict=True)
     #: Token id -> bias added to its logit. JSON keys are strings; they are parsed to ints here.
     logit_bias: dict[int, float] | None = None
     #: Becomes the request id (MLC's rule), so it is bounded like one.

@@ -141,17 +141,20 @@ def make_generation_request(
             logit_bias=body.logit_bias,
             stop=tuple(body.stop or ()),
             max_tokens=body.max_tokens,
+            min_tokens=body.min_tokens,
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             n=body.n,
-            ignore_eos=debug is not None and debug.ignore_eos,
+            # vLLM's top-level field or MLC's debug one: asking either way is asking.
+            ignore_eos=body.ignore_eos or (debug is not None and debug.ignore_eos),
         )
     except InvalidSamplingParams as exc:
-        param = exc.field
+        param, reason = exc.field, exc.reason
         # Chat's max_completion_tokens (OpenAI's newer name) reaches the engine as max_tokens.
-        if param == "max_tokens" and getattr(body, "max_completion_tokens", None) is not None:
-            param = "max_completion_tokens"
-        raise ProtocolError(400, f"{param} {exc.reason}", param=param) from None
+        if getattr(body, "max_completion_tokens", None) is not None:
+            param = "max_completion_tokens" if param == "max_tokens" else param
+            reason = reason.replace("max_tokens", "max_completion_tokens")
+        raise ProtocolError(400, f"{param} {reason}", param=param) from None
     return GenerationRequest(
         request_id=request_id,
         prompt=prompt,

@@ -393,7 +393,8 @@ class Engine:
         sampled = [chunks[i] for i in rows]
         # Argmax on the device when no row needs its logits: only token ids come back.
         greedy = not any(c.seq.grammar is not None or not c.seq.request.params.is_greedy
-                         or c.seq.request.params.logprobs or c.seq.sampling.modifies_logits for c in sampled)
+                         or c.seq.request.params.logprobs or c.seq.sampling.modifies_logits
+                         or c.seq.stop_checker.banned_tokens() for c in sampled)
         obs = self.observer
         if obs is not None:
             obs.forward_starting(sched)
@@ -462,6 +463,7 @@ class Engine:
         sampled, logits = output.sampled, output.logits
         assert logits is not None, "a step's output holds token ids or logits"
         masks, failures = self._grammar_masks(sampled)
+        self._ban_early_stops(sampled, masks)
         obs = self.observer
         if obs is not None:
             obs.lap("grammar")
@@ -499,6 +501,22 @@ class Engine:
         if obs is not None:
             obs.event(grammar_ids, "finish apply logit mask")
         return masks, failures
+
+    def _ban_early_stops(self, sampled: list[ScheduledChunk], masks: list[np.ndarray | None]) -> None:
+        """``min_tokens``: no EOS or stop token among a choice's first ``min_tokens`` tokens (vLLM
+        bans them from sampling too). A grammar that allows nothing else keeps its mask: its end wins."""
+        for i, chunk in enumerate(sampled):
+            banned = chunk.seq.stop_checker.banned_tokens()
+            if not banned:
+                continue
+            ids = np.fromiter((t for t in banned if t < self.vocab_size), dtype=np.int64)
+            mask = masks[i]
+            if mask is None:
+                mask = masks[i] = np.ones(self.vocab_size, dtype=np.bool_)
+            allowed = mask[ids].copy()
+            mask[ids] = False
+            if not mask.any():
+                mask[ids] = allowed
 
     def _append_picks(self, sampled: list[ScheduledChunk],
                       picks: list[tuple[int, TokenLogprob | None] | Exception]) -> None:

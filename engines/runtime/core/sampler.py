@@ -92,6 +92,9 @@ class SamplingParams:
     token ids to biases; check the ids against the model with ``check_vocab``.
     ``ignore_eos`` (MLC ``debug_config``) disables EOS, ``stop_token_ids`` and ``stop``
     strings: only ``max_tokens``, the context limit or a finished grammar end the request.
+    ``min_tokens`` (vLLM's): the first ``min_tokens`` output tokens of each choice are never
+    an EOS or stop token (the sampler bans them) and no stop string ends the choice inside
+    them; at most ``max_tokens``. A finished grammar and the context limit still end it.
 
     Raises ``InvalidSamplingParams`` naming the first bad field.
     """
@@ -107,6 +110,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     max_tokens: int | None = None
+    min_tokens: int = 0
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
@@ -135,6 +139,11 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop_ids))
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise InvalidSamplingParams("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise InvalidSamplingParams("min_tokens", f"must be a non-negative integer, got {self.min_tokens!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise InvalidSamplingParams(
+                "min_tokens", f"must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
         for name in ("ignore_eos", "logprobs"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidSamplingParams(name, f"must be a boolean, got {getattr(self, name)!r}")

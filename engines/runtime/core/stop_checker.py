@@ -21,6 +21,11 @@ held-back text.
 
 ``ignore_eos`` (MLC's ``debug_config``) turns off EOS, stop tokens and stop
 strings alike: only the length limit ends the choice here.
+
+``min_tokens`` (vLLM's): the first ``min_tokens`` tokens never end the choice. An EOS or
+stop token among them is an ordinary token (the engine bans them from sampling meanwhile:
+``banned_tokens``), and stop strings are looked for only in the text of the tokens after
+them, so no match can begin inside that text (vLLM looks a stop string's length back).
 """
 from __future__ import annotations
 
@@ -53,13 +58,16 @@ class StopChecker:
 
     def __init__(self, stop: Sequence[str] = (), stop_token_ids: Iterable[int] = (),
                  eos_token_ids: Iterable[int] = (), max_tokens: int | None = None,
-                 ignore_eos: bool = False) -> None:
+                 ignore_eos: bool = False, min_tokens: int = 0) -> None:
         if max_tokens is not None and max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        if min_tokens < 0:
+            raise ValueError(f"min_tokens must be at least 0, got {min_tokens}")
         self._stop = () if ignore_eos else tuple(s for s in stop if s)
         self._stop_token_ids = frozenset() if ignore_eos else frozenset(int(t) for t in stop_token_ids)
         self._eos = frozenset() if ignore_eos else frozenset(int(t) for t in eos_token_ids)
         self._max_tokens = max_tokens
+        self._min_tokens = min_tokens
         self._held = ""  # output text not yet streamed: it may begin a stop string
         self.num_tokens = 0
         self.finished = False
@@ -74,11 +82,20 @@ class StopChecker:
         """
         limits = [m for m in (params.max_tokens, max_tokens_cap) if m is not None]
         return cls(stop=params.stop, stop_token_ids=params.stop_token_ids, eos_token_ids=eos_token_ids,
-                   max_tokens=min(limits) if limits else None, ignore_eos=params.ignore_eos)
+                   max_tokens=min(limits) if limits else None, ignore_eos=params.ignore_eos,
+                   min_tokens=params.min_tokens)
 
     def is_stop_token(self, token_id: int) -> bool:
-        """Whether ``token_id`` ends the choice: an EOS or a stop token (never with ``ignore_eos``)."""
-        return token_id in self._eos or token_id in self._stop_token_ids
+        """Whether ``token_id``, as the next token, ends the choice: an EOS or a stop token (never
+        with ``ignore_eos``, nor among the first ``min_tokens``)."""
+        return self.num_tokens >= self._min_tokens and (token_id in self._eos or token_id in self._stop_token_ids)
+
+    def banned_tokens(self) -> frozenset[int]:
+        """The tokens the next one must not be: the EOS and stop tokens while the first
+        ``min_tokens`` are still to come (empty otherwise, and with ``ignore_eos``)."""
+        if self.num_tokens >= self._min_tokens:
+            return frozenset()
+        return self._eos | self._stop_token_ids
 
     def step(self, token_id: int, text: str) -> StopCheck:
         """Account for one output token and the text it added to the output.
@@ -89,11 +106,13 @@ class StopChecker:
         """
         if self.finished:
             raise RuntimeError("StopChecker.step called after the choice finished")
+        stop_token = self.is_stop_token(token_id)  # judged as the next token, before it is counted
         self.num_tokens += 1
-        out, matched = self._scan(text) if self._stop else (text, None)
+        scan = bool(self._stop) and self.num_tokens > self._min_tokens
+        out, matched = self._scan(text) if scan else (text, None)
         if matched is not None:
             return self._finish(FinishReason.STOP, matched, out)
-        if self.is_stop_token(token_id):
+        if stop_token:
             # What was held back is output: no stop string can complete any more.
             reason = None if token_id in self._eos and token_id not in self._stop_token_ids else token_id
             return self._finish(FinishReason.STOP, reason, out + self.flush())

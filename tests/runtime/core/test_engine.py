@@ -51,6 +51,31 @@ def test_ignore_eos_gives_exactly_max_tokens(make_engine, demo):
     assert res["stops"].finish_reason == "stop" and len(res["stops"].tokens) == 1
 
 
+@pytest.mark.parametrize("sampling", [dict(), dict(temperature=0.8, seed=3), dict(logprobs=True)])
+def test_min_tokens_holds_eos_off_until_then_it_may_stop(make_engine, demo, sampling):
+    """vLLM's min_tokens: EOS (made the argmax by a bias) is banned from the first 6 tokens, then ends
+    the request; greedy or sampled, with or without logprobs."""
+    eos = demo.eos_token_ids[0]
+    p = prompts(demo, 1)[0]
+    res = run_all(make_engine(), [request("a", p, max_tokens=17, logit_bias={eos: 100}, min_tokens=6,
+                                          **sampling)])["a"]
+    assert res.finish_reason == "stop"
+    assert len(res.tokens) == 7 and res.tokens[-1] == eos and eos not in res.tokens[:6]
+    assert res.usage["completion_tokens"] == 7
+
+
+def test_min_tokens_holds_stop_tokens_and_stop_strings(make_engine, demo):
+    p = prompts(demo, 1)[0]
+    free = run_all(make_engine(), [request("a", p, max_tokens=16, ignore_eos=True)])["a"]
+    target = free.tokens[1]
+    held = run_all(make_engine(), [request("a", p, max_tokens=16, stop_token_ids=[target], min_tokens=4)])["a"]
+    assert target not in held.tokens[:4]
+    stop = free.text[:3]  # at the very start: without min_tokens the text would be empty
+    assert run_all(make_engine(), [request("a", p, max_tokens=16, stop=[stop])])["a"].text == ""
+    late = run_all(make_engine(), [request("a", p, max_tokens=16, stop=[stop], min_tokens=16)])["a"]
+    assert late.finish_reason == "length" and len(late.tokens) == 16
+
+
 def test_same_seed_same_output_even_in_different_batches(make_engine, demo):
     p = prompts(demo, 3)
     solo = run_all(make_engine(), [request("s", p[0], temperature=1.0, top_p=0.9, seed=1234, max_tokens=12)])

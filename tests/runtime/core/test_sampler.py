@@ -55,6 +55,10 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": 2.0}, "max_tokens"),
     ({"ignore_eos": 1}, "ignore_eos"),
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"min_tokens": 1.0}, "min_tokens"),
+    ({"min_tokens": True}, "min_tokens"),
+    ({"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
     ({"logprobs": "yes"}, "logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"top_logprobs": 3}, "top_logprobs"),  # needs logprobs=True

@@ -182,3 +182,38 @@ def test_streamed_output_equals_the_text_before_the_first_completed_stop(seed):
     else:
         assert streamed + checker.flush() == text
         assert not checker.finished
+
+
+def test_min_tokens_holds_eos_and_stop_tokens_as_ordinary_tokens():
+    checker = StopChecker(stop_token_ids=[7], eos_token_ids=[EOS], min_tokens=3)
+    assert checker.banned_tokens() == {EOS, 7}
+    assert not checker.is_stop_token(EOS)
+    assert checker.step(EOS, "a") == StopCheck("a")  # the first 3 tokens never stop
+    assert checker.step(7, "b") == StopCheck("b")
+    assert checker.banned_tokens() == {EOS, 7}
+    assert checker.step(TOK, "c") == StopCheck("c")
+    assert checker.banned_tokens() == set()  # the 4th token may end the choice
+    assert checker.is_stop_token(7)
+    assert checker.step(7, "") == StopCheck("", "stop", 7)
+
+
+def test_min_tokens_looks_for_stop_strings_only_after_its_tokens():
+    # A stop string inside the first two tokens' text is output; from the third token on it stops.
+    text, pieces, last = feed(StopChecker(stop=["#"], min_tokens=2), ["a#", "#b", "c#d", "never"])
+    assert pieces == ["a#", "#b", "c"]
+    assert (last.finish_reason, last.stop_reason) == ("stop", "#")
+    # No match can begin inside the guaranteed text: "x#" + "#y" holds no "##" from token 2 on.
+    text, _, last = feed(StopChecker(stop=["##"], min_tokens=1), ["x#", "#y", "z"])
+    assert text == "x##yz" and last.finish_reason is None
+
+
+def test_min_tokens_with_ignore_eos_bans_nothing_and_max_tokens_still_ends():
+    checker = StopChecker(eos_token_ids=[EOS], ignore_eos=True, min_tokens=5, max_tokens=2)
+    assert checker.banned_tokens() == set()
+    checker.step(EOS, "")
+    assert checker.step(EOS, "").finish_reason == "length"
+
+
+def test_from_params_takes_min_tokens():
+    checker = StopChecker.from_params(SamplingParams(min_tokens=2, stop_token_ids=(9,)), [EOS])
+    assert checker.banned_tokens() == {EOS, 9}

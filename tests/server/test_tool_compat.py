@@ -1,0 +1,80 @@
+"""What the tools operators already run send and expect (issue 60): vLLM's sampling extensions at
+the top level, through the ASGI app on the real demo engine."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from engines.registry import registry
+from tests.server.conftest import TRACED, assert_error
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+def eos_id() -> int:
+    return registry.get(TRACED).checkpoint.eos_token_ids[0]
+
+
+def completion(**extra) -> dict:
+    """A greedy completion whose every token would be EOS (a +100 bias) unless something holds it off."""
+    return {"model": TRACED, "prompt": "Once upon a time", "max_tokens": 9, "temperature": 0,
+            "logit_bias": {str(eos_id()): 100}, **extra}
+
+
+# ---------------------------------------------------------------- ignore_eos, min_tokens
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+async def test_top_level_ignore_eos_holds_the_requested_length(client: httpx.AsyncClient, path: str) -> None:
+    """guidellm sends ``ignore_eos: true`` on every request to hold output lengths."""
+    body = completion()
+    if path == CHAT:
+        body = {**{k: v for k, v in body.items() if k != "prompt"}, "messages": [{"role": "user", "content": "Hi"}]}
+    stops = (await client.post(path, json=body)).json()
+    assert stops["usage"]["completion_tokens"] == 1 and stops["choices"][0]["finish_reason"] == "stop"
+    held = (await client.post(path, json={**body, "ignore_eos": True})).json()
+    assert held["usage"]["completion_tokens"] == 9 and held["choices"][0]["finish_reason"] == "length"
+
+
+async def test_either_ignore_eos_is_enough(client: httpx.AsyncClient) -> None:
+    """Top-level false beside MLC's debug_config true (the server runs with --enable-debug): true wins."""
+    body = completion(ignore_eos=False, debug_config={"ignore_eos": True})
+    assert (await client.post(COMPLETIONS, json=body)).json()["usage"]["completion_tokens"] == 9
+
+
+async def test_min_tokens_holds_eos_off_then_it_ends_the_request(client: httpx.AsyncClient) -> None:
+    reply = (await client.post(COMPLETIONS, json=completion(min_tokens=5))).json()
+    assert reply["usage"]["completion_tokens"] == 6  # 5 held, then the EOS the bias makes likeliest
+    assert reply["choices"][0]["finish_reason"] == "stop"
+    streamed = await client.post(COMPLETIONS, json=completion(min_tokens=5, stream=True,
+                                                              stream_options={"include_usage": True}))
+    assert '"completion_tokens":6' in streamed.text
+
+
+async def test_min_tokens_equal_to_max_tokens_gives_exactly_that_many(client: httpx.AsyncClient) -> None:
+    reply = (await client.post(COMPLETIONS, json=completion(min_tokens=9, stop=["e", " "]))).json()
+    assert reply["usage"]["completion_tokens"] == 9 and reply["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize(("fields", "param", "says"), [
+    ({"min_tokens": -1}, "min_tokens", "non-negative integer"),
+    ({"min_tokens": "3"}, "min_tokens", None),
+    ({"min_tokens": 2.0}, "min_tokens", None),
+    ({"min_tokens": 10}, "min_tokens", "at most max_tokens (9)"),
+    ({"ignore_eos": "yes"}, "ignore_eos", None),
+    ({"ignore_eos": 1}, "ignore_eos", None),
+])
+async def test_bad_ignore_eos_or_min_tokens_is_a_400_naming_it(client: httpx.AsyncClient, fields: dict, param: str,
+                                                               says: str | None) -> None:
+    error = assert_error(await client.post(COMPLETIONS, json=completion(**fields)), 400)
+    assert error["param"] == param
+    if says is not None:
+        assert says in error["message"]
+
+
+async def test_min_tokens_over_max_completion_tokens_names_that_field(client: httpx.AsyncClient) -> None:
+    body = {"model": TRACED, "messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 3,
+            "min_tokens": 4}
+    error = assert_error(await client.post(CHAT, json=body), 400)
+    assert error["param"] == "min_tokens" and "at most max_completion_tokens (3)" in error["message"]
