@@ -77,6 +77,7 @@ __all__ = [
     "JSONSchemaFormat",
     "ModelCard",
     "ModelList",
+    "PromptTokensDetails",
     "ResponseFormat",
     "StreamOptions",
     "TokenLogprob",
@@ -466,13 +467,25 @@ def _created() -> int:
     return int(time.time())
 
 
+class PromptTokensDetails(BaseModel):
+    """``usage.prompt_tokens_details``: ``cached_tokens``, the prompt tokens whose K/V the request
+    found in the KV cache (the prefix cache, or K/V another server sent) at its first admission."""
+
+    cached_tokens: int = 0
+
+
 class Usage(BaseModel):
     """Token counts of a request; ``extra`` (MLC, with --enable-debug) holds its metrics,
-    or the engine metrics for a ``query_engine_metrics`` special request."""
+    or the engine metrics for a ``query_engine_metrics`` special request.
+
+    ``prompt_tokens_details`` is always there (``cached_tokens: 0`` when none), as OpenAI sends
+    it: benchmark tools read their cache metrics from it.
+    """
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
     extra: dict[str, Any] | None = None
 
     @model_serializer(mode="wrap")

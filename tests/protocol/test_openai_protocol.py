@@ -544,7 +544,8 @@ def usage(extra: dict[str, Any] | None = None) -> Usage:
 
 
 def test_usage_leaves_out_extra_unless_set():
-    assert usage().model_dump() == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    assert usage().model_dump() == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
+                                    "prompt_tokens_details": {"cached_tokens": 0}}
     assert usage({"ttft_s": 0.1}).model_dump()["extra"] == {"ttft_s": 0.1}
 
 

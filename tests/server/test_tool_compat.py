@@ -6,7 +6,7 @@ import httpx
 import pytest
 
 from engines.registry import registry
-from tests.server.conftest import TRACED, assert_error
+from tests.server.conftest import TRACED, assert_error, sse_payloads
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -78,3 +78,26 @@ async def test_min_tokens_over_max_completion_tokens_names_that_field(client: ht
             "min_tokens": 4}
     error = assert_error(await client.post(CHAT, json=body), 400)
     assert error["param"] == "min_tokens" and "at most max_completion_tokens (3)" in error["message"]
+
+
+# ------------------------------------------------------------ usage.prompt_tokens_details
+
+
+async def test_usage_says_the_prompt_tokens_the_prefix_cache_served(client: httpx.AsyncClient) -> None:
+    """aiperf's cache metrics: two requests sharing a 64-token prefix (4 pages); the second finds it cached."""
+    shared = list(range(300, 364))
+    first = (await client.post(COMPLETIONS, json={"model": TRACED, "prompt": shared + [500], "max_tokens": 2})).json()
+    assert first["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    body = {"model": TRACED, "prompt": shared + [600, 601], "max_tokens": 2}
+    second = (await client.post(COMPLETIONS, json=body)).json()
+    assert second["usage"]["prompt_tokens"] == 66
+    assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": 64}
+    streamed = await client.post(COMPLETIONS, json={**body, "stream": True, "stream_options": {"include_usage": True}})
+    (usage,) = [e["usage"] for e in sse_payloads(streamed.text) if isinstance(e, dict) and e.get("usage")]
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 64}
+
+
+async def test_chat_usage_has_prompt_tokens_details_even_when_nothing_was_cached(client: httpx.AsyncClient) -> None:
+    body = {"model": TRACED, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    usage = (await client.post(CHAT, json=body)).json()["usage"]
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 0}

@@ -351,6 +351,9 @@ class Engine:
             state = seq.request
             if state.first_scheduled_time is None:
                 state.first_scheduled_time = now
+                # vLLM's rule: what the first admission found; a recompute after a preemption
+                # is the engine's business, not the client's.
+                state.cached_prompt_tokens = seq.num_cached_prefix_tokens
                 self.metrics.on_scheduled(now - state.arrival_time)
             if state.request.pin_system_prompt and seq.index == 0:
                 self.kv_pool.pin(seq.seq_id, state.request.system_prompt_tokens or len(state.request.prompt))

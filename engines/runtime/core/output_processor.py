@@ -71,7 +71,8 @@ class OutputProcessor:
             usage = self._finish_request(state)
         if not choices and usage is None:
             return None
-        return RequestOutput(state.request_id, choices, usage, state.kv_block if usage is not None else None)
+        return RequestOutput(state.request_id, choices, usage, state.kv_block if usage is not None else None,
+                             cached_prompt_tokens=state.cached_prompt_tokens)
 
     def _finish_request(self, state: RequestState) -> dict[str, Any]:
         """Account for a request whose every choice ended (metrics, trace); returns its usage."""
@@ -114,6 +115,8 @@ class OutputProcessor:
             "prompt_tokens": prompt,
             "completion_tokens": completion,
             "total_tokens": prompt + completion,
+            # OpenAI's name for the prompt tokens served from the cache.
+            "prompt_tokens_details": {"cached_tokens": state.cached_prompt_tokens},
             "extra": extra,
         }
 

@@ -91,6 +91,9 @@ class RequestOutput:
     kv_block: "KVBlock | None" = None
     #: Instead, for a ``kv_send`` with ``post_to``: how posting it to the receiver went.
     kv_delivery: "KVDelivery | None" = None
+    #: Prompt tokens the request's first admission found in the KV cache (its prefix cache, or
+    #: K/V received from another engine) instead of computing them; 0 before it was admitted.
+    cached_prompt_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -152,6 +155,7 @@ class RequestState:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.prompt_counted = False  # its prompt tokens went into the engine's counter (once)
+        self.cached_prompt_tokens = 0  # found in the KV cache at its first admission (usage)
         self.prefill_tokens = 0
         self.decode_tokens = 0
         self.jump_forward_tokens = 0

@@ -567,7 +567,7 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
             m.finish_reason = c.finish_reason or m.finish_reason
     last = outputs[-1]
     return RequestOutput(last.request_id, [merged[i] for i in sorted(merged)], last.usage, last.kv_block,
-                         last.kv_delivery)
+                         last.kv_delivery, last.cached_prompt_tokens)
 
 
 def _put_threadsafe(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, Any]]) -> None:

@@ -76,6 +76,15 @@ def test_min_tokens_holds_stop_tokens_and_stop_strings(make_engine, demo):
     assert late.finish_reason == "length" and len(late.tokens) == 16
 
 
+def test_usage_says_the_prompt_tokens_the_prefix_cache_served(make_engine, demo):
+    engine = make_engine(num_pages=64)
+    shared = prompts(demo, 1, length=48)[0]
+    first = run_all(engine, [request("a", shared + [400, 401], max_tokens=2)])["a"]
+    assert first.usage["prompt_tokens_details"] == {"cached_tokens": 0}
+    second = run_all(engine, [request("b", shared + [500, 501, 502], max_tokens=2)])["b"]
+    assert second.usage["prompt_tokens_details"] == {"cached_tokens": 48}
+
+
 def test_same_seed_same_output_even_in_different_batches(make_engine, demo):
     p = prompts(demo, 3)
     solo = run_all(make_engine(), [request("s", p[0], temperature=1.0, top_p=0.9, seed=1234, max_tokens=12)])

@@ -44,7 +44,8 @@ SAMPLES = [
     m.Call(20, m.AbortCall("r1")),
     m.Shutdown(),
     m.Ready(INFO),
-    m.StepOutputs([RequestOutput("r1", [ChoiceDelta(0, "hi", [5], None, FinishReason.STOP)], {"prompt_tokens": 3})]),
+    m.StepOutputs([RequestOutput("r1", [ChoiceDelta(0, "hi", [5], None, FinishReason.STOP)], {"prompt_tokens": 3},
+                                 cached_prompt_tokens=2)]),
     m.StepOutputs([RequestOutput("r1", [], {"prompt_tokens": 3}, kv_delivery=KVDelivery(
         "http://127.0.0.1:9100", 96, 10, 20, 400, "KV from another model"))]),
     m.Aborted("r1"),
