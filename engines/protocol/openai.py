@@ -90,13 +90,19 @@ __all__ = [
 
 
 class StreamOptions(BaseModel):
-    """``stream_options``: ``include_usage`` adds a final chunk with ``usage`` and no choices."""
+    """``stream_options``: ``include_usage`` adds a final chunk with ``usage`` and no choices;
+    ``continuous_usage_stats`` (vLLM's) puts the usage so far on every chunk.
+
+    vLLM reads ``continuous_usage_stats`` only beside ``include_usage``; here it works alone too
+    (a client that asks for it gets it, rather than silence), and with both the stream is vLLM's.
+    """
 
     # Newer OpenAI clients send more options here (e.g. include_obfuscation); they do not
     # change what is generated, so they are ignored like unknown top-level fields.
     model_config = ConfigDict(extra="ignore")
 
     include_usage: bool | None = Field(default=None, strict=True)
+    continuous_usage_stats: bool | None = Field(default=None, strict=True)
 
 
 _SCHEMA_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -297,6 +303,11 @@ class _GenerationRequest(BaseModel):
     def include_usage(self) -> bool:
         """Whether a stream ends with a usage chunk."""
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every chunk of a stream carries the usage so far (vLLM's ``continuous_usage_stats``)."""
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 TokenId = Annotated[int, Field(ge=0)]

@@ -41,6 +41,7 @@ async def generate(
     awaits ``outputs``, so the cancellation lands inside ``AsyncEngine.generate``, whose
     ``finally`` aborts the request (once) and frees its KV pages.
     """
+    shaper.prompt_tokens = len(generation.prompt)
     # Counted for a draining shutdown; a stream counts again while its body is written.
     with registry.response_in_flight():
         outputs = engine.generate(generation)

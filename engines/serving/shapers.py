@@ -22,6 +22,7 @@ from engines.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    PromptTokensDetails,
     TokenLogprob,
     TopLogprob,
     Usage,
@@ -36,7 +37,9 @@ class ResponseShaper(ABC):
     """Turns one request's engine outputs into OpenAI objects (chunks, or one final response).
 
     Keeps what a reply needs across outputs: per-choice text and logprobs for the
-    non-streaming reply, which choices already sent their role, the final usage.
+    non-streaming reply, which choices already sent their role, the final usage, and for
+    ``continuous_usage_stats`` the tokens so far (``prompt_tokens`` is set once the prompt is
+    tokenized: ``engines.serving.generation.generate``).
     """
 
     def __init__(self, request_id: str, engine: AsyncEngine, body: ChatCompletionRequest | CompletionRequest) -> None:
@@ -47,6 +50,9 @@ class ResponseShaper(ABC):
         # Chat asks with logprobs=true; completions with logprobs=0..5 (0: the chosen token only).
         self.want_logprobs = body.logprobs is not None and body.logprobs is not False
         self.usage: Usage | None = None
+        self.continuous_usage = body.continuous_usage
+        self.prompt_tokens = 0
+        self._completion_tokens = 0  # every choice's, so far
         self._texts: dict[int, list[str]] = {}
         self._logprobs: dict[int, list[EngineTokenLogprob]] = {}
         self._finish: dict[int, FinishReason | None] = {}
@@ -59,6 +65,19 @@ class ResponseShaper(ABC):
             if not registry.options.enable_debug:
                 usage.pop("extra", None)  # request metrics are a debug feature, as in MLC
             self.usage = Usage(**usage)
+
+    def _usage_so_far(self, output: RequestOutput) -> Usage | None:
+        """For ``continuous_usage_stats``: the tokens so far (every choice's, as the final usage
+        counts them) after ``output``; None when not asked. The metrics (``extra``) stay on the
+        final usage chunk."""
+        self._completion_tokens += sum(len(delta.token_ids) for delta in output.choices)
+        if not self.continuous_usage:
+            return None
+        if output.finished and self.usage is not None:
+            return self.usage.model_copy(update={"extra": None})
+        return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self._completion_tokens,
+                     total_tokens=self.prompt_tokens + self._completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=output.cached_prompt_tokens))
 
     def absorb(self, output: RequestOutput) -> None:
         """Accumulate an output for the non-streaming reply."""
@@ -124,6 +143,7 @@ class ChatShaper(ResponseShaper):
 
     def chunk(self, output: RequestOutput) -> ChatCompletionChunk | None:
         self._record_usage(output)
+        usage = self._usage_so_far(output)
         choices = []
         for delta in output.choices:
             if self._skip(delta):
@@ -142,7 +162,8 @@ class ChatShaper(ResponseShaper):
             )
         if not choices:
             return None
-        return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=choices)
+        return ChatCompletionChunk(id=self.request_id, created=self.created, model=self.model, choices=choices,
+                                   usage=usage)
 
     def usage_chunk(self, usage: Usage | None = None) -> ChatCompletionChunk:
         return ChatCompletionChunk(
@@ -205,6 +226,7 @@ class CompletionShaper(ResponseShaper):
 
     def chunk(self, output: RequestOutput) -> CompletionResponse | None:
         self._record_usage(output)
+        usage = self._usage_so_far(output)
         choices = []
         for delta in output.choices:
             if self._skip(delta):
@@ -222,7 +244,8 @@ class CompletionShaper(ResponseShaper):
             )
         if not choices:
             return None
-        return CompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=choices)
+        return CompletionResponse(id=self.request_id, created=self.created, model=self.model, choices=choices,
+                                  usage=usage)
 
     def usage_chunk(self, usage: Usage | None = None) -> CompletionResponse:
         return CompletionResponse(

@@ -101,3 +101,59 @@ async def test_chat_usage_has_prompt_tokens_details_even_when_nothing_was_cached
     body = {"model": TRACED, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
     usage = (await client.post(CHAT, json=body)).json()["usage"]
     assert usage["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
+# ------------------------------------------------- stream_options.continuous_usage_stats
+
+
+def stream_events(response: httpx.Response) -> list[dict]:
+    assert response.status_code == 200, response.text
+    events = sse_payloads(response.text)
+    assert events[-1] == "[DONE]"
+    return events[:-1]
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+async def test_continuous_usage_puts_the_usage_so_far_on_every_chunk(client: httpx.AsyncClient, path: str) -> None:
+    body = {"model": TRACED, "max_tokens": 6, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    hi = [{"role": "user", "content": "Hi"}]
+    body.update({"prompt": "Once upon a time"} if path == COMPLETIONS else {"messages": hi})
+    events = stream_events(await client.post(path, json=body))
+    *chunks, final = events
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 6  # include_usage: unchanged
+    prompt = final["usage"]["prompt_tokens"]
+    seen = [chunk["usage"] for chunk in chunks]
+    assert all(u is not None and u["prompt_tokens"] == prompt for u in seen)
+    assert all(u["total_tokens"] == prompt + u["completion_tokens"] for u in seen)
+    assert all(u["prompt_tokens_details"] == {"cached_tokens": 0} for u in seen)
+    counts = [u["completion_tokens"] for u in seen]
+    assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] == 6
+    assert "extra" not in seen[-1] and "extra" in final["usage"]  # the request's metrics stay on the last chunk
+
+
+async def test_continuous_usage_alone_has_no_usage_only_chunk(client: httpx.AsyncClient) -> None:
+    body = {"model": TRACED, "prompt": "Once upon a time", "max_tokens": 4, "ignore_eos": True, "stream": True,
+            "stream_options": {"continuous_usage_stats": True}}
+    events = stream_events(await client.post(COMPLETIONS, json=body))
+    assert all(e["choices"] for e in events)
+    assert events[-1]["usage"]["completion_tokens"] == 4
+
+
+async def test_without_continuous_usage_chunks_carry_none(client: httpx.AsyncClient) -> None:
+    body = {"model": TRACED, "prompt": "Once upon a time", "max_tokens": 4, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": False}}
+    *chunks, final = stream_events(await client.post(COMPLETIONS, json=body))
+    assert all(chunk["usage"] is None for chunk in chunks) and final["usage"]["completion_tokens"] == 4
+
+
+async def test_continuous_usage_counts_cached_tokens_and_is_a_strict_bool(client: httpx.AsyncClient) -> None:
+    shared = list(range(300, 364))
+    await client.post(COMPLETIONS, json={"model": TRACED, "prompt": shared + [500], "max_tokens": 1})
+    body = {"model": TRACED, "prompt": shared + [501], "max_tokens": 3, "stream": True,
+            "stream_options": {"continuous_usage_stats": True}}
+    events = stream_events(await client.post(COMPLETIONS, json=body))
+    assert {e["usage"]["prompt_tokens_details"]["cached_tokens"] for e in events} == {64}
+    body["stream_options"] = {"continuous_usage_stats": "yes"}
+    error = assert_error(await client.post(COMPLETIONS, json=body), 400)
+    assert error["param"] == "stream_options.continuous_usage_stats"
