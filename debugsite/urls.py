@@ -22,6 +22,8 @@ urlpatterns = [
     path("favicon.ico", RedirectView.as_view(url=static("engines/favicon.svg"), permanent=True)),
     path("dashboard/", include("engines.dashboard.urls")),
     path("v1/models", openai.list_models, name="v1-models"),
+    # "path": served names may hold slashes (a Hugging Face "org/name").
+    path("v1/models/<path:model>", openai.retrieve_model, name="v1-model"),
     path("v1/completions", openai.completions, name="v1-completions"),
     path("v1/chat/completions", openai.chat_completions, name="v1-chat-completions"),
     path("debug/dump_event_trace", debug.dump_event_trace, name="debug-dump-event-trace"),

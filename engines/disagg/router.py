@@ -20,6 +20,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import orjson
@@ -105,6 +106,11 @@ class DisaggRouter:
     async def models(self) -> RoutedReply:
         """The first decode server's ``/v1/models``."""
         reply = await self._post_or_get("GET", self.decode_urls[0] + "/v1/models", None)
+        return RoutedReply(reply.status_code, "application/json", reply.content)
+
+    async def model(self, model_id: str) -> RoutedReply:
+        """The first decode server's ``/v1/models/{model_id}`` (its 404 for a model it does not serve)."""
+        reply = await self._post_or_get("GET", self.decode_urls[0] + "/v1/models/" + quote(model_id), None)
         return RoutedReply(reply.status_code, "application/json", reply.content)
 
     async def route(self, payload: dict[str, Any], arrival: float | None = None) -> RoutedReply:

@@ -1,4 +1,5 @@
-"""The OpenAI-compatible API: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``.
+"""The OpenAI-compatible API: ``GET /v1/models``, ``GET /v1/models/{id}``, ``POST /v1/completions``,
+``POST /v1/chat/completions``.
 
 Each view is parse, call, shape: the body is read (``json_body``) and validated with the
 protocol's pydantic models, the request is mapped onto the engine's and run by
@@ -25,7 +26,7 @@ from typing import Any
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
 
 from engines.disagg.router import DisaggRouter, RoutedReply, RouterError
-from engines.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from engines.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, ProtocolError
 from engines.registry import registry
 from engines.request_arrival import arrival_of
 from engines.runtime import AsyncEngine
@@ -50,6 +51,19 @@ async def list_models(request: HttpRequest) -> HttpResponseBase:
         return await routed_models(registry.router)
     cards = [ModelCard(id=name, created=registry.created(name)) for name in registry.model_names()]
     return json_response(ModelList(data=cards).model_dump())
+
+
+@api_view("GET")
+async def retrieve_model(request: HttpRequest, model: str) -> HttpResponseBase:
+    """``GET /v1/models/{model}`` (the openai client's ``models.retrieve``): one card, or a 404 in the
+    error shape for a model this server does not serve."""
+    if registry.router is not None:
+        return await routed_models(registry.router, model)
+    if registry.get(model) is None:
+        served = ", ".join(registry.model_names()) or "none"
+        raise ProtocolError(404, f'The model "{model}" does not exist on this server. Served models: {served}.',
+                            param="model")
+    return json_response(ModelCard(id=model, created=registry.created(model)).model_dump())
 
 
 @api_view("POST")
@@ -113,10 +127,10 @@ async def routed_generation(router: DisaggRouter, request: HttpRequest) -> HttpR
         return json_response(exc.body, status=exc.status)
 
 
-async def routed_models(router: DisaggRouter) -> HttpResponseBase:
-    """The decode servers' models."""
+async def routed_models(router: DisaggRouter, model: str | None = None) -> HttpResponseBase:
+    """The decode servers' models, or the one named ``model`` (their 404 for another)."""
     try:
-        return _relayed(await router.models())
+        return _relayed(await (router.models() if model is None else router.model(model)))
     except RouterError as exc:
         return json_response(exc.body, status=exc.status)
 

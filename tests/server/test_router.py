@@ -167,3 +167,20 @@ async def test_every_call_after_the_first_says_how_old_the_request_is():
     ages = dict(seen)
     assert ages["prep_recv"] is None  # it starts no request
     assert 2.0 <= float(ages["remote_send"]) <= float(ages["start_generate"]) < 10.0
+
+
+async def test_one_model_is_the_first_decode_server_s_answer_relayed():
+    asked = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        asked.append((request.url.host, request.url.path))
+        if request.url.path == "/v1/models/org/demo":
+            return httpx.Response(200, json={"id": "org/demo", "object": "model", "created": 1, "owned_by": "engines"})
+        return httpx.Response(404, json={"object": "error", "message": "not served", "code": 404})
+
+    router = DisaggRouter([PREFILL], [DECODE_A, DECODE_B], transport=httpx.MockTransport(handler))
+    found = await router.model("org/demo")
+    assert found.status == 200 and orjson.loads(found.body)["id"] == "org/demo"
+    missing = await router.model("nope")
+    assert missing.status == 404 and orjson.loads(missing.body)["message"] == "not served"
+    assert asked == [("decode-a", "/v1/models/org/demo"), ("decode-a", "/v1/models/nope")]

@@ -1,8 +1,12 @@
-"""What the tools operators already run send and expect (issue 60): vLLM's sampling extensions at
-the top level, through the ASGI app on the real demo engine."""
+"""What the tools operators already run send and expect (issue 60), through the ASGI app on the real
+demo engine: vLLM's sampling extensions at the top level, its usage extensions, the openai client's
+``models.retrieve``."""
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import httpx
+import openai
 import pytest
 
 from engines.registry import registry
@@ -157,3 +161,39 @@ async def test_continuous_usage_counts_cached_tokens_and_is_a_strict_bool(client
     body["stream_options"] = {"continuous_usage_stats": "yes"}
     error = assert_error(await client.post(COMPLETIONS, json=body), 400)
     assert error["param"] == "stream_options.continuous_usage_stats"
+
+
+# -------------------------------------------------------------------- GET /v1/models/{id}
+
+
+@pytest.fixture
+async def openai_client(client: httpx.AsyncClient) -> AsyncIterator[openai.AsyncOpenAI]:
+    """The official client on the in-process app (the server ``client`` configured)."""
+    from debugsite.asgi import application
+
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=application), base_url="http://127.0.0.1")
+    async with openai.AsyncOpenAI(base_url="http://127.0.0.1/v1", api_key="unused", http_client=http) as oa:
+        yield oa
+
+
+async def test_openai_models_retrieve(openai_client: openai.AsyncOpenAI) -> None:
+    model = await openai_client.models.retrieve(TRACED)
+    assert (model.id, model.object, model.owned_by) == (TRACED, "model", "engines")
+    listed = {m.id: m.created async for m in openai_client.models.list()}
+    assert model.created == listed[TRACED]
+    with pytest.raises(openai.NotFoundError, match='"nope" does not exist'):
+        await openai_client.models.retrieve("nope")
+
+
+async def test_retrieve_unknown_model_is_a_404_in_error_shape(client: httpx.AsyncClient) -> None:
+    error = assert_error(await client.get("/v1/models/org/not-served"), 404)
+    assert error["param"] == "model" and '"org/not-served"' in error["message"] and TRACED in error["message"]
+    assert_error(await client.post(f"/v1/models/{TRACED}"), 405)
+    assert (await client.head(f"/v1/models/{TRACED}")).status_code == 200
+
+
+async def test_retrieve_model_needs_the_api_key_as_the_list_does(serve) -> None:
+    async with serve(api_key="sekrit") as http:
+        assert_error(await http.get(f"/v1/models/{TRACED}"), 401)
+        reply = await http.get(f"/v1/models/{TRACED}", headers={"Authorization": "Bearer sekrit"})
+        assert reply.status_code == 200 and reply.json()["id"] == TRACED
