@@ -2,7 +2,8 @@
 
 Websockets (the dashboard, :mod:`engines.dashboard.routing`) pass the origin check and the
 session middleware. HTTP is first stamped with its arrival (:mod:`engines.request_arrival`: the clock of a request's
-queue time and TTFT), then passes the API-key gate (:mod:`engines.auth`), then goes to one
+queue time and TTFT), has its ``X-Request-Id`` read and echoed on the reply (:mod:`engines.request_ids`),
+then passes the API-key gate (:mod:`engines.auth`), then goes to one
 of two Django handlers over the same URLconf:
 
 - the machine-facing routes (``engines.api_routes``: ``/v1``, ``/debug``, ``/microserving``,
@@ -51,6 +52,7 @@ from engines.dashboard.same_origin import SameOriginValidator  # noqa: E402
 from engines.dashboard.socket_auth import socket_auth_stack  # noqa: E402
 from engines.protocol.errors import ProtocolError  # noqa: E402
 from engines.request_arrival import StampArrival  # noqa: E402
+from engines.request_ids import EchoRequestId  # noqa: E402
 from engines.views.api import error_response  # noqa: E402
 
 # The API requests' sync calls (Django's request signals, ``response.close``): one thread for all.
@@ -123,7 +125,8 @@ application = ProtocolTypeRouter({
     # Static files (the admin's, the dashboard's, the vendored uPlot) straight from the app folders,
     # under serve and a bare Daphne alike, DEBUG on or off: no collectstatic, no CDN.
     # Stamped first: a request's queue time and TTFT count from here (engines.request_arrival).
-    "http": StampArrival(APIKeyMiddleware(PathRouter(APIHandler(), ASGIStaticFilesHandler(django_asgi_app)))),
+    "http": StampArrival(EchoRequestId(APIKeyMiddleware(PathRouter(APIHandler(),
+                                                                   ASGIStaticFilesHandler(django_asgi_app))))),
     # The dashboard's sockets: the browser's session (staff only, checked by the consumer; closed
     # with a code while the database that holds it does not answer), and only from this server's
     # own pages (scheme, host and port), so that no other site, nor a page on another port of this

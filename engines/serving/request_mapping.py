@@ -42,16 +42,18 @@ RequestT = TypeVar("RequestT", bound=_GenerationRequest)
 _SPECIAL_REQUEST_RULE = "DebugConfig.special_request requires"
 
 
-def new_request_id(engine: AsyncEngine, user: str | None, prefix: str) -> str:
-    """MLC's request id: ``user`` if given, else ``prefix-<uuid4 hex>``.
+def new_request_id(engine: AsyncEngine, user: str | None, prefix: str, client_id: str | None = None) -> str:
+    """MLC's request id: ``user`` if given, else the client's ``X-Request-Id`` (``client_id``,
+    ``engines.request_ids``), else ``prefix-<uuid4 hex>``.
 
     OpenAI clients often send one ``user`` (an end-user id) on concurrent requests; MLC then
-    refuses the second. Here a ``user`` already streaming gets a unique suffix instead, so its
+    refuses the second. Here a name already streaming gets a unique suffix instead, so its
     trace lanes stay apart and both requests run.
     """
-    if user and not engine.is_streaming(user):
-        return user
-    return f"{user or prefix}-{uuid.uuid4().hex}"
+    name = user or client_id
+    if name and not engine.is_streaming(name):
+        return name
+    return f"{name or prefix}-{uuid.uuid4().hex}"
 
 
 def validate_body(data: dict[str, Any], model: type[RequestT]) -> RequestT:

@@ -7,6 +7,9 @@ protocol's pydantic models, the request is mapped onto the engine's and run by
 (``data: {...}`` ... ``data: [DONE]``); the streaming semantics are decided in
 ``engines.serving.generation``.
 
+A generation runs under ``user``, else the client's ``X-Request-Id``, else a fresh
+``cmpl-``/``chatcmpl-`` id, which the reply's ``X-Request-Id`` names (``engines.request_ids``).
+
 MLC's debug extension rides along: ``debug_config`` is honoured (and ``usage.extra``
 returned) only when the server runs with ``--enable-debug``, and the ``query_engine_metrics``
 special request is answered at once from the engine's metrics without generating.
@@ -29,6 +32,7 @@ from engines.disagg.router import DisaggRouter, RoutedReply, RouterError
 from engines.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, ProtocolError
 from engines.registry import registry
 from engines.request_arrival import arrival_of
+from engines.request_ids import client_request_id, use_request_id
 from engines.runtime import AsyncEngine
 from engines.serving.generation import generate, metrics_events
 from engines.serving.request_mapping import (
@@ -73,7 +77,8 @@ async def completions(request: HttpRequest) -> HttpResponseBase:
         return await routed_generation(registry.router, request)
     body = validate_body(json_body(request), CompletionRequest)
     engine = lookup_engine(body.model)
-    request_id = new_request_id(engine, body.user, "cmpl")
+    request_id = new_request_id(engine, body.user, "cmpl", client_request_id(request))
+    use_request_id(request, request_id)
     shaper = CompletionShaper(request_id, engine, body)
     if is_metrics_query(body):
         return reply_response(await metrics_events(engine, shaper))
@@ -93,7 +98,8 @@ async def chat_completions(request: HttpRequest) -> HttpResponseBase:
         return await routed_generation(registry.router, request)
     body = validate_body(json_body(request), ChatCompletionRequest)
     engine = lookup_engine(body.model)
-    request_id = new_request_id(engine, body.user, "chatcmpl")
+    request_id = new_request_id(engine, body.user, "chatcmpl", client_request_id(request))
+    use_request_id(request, request_id)
     shaper = ChatShaper(request_id, engine, body)
     if is_metrics_query(body):
         return reply_response(await metrics_events(engine, shaper))

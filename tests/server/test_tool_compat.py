@@ -1,8 +1,9 @@
 """What the tools operators already run send and expect (issue 60), through the ASGI app on the real
 demo engine: vLLM's sampling extensions at the top level, its usage extensions, the openai client's
-``models.retrieve``."""
+``models.retrieve``, ``X-Request-Id``."""
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import httpx
@@ -197,3 +198,65 @@ async def test_retrieve_model_needs_the_api_key_as_the_list_does(serve) -> None:
         assert_error(await http.get(f"/v1/models/{TRACED}"), 401)
         reply = await http.get(f"/v1/models/{TRACED}", headers={"Authorization": "Bearer sekrit"})
         assert reply.status_code == 200 and reply.json()["id"] == TRACED
+
+
+# ------------------------------------------------------------------------- X-Request-Id
+
+
+def chat(**extra) -> dict:
+    return {"model": TRACED, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, **extra}
+
+
+async def test_client_request_id_names_the_request_and_is_echoed(client: httpx.AsyncClient) -> None:
+    reply = await client.post(CHAT, json=chat(), headers={"X-Request-Id": "req_7f3a"})
+    assert reply.status_code == 200 and reply.headers["x-request-id"] == "req_7f3a"
+    assert reply.json()["id"] == "req_7f3a"
+    engine = registry.get(TRACED)
+    assert "req_7f3a" in engine.engine.tracer.request_ids()  # its trace lane
+    ended = (await engine.dashboard_reading()).ended
+    assert ended[0]["request_id"] == "req_7f3a"  # what the history records
+
+
+async def test_user_still_names_the_request_and_the_header_stays_the_client_s(client: httpx.AsyncClient) -> None:
+    reply = await client.post(COMPLETIONS, json={"model": TRACED, "prompt": "Hi", "max_tokens": 2, "user": "alice-1"},
+                              headers={"X-Request-Id": "trace-42"})
+    assert reply.json()["id"] == "alice-1" and reply.headers["x-request-id"] == "trace-42"
+
+
+async def test_without_one_the_reply_names_the_id_the_request_ran_under(client: httpx.AsyncClient) -> None:
+    reply = await client.post(COMPLETIONS, json={"model": TRACED, "prompt": "Hi", "max_tokens": 2})
+    assert reply.json()["id"].startswith("cmpl-") and reply.headers["x-request-id"] == reply.json()["id"]
+    streamed = await client.post(CHAT, json=chat(stream=True))
+    first = sse_payloads(streamed.text)[0]
+    assert streamed.headers["x-request-id"] == first["id"] and first["id"].startswith("chatcmpl-")
+
+
+@pytest.mark.parametrize("sent", ["has spaces in it", "x" * 257, ""])
+async def test_an_unusable_request_id_is_replaced(client: httpx.AsyncClient, sent: str) -> None:
+    reply = await client.post(COMPLETIONS, json={"model": TRACED, "prompt": "Hi", "max_tokens": 2},
+                              headers={"X-Request-Id": sent})
+    assert reply.status_code == 200
+    assert reply.json()["id"].startswith("cmpl-") and reply.headers["x-request-id"] == reply.json()["id"]
+
+
+async def test_a_request_id_in_flight_twice_runs_twice(client: httpx.AsyncClient) -> None:
+    body = chat(max_tokens=12, ignore_eos=True)
+    one, two = await asyncio.gather(*(client.post(CHAT, json=body, headers={"X-Request-Id": "dup"}) for _ in "12"))
+    ids = sorted(r.json()["id"] for r in (one, two))
+    assert ids[0] == "dup" and ids[1].startswith("dup-")
+    assert one.headers["x-request-id"] == two.headers["x-request-id"] == "dup"
+
+
+async def test_every_reply_echoes_it_errors_and_other_routes_too(serve) -> None:
+    sent = {"X-Request-Id": "e-1"}
+    async with serve(api_key="sekrit") as http:
+        assert_error(unauthorized := await http.get("/v1/models", headers=sent), 401)
+        assert unauthorized.headers["x-request-id"] == "e-1"
+        sent["Authorization"] = "Bearer sekrit"
+        for reply in (await http.post(CHAT, json={"model": TRACED}, headers=sent),  # 400
+                      await http.get("/v1/nothing", headers=sent),  # 404
+                      await http.get("/v1/models", headers=sent),
+                      await http.get("/health", headers=sent)):
+            assert reply.headers["x-request-id"] == "e-1", reply.url
+        generated = await http.get("/health")
+        assert len(generated.headers["x-request-id"]) == 32
