@@ -1,4 +1,5 @@
-"""URL routes: the dashboard, the OpenAI API, MLC's debug endpoints, Prometheus metrics and health, the admin.
+"""URL routes: the dashboard, the OpenAI API, vLLM's utility routes, MLC's debug endpoints, Prometheus metrics
+and health, the admin.
 
 ``/debug/*`` is always routed but answers 404 unless the server runs with
 ``--enable-debug`` (checked per request by :func:`engines.views.api.debug_gated`), so the
@@ -14,7 +15,7 @@ from django.urls import include, path, re_path
 from django.views.generic import RedirectView
 
 from engines.api_routes import API_ROUTES
-from engines.views import api, debug, fleet, metrics, microserving, openai
+from engines.views import api, debug, fleet, metrics, microserving, openai, vllm
 
 urlpatterns = [
     path("", RedirectView.as_view(pattern_name="dashboard", permanent=False)),
@@ -45,6 +46,9 @@ urlpatterns = [
     path("health", metrics.health, name="health"),
     path("stats", metrics.stats, name="stats"),
     path("fleet.json", fleet.fleet_json, name="fleet-json"),
+    path("tokenize", vllm.tokenize, name="tokenize"),
+    path("detokenize", vllm.detokenize, name="detokenize"),
+    path("version", vllm.version, name="version"),
     path("admin/", admin.site.urls),
     # Last: anything else under an API route gets a JSON 404, not Django's HTML page.
     re_path(r"^(?P<path>(%s)/.*)$" % "|".join(re.escape(route.prefix.lstrip("/")) for route in API_ROUTES),

@@ -39,6 +39,9 @@ API_ROUTES: tuple[APIRoute, ...] = (
     APIRoute("/metrics", True, "Prometheus exposition (engines.views.metrics)"),
     APIRoute("/stats", True, "the engines' metrics as JSON (engines.views.metrics)"),
     APIRoute("/fleet.json", True, "every server and engine of the fleet as JSON (engines.views.fleet)"),
+    APIRoute("/tokenize", True, "vLLM's tokenize route (engines.views.vllm)"),
+    APIRoute("/detokenize", True, "vLLM's detokenize route (engines.views.vllm)"),
+    APIRoute("/version", True, "vLLM's version route (engines.views.vllm)"),
     # Open: load balancers ask it without credentials.
     APIRoute("/health", False, "the health check (engines.views.metrics)"),
 )

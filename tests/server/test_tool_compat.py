@@ -1,6 +1,6 @@
 """What the tools operators already run send and expect (issue 60), through the ASGI app on the real
 demo engine: vLLM's sampling extensions at the top level, its usage extensions, the openai client's
-``models.retrieve``, ``X-Request-Id``."""
+``models.retrieve``, ``X-Request-Id``, vLLM's ``/tokenize``, ``/detokenize`` and ``/version``."""
 from __future__ import annotations
 
 import asyncio
@@ -10,6 +10,7 @@ import httpx
 import openai
 import pytest
 
+import engines
 from engines.registry import registry
 from tests.server.conftest import TRACED, assert_error, sse_payloads
 
@@ -260,3 +261,64 @@ async def test_every_reply_echoes_it_errors_and_other_routes_too(serve) -> None:
             assert reply.headers["x-request-id"] == "e-1", reply.url
         generated = await http.get("/health")
         assert len(generated.headers["x-request-id"]) == 32
+
+
+# ------------------------------------------------------- /tokenize, /detokenize, /version
+
+
+async def test_tokenize_counts_what_a_completion_prompts_with(client: httpx.AsyncClient) -> None:
+    prompt = "Once upon a time, in a land far away"
+    tokenized = await client.post("/tokenize", json={"model": TRACED, "prompt": prompt})
+    assert tokenized.status_code == 200, tokenized.text
+    body = tokenized.json()
+    assert set(body) == {"count", "max_model_len", "tokens", "token_strs"} and body["token_strs"] is None
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] == registry.get(TRACED).max_seq_len
+    used = (await client.post(COMPLETIONS, json={"model": TRACED, "prompt": prompt, "max_tokens": 1})).json()
+    assert used["usage"]["prompt_tokens"] == body["count"]
+    tokenizer = registry.get(TRACED).tokenizer
+    assert body["tokens"] == tokenizer.encode(prompt)
+    bare = (await client.post("/tokenize", json={"prompt": prompt, "add_special_tokens": False,
+                                                 "return_token_strs": True})).json()  # model left out: the first
+    assert bare["tokens"] == tokenizer.encode(prompt, add_special_tokens=False)
+    assert bare["token_strs"] == [tokenizer.id_to_token(t) for t in bare["tokens"]]
+    back = await client.post("/detokenize", json={"model": TRACED, "tokens": bare["tokens"]})
+    assert back.status_code == 200 and back.json() == {"prompt": prompt}
+
+
+async def test_tokenize_a_chat_counts_what_the_chat_route_prompts_with(client: httpx.AsyncClient) -> None:
+    messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": [
+        {"type": "text", "text": "Hi"}]}]
+    body = (await client.post("/tokenize", json={"model": TRACED, "messages": messages})).json()
+    used = (await client.post(CHAT, json={"model": TRACED, "messages": messages, "max_tokens": 1})).json()
+    assert body["count"] == used["usage"]["prompt_tokens"]
+    without = (await client.post("/tokenize", json={"model": TRACED, "messages": messages,
+                                                    "add_generation_prompt": False})).json()
+    assert without["count"] < body["count"] and body["tokens"][:without["count"]] == without["tokens"]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("/tokenize", {"model": TRACED}, "prompt"),
+    ("/tokenize", {"model": TRACED, "prompt": 7}, "prompt"),
+    ("/tokenize", {"model": TRACED, "prompt": "x", "add_special_tokens": "no"}, "add_special_tokens"),
+    ("/tokenize", {"model": TRACED, "messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"},
+     "chat_template"),
+    ("/tokenize", {"model": TRACED, "messages": [{"role": "user", "content": "x"}], "add_generation_prompt": False,
+                   "continue_final_message": True}, "continue_final_message"),
+    ("/detokenize", {"model": TRACED, "tokens": [1, -2]}, "tokens[1]"),
+    ("/detokenize", {"model": TRACED, "tokens": [1, "2"]}, "tokens[1]"),
+    ("/detokenize", {"model": TRACED, "tokens": [1, 10**9]}, "tokens"),
+])
+async def test_tokenize_and_detokenize_refuse_bad_bodies(client: httpx.AsyncClient, path: str, body: dict,
+                                                         param: str) -> None:
+    assert assert_error(await client.post(path, json=body), 400)["param"] == param
+
+
+async def test_tokenize_unknown_model_is_404_and_the_routes_need_the_key(serve) -> None:
+    async with serve(api_key="sekrit") as http:
+        for path, method in (("/tokenize", "POST"), ("/detokenize", "POST"), ("/version", "GET")):
+            assert_error(await http.request(method, path, json={"prompt": "x", "tokens": [1]}), 401)
+        key = {"Authorization": "Bearer sekrit"}
+        assert_error(await http.post("/tokenize", json={"model": "nope", "prompt": "x"}, headers=key), 404)
+        assert_error(await http.get("/tokenize", headers=key), 405)
+        version = await http.get("/version", headers=key)
+        assert version.status_code == 200 and version.json() == {"version": engines.__version__}

@@ -224,6 +224,12 @@ class AsyncEngine:
         return self._info.dtype if self._info else "pending"
 
     @property
+    def max_seq_len(self) -> int:
+        """The most tokens one sequence may hold, prompt and output (the KV pool or the model's
+        positions, the smaller; vLLM's ``max_model_len``); the model's positions until started."""
+        return self._info.max_seq_len if self._info else self.checkpoint.config.max_position_embeddings
+
+    @property
     def tracing_enabled(self) -> bool:
         """Whether the engine records an event trace (``dump_trace`` answers)."""
         return self._tracing_requested
