@@ -9,9 +9,10 @@ it were not mounted (the gate is checked per request so tests and ``serve`` can
 configure it after URLs are loaded). Bodies are parsed as MLC does (raw UTF-8
 JSON, extra keys ignored) and refused with MLC's exact texts, with the fixes
 listed in the reference's "where we differ": errors are a JSON object, not a
-string; unknown models are always "not served"; an empty body to
-``dump_engine_metrics`` means ``{}``; reset answers after it completed; the
-profiler routes accept ``model`` and answer a status.
+string; unknown models are always "not served"; every route takes an empty body
+(or one without ``model``) as the first engine, as MLC's ``dump_engine_metrics``
+does (benchmark tools post nothing: aiperf's ``--reset-kv-cache``); reset answers
+after it completed; the profiler routes accept ``model`` and answer a status.
 """
 from __future__ import annotations
 
@@ -114,19 +115,16 @@ PROFILE_HINT = ('Send "max_steps" as a whole number >= 1, "max_seconds" as a num
 debug_view = debug_gated(NOT_MOUNTED)
 
 
-def parse_body(request: HttpRequest, *, model_required: bool, empty_ok: bool = False) -> DebugRequest:
-    """Parse a debug body; anything unusable is MLC's ``Invalid request {raw_body}``, with the
-    body cut to a short prefix and the reason added."""
+def parse_body(request: HttpRequest) -> DebugRequest:
+    """Parse a debug body (empty: ``{}``); anything unusable is MLC's ``Invalid request {raw_body}``,
+    with the body cut to a short prefix and the reason added."""
     raw = request.body.decode("utf-8", errors="replace")  # to repeat it in the message
     try:
-        body = DebugRequest.model_validate(json_body(request, empty_ok=empty_ok))
+        return DebugRequest.model_validate(json_body(request, empty_ok=True))
     except InvalidBody as exc:
         raise ProtocolError(400, invalid_request(raw, exc.message)) from None
     except ValidationError:
         raise ProtocolError(400, invalid_request(raw, 'send a JSON object such as {"model": "<name>"}')) from None
-    if model_required and body.model is None:
-        raise ProtocolError(400, invalid_request(raw, '"model" is required: name the engine'), param="model")
-    return body
 
 
 #: How much of a rejected body an error message repeats: enough to recognise it, never a
@@ -144,17 +142,17 @@ def lookup(model: str | None) -> AsyncEngine:
     """The engine named ``model``; with no name, the first engine (MLC's process-wide routes do that)."""
     engine = registry.get(model) if model is not None else registry.first()
     if engine is None:
-        raise ProtocolError(400, f'The requested model "{model}" is not served.')
+        raise ProtocolError(400, f'The requested model "{model}" is not served.' if model is not None
+                            else "This server serves no model.")
     return engine
 
 
 @debug_view
 async def dump_event_trace(request: HttpRequest) -> HttpResponse:
     """The engine's event trace as Chrome Trace JSON (object form, loadable in Perfetto)."""
-    body = parse_body(request, model_required=True)
-    engine = lookup(body.model)
+    engine = lookup(parse_body(request).model)
     if not engine.tracing_enabled:
-        raise ProtocolError(400, f'The requested model "{body.model}" does not enable tracing')
+        raise ProtocolError(400, f'The requested model "{engine.name}" does not enable tracing')
     # The engine exports between two steps; this event loop (and every stream) keeps moving meanwhile.
     return HttpResponse(await engine.dump_trace(), content_type="application/json")
 
@@ -168,10 +166,8 @@ async def save_event_trace(request: HttpRequest) -> HttpResponse:
     event loop nor the engine; with ``clear`` the trace is emptied in the same step that
     takes it, so no event falls between two saves.
     """
-    body = parse_body(request, model_required=True)
-    assert body.model is not None  # parse_body refused a body without one
     try:
-        engine = traced_engine(body.model)
+        engine = traced_engine(lookup(parse_body(request).model))
     except TraceUnavailableError as exc:
         raise ProtocolError(400, str(exc)) from None
     options = parse_save_options(request)
@@ -219,7 +215,7 @@ def parse_save_options(request: HttpRequest) -> SaveTraceOptions:
 @debug_view
 async def dump_engine_metrics(request: HttpRequest) -> HttpResponse:
     """``{"metrics": {...}}``: the engine's MLC metrics (``model`` optional, empty body allowed)."""
-    body = parse_body(request, model_required=False, empty_ok=True)
+    body = parse_body(request)
     engine = lookup(body.model)
     return json_response({"metrics": await engine.metrics()})
 
@@ -227,7 +223,7 @@ async def dump_engine_metrics(request: HttpRequest) -> HttpResponse:
 @debug_view
 async def reset_engine(request: HttpRequest) -> HttpResponse:
     """Abort everything in flight and zero the metrics; answers once the reset has completed."""
-    body = parse_body(request, model_required=True)
+    body = parse_body(request)
     engine = lookup(body.model)
     await engine.reset(clear_trace=body.clear_trace)
     return json_response({"status": "reset", "model": engine.name, "trace_cleared": body.clear_trace})
@@ -237,7 +233,7 @@ async def reset_engine(request: HttpRequest) -> HttpResponse:
 async def list_requests(request: HttpRequest) -> HttpResponse:
     """Every request in the engine now, oldest first (``LiveRequest`` fields), at most ``limit``
     of ``total``; ``model`` optional (the first engine), an empty body allowed."""
-    body = parse_body(request, model_required=False, empty_ok=True)
+    body = parse_body(request)
     engine = lookup(body.model)
     options = parse_options(request, ListRequestsOptions, 'Send "limit" as a whole number from 1 to 4096.')
     live = await engine.live_requests(options.limit)
@@ -249,7 +245,7 @@ async def list_requests(request: HttpRequest) -> HttpResponse:
 async def abort_request(request: HttpRequest) -> HttpResponse:
     """End one request by id as a client's disconnect would (its stream ends with ``abort``);
     a 404 when the engine holds no such request. Kept in the history (``engines.request_abort``)."""
-    body = parse_body(request, model_required=False, empty_ok=True)
+    body = parse_body(request)
     engine = lookup(body.model)
     options = parse_options(request, AbortOptions, 'Send "request_id" as the id the live table or '
                                                    '/debug/list_requests shows.')
@@ -265,7 +261,7 @@ async def abort_request(request: HttpRequest) -> HttpResponse:
 async def dump_kv_cache(request: HttpRequest) -> HttpResponse:
     """The KV cache opened (``KVCacheDump`` fields): pages used, cached and free, the pages each
     request holds, the most recently used prefix-cache entries and the cache's counters."""
-    body = parse_body(request, model_required=False, empty_ok=True)
+    body = parse_body(request)
     engine = lookup(body.model)
     options = parse_options(request, KVDumpOptions, 'Send "max_entries" as a whole number from 0 to 4096.')
     dump = await engine.dump_kv_cache(options.max_entries)
@@ -306,14 +302,14 @@ def _saved_reply(engine: AsyncEngine, saved: ProfileSaved, **extra: Any) -> dict
 async def profile_start(request: HttpRequest) -> HttpResponse:
     """Start the built-in profiler (every backend): each kernel launch and engine step timed until
     ``profile_stop``, ``max_steps`` steps or ``max_seconds``; a second start is a 409."""
-    body = parse_body(request, model_required=False, empty_ok=True)
+    body = parse_body(request)
     return json_response(await _start_builtin(request, lookup(body.model)))
 
 
 @debug_view
 async def profile_stop(request: HttpRequest) -> HttpResponse:
     """Stop the built-in profiler and save the profile; answers its id and pages (409 with none running)."""
-    body = parse_body(request, model_required=False, empty_ok=True)
+    body = parse_body(request)
     engine = lookup(body.model)
     return json_response(_saved_reply(engine, await _stop_builtin(request, engine)))
 
@@ -335,7 +331,7 @@ async def cuda_profiler_start(request: HttpRequest) -> HttpResponse:
     named engine or the first one. On a CPU backend there is nothing to capture: the answer is
     a 400 saying so, and the built-in profiler starts all the same.
     """
-    body = parse_body(request, model_required=False, empty_ok=True)
+    body = parse_body(request)
     engine = lookup(body.model)
     started = await _start_builtin(request, engine)
     if engine.backend_name != "cuda":
@@ -347,7 +343,7 @@ async def cuda_profiler_start(request: HttpRequest) -> HttpResponse:
 @debug_view
 async def cuda_profiler_stop(request: HttpRequest) -> HttpResponse:
     """End the CUDA profiler capture range and save the built-in profile that ran with it."""
-    body = parse_body(request, model_required=False, empty_ok=True)
+    body = parse_body(request)
     engine = lookup(body.model)
     if engine.backend_name == "cuda":
         await engine.cuda_profiler(False)

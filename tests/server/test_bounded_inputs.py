@@ -73,10 +73,10 @@ async def test_the_deepest_schema_accepted_crosses_into_an_engine_process(serve,
 
 @pytest.mark.parametrize("route", ["/debug/reset_engine", "/debug/dump_event_trace", "/debug/save_event_trace"])
 async def test_debug_errors_echo_a_short_prefix_of_the_body(client: httpx.AsyncClient, route: str) -> None:
-    raw = '{"modelx": "' + "x" * 2_000_000 + '"}'
+    raw = '{"model": ["' + "x" * 2_000_000 + '"]}'  # a model that is no string
     response = await client.post(route, content=raw)
     body = assert_error(response, 400)
-    assert body["message"].startswith('Invalid request {"modelx": "xxx')
+    assert body["message"].startswith('Invalid request {"model": ["xxx')
     assert f"({len(raw)} characters)" in body["message"]
     assert len(response.content) < 2000
     deep = await client.post(route, content="[" * 100 + "]" * 100)

@@ -117,9 +117,19 @@ async def test_an_empty_trace_is_not_saved_and_the_answer_says_why(client: httpx
 
 
 
-@pytest.mark.parametrize("raw", [b"", b"{oops", b"[]", b'{"note": "x"}', b'{"model": 7}'])
+@pytest.mark.parametrize("raw", [b"{oops", b"[]", b'{"model": 7}'])
 async def test_save_invalid_request(client: httpx.AsyncClient, raw: bytes) -> None:
     assert_invalid_request(await client.post("/debug/save_event_trace", content=raw), raw.decode())
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("raw", [b"", b"{}", b'{"note": "x"}'])
+async def test_save_without_a_model_saves_the_first_engine_s_trace(client: httpx.AsyncClient, raw: bytes) -> None:
+    await generate(client, "first-engine")
+    response = await client.post("/debug/save_event_trace", content=raw)
+    assert response.status_code == 200, response.text
+    record = await TraceRecord.objects.aget(pk=response.json()["id"])
+    assert record.engine == TRACED
 
 
 async def test_save_unknown_model(client: httpx.AsyncClient) -> None:
