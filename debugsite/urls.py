@@ -38,6 +38,10 @@ urlpatterns = [
     path("debug/list_requests", debug.list_requests, name="debug-list-requests"),
     path("debug/abort_request", debug.abort_request, name="debug-abort-request"),
     path("debug/dump_kv_cache", debug.dump_kv_cache, name="debug-dump-kv-cache"),
+    # vLLM's control routes (aiperf's defaults), gated and guarded as /debug is.
+    path("reset_prefix_cache", debug.reset_prefix_cache, name="reset-prefix-cache"),
+    path("start_profile", debug.profile_start, name="start-profile"),
+    path("stop_profile", debug.profile_stop, name="stop-profile"),
     path("microserving/prep_recv", microserving.prep_recv, name="microserving-prep-recv"),
     path("microserving/remote_send", microserving.remote_send, name="microserving-remote-send"),
     path("microserving/start_generate", microserving.start_generate, name="microserving-start-generate"),

@@ -42,6 +42,9 @@ API_ROUTES: tuple[APIRoute, ...] = (
     APIRoute("/tokenize", True, "vLLM's tokenize route (engines.views.vllm)"),
     APIRoute("/detokenize", True, "vLLM's detokenize route (engines.views.vllm)"),
     APIRoute("/version", True, "vLLM's version route (engines.views.vllm)"),
+    APIRoute("/reset_prefix_cache", True, "vLLM's prefix cache reset, with --enable-debug (engines.views.debug)"),
+    APIRoute("/start_profile", True, "vLLM's name for /debug/profile_start (engines.views.debug)"),
+    APIRoute("/stop_profile", True, "vLLM's name for /debug/profile_stop (engines.views.debug)"),
     # Open: load balancers ask it without credentials.
     APIRoute("/health", False, "the health check (engines.views.metrics)"),
 )

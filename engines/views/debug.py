@@ -2,7 +2,10 @@
 and ours: ``save_event_trace`` (the event trace into the trace history),
 ``profile_start`` / ``profile_stop`` (the built-in profiler, on every backend, which the CUDA
 profiler routes start and stop too), ``list_requests`` and ``abort_request`` (every request in
-the engine now, and cancelling one by id) and ``dump_kv_cache`` (the KV cache opened).
+the engine now, and cancelling one by id) and ``dump_kv_cache`` (the KV cache opened). vLLM's
+control routes are served here too, gated and guarded the same: ``/reset_prefix_cache``
+(:func:`reset_prefix_cache`), and ``/start_profile`` and ``/stop_profile``, aliases of
+``profile_start`` and ``profile_stop`` (the URLconf maps them).
 
 They exist only with ``--enable-debug``; otherwise every route answers 404 as if
 it were not mounted (the gate is checked per request so tests and ``serve`` can
@@ -42,7 +45,8 @@ from engines.request_abort import RequestNotLiveError, abort_live_request
 from engines.runtime import DEFAULT_KV_ENTRIES, DEFAULT_LIVE_LIMIT, REQUEST_LIMITS, AsyncEngine, ProfilerStateError
 from engines.views.api import InvalidBody, debug_gated, json_body, json_response
 
-NOT_MOUNTED = "Not found: the /debug endpoints exist only when the server runs with --enable-debug."
+NOT_MOUNTED = ("Not found: the /debug endpoints (and vLLM's /reset_prefix_cache, /start_profile and /stop_profile) "
+               "exist only when the server runs with --enable-debug.")
 
 
 class DebugRequest(BaseModel):
@@ -266,6 +270,18 @@ async def dump_kv_cache(request: HttpRequest) -> HttpResponse:
     options = parse_options(request, KVDumpOptions, 'Send "max_entries" as a whole number from 0 to 4096.')
     dump = await engine.dump_kv_cache(options.max_entries)
     return json_response({"model": engine.name, **dataclasses.asdict(dump)})
+
+
+@debug_view
+async def reset_prefix_cache(request: HttpRequest) -> HttpResponse:
+    """vLLM's ``/reset_prefix_cache``: empty the prefix cache, and nothing else (requests run on;
+    pinned system prompts stay, as only ``reset_engine`` unpins them). ``model`` names one engine;
+    without it, every engine: vLLM's server has one cache, and a tool that empties it before a run
+    (aiperf's ``--reset-kv-cache``) means all of it."""
+    body = parse_body(request)
+    targets = [lookup(body.model)] if body.model is not None else list(registry)
+    reset = {engine.name: await engine.reset_prefix_cache() for engine in targets}
+    return json_response({"status": "reset", "engines": reset})
 
 
 async def _start_builtin(request: HttpRequest, engine: AsyncEngine) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """What the tools operators already run send and expect (issue 60), through the ASGI app on the real
 demo engine: vLLM's sampling extensions at the top level, its usage extensions, the openai client's
-``models.retrieve``, ``X-Request-Id``, vLLM's ``/tokenize``, ``/detokenize`` and ``/version``."""
+``models.retrieve``, ``X-Request-Id``, vLLM's ``/tokenize``, ``/detokenize`` and ``/version``, and its
+control routes (``/reset_prefix_cache``, ``/start_profile``, ``/stop_profile``)."""
 from __future__ import annotations
 
 import asyncio
@@ -12,7 +13,7 @@ import pytest
 
 import engines
 from engines.registry import registry
-from tests.server.conftest import TRACED, assert_error, sse_payloads
+from tests.server.conftest import TRACED, UNTRACED, assert_error, sse_payloads, wait_until
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -322,3 +323,70 @@ async def test_tokenize_unknown_model_is_404_and_the_routes_need_the_key(serve) 
         assert_error(await http.get("/tokenize", headers=key), 405)
         version = await http.get("/version", headers=key)
         assert version.status_code == 200 and version.json() == {"version": engines.__version__}
+
+
+# ------------------------------------ vLLM's control routes: /reset_prefix_cache, profiles
+
+CONTROL = ["/reset_prefix_cache", "/start_profile", "/stop_profile"]
+
+
+def cached_tokens(reply: httpx.Response) -> int:
+    assert reply.status_code == 200, reply.text
+    return reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+async def test_reset_prefix_cache_empties_every_engine_s_cache_and_nothing_else(client: httpx.AsyncClient) -> None:
+    shared = list(range(300, 364))
+    for model in (TRACED, UNTRACED):
+        await client.post(COMPLETIONS, json={"model": model, "prompt": shared + [1], "max_tokens": 1})
+        assert cached_tokens(await client.post(COMPLETIONS, json={"model": model, "prompt": shared + [2],
+                                                                  "max_tokens": 1})) == 64
+    # A request streaming meanwhile runs on: its pages stay its own.
+    body = {"model": TRACED, "prompt": shared + [3], "max_tokens": 40, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    stream = asyncio.create_task(client.post(COMPLETIONS, json=body))
+    engine = registry.get(TRACED)
+    await wait_until(lambda: engine.num_streams > 0)
+    metrics_before = (await client.post("/debug/dump_engine_metrics", json={"model": TRACED})).json()["metrics"]
+    reply = await client.post("/reset_prefix_cache", content=b"")  # aiperf posts nothing
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["status"] == "reset" and set(reply.json()["engines"]) == {TRACED, UNTRACED}
+    assert reply.json()["engines"][TRACED]["pinned_pages"] == 0
+    events = sse_payloads((await stream).text)
+    assert events[-2]["usage"]["completion_tokens"] == 40 and events[-3]["choices"][0]["finish_reason"] == "length"
+    for model in (TRACED, UNTRACED):
+        assert cached_tokens(await client.post(COMPLETIONS, json={"model": model, "prompt": shared + [4],
+                                                                  "max_tokens": 1})) == 0
+    # Not a reset: the metrics keep counting.
+    metrics = (await client.post("/debug/dump_engine_metrics", json={"model": TRACED})).json()["metrics"]
+    assert metrics["completion_tokens_sum"] > metrics_before["completion_tokens_sum"]
+
+
+async def test_reset_prefix_cache_of_one_named_engine(client: httpx.AsyncClient) -> None:
+    reply = await client.post("/reset_prefix_cache", json={"model": UNTRACED})
+    assert reply.status_code == 200 and set(reply.json()["engines"]) == {UNTRACED}
+    assert_error(await client.post("/reset_prefix_cache", json={"model": "nope"}), 400)
+    assert_error(await client.get("/reset_prefix_cache"), 405)
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_start_and_stop_profile_are_the_built_in_profiler(client: httpx.AsyncClient) -> None:
+    started = await client.post("/start_profile", content=b"")
+    assert started.status_code == 200 and started.json()["status"] == "profiling"
+    assert started.json()["model"] == TRACED  # no model: the first engine
+    await client.post(COMPLETIONS, json={"model": TRACED, "prompt": "Hi", "max_tokens": 2})
+    stopped = await client.post("/stop_profile", content=b"{}")
+    assert stopped.status_code == 200 and stopped.json()["profile_id"] > 0 and stopped.json()["steps"] > 0
+    assert_error(await client.post("/stop_profile"), 409)  # none running: as /debug/profile_stop
+
+
+@pytest.mark.parametrize("path", CONTROL)
+async def test_control_routes_exist_only_with_enable_debug(serve, path: str) -> None:
+    async with serve(enable_debug=False) as http:
+        assert "--enable-debug" in assert_error(await http.post(path), 404)["message"]
+
+
+@pytest.mark.parametrize("path", CONTROL)
+async def test_control_routes_need_the_api_key(serve, path: str) -> None:
+    async with serve(api_key="sekrit") as http:
+        assert_error(await http.post(path), 401)

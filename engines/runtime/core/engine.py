@@ -237,6 +237,14 @@ class Engine:
         self.outputs.update_gauges()
         return outputs
 
+    def reset_prefix_cache(self) -> dict[str, int]:
+        """Empty the prefix cache, pinned pages aside, and nothing else (vLLM's route of that name;
+        ``KVCachePool.reset_prefix_cache``): requests run on. Returns the cached pages dropped and
+        the pinned pages kept."""
+        dropped = self.kv_pool.reset_prefix_cache()
+        self.outputs.update_gauges()
+        return {"dropped_pages": dropped, "pinned_pages": self.kv_pool.num_pinned_pages}
+
     @property
     def has_work(self) -> bool:
         """Whether any request is waiting or running (``step`` has something to do)."""

@@ -292,6 +292,27 @@ class KVCachePool:
         for page in reversed(seq.pages):
             self._release(page)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix but the pinned ones (vLLM's ``reset_prefix_cache``); returns
+        how many cached pages were dropped.
+
+        Cached pages nobody holds go back to the free list; pages live sequences hold stay
+        theirs, but no later admission matches them, and they are freed, not cached, when released.
+        Pinned pages stay: a pin lasts until ``reset()``. The hit statistics are cumulative and
+        stay too. Sequences go on committing as before: their next full pages enter the cache.
+        """
+        dropped = 0
+        for key, page in list(self._cached.items()):
+            if self._pinned[page]:
+                continue
+            del self._cached[key]
+            self._key[page] = None
+            dropped += 1
+            if self._refcount[page] == 0:
+                del self._evictable[page]
+                self._free.give(page)
+        return dropped
+
     def pin(self, seq_id: SeqId, num_tokens: int) -> None:
         """Keep the full pages of the sequence's first ``num_tokens`` tokens until ``reset()``.
 

@@ -56,6 +56,7 @@ from engines.runtime.frontend.messages import (
     ReleaseReceiveCall,
     Reply,
     ResetCall,
+    ResetPrefixCacheCall,
     ServerTraceEvent,
     ServerTraceEvents,
     StepOutputs,
@@ -354,6 +355,11 @@ class AsyncEngine:
                 raise EngineDeadError(f"engine {self.name!r} could not be restarted: {e}") from e
             return
         await self._acall(ResetCall(clear_trace))
+
+    async def reset_prefix_cache(self) -> dict[str, int]:
+        """Empty the prefix cache but its pinned pages, between two steps; requests run on
+        (``Engine.reset_prefix_cache``: the pages dropped and kept)."""
+        return await self._acall(ResetPrefixCacheCall())
 
     async def metrics(self) -> dict[str, Any]:
         """MLC's engine metrics plus our gauges and latency distributions (JSON-ready), as of now."""

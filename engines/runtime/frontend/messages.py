@@ -49,8 +49,8 @@ __all__ = [
     "CoreCommand", "CoreMessage", "CudaProfilerCall", "Dead",
     "DumpTraceCall", "EngineCall", "EngineInfo", "DashboardReading", "EngineSpec", "Failed", "LocalCall",
     "MessageConnection", "MetricsCall", "PrepareReceiveCall", "ProfileCall", "DashboardCall", "Ready", "ReceiveKVCall",
-    "Rejected", "ReleaseReceiveCall", "Reply", "ResetCall", "Send", "ServerTraceEvent", "ServerTraceEvents",
-    "Shutdown", "StepOutputs", "TraceSinceCall",
+    "Rejected", "ReleaseReceiveCall", "Reply", "ResetCall", "ResetPrefixCacheCall", "Send", "ServerTraceEvent",
+    "ServerTraceEvents", "Shutdown", "StepOutputs", "TraceSinceCall",
 ]
 
 
@@ -127,6 +127,14 @@ class ResetCall(EngineCall):
         outputs = engine.reset(self.clear_trace)
         if outputs:
             send(StepOutputs(outputs))
+
+
+@dataclass(frozen=True)
+class ResetPrefixCacheCall(EngineCall):
+    """Empty the prefix cache but its pinned pages (``Engine.reset_prefix_cache``); replies its counts."""
+
+    def run(self, engine: "Engine", send: "Send") -> dict[str, int]:
+        return engine.reset_prefix_cache()
 
 
 @dataclass(frozen=True)

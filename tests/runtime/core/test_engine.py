@@ -83,6 +83,9 @@ def test_usage_says_the_prompt_tokens_the_prefix_cache_served(make_engine, demo)
     assert first.usage["prompt_tokens_details"] == {"cached_tokens": 0}
     second = run_all(engine, [request("b", shared + [500, 501, 502], max_tokens=2)])["b"]
     assert second.usage["prompt_tokens_details"] == {"cached_tokens": 48}
+    assert engine.reset_prefix_cache() == {"dropped_pages": 3, "pinned_pages": 0}
+    third = run_all(engine, [request("c", shared + [600], max_tokens=2)])["c"]
+    assert third.usage["prompt_tokens_details"] == {"cached_tokens": 0}
 
 
 def test_same_seed_same_output_even_in_different_batches(make_engine, demo):

@@ -313,6 +313,33 @@ def test_reset_frees_everything_and_clears_statistics():
     assert pool.pages("c") == (0, 1, 2)
 
 
+def test_reset_prefix_cache_forgets_every_prefix_but_the_pinned_ones():
+    pool = KVCachePool(num_pages=12, page_size=PS)
+    system = toks(0, 8)
+    pool.admit("pinned", system + [900], 100)
+    pool.pin("pinned", 9)
+    pool.commit("pinned", system + [900])
+    pool.free("pinned")  # 2 pinned pages
+    run_prefill(pool, "gone", toks(100, 9))
+    pool.free("gone")  # 2 cached pages nobody holds
+    run_prefill(pool, "live", toks(200, 9))  # 2 cached pages held by a live sequence
+    before = pool.usage()
+    assert pool.reset_prefix_cache() == 4
+    check_invariants(pool)
+    assert pool.num_cached_pages == 0 and pool.num_pinned_pages == 2
+    assert pool.num_free_pages == before.free_pages + 2  # the unheld cached pages are free now
+    assert (pool.usage().query_tokens, pool.usage().hit_tokens) == (before.query_tokens, before.hit_tokens)
+    assert pool.match_prefix(toks(100, 9)) == 0 and pool.match_prefix(toks(200, 9)) == 0
+    assert pool.match_prefix(system + [1]) == 8  # a pin lasts until reset()
+    free_before = pool.num_free_pages
+    pool.free("live")  # its pages were uncached: they go back to the free list, not the cache
+    assert pool.num_free_pages == free_before + 3 and pool.num_cached_pages == 0
+    check_invariants(pool)
+    run_prefill(pool, "again", toks(100, 9))  # cached again as it is computed
+    pool.free("again")
+    assert pool.match_prefix(toks(100, 9)) == 8
+
+
 def test_hit_statistics_count_prompt_tokens_and_cached_tokens():
     pool = KVCachePool(num_pages=16, page_size=PS)
     assert pool.usage().hit_rate == 0.0

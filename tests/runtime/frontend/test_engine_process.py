@@ -109,6 +109,17 @@ async def test_reset_aborts_streams_and_zeroes_metrics_before_returning(engine, 
     assert all(r.finish_reason == "abort" for r in await asyncio.gather(*tasks))
 
 
+async def test_cached_prompt_tokens_and_a_prefix_cache_reset_cross_the_process_boundary(engine, demo) -> None:
+    await engine.reset()
+    shared = prompts(demo, 1, length=48, seed=5)[0]
+    await consume(engine, request("warm", shared + [400], max_tokens=2))
+    hit = await consume(engine, request("hit", shared + [401], max_tokens=2))
+    assert hit.usage["prompt_tokens_details"] == {"cached_tokens": 48}
+    assert await engine.reset_prefix_cache() == {"dropped_pages": 3, "pinned_pages": 0}
+    cold = await consume(engine, request("cold", shared + [402], max_tokens=2))
+    assert cold.usage["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
 async def test_server_events_and_engine_events_share_one_timeline(engine, demo) -> None:
     await engine.dump_trace(clear=True)
     assert await engine.dump_trace(skip_empty=True) is None

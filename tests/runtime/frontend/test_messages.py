@@ -27,6 +27,7 @@ SAMPLES = [
     m.AbortRequest("r1"),
     m.ServerTraceEvents((m.ServerTraceEvent(("r1",), "receive request", {"bytes": 12}, 123),)),
     m.Call(7, m.ResetCall(clear_trace=True)),
+    m.Call(18, m.ResetPrefixCacheCall()),
     m.Call(8, m.MetricsCall(with_histograms=True)),
     m.Call(9, m.DumpTraceCall(clear=True, skip_empty=False)),
     m.Call(11, m.DashboardCall()),
@@ -81,7 +82,7 @@ def test_every_message_class_is_covered_by_the_samples() -> None:
 def test_every_call_carries_its_own_handler() -> None:
     calls = [c for name in m.__all__ if isinstance(c := getattr(m, name), type) and issubclass(c, m.EngineCall)
              and c is not m.EngineCall]
-    assert len(calls) == 13
+    assert len(calls) == 14
     for call in calls:
         assert call.run is not m.EngineCall.run, f"{call.__name__} has no handler"
 
