@@ -135,6 +135,19 @@ def test_reset_brings_metrics_back_to_zero(server: Server) -> None:
                   model="demo") == 0
 
 
+def test_openai_client_sees_the_request_id_and_retrieves_the_model(server: Server) -> None:
+    """Under Daphne: openai's ``_request_id`` is the reply's x-request-id, the client's when it sent one."""
+    assert server.openai.models.retrieve("demo").id == "demo"
+    completion = server.openai.completions.create(model="demo", prompt="Hi", max_tokens=2,
+                                                  extra_headers={"X-Request-Id": "e2e-req-1"})
+    assert completion._request_id == completion.id == "e2e-req-1"
+    generated = server.openai.completions.create(model="demo", prompt="Hi", max_tokens=2)
+    assert generated._request_id == generated.id and generated.id.startswith("cmpl-")
+    with server.http.stream("POST", "/v1/completions", json={"model": "demo", "prompt": "Hi", "max_tokens": 2,
+                                                            "stream": True}) as streamed:
+        assert streamed.headers["x-request-id"].startswith("cmpl-")
+
+
 def test_a_burst_of_connections_waits_in_the_listen_queue(server: Server) -> None:
     """While the server is not accepting (stopped here; busy in real life), 300 clients connecting
     at once all complete their handshakes: the listen queue holds them (Twisted's default of 50
