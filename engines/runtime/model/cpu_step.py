@@ -449,8 +449,11 @@ class CpuDecodeStep:
         ``matmul.CPU_ROWS_KERNEL_MAX_ROWS`` new tokens: no BLAS matmul, no BLAS attention run) and
         valid; its results (``logits``, ``next_ids``, ``hidden``, ``final``) are in the activations
         returned, as the per-kernel path's would be. None, and nothing run, otherwise (the per-kernel
-        path then runs it, or raises)."""
+        path then runs it, or raises). A batch whose ``seq_all_logits`` flags some sequences goes
+        kernel by kernel too: the compiled step returns every row's logits or each sequence's last."""
         if not step_inputs.int32_batch(batch):
+            return None
+        if batch.seq_all_logits is not None and not batch.all_logits and np.any(batch.seq_all_logits):
             return None
         num_tokens = batch.token_ids.shape[0]
         num_rows = num_tokens if batch.all_logits else batch.query_starts.shape[0] - 1

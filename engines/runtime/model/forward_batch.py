@@ -22,3 +22,7 @@ class ForwardBatch:
     cached_lens: np.ndarray   # int32 [num_seqs]: tokens already in the KV cache (= position of its first new token)
     page_table: np.ndarray    # int32 [num_seqs, max_pages]: the sequence's page ids in order, -1 padded
     all_logits: bool = False  # return logits of every new token, not only each sequence's last
+    #: bool [num_seqs], or None: the sequences that return logits of every new token (a prefill chunk
+    #: whose prompt logprobs are wanted), the others of their last alone; rows in token order. With
+    #: ``all_logits`` every sequence does.
+    seq_all_logits: np.ndarray | None = None

@@ -250,7 +250,8 @@ class LlamaModel:
 
     def forward(self, batch: ForwardBatch, kv: PagedKVCache) -> np.ndarray:
         """Run one step; float32 host logits ``[num_seqs, vocab]`` (each sequence's last new
-        token), or ``[num_tokens, vocab]`` with ``batch.all_logits``."""
+        token), or ``[num_tokens, vocab]`` with ``batch.all_logits``, or with ``batch.seq_all_logits``
+        a row for every new token of the sequences it flags and for the last of the others."""
         act = self._run(batch, kv, greedy=False)
         return self.backend.to_host(act.logits)
 

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from engines.runtime.model.forward_batch import ForwardBatch
     from engines.runtime.model.kv_storage import PagedKVCache
 
-__all__ = ["IdentityRows", "derive_int32", "int32_batch", "step_inputs", "step_inputs_reference"]
+__all__ = ["IdentityRows", "derive_int32", "int32_batch", "logit_rows_of", "step_inputs", "step_inputs_reference"]
 
 
 class IdentityRows:
@@ -90,9 +90,31 @@ def step_inputs_reference(batch: "ForwardBatch", kv: "PagedKVCache", config: "Mo
     token_seq = np.repeat(np.arange(num_seqs, dtype=np.int32), lens)
     positions = (cached[token_seq] + np.arange(num_tokens) - starts[token_seq]).astype(np.int32)
     rows = identity_rows(num_tokens)
-    logit_rows = rows if batch.all_logits else (starts[1:] - 1).astype(np.int32)
+    logit_rows = logit_rows_of(batch, rows, (starts[1:] - 1).astype(np.int32))
     return StepInputs(token_ids=token_ids, positions=positions, token_seq=token_seq, page_table=table,
                       rows=rows, logit_rows=logit_rows)
+
+
+def logit_rows_of(batch: "ForwardBatch", rows: np.ndarray, last_rows: np.ndarray) -> np.ndarray:
+    """The rows whose logits ``batch`` returns, given every row (``rows``) and each sequence's last
+    (``last_rows``): all of them with ``all_logits``, each sequence's last, or with
+    ``seq_all_logits`` every row of the sequences it flags and the last of the others (in token
+    order). A ``seq_all_logits`` of the wrong length is a ``ValueError``."""
+    if batch.all_logits:
+        return rows
+    flags = batch.seq_all_logits
+    if flags is None:
+        return last_rows
+    flags = np.asarray(flags, dtype=np.bool_)
+    if flags.shape != last_rows.shape:
+        raise ValueError(f"seq_all_logits must hold one flag per sequence ({last_rows.shape[0]}), "
+                         f"got shape {flags.shape}")
+    if not flags.any():
+        return last_rows
+    # Every row of a flagged sequence, and every sequence's last.
+    keep = np.repeat(flags, np.diff(last_rows, prepend=-1))
+    keep[last_rows] = True
+    return rows[keep]
 
 
 @njit(nogil=True, cache=True, fastmath=False)
@@ -170,5 +192,5 @@ def step_inputs(batch: "ForwardBatch", kv: "PagedKVCache", config: "ModelConfig"
         if ok:
             rows = identity_rows(batch.token_ids.shape[0])
             return StepInputs(token_ids=batch.token_ids, positions=positions, token_seq=token_seq, page_table=table,
-                              rows=rows, logit_rows=rows if batch.all_logits else logit_rows)
+                              rows=rows, logit_rows=logit_rows_of(batch, rows, logit_rows))
     return step_inputs_reference(batch, kv, config, identity_rows)

@@ -95,7 +95,8 @@ class PagedSequences:
         self.free = list(np.random.default_rng(seed).permutation(num_pages))
         self.pages: list[list[int]] = [[] for _ in prompts]
 
-    def batch(self, new: list[list[int]], all_logits: bool = False) -> ForwardBatch:
+    def batch(self, new: list[list[int]], all_logits: bool = False,
+              seq_all_logits: list[bool] | None = None) -> ForwardBatch:
         """The step feeding ``new[i]`` to sequence i (pages reserved for them first)."""
         for i, chunk in enumerate(new):
             while len(self.pages[i]) * PAGE_SIZE < self.cached[i] + len(chunk):
@@ -111,6 +112,7 @@ class PagedSequences:
             cached_lens=np.array(self.cached, np.int32),
             page_table=table,
             all_logits=all_logits,
+            seq_all_logits=None if seq_all_logits is None else np.array(seq_all_logits, np.bool_),
         )
 
     def advance(self, new: list[list[int]]) -> None:
@@ -183,6 +185,38 @@ def test_all_logits_and_chunked_prefill(reference: Reference) -> None:
     last = model.forward(mixed.batch([prompt[split:], [7]]), kv)
     np.testing.assert_allclose(last[0], want[-1], rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(last[1], reference.hf_logits(PROMPTS[0] + [7])[-1], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("compiled_step", [True, False])
+def test_seq_all_logits_gives_every_row_of_the_flagged_sequences(reference: Reference, compiled_step: bool) -> None:
+    """A prefill chunk whose every row returns logits (what prompt logprobs read) beside a decode
+    and another chunk that return their last row alone: each row as transformers computes it,
+    on the small-step path and kernel by kernel (no compiled step)."""
+    model = reference.ours
+    cpu_step = model.cpu_step
+    if not compiled_step:
+        model.cpu_step = None
+    try:
+        prompt, other = PROMPTS[1], PROMPTS[0]
+        split = 9
+        seqs = PagedSequences([prompt, other, PROMPTS[2]], 40, seed=8)
+        kv = model.new_kv_cache(40, PAGE_SIZE)
+        first = [prompt[:split], other, PROMPTS[2]]
+        head = model.forward(seqs.batch(first, seq_all_logits=[True, False, True]), kv)
+        seqs.advance(first)
+        rest = [prompt[split:], [7], [4, 4]]
+        tail = model.forward(seqs.batch(rest, seq_all_logits=[True, False, False]), kv)
+    finally:
+        model.cpu_step = cpu_step
+    want = reference.hf_logits(prompt)
+    assert head.shape == (split + 1 + len(PROMPTS[2]), model.config.vocab_size)
+    np.testing.assert_allclose(head[:split], want[:split], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(head[split], reference.hf_logits(other)[-1], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(head[split + 1:], reference.hf_logits(PROMPTS[2]), rtol=1e-4, atol=1e-4)
+    assert tail.shape == (len(prompt) - split + 2, model.config.vocab_size)
+    np.testing.assert_allclose(tail[:-2], want[split:], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(tail[-2], reference.hf_logits(other + [7])[-1], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(tail[-1], reference.hf_logits(PROMPTS[2] + [4, 4])[-1], rtol=1e-4, atol=1e-4)
 
 
 def test_long_prefill_runs_take_the_blas_path_and_still_match_transformers(reference: Reference) -> None:
@@ -265,3 +299,10 @@ def test_cuda_backend_matches_cpu(smallest_qwen2: Path, dtype: str, tol: float) 
     new = [[int(t)] for t in want.argmax(-1)]
     greedy = seqs.batch(new)
     np.testing.assert_array_equal(gpu.forward_greedy(greedy, kv_gpu), cpu.forward(greedy, kv_cpu).argmax(-1))
+    seqs.advance(new)
+    # Two tokens each, every row of the first sequence's (prompt logprobs), the others' last.
+    new = [[int(t), 5] for t in want.argmax(-1)]
+    mixed = seqs.batch(new, seq_all_logits=[True, False, False])
+    want = cpu.forward(mixed, kv_cpu)
+    assert want.shape == (4, cpu.config.vocab_size)
+    np.testing.assert_allclose(gpu.forward(mixed, kv_gpu), want, rtol=tol, atol=tol)

@@ -52,6 +52,34 @@ def test_compiled_step_inputs_match_the_reference(seed: int) -> None:
     assert fast.page_table.shape[1] == 1 << (pages - 1).bit_length()
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_seq_all_logits_returns_every_row_of_the_flagged_sequences(seed: int) -> None:
+    """Both forms: every row of a flagged sequence and the last row of the others, in token order."""
+    rng = np.random.default_rng(100 + seed)
+    batch = random_batch(rng)
+    flags = rng.random(batch.cached_lens.shape[0]) < 0.5
+    flagged = replace(batch, seq_all_logits=flags)
+    starts = batch.query_starts
+    want = [t for s, flag in enumerate(flags) for t in range(starts[s] if flag else starts[s + 1] - 1, starts[s + 1])]
+    rows = si.IdentityRows()
+    fast = si.step_inputs(flagged, KV, CONFIG, rows)
+    assert_same(fast, si.step_inputs_reference(flagged, KV, CONFIG, rows))
+    assert fast.logit_rows.tolist() == want
+    # all_logits wins; no flag at all is each sequence's last row.
+    assert si.step_inputs(replace(flagged, all_logits=True), KV, CONFIG, rows).logit_rows.tolist() == \
+        list(range(starts[-1]))
+    none = replace(batch, seq_all_logits=np.zeros_like(flags))
+    assert si.step_inputs(none, KV, CONFIG, rows).logit_rows.tolist() == (starts[1:] - 1).tolist()
+
+
+def test_seq_all_logits_of_the_wrong_length_is_refused() -> None:
+    batch = random_batch(np.random.default_rng(3))
+    flags = np.ones(batch.cached_lens.shape[0] + 1, np.bool_)
+    for form in (si.step_inputs, si.step_inputs_reference):
+        with pytest.raises(ValueError, match="one flag per sequence"):
+            form(replace(batch, seq_all_logits=flags), KV, CONFIG, si.IdentityRows())
+
+
 def test_the_compiled_form_runs_for_int32_batches(monkeypatch: pytest.MonkeyPatch) -> None:
     """The fast path is taken (the reference is not called) for the engine's int32 arrays, and
     other dtypes go to the reference with the same result."""
