@@ -181,7 +181,8 @@ class KVCachePool:
         self._query_tokens = 0
         self._hit_tokens = 0
 
-    def admit(self, seq_id: SeqId, token_ids: Sequence[int], max_new_tokens: int) -> Admission | None:
+    def admit(self, seq_id: SeqId, token_ids: Sequence[int], max_new_tokens: int,
+              max_cached_tokens: int | None = None) -> Admission | None:
         """Register a sequence, reuse its cached prefix and reserve its first chunk.
 
         ``token_ids`` is everything the sequence must have in its KV cache before it
@@ -190,6 +191,8 @@ class KVCachePool:
         because the model needs the last token's logits. ``max_new_tokens`` (>= 1) is
         the step's token budget for this sequence; the chunk is
         ``min(len(token_ids) - cached_tokens, max_new_tokens)`` tokens.
+        ``max_cached_tokens`` caps the reused prefix (None: no cap), for a sequence that
+        must compute the logits of positions the cache holds (prompt logprobs).
 
         Returns ``None`` and changes nothing (statistics included) when the chunk does
         not fit; otherwise counts the lookup in the hit statistics.
@@ -200,7 +203,8 @@ class KVCachePool:
             raise ValueError("cannot admit a sequence with no tokens")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        return self._register(seq_id, token_ids, lambda cached: min(len(token_ids) - cached, max_new_tokens))
+        return self._register(seq_id, token_ids, lambda cached: min(len(token_ids) - cached, max_new_tokens),
+                              max_cached_tokens)
 
     def reserve(self, seq_id: SeqId, token_ids: Sequence[int], end: int) -> Admission | None:
         """Register a sequence whose K/V for ``token_ids[:end]`` will arrive from another engine
@@ -438,10 +442,15 @@ class KVCachePool:
 
     # ------------------------------------------------------------------ internals
 
-    def _register(self, seq_id: SeqId, token_ids: Sequence[int], chunk: Callable[[int], int]) -> Admission | None:
-        """Reuse the longest cached prefix of ``token_ids`` and reserve ``chunk(cached_tokens)``
-        more slots after it; ``None`` (nothing changed, statistics included) if they do not fit."""
+    def _register(self, seq_id: SeqId, token_ids: Sequence[int], chunk: Callable[[int], int],
+                  max_cached_tokens: int | None = None) -> Admission | None:
+        """Reuse the longest cached prefix of ``token_ids`` (at most ``max_cached_tokens``) and
+        reserve ``chunk(cached_tokens)`` more slots after it; ``None`` (nothing changed, statistics
+        included) if they do not fit."""
         hits, keys = self._match(token_ids)
+        if max_cached_tokens is not None:
+            keep = max(max_cached_tokens, 0) // self.page_size
+            hits, keys = hits[:keep], keys[:keep]
         cached_tokens = len(hits) * self.page_size
         new_tokens = chunk(cached_tokens)
         needed = -(-new_tokens // self.page_size)  # the cached prefix is whole pages

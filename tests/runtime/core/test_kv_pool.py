@@ -150,6 +150,28 @@ def test_match_leaves_at_least_one_token_to_compute():
     assert pool.match_prefix(prompt + [9]) == 8
 
 
+def test_max_cached_tokens_caps_the_reused_prefix_in_whole_pages():
+    """A sequence that must compute positions the cache holds (prompt logprobs) takes no more of
+    the cached prefix than it may; its own full pages are private duplicates, the cache keeps
+    the first copy."""
+    pool = KVCachePool(num_pages=16, page_size=PS)
+    prompt = toks(0, 13)
+    run_prefill(pool, "a", prompt)
+    cached = pool.pages("a")[:3]
+    assert pool.admit("none", prompt, 100, max_cached_tokens=0) == Admission(cached_tokens=0, new_tokens=13)
+    assert pool.pages("none")[0] not in cached
+    # A cap inside a page rounds down; a cap past the match changes nothing.
+    assert pool.admit("some", prompt, 100, max_cached_tokens=7) == Admission(cached_tokens=4, new_tokens=9)
+    assert pool.pages("some")[0] == cached[0] and pool.pages("some")[1] not in cached
+    assert pool.admit("all", prompt, 100, max_cached_tokens=50) == Admission(cached_tokens=12, new_tokens=1)
+    pool.commit("none", prompt)
+    assert pool.match_prefix(prompt) == 12 and pool._cached[pool._key[cached[0]]] == cached[0]
+    check_invariants(pool)
+    for seq in ("a", "none", "some", "all"):
+        pool.free(seq)
+    check_invariants(pool)
+
+
 def test_prefix_key_covers_the_whole_prefix_not_just_the_page():
     pool = KVCachePool(num_pages=8, page_size=PS)
     run_prefill(pool, "a", [1, 2, 3, 4, 5, 6, 7, 8, 9])
