@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -34,6 +34,7 @@ from engines.runtime.core.live_view import (DEFAULT_KV_ENTRIES, DEFAULT_LIVE_LIM
                                             dump_kv_cache, live_requests)
 from engines.runtime.core.output_processor import OutputProcessor
 from engines.runtime.core.profiler_control import ProfilerControl
+from engines.runtime.core.prompt_logprobs import prompt_logprobs
 from engines.runtime.telemetry.metrics import EngineMetrics
 from engines.runtime.model.forward_batch import ForwardBatch
 from engines.runtime.model.llama import LlamaModel
@@ -80,12 +81,15 @@ class ModelOutput:
 
     Exactly one of ``token_ids`` (int32 ``[len(sampled)]``: every row was greedy, so the
     argmax ran on the device and only ids came back) and ``logits`` (``[len(sampled),
-    vocab_size]``, for the sampler) is set.
+    vocab_size]``, for the sampler) is set. ``prompt_rows``: the chunks that gather prompt
+    logprobs, each with the logits of its every row (views of the step's logits, dropped
+    with this output at the end of the step).
     """
 
     sampled: list[ScheduledChunk]
     token_ids: np.ndarray | None = None
     logits: np.ndarray | None = None
+    prompt_rows: list[tuple[ScheduledChunk, np.ndarray]] = field(default_factory=list)
 
 
 class Engine:
@@ -394,29 +398,52 @@ class Engine:
         for c in chunks:
             token_ids += c.seq.token_ids[c.start:c.start + c.num_tokens]
             starts.append(starts[-1] + c.num_tokens)
+        # Chunks whose every row returns logits: a prompt whose logprobs are wanted (rare: the
+        # flag's absence keeps every other step as it was).
+        every = [self._scores_prompt(c) for c in chunks]
+        scoring = any(every)
         batch = ForwardBatch(
             token_ids=np.array(token_ids, dtype=np.int32),
             query_starts=np.array(starts, dtype=np.int32),
             cached_lens=np.array([c.start for c in chunks], dtype=np.int32),
             page_table=self.kv_pool.page_table([c.seq.seq_id for c in chunks]),
+            seq_all_logits=np.array(every, dtype=np.bool_) if scoring else None,
         )
         rows = [i for i, c in enumerate(chunks) if c.samples]
         sampled = [chunks[i] for i in rows]
         # Argmax on the device when no row needs its logits: only token ids come back.
-        greedy = not any(c.seq.grammar is not None or not c.seq.request.params.is_greedy
-                         or c.seq.request.params.logprobs or c.seq.sampling.modifies_logits
-                         or c.seq.stop_checker.banned_tokens() for c in sampled)
+        greedy = not scoring and not any(
+            c.seq.grammar is not None or not c.seq.request.params.is_greedy or c.seq.request.params.logprobs
+            or c.seq.sampling.modifies_logits or c.seq.stop_checker.banned_tokens() for c in sampled)
         obs = self.observer
         if obs is not None:
             obs.forward_starting(sched)
         result = (self.model.forward_greedy if greedy else self.model.forward)(batch, self.kv)
         if obs is not None:
             obs.forward_done(sched)
-        if len(rows) < len(chunks):  # some chunks end mid-prompt: keep the sampling rows
+        prompt_rows: list[tuple[ScheduledChunk, np.ndarray]] = []
+        if scoring:
+            # A row per token of the scoring chunks, one (their last) per other chunk.
+            ends = np.cumsum([c.num_tokens if e else 1 for c, e in zip(chunks, every, strict=True)])
+            prompt_rows = [(c, result[ends[i] - c.num_tokens:ends[i]]) for i, c in enumerate(chunks) if every[i]]
+            result = result[ends[rows] - 1]
+        elif len(rows) < len(chunks):  # some chunks end mid-prompt: keep the sampling rows
             result = result[rows]
         if greedy:
             return ModelOutput(sampled, token_ids=result)
-        return ModelOutput(sampled, logits=result)
+        return ModelOutput(sampled, logits=result, prompt_rows=prompt_rows)
+
+    @staticmethod
+    def _scores_prompt(chunk: ScheduledChunk) -> bool:
+        """Whether ``chunk`` computes positions whose logits score a prompt token still missing a
+        logprob (its choice gathers them, and it reaches past the ones it has)."""
+        seq = chunk.seq
+        if not seq.gathers_prompt_logprobs:
+            return False
+        got = seq.request.prompt_logprobs
+        assert got is not None  # gathers_prompt_logprobs: the request asked for them
+        # Position p scores prompt token p + 1: the positions len(got) - 1 .. prompt - 2 are due.
+        return chunk.start < seq.num_prompt_tokens - 1 and chunk.start + chunk.num_tokens >= len(got)
 
     # -------------------------------------------------------------------- update
 
@@ -428,15 +455,40 @@ class Engine:
         sent = [c.seq for c in sched.chunks if c.seq.kv_send is not None and c.completes]
         for seq in sent:
             self._send_kv(seq)
+        # max_tokens 0: the prompt is all there is; it ends once computed (OpenAI's and vLLM's "length").
+        scored = [c.seq for c in sched.chunks if c.completes and c.seq.prefill_only and c.seq.kv_send is None]
         if obs is not None:
             obs.lap("commit")
+        self._score_prompts(output.prompt_rows)
+        for seq in scored:
+            self._finish_sequence(seq, FinishReason.LENGTH)
         picks = self._pick_tokens(output)
         if obs is not None:
             obs.lap("sampling")
         self._append_picks(output.sampled, picks)
         if obs is not None:
             obs.lap("detokenization")
-        return [c.seq.request for c in output.sampled] + [seq.request for seq in sent]
+        return ([c.seq.request for c in output.sampled] + [seq.request for seq in sent]
+                + [seq.request for seq in scored])
+
+    def _score_prompts(self, prompt_rows: list[tuple[ScheduledChunk, np.ndarray]]) -> None:
+        """Append the prompt logprobs these chunks' logits give (``core.prompt_logprobs``); each
+        row is read once, right after the forward pass, and dropped with the step's output."""
+        for chunk, logits in prompt_rows:
+            state = chunk.seq.request
+            got = state.prompt_logprobs
+            assert got is not None  # only chunks of a request that asked for them have rows here
+            prompt = state.request.prompt
+            first = len(got) - 1  # the position that scores the first missing token
+            # The prefix cache gave this choice no position past the ones it has scored
+            # (Sequence.prefix_cache_limit), so the chunk starts at or before ``first``.
+            assert chunk.start <= first, (chunk.start, first)
+            end = min(chunk.start + chunk.num_tokens, len(prompt) - 1)
+            rows = logits[first - chunk.start:end - chunk.start]
+            targets = np.array(prompt[first + 1:end + 1], dtype=np.int64)
+            top = state.params.prompt_logprobs
+            assert top is not None
+            got.extend(prompt_logprobs(rows, targets, top))
 
     def _commit(self, chunks: list[ScheduledChunk]) -> None:
         """The forward pass wrote these chunks' K/V: the pool caches their full pages, the

@@ -50,7 +50,16 @@ class OutputProcessor:
         return outputs
 
     def collect(self, state: RequestState) -> RequestOutput | None:
-        """Turn what each choice produced since the last output into deltas (and usage when done)."""
+        """Turn what each choice produced since the last output into deltas (and usage when done).
+
+        A request that asked for prompt logprobs reports no choice before they are complete
+        (another choice may finish its prefill first, from the prefix cache): they go out once,
+        on its first output with a delta, or on its last."""
+        prompt_logprobs = None
+        if state.prompt_logprobs is not None and not state.prompt_logprobs_sent:
+            if state.prompt_logprobs_missing and not state.finished:
+                return None  # the choices' deltas wait, pending, for the prompt's logprobs
+            prompt_logprobs = state.prompt_logprobs
         choices = []
         for seq in state.sequences:
             reason_now = seq.finish_reason if seq.finished and not seq.finish_reported else None
@@ -71,8 +80,10 @@ class OutputProcessor:
             usage = self._finish_request(state)
         if not choices and usage is None:
             return None
+        if prompt_logprobs is not None:
+            state.prompt_logprobs_sent = True
         return RequestOutput(state.request_id, choices, usage, state.kv_block if usage is not None else None,
-                             cached_prompt_tokens=state.cached_prompt_tokens)
+                             cached_prompt_tokens=state.cached_prompt_tokens, prompt_logprobs=prompt_logprobs)
 
     def _finish_request(self, state: RequestState) -> dict[str, Any]:
         """Account for a request whose every choice ended (metrics, trace); returns its usage."""

@@ -94,6 +94,11 @@ class RequestOutput:
     #: Prompt tokens the request's first admission found in the KV cache (its prefix cache, or
     #: K/V received from another engine) instead of computing them; 0 before it was admitted.
     cached_prompt_tokens: int = 0
+    #: With ``SamplingParams.prompt_logprobs``, once, on the request's first output with a choice
+    #: delta (no choice's output goes out before it) or its last: one entry per prompt token,
+    #: None for the first (nothing precedes it). Shorter only if the request ended (aborted)
+    #: before its prompt was computed.
+    prompt_logprobs: "list[TokenLogprob | None] | None" = None
 
     @property
     def finished(self) -> bool:
@@ -138,6 +143,33 @@ class Sequence:
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
+    def prefill_only(self) -> bool:
+        """It computes its prompt and samples nothing: a ``kv_send`` prefill, or ``max_tokens`` 0."""
+        return self.kv_send is not None or self.request.params.max_tokens == 0
+
+    @property
+    def gathers_prompt_logprobs(self) -> bool:
+        """This choice computes the request's prompt logprobs (choice 0, while some are missing)."""
+        return self.index == 0 and self.request.prompt_logprobs_missing
+
+    @property
+    def prefix_cache_limit(self) -> int | None:
+        """Most leading tokens its admission may take from the prefix cache; None: any.
+
+        Prompt logprobs need the logits of every prompt position, which only a forward pass over
+        that position gives: K/V from the cache carries none. Recomputing those positions costs
+        the same as computing them, so a choice gathering them skips the cache past the positions
+        whose logprobs it already has (all of them, the first time; after a preemption, the ones
+        computed before it). Other choices of the request, and every other request, use the
+        cache as usual.
+        """
+        if not self.gathers_prompt_logprobs:
+            return None
+        got = self.request.prompt_logprobs
+        assert got is not None  # gathers_prompt_logprobs: the request asked for them
+        return len(got) - 1  # positions 0 .. len - 2 have scored their next token
+
+    @property
     def finished(self) -> bool:
         """The choice has ended (it has a finish reason); it holds no KV pages any more."""
         return self.finish_reason is not None
@@ -161,11 +193,21 @@ class RequestState:
         self.jump_forward_tokens = 0
         self.sequences: list[Sequence] = []
         self.kv_block: KVBlock | None = None  # a remote_send request's K/V, on its last output
+        #: With ``prompt_logprobs``: the prompt tokens' logprobs so far (choice 0's prefill adds
+        #: them chunk by chunk), the first token's None; complete at one per prompt token.
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
+            None if request.sampling.prompt_logprobs is None else [None])
+        self.prompt_logprobs_sent = False
 
     @property
     def finished(self) -> bool:
         """Every choice has ended."""
         return all(s.finished for s in self.sequences)
+
+    @property
+    def prompt_logprobs_missing(self) -> bool:
+        """It asked for prompt logprobs and some are not computed yet."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.request.prompt)
 
 
 def validate_request(request: GenerationRequest, vocab_size: int, max_seq_len: int) -> None:
@@ -183,6 +225,10 @@ def validate_request(request: GenerationRequest, vocab_size: int, max_seq_len: i
         request.sampling.check_vocab(vocab_size)
     except InvalidSamplingParams as e:
         raise EngineRequestError(str(e)) from e
+    if request.sampling.prompt_logprobs is not None and (request.kv_send is not None
+                                                         or request.kv_window_begin is not None):
+        raise EngineRequestError("prompt_logprobs need the whole prompt computed by one engine: not with "
+                                 "disaggregated serving's kv_send or kv_window_begin")
     if len(request.prompt) >= max_seq_len:
         raise EngineRequestError(
             f"the prompt has {len(request.prompt)} tokens; this engine's context holds at most "

@@ -95,6 +95,11 @@ class SamplingParams:
     ``min_tokens`` (vLLM's): the first ``min_tokens`` output tokens of each choice are never
     an EOS or stop token (the sampler bans them) and no stop string ends the choice inside
     them; at most ``max_tokens``. A finished grammar and the context limit still end it.
+    ``max_tokens=0`` computes the prompt and samples nothing (the request ends ``length``):
+    with ``prompt_logprobs``, a scoring request. ``prompt_logprobs`` (vLLM's name; None: off)
+    asks for every prompt token's logprob (none for the first) and that many of the most
+    likely alternatives at each position (0: the token's own only); the engine's prefill
+    computes them (``core.prompt_logprobs``).
 
     Raises ``InvalidSamplingParams`` naming the first bad field.
     """
@@ -115,6 +120,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     n: int = 1
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         limits = REQUEST_LIMITS
@@ -137,8 +143,9 @@ class SamplingParams:
             if not _is_int(tid) or tid < 0:
                 raise InvalidSamplingParams("stop_token_ids", f"must hold non-negative integers, got {tid!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop_ids))
-        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise InvalidSamplingParams("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 0):
+            raise InvalidSamplingParams(
+                "max_tokens", f"must be a positive integer (or 0: the prompt only), got {self.max_tokens!r}")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise InvalidSamplingParams("min_tokens", f"must be a non-negative integer, got {self.min_tokens!r}")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
@@ -152,6 +159,11 @@ class SamplingParams:
                 "top_logprobs", f"must be an integer from 0 to {limits.max_top_logprobs}, got {self.top_logprobs!r}")
         if self.top_logprobs and not self.logprobs:
             raise InvalidSamplingParams("top_logprobs", "requires logprobs to be true")
+        if self.prompt_logprobs is not None and (
+                not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= limits.max_top_logprobs):
+            raise InvalidSamplingParams(
+                "prompt_logprobs", f"must be null (off) or an integer from 0 to {limits.max_top_logprobs}, "
+                                   f"got {self.prompt_logprobs!r}")
         if not _is_int(self.n) or not 1 <= self.n <= limits.max_n:
             raise InvalidSamplingParams(
                 "n", f"must be an integer from 1 to {limits.max_n} (choices per request on this server; "

@@ -56,8 +56,8 @@ class ScheduledChunk:
     @property
     def samples(self) -> bool:
         """Whether a new token is sampled after this chunk: it completes the sequence, which is not
-        one that only prefills to send its K/V to another engine."""
-        return self.completes and self.seq.kv_send is None
+        one that only prefills (to send its K/V to another engine, or with ``max_tokens`` 0)."""
+        return self.completes and not self.seq.prefill_only
 
     @property
     def is_prefill(self) -> bool:
@@ -185,7 +185,7 @@ class Scheduler:
         """The pool's admission of a waiting sequence; one that already holds pages (its prompt's
         K/V arrived from another engine: disaggregated serving) only reserves its next chunk."""
         if seq.seq_id not in self.kv_pool:
-            return self.kv_pool.admit(seq.seq_id, seq.token_ids, budget)
+            return self.kv_pool.admit(seq.seq_id, seq.token_ids, budget, seq.prefix_cache_limit)
         computed = self.kv_pool.num_computed_tokens(seq.seq_id)
         n = min(len(seq.token_ids) - computed, budget)
         return Admission(computed, n) if self.kv_pool.try_allocate(seq.seq_id, n) else None

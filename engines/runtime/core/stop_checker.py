@@ -59,8 +59,9 @@ class StopChecker:
     def __init__(self, stop: Sequence[str] = (), stop_token_ids: Iterable[int] = (),
                  eos_token_ids: Iterable[int] = (), max_tokens: int | None = None,
                  ignore_eos: bool = False, min_tokens: int = 0) -> None:
-        if max_tokens is not None and max_tokens < 1:
-            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        # 0: a choice that samples nothing (the engine ends it once its prompt is computed).
+        if max_tokens is not None and max_tokens < 0:
+            raise ValueError(f"max_tokens must be at least 0, got {max_tokens}")
         if min_tokens < 0:
             raise ValueError(f"min_tokens must be at least 0, got {min_tokens}")
         self._stop = () if ignore_eos else tuple(s for s in stop if s)

@@ -52,7 +52,7 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     ({"stop": [""]}, "stop"),
     ({"stop": [None]}, "stop"),
     ({"stop_token_ids": (-1,)}, "stop_token_ids"),
-    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -1}, "max_tokens"),
     ({"max_tokens": 2.0}, "max_tokens"),
     ({"ignore_eos": 1}, "ignore_eos"),
     ({"min_tokens": -1}, "min_tokens"),
@@ -62,6 +62,9 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     ({"logprobs": "yes"}, "logprobs"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"top_logprobs": 3}, "top_logprobs"),  # needs logprobs=True
+    ({"prompt_logprobs": -1}, "prompt_logprobs"),
+    ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt_logprobs": True}, "prompt_logprobs"),
     ({"n": 0}, "n"),
     ({"n": 17}, "n"),
 ])

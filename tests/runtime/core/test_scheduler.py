@@ -29,9 +29,14 @@ class FakeSeq:
     num_preemptions: int = 0
     preempted: bool = False
     kv_send: object = None  # a prefill-only sequence of disaggregated serving (never samples)
+    prefix_cache_limit: int | None = None  # what admission may take from the prefix cache (None: any)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def prefill_only(self) -> bool:
+        return self.kv_send is not None
 
     def __repr__(self) -> str:
         return self.seq_id

@@ -158,7 +158,7 @@ def test_from_params_uses_the_smaller_limit_and_the_request_stops():
 
 def test_invalid_max_tokens():
     with pytest.raises(ValueError, match="max_tokens"):
-        StopChecker(max_tokens=0)
+        StopChecker(max_tokens=-1)
 
 
 @pytest.mark.parametrize("seed", range(60))

@@ -57,6 +57,10 @@ def serve_everything_after_warm_up() -> dict[str, list[str]]:
                          grammar_mode=GrammarMode.CONSTRAINT)]
     run_all(engine, requests)
     run_all(engine, [request("alone", ps[44], max_tokens=8, ignore_eos=True)])  # batch 1: the team step
+    # Prompt logprobs: a short prompt's every row (a small step kernel by kernel), a long one's.
+    run_all(engine, [request("echo", ps[46], max_tokens=2, logprobs=True, prompt_logprobs=1)])
+    run_all(engine, [request("echo-long", long_prompt, max_tokens=0, prompt_logprobs=5),
+                     request("beside", ps[47], max_tokens=3)])
     engine.start_profile(max_steps=50)
     run_all(engine, [request("p1", ps[45], max_tokens=5, ignore_eos=True),
                      request("p2", long_prompt[:100], max_tokens=3, logprobs=True)])
