@@ -93,3 +93,17 @@ def lane_events(trace: dict, request_id: str) -> list[dict]:
     tids = {e["tid"] for e in trace["traceEvents"]
             if e["ph"] == "M" and e["name"] == "thread_name" and e["tid"] != 0 and e["args"]["name"] == request_id}
     return [e for e in trace["traceEvents"] if e["ph"] != "M" and e["tid"] in tids]
+
+
+def full_forward_logprobs(model, prompt: list[int]) -> np.ndarray:
+    """The plain reference of prompt logprobs: log-softmax (float64 NumPy) of every position's
+    float32 logits, the prompt in one full-sequence forward of ``model`` on a KV cache of its own."""
+    from engines.runtime.model.forward_batch import ForwardBatch
+
+    pages = -(-len(prompt) // 16)
+    kv = model.new_kv_cache(pages, 16)
+    batch = ForwardBatch(np.array(prompt, np.int32), np.array([0, len(prompt)], np.int32), np.array([0], np.int32),
+                         np.arange(pages, dtype=np.int32)[None, :], all_logits=True)
+    logits = model.forward(batch, kv).astype(np.float64)
+    peak = logits.max(axis=1, keepdims=True)
+    return logits - peak - np.log(np.exp(logits - peak).sum(axis=1, keepdims=True))

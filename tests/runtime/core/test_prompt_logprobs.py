@@ -11,8 +11,7 @@ from engines.runtime.core.prompt_logprobs import BLOCK_ROWS, prompt_logprobs, pr
 from engines.runtime.core.request import EngineRequestError, GenerationRequest
 from engines.runtime.core.sampler import SamplingParams
 from engines.runtime.core.disagg.transfer import KVSend
-from engines.runtime.model.forward_batch import ForwardBatch
-from tests.runtime.demo_engine import prompts, request, run_all
+from tests.runtime.demo_engine import full_forward_logprobs, prompts, request, run_all
 
 # Float32 logits of one prompt computed in different batches and chunkings differ in their last
 # bits; log-softmax over the demo's 4,096 tokens keeps that at about 1e-5.
@@ -50,20 +49,9 @@ def test_top_past_the_vocabulary_lists_every_token() -> None:
         prompt_logprobs(logits, np.array([1, 2]), 1)
 
 
-def reference_logprobs(model, prompt: list[int]) -> np.ndarray:
-    """log-softmax (float64) of every position's logits, the prompt in one full-sequence forward."""
-    pages = -(-len(prompt) // 16)
-    kv = model.new_kv_cache(pages, 16)
-    batch = ForwardBatch(np.array(prompt, np.int32), np.array([0, len(prompt)], np.int32), np.array([0], np.int32),
-                         np.arange(pages, dtype=np.int32)[None, :], all_logits=True)
-    logits = model.forward(batch, kv).astype(np.float64)
-    peak = logits.max(axis=1, keepdims=True)
-    return logits - peak - np.log(np.exp(logits - peak).sum(axis=1, keepdims=True))
-
-
 def assert_matches_reference(got: list, model, prompt: list[int], top: int) -> None:
     """``got`` (a request's prompt_logprobs) is the reference's, position for position."""
-    want = reference_logprobs(model, prompt)
+    want = full_forward_logprobs(model, prompt)
     assert len(got) == len(prompt) and got[0] is None
     for pos in range(1, len(prompt)):
         entry, row = got[pos], want[pos - 1]
