@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -30,7 +30,10 @@ __all__ = ["ChatPrepRecvRequest", "ChatRemoteSendRequest", "ChatStartGenerateReq
 class _Tied(_GenerationRequest):
     """The field every MicroServing call shares: ``user`` names the request on both engines, so
     the generation request's optional ``user`` is required here. (Deriving from it tells a type
-    checker that the calls' classes below, whose first base this is, narrow that field.)"""
+    checker that the calls' classes below, whose first base this is, narrow that field.) One
+    prompt and no echo: a completion body's list of prompts or ``echo`` is refused."""
+
+    takes_prompt_lists_and_echo: ClassVar[bool] = False
 
     user: str = Field(min_length=1)
 

@@ -18,8 +18,8 @@ Requests
     ``service_tier``, ``prediction``, ``reasoning_effort``, ...) and none of those change
     what a text model must generate. Fields that *would* change the output and that we
     cannot honour (``tools`` with a tool choice other than ``"none"``, ``functions``,
-    audio output, image input, ``echo``, ``suffix``, ``best_of`` > 1, batch prompts) are
-    declared and refused with a message saying so, never silently dropped. Inside
+    audio output, image input, ``suffix``, ``best_of`` > 1) are declared and refused with a
+    message saying so, never silently dropped. Inside
     ``debug_config`` unknown fields are errors (see :mod:`engines.protocol.debug`).
 
     ``null`` for a top-level field means "not given", as in OpenAI's API, so the default
@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal, cast
 
 from pydantic import (
     BaseModel,
@@ -313,48 +313,78 @@ class _GenerationRequest(BaseModel):
 TokenId = Annotated[int, Field(ge=0)]
 
 
-class CompletionRequest(_GenerationRequest):
-    """``POST /v1/completions``: one prompt, as text or token ids.
+_PROMPT_FORMS = ("must be a string or a list of token ids (integers), or a list of several prompts "
+                 "(strings, or lists of token ids)")
 
-    Batch prompts (a list of several strings or token lists) are refused: one HTTP request
-    is one engine request here, and concurrent requests batch just as well on the engine.
-    A one-element list is accepted and unwrapped, so after validation ``prompt`` is
-    ``str | list[int]``.
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+
+
+class CompletionRequest(_GenerationRequest):
+    """``POST /v1/completions``: a prompt (text or token ids), or a list of prompts.
+
+    A list of several strings or token lists is several prompts, as in OpenAI's API: each is an
+    engine request of its own (batched on the engine with the others) and gets ``n`` choices,
+    prompt ``i``'s at indexes ``i * n .. i * n + n - 1``. A one-element list is unwrapped, so
+    after validation ``prompt`` is ``str | list[int]`` for one prompt; :attr:`prompts` lists
+    them either way.
+
+    ``echo`` returns each prompt before its completion, and with ``logprobs`` its tokens'
+    logprobs too (``null`` for the first), which the engine computes in the prefill
+    (``SamplingParams.prompt_logprobs``); with ``max_tokens: 0`` only those, no completion
+    (scoring, as lm-evaluation-harness's loglikelihood asks). ``max_tokens: 0`` without
+    ``echo`` would return nothing and is refused (``make_generation_request``), as vLLM does.
     """
 
-    prompt: str | list[TokenId]
+    #: False where a body must hold one prompt and no echo (MicroServing's calls).
+    takes_prompt_lists_and_echo: ClassVar[bool] = True
+
+    prompt: str | list[TokenId] | list[list[TokenId]] | list[str]
     #: 0..5 alternatives per token (``logprobs: 0`` returns only the chosen token's): OpenAI's
     #: rule for this endpoint, narrower than the engine's ``top_logprobs`` it becomes.
     logprobs: int | None = Field(default=None, ge=0, le=REQUEST_LIMITS.max_completion_logprobs, strict=True)
-    echo: bool = False
+    echo: bool = Field(default=False, strict=True)
     suffix: str | None = None
     best_of: int | None = None
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _single_prompt(cls, prompt: Any) -> Any:
-        if isinstance(prompt, str) or (isinstance(prompt, list) and not prompt):
+    def _prompt_forms(cls, prompt: Any) -> Any:
+        if isinstance(prompt, str) or (isinstance(prompt, list) and not prompt) or _is_token_ids(prompt):
             return prompt
         if not isinstance(prompt, list):
-            raise field_error("must be a string or a list of token ids (integers)")
-        if all(isinstance(item, str) for item in prompt) or all(isinstance(item, list) for item in prompt):
-            if len(prompt) > 1:
-                raise field_error(
-                    f"batch prompts are not supported (got {len(prompt)} prompts); "
-                    "send one request per prompt, concurrently if you like"
-                )
-            return prompt[0]
-        if all(isinstance(item, int) and not isinstance(item, bool) for item in prompt):
-            return prompt
-        raise field_error("must be a string or a list of token ids (integers)")
+            raise field_error(_PROMPT_FORMS)
+        texts = all(isinstance(item, str) for item in prompt)
+        if not texts and not all(isinstance(item, list) for item in prompt):
+            raise field_error(_PROMPT_FORMS)
+        for index, item in enumerate(prompt):
+            if not texts and not _is_token_ids(item):
+                raise field_error(f"prompt {index} of the list must be a list of token ids (integers)")
+            if not item and len(prompt) > 1:
+                raise field_error(f"prompt {index} of the list is empty")
+        most = REQUEST_LIMITS.max_prompts
+        if len(prompt) > most:
+            raise field_error(f"holds {len(prompt)} prompts; a request takes at most {most}: send the others "
+                              "in more requests")
+        return prompt[0] if len(prompt) == 1 else prompt
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one or several, each a text or token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+            return [cast("str | list[int]", prompt)]
+        return list(prompt)
 
     @model_validator(mode="after")
     def _check_request(self) -> "CompletionRequest":
-        if self.echo:
-            raise field_error(
-                "echo is not supported: the reply holds only the completion; prepend the prompt yourself",
-                "echo",
-            )
+        if not self.takes_prompt_lists_and_echo:
+            if self.echo:
+                raise field_error("echo is not supported here: this call generates on two engines", "echo")
+            if len(self.prompts) > 1:
+                raise field_error(f"a list of prompts is not supported here (got {len(self.prompts)}): "
+                                  "this call serves one prompt", "prompt")
         if self.suffix:
             raise field_error("suffix (insertion) is not supported by this server", "suffix")
         if self.best_of not in (None, 1):
@@ -508,14 +538,17 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """Legacy completions logprobs, one entry per generated token in each list.
+    """Legacy completions logprobs, one entry per token of the returned text in each list: the
+    generated tokens, after the prompt's with ``echo``.
 
-    ``text_offset`` is each token's character offset in the returned text.
+    ``text_offset`` is each token's character offset in the returned text. The first prompt
+    token has ``null`` for its logprob and its alternatives (nothing precedes it), as in
+    OpenAI's API and vLLM.
     """
 
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
 
 

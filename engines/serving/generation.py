@@ -8,7 +8,10 @@ instead of a broken stream; an engine that dies mid-stream is reported in-band.
 """
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
+from typing import Any
 
 import orjson
 from pydantic import BaseModel
@@ -18,7 +21,7 @@ from engines.registry import registry
 from engines.runtime import AsyncEngine, EngineDeadError, EngineRequestError, GenerationRequest, RequestOutput
 from engines.serving.shapers import ResponseShaper
 
-__all__ = ["SSE_DONE", "Reply", "collect", "generate", "metrics_events", "sse_events"]
+__all__ = ["SSE_DONE", "Reply", "collect", "generate", "metrics_events", "sse_events", "summed_usage", "together"]
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -29,10 +32,11 @@ Reply = BaseModel | AsyncIterator[bytes]
 async def generate(
     engine: AsyncEngine,
     body: ChatCompletionRequest | CompletionRequest,
-    generation: GenerationRequest,
+    generation: GenerationRequest | list[GenerationRequest],
     shaper: ResponseShaper,
 ) -> Reply:
-    """Start the request; the SSE events of its stream, or its whole reply once it ended.
+    """Start the request (or the requests of a completion's several prompts, as one: see
+    :func:`together`); the SSE events of its stream, or its whole reply once it ended.
 
     The first output is awaited before any reply is made, so a request the
     engine refuses still gets a proper 400 instead of a broken stream.
@@ -44,7 +48,10 @@ async def generate(
     shaper.prompt_tokens = len(generation.prompt)
     # Counted for a draining shutdown; a stream counts again while its body is written.
     with registry.response_in_flight():
-        outputs = engine.generate(generation)
+        if isinstance(generation, list):
+            outputs = engine.generate(generation[0]) if len(generation) == 1 else together(engine, generation)
+        else:
+            outputs = engine.generate(generation)
         try:
             first = await anext(outputs)
         except EngineRequestError as exc:
@@ -52,6 +59,71 @@ async def generate(
         if not body.stream:
             return await collect(outputs, first, shaper)
     return sse_events(outputs, first, shaper, body.include_usage)
+
+
+async def together(engine: AsyncEngine, generations: list[GenerationRequest]) -> AsyncIterator[RequestOutput]:
+    """Several requests' outputs as one stream, each request's in its order: nothing before
+    every request has its first output (a refusal of any is then the whole reply's 400, as
+    for one request), their last outputs without usage, then one more output, of no choice,
+    with the usage summed (``summed_usage``). Closing it, an error, or a client that leaves
+    aborts the requests still running."""
+    queue: asyncio.Queue[RequestOutput | Exception | None] = asyncio.Queue()
+
+    async def pump(generation: GenerationRequest) -> None:
+        # Cancelled (below), its AsyncEngine.generate aborts the request.
+        try:
+            async for output in engine.generate(generation):
+                queue.put_nowait(output)
+        except Exception as exc:  # noqa: BLE001 - the merged stream raises it
+            queue.put_nowait(exc)
+        else:
+            queue.put_nowait(None)
+
+    tasks = [asyncio.create_task(pump(g)) for g in generations]
+    try:
+        started: set[str] = set()
+        held: list[RequestOutput] | None = []
+        usages: list[dict[str, Any]] = []
+        running = len(tasks)
+        while running:
+            item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if item is None:
+                running -= 1
+                continue
+            if item.usage is not None:
+                usages.append(item.usage)
+                item = dataclasses.replace(item, usage=None)
+            if held is not None:  # not every request has had its first output yet
+                held.append(item)
+                started.add(item.request_id)
+                if len(started) == len(tasks):
+                    for output in held:
+                        yield output
+                    held = None
+                continue
+            yield item
+        yield RequestOutput(generations[0].request_id, [], summed_usage(usages))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def summed_usage(usages: list[dict[str, Any]]) -> dict[str, Any]:
+    """The usage of several requests: their token counts summed (nested counts too, such as
+    ``prompt_tokens_details``). ``extra`` is one request's metrics and is left out."""
+    total: dict[str, Any] = {}
+    for usage in usages:
+        for key, value in usage.items():
+            if isinstance(value, bool) or key == "extra":
+                continue
+            if isinstance(value, (int, float)):
+                total[key] = total.get(key, 0) + value
+            elif isinstance(value, dict):
+                total[key] = summed_usage([total.get(key, {}), value])
+    return total
 
 
 async def sse_events(

@@ -32,7 +32,7 @@ from engines.runtime import (
 logger = logging.getLogger(__name__)
 
 __all__ = ["is_metrics_query", "lookup_engine", "make_generation_request", "new_request_id", "prompt_ids",
-           "tokenize_chat", "validate_body"]
+           "prompt_request_ids", "tokenize_chat", "validate_body"]
 
 # Bound to the requests' common base, not to the union of the two: only then does a type checker
 # see that ``model_validate`` on a ``type[RequestT]`` returns a ``RequestT``.
@@ -85,9 +85,22 @@ def lookup_engine(model: str | None) -> AsyncEngine:
     return engine
 
 
-def prompt_ids(tokenizer: Tokenizer, body: CompletionRequest) -> list[int]:
-    """A completion's prompt as token ids: given as ids, or the text encoded."""
-    return body.prompt if isinstance(body.prompt, list) else tokenizer.encode(body.prompt)
+def prompt_ids(tokenizer: Tokenizer, prompt: str | list[int]) -> list[int]:
+    """A completion's prompt (one of ``CompletionRequest.prompts``) as token ids: given as ids,
+    or the text encoded."""
+    return prompt if isinstance(prompt, list) else tokenizer.encode(prompt)
+
+
+def prompt_request_ids(engine: AsyncEngine, request_id: str, count: int) -> list[str]:
+    """The engine request ids of a completion's ``count`` prompts: ``request_id`` for one,
+    ``<request_id>-<i>`` for each of several (with a uuid between when one of those is still
+    streaming: the same ``user`` sent another list)."""
+    if count == 1:
+        return [request_id]
+    ids = [f"{request_id}-{i}" for i in range(count)]
+    if any(engine.is_streaming(rid) for rid in ids):
+        ids = [f"{request_id}-{uuid.uuid4().hex}-{i}" for i in range(count)]
+    return ids
 
 
 def tokenize_chat(tokenizer: Tokenizer, body: ChatCompletionRequest) -> tuple[list[int], int | None]:
@@ -125,10 +138,19 @@ def make_generation_request(
     ``SamplingParams`` is where the sampling ranges are checked (``REQUEST_LIMITS``): a value
     out of range is a 400 naming the parameter the client sent.
     """
+    prompt_logprobs = None
     if isinstance(body, ChatCompletionRequest):
         logprobs, top_logprobs = body.logprobs, body.top_logprobs or 0
     else:
         logprobs, top_logprobs = body.logprobs is not None, body.logprobs or 0
+        if body.echo:
+            prompt_logprobs = body.logprobs  # echo with logprobs: the prompt's tokens' too
+    if body.max_tokens == 0 and not (isinstance(body, CompletionRequest) and body.echo):
+        # The engine takes 0 (the prompt only); without echo the reply would hold nothing (vLLM refuses it too).
+        name = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) is not None else "max_tokens"
+        hint = "" if isinstance(body, ChatCompletionRequest) else \
+            " (0, no completion, goes with echo: the prompt and, with logprobs, its logprobs)"
+        raise ProtocolError(400, f"{name} must be a positive integer, got 0{hint}", param=name)
     debug = body.debug_config  # None unless the server runs with --enable-debug (validate_body)
     try:
         # "is None", not "or": a 0 the client sent must reach the range check, not become the default.
@@ -149,6 +171,7 @@ def make_generation_request(
             n=body.n,
             # vLLM's top-level field or MLC's debug one: asking either way is asking.
             ignore_eos=body.ignore_eos or (debug is not None and debug.ignore_eos),
+            prompt_logprobs=prompt_logprobs,
         )
     except InvalidSamplingParams as exc:
         param, reason = exc.field, exc.reason

@@ -5,6 +5,7 @@ from __future__ import annotations
 import codecs
 import time
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Literal
 
 from pydantic import BaseModel
@@ -30,7 +31,7 @@ from engines.protocol import (
 from engines.registry import registry
 from engines.runtime import AsyncEngine, ChoiceDelta, FinishReason, RequestOutput, TokenLogprob as EngineTokenLogprob
 
-__all__ = ["ChatShaper", "CompletionShaper", "ResponseShaper"]
+__all__ = ["ChatShaper", "CompletionPrompt", "CompletionShaper", "ResponseShaper"]
 
 
 class ResponseShaper(ABC):
@@ -82,12 +83,17 @@ class ResponseShaper(ABC):
     def absorb(self, output: RequestOutput) -> None:
         """Accumulate an output for the non-streaming reply."""
         for delta in output.choices:
-            self._texts.setdefault(delta.index, []).append(delta.text)
+            index = self._index(output, delta)
+            self._texts.setdefault(index, []).append(delta.text)
             if delta.logprobs:
-                self._logprobs.setdefault(delta.index, []).extend(delta.logprobs)
-            if delta.finish_reason is not None or delta.index not in self._finish:
-                self._finish[delta.index] = delta.finish_reason
+                self._logprobs.setdefault(index, []).extend(delta.logprobs)
+            if delta.finish_reason is not None or index not in self._finish:
+                self._finish[index] = delta.finish_reason
         self._record_usage(output)
+
+    def _index(self, output: RequestOutput, delta: ChoiceDelta) -> int:
+        """The reply's index of ``delta``'s choice (the engine's, for a reply of one request)."""
+        return delta.index
 
     def token_text(self, token_id: int) -> str:
         """A token's text for logprobs; OpenAI's ``bytes:\\xNN`` form for a partial UTF-8 character."""
@@ -189,11 +195,12 @@ class TextOffsets:
     """Each token's ``text_offset`` in one choice's text: the characters its predecessors' bytes
     decode to. A token's own text in the logprobs (``token_text``) is no measure: a partial UTF-8
     character shows as ``bytes:\\xNN``. An offset never passes the text sent so far (a stop string
-    or held-back text leaves it shorter than the tokens' bytes), so offsets only grow."""
+    or held-back text leaves it shorter than the tokens' bytes), so offsets only grow. ``start``:
+    where the tokens' text begins (after an echoed prompt)."""
 
-    def __init__(self) -> None:
+    def __init__(self, start: int = 0) -> None:
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._chars = 0  # characters the tokens' bytes so far decode to (an unfinished one not yet)
+        self._chars = start  # characters the tokens' bytes so far decode to (an unfinished one not yet)
 
     def next(self, token_bytes: bytes, text_end: int) -> int:
         """The offset of the token whose bytes are ``token_bytes``, when the choice's text sent so
@@ -203,42 +210,121 @@ class TextOffsets:
         return offset
 
 
+@dataclass
+class CompletionPrompt:
+    """One prompt of a completion request, as ``echo`` returns it: its text (as sent, or its
+    token ids decoded, special tokens included) and its token ids. ``bos_added``: the tokenizer
+    put a BOS before the text, which the text does not hold (it takes no characters)."""
+
+    text: str
+    token_ids: list[int]
+    bos_added: bool = False
+
+
 class CompletionShaper(ResponseShaper):
-    """``text_completion`` objects, streamed or whole."""
+    """``text_completion`` objects, streamed or whole, for one prompt or several (each an engine
+    request, :meth:`add_prompt`: prompt ``i``'s choice ``c`` is the reply's ``i * n + c``), with
+    each prompt echoed before its choices' text when ``echo`` asks."""
 
     def __init__(self, request_id: str, engine: AsyncEngine, body: CompletionRequest) -> None:
         super().__init__(request_id, engine, body)
+        self.echo = body.echo
+        self.n = body.n
         # Per choice: the length of its text sent so far, and its tokens' offsets in it.
         self._sent: dict[int, int] = {}
         self._offsets: dict[int, TextOffsets] = {}
+        # Per engine request: its prompt's place in the list; per prompt, what echo returns.
+        self._prompt_index: dict[str, int] = {}
+        self._prompts: list[CompletionPrompt] = []
+        self._prompt_logprobs: dict[int, list[EngineTokenLogprob | None]] = {}
+        self._echoed: set[int] = set()  # choices whose stream has sent their prompt
+
+    def add_prompt(self, engine_request_id: str, prompt: str | list[int], token_ids: list[int]) -> None:
+        """The next prompt of the request, served by the engine request ``engine_request_id``."""
+        self._prompt_index[engine_request_id] = len(self._prompts)
+        if not self.echo:
+            self._prompts.append(CompletionPrompt("", token_ids))
+            return
+        if isinstance(prompt, str):
+            bos = self.tokenizer.bos_token_id
+            added = bool(token_ids) and token_ids[0] == bos and not prompt.startswith(self.token_text(token_ids[0]))
+            self._prompts.append(CompletionPrompt(prompt, token_ids, added))
+        else:
+            self._prompts.append(CompletionPrompt(self.tokenizer.decode(token_ids, skip_special_tokens=False),
+                                                  token_ids))
+
+    def _index(self, output: RequestOutput, delta: ChoiceDelta) -> int:
+        return self._prompt_index.get(output.request_id, 0) * self.n + delta.index
+
+    def _take_prompt_logprobs(self, output: RequestOutput) -> None:
+        if output.prompt_logprobs is not None:
+            self._prompt_logprobs[self._prompt_index.get(output.request_id, 0)] = output.prompt_logprobs
+
+    def absorb(self, output: RequestOutput) -> None:
+        self._take_prompt_logprobs(output)
+        super().absorb(output)
+
+    def _append(self, out: CompletionLogprobs, token_id: int, item: EngineTokenLogprob | None, offset: int) -> None:
+        """One token's entry in each list; ``item`` None: a token nothing scores (the prompt's first)."""
+        out.tokens.append(self.token_text(token_id))
+        out.token_logprobs.append(None if item is None else item.logprob)
+        out.top_logprobs.append(None if item is None else {self.token_text(tid): lp for tid, lp in item.top_logprobs})
+        out.text_offset.append(offset)
+
+    def _append_logprobs(self, out: CompletionLogprobs, items: list[EngineTokenLogprob] | None, offsets: TextOffsets,
+                         text_end: int) -> None:
+        for item in items or ():
+            self._append(out, item.token_id, item, offsets.next(self.tokenizer.token_bytes(item.token_id), text_end))
 
     def _logprobs_of(self, items: list[EngineTokenLogprob] | None, offsets: TextOffsets,
-                     text_end: int) -> CompletionLogprobs | None:
+                     text_end: int, prompt: CompletionLogprobs | None = None) -> CompletionLogprobs | None:
         if not self.want_logprobs:
             return None
-        out = CompletionLogprobs()
-        for item in items or ():
-            out.tokens.append(self.token_text(item.token_id))
-            out.token_logprobs.append(item.logprob)
-            out.top_logprobs.append({self.token_text(tid): lp for tid, lp in item.top_logprobs})
-            out.text_offset.append(offsets.next(self.tokenizer.token_bytes(item.token_id), text_end))
+        out = prompt or CompletionLogprobs()
+        self._append_logprobs(out, items, offsets, text_end)
         return out
+
+    def _echo(self, choice: int) -> tuple[str, CompletionLogprobs | None]:
+        """Choice ``choice``'s prompt as echo returns it: its text, and (with logprobs) its tokens'
+        entries, the first's null; a prompt whose logprobs never came (its request was aborted
+        before its prefill ended) has null for those it lacks."""
+        prompt_index = choice // self.n
+        prompt = self._prompts[prompt_index]
+        if not self.want_logprobs:
+            return prompt.text, None
+        scores = self._prompt_logprobs.get(prompt_index, [])
+        out = CompletionLogprobs()
+        offsets = TextOffsets()
+        for position, token in enumerate(prompt.token_ids):
+            added = position == 0 and prompt.bos_added
+            offset = 0 if added else offsets.next(self.tokenizer.token_bytes(token), len(prompt.text))
+            self._append(out, token, scores[position] if position < len(scores) else None, offset)
+        return prompt.text, out
 
     def chunk(self, output: RequestOutput) -> CompletionResponse | None:
         self._record_usage(output)
         usage = self._usage_so_far(output)
+        self._take_prompt_logprobs(output)
         choices = []
         for delta in output.choices:
-            if self._skip(delta):
+            index = self._index(output, delta)
+            echo = self.echo and index not in self._echoed
+            if self._skip(delta) and not echo:
                 continue
-            sent = self._sent.get(delta.index, 0) + len(delta.text)
-            self._sent[delta.index] = sent
+            head, head_logprobs = "", None
+            if echo:
+                self._echoed.add(index)
+                head, head_logprobs = self._echo(index)
+                self._sent[index] = len(head)
+                self._offsets[index] = TextOffsets(len(head))
+            sent = self._sent.get(index, 0) + len(delta.text)
+            self._sent[index] = sent
             choices.append(
                 CompletionChoice(
-                    index=delta.index,
-                    text=delta.text,
-                    logprobs=self._logprobs_of(delta.logprobs, self._offsets.setdefault(delta.index, TextOffsets()),
-                                               sent),
+                    index=index,
+                    text=head + delta.text,
+                    logprobs=self._logprobs_of(delta.logprobs, self._offsets.setdefault(index, TextOffsets()),
+                                               sent, head_logprobs),
                     finish_reason=delta.finish_reason,
                 )
             )
@@ -255,11 +341,12 @@ class CompletionShaper(ResponseShaper):
     def response(self) -> CompletionResponse:
         choices = []
         for index in sorted(self._texts):
-            text = "".join(self._texts[index])
+            head, head_logprobs = self._echo(index) if self.echo else ("", None)
+            text = head + "".join(self._texts[index])
             choices.append(CompletionChoice(
                 index=index,
                 text=text,
-                logprobs=self._logprobs_of(self._logprobs.get(index), TextOffsets(), len(text)),
+                logprobs=self._logprobs_of(self._logprobs.get(index), TextOffsets(len(head)), len(text), head_logprobs),
                 finish_reason=self._finish.get(index),
             ))
         return CompletionResponse(

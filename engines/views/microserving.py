@@ -53,7 +53,7 @@ def _prompt(engine: AsyncEngine, body: CompletionRequest | ChatCompletionRequest
     """The prompt's token ids: given, encoded, or the chat template's rendering."""
     if isinstance(body, ChatCompletionRequest):
         return tokenize_chat(engine.tokenizer, body)[0]
-    return prompt_ids(engine.tokenizer, body)
+    return prompt_ids(engine.tokenizer, body.prompts[0])  # one prompt: takes_prompt_lists_and_echo is False
 
 
 @microserving_view

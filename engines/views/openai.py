@@ -41,6 +41,7 @@ from engines.serving.request_mapping import (
     make_generation_request,
     new_request_id,
     prompt_ids,
+    prompt_request_ids,
     tokenize_chat,
     validate_body,
 )
@@ -72,7 +73,8 @@ async def retrieve_model(request: HttpRequest, model: str) -> HttpResponseBase:
 
 @api_view("POST")
 async def completions(request: HttpRequest) -> HttpResponseBase:
-    """``/v1/completions``: a text (or token-id) prompt continued."""
+    """``/v1/completions``: a text (or token-id) prompt continued, or each of a list of them;
+    ``echo`` returns the prompt too (with its logprobs)."""
     if registry.router is not None:
         return await routed_generation(registry.router, request)
     body = validate_body(json_body(request), CompletionRequest)
@@ -83,12 +85,16 @@ async def completions(request: HttpRequest) -> HttpResponseBase:
     if is_metrics_query(body):
         return reply_response(await metrics_events(engine, shaper))
     arrival = arrival_of(request)
-    _trace(engine, request_id, "receive request", at=arrival)
-    _trace(engine, request_id, "start tokenization")
-    prompt = prompt_ids(engine.tokenizer, body)
-    _trace(engine, request_id, "finish tokenization", {"prompt_tokens": len(prompt)})
-    generation = make_generation_request(request_id, prompt, body, arrival)
-    return reply_response(await generate(engine, body, generation, shaper))
+    # One engine request per prompt of a list (each its own trace lane); the reply is one.
+    generations = []
+    for rid, prompt in zip(prompt_request_ids(engine, request_id, len(body.prompts)), body.prompts, strict=True):
+        _trace(engine, rid, "receive request", at=arrival)
+        _trace(engine, rid, "start tokenization")
+        ids = prompt_ids(engine.tokenizer, prompt)
+        _trace(engine, rid, "finish tokenization", {"prompt_tokens": len(ids)})
+        generations.append(make_generation_request(rid, ids, body, arrival))
+        shaper.add_prompt(rid, prompt, ids)
+    return reply_response(await generate(engine, body, generations, shaper))
 
 
 @api_view("POST")

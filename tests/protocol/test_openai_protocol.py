@@ -253,24 +253,34 @@ def test_special_request_may_have_empty_input():
         ([1, 2, 3], [1, 2, 3]),
         (["text"], "text"),
         ([[4, 5]], [4, 5]),
+        (["a", "b"], ["a", "b"]),
+        ([[1], [2, 3]], [[1], [2, 3]]),
     ],
 )
 def test_prompt_forms(prompt, expected):
-    assert CompletionRequest.model_validate(completion(prompt=prompt)).prompt == expected
+    request = CompletionRequest.model_validate(completion(prompt=prompt))
+    assert request.prompt == expected
+    assert request.prompts == (expected if isinstance(expected, list) and isinstance(expected[0], (str, list))
+                               else [expected])
 
 
 @pytest.mark.parametrize(
     ("prompt", "expected"),
     [
-        (["a", "b"], "prompt: batch prompts are not supported (got 2 prompts); send one request per prompt"),
-        ([[1], [2]], "prompt: batch prompts are not supported (got 2 prompts)"),
-        (5, "prompt: must be a string or a list of token ids (integers)"),
+        (5, "prompt: must be a string or a list of token ids (integers), or a list of several prompts"),
         ([1, "a"], "prompt: must be a string or a list of token ids (integers)"),
         ([True, False], "prompt: must be a string or a list of token ids (integers)"),
+        (["a", [1]], "prompt: must be a string or a list of token ids (integers)"),
         ([1, -2], "prompt[1]: Input should be greater than or equal to 0 (got -2)"),
         ([[1, -2]], "prompt[1]: Input should be greater than or equal to 0 (got -2)"),
+        ([[1], [2, -3]], "prompt[1][1]: Input should be greater than or equal to 0 (got -3)"),
+        ([[1], [2, "x"]], "prompt: prompt 1 of the list must be a list of token ids (integers)"),
+        ([[1], []], "prompt: prompt 1 of the list is empty"),
+        (["a", ""], "prompt: prompt 1 of the list is empty"),
+        (["a"] * 65, "prompt: holds 65 prompts; a request takes at most 64"),
         ("", "prompt must not be empty"),
         ([], "prompt must not be empty"),
+        ([""], "prompt must not be empty"),
     ],
 )
 def test_bad_prompts(prompt, expected):
@@ -289,7 +299,7 @@ def test_missing_prompt_is_named():
     [
         ("logprobs", 6, "logprobs: Input should be less than or equal to 5"),
         ("logprobs", -1, "logprobs: Input should be greater than or equal to 0"),
-        ("echo", True, "echo is not supported"),
+        ("echo", "yes", "echo: Input should be a valid boolean"),
         ("suffix", "tail", "suffix (insertion) is not supported"),
         ("best_of", 3, "best_of is not supported (got 3); use n for several choices"),
     ],
@@ -365,6 +375,32 @@ def test_max_completion_tokens_wins():
     error = refusal_of(ChatCompletionRequest, chat(max_completion_tokens=0))
     assert (error.status, error.param) == (400, "max_completion_tokens")
     assert error.message == "max_completion_tokens must be a positive integer, got 0"
+
+
+def test_echo_maps_logprobs_to_prompt_logprobs_and_max_tokens_zero_needs_it():
+    """echo with logprobs asks the engine for the prompt's logprobs too (the same number of
+    alternatives); max_tokens 0 goes with echo only: without it the reply would be empty."""
+    sampling = generation_of(CompletionRequest, completion(echo=True, logprobs=2, max_tokens=0)).sampling
+    assert (sampling.prompt_logprobs, sampling.top_logprobs, sampling.max_tokens) == (2, 2, 0)
+    assert generation_of(CompletionRequest, completion(echo=True)).sampling.prompt_logprobs is None
+    assert generation_of(CompletionRequest, completion(logprobs=1)).sampling.prompt_logprobs is None
+    error = refusal_of(CompletionRequest, completion(max_tokens=0))
+    assert (error.status, error.param) == (400, "max_tokens")
+    assert "goes with echo" in error.message
+    chat_error = refusal_of(ChatCompletionRequest, chat(max_tokens=0))
+    assert chat_error.message == "max_tokens must be a positive integer, got 0"
+
+
+def test_microserving_bodies_take_one_prompt_and_no_echo():
+    from engines.protocol.microserving import PrepRecvRequest, StartGenerateRequest
+
+    base = completion(user="u", begin=0, end=2)
+    for cls in (PrepRecvRequest, StartGenerateRequest):
+        assert error_of(cls, {**base, "echo": True}) == (
+            "echo is not supported here: this call generates on two engines", "echo")
+        message, param = error_of(cls, {**base, "prompt": ["a", "b"]})
+        assert message.startswith("a list of prompts is not supported here (got 2)") and param == "prompt"
+        assert cls.model_validate({**base, "prompt": ["a"]}).prompt == "a"
 
 
 def test_logprobs_and_top_logprobs():
@@ -640,6 +676,20 @@ def test_completion_parses_as_openai_type():
     assert parsed.object == "text_completion"
     assert parsed.choices[0].logprobs.text_offset == [0, 2]
     assert parsed.choices[0].logprobs.top_logprobs == [{" a": -0.5}, {" b": -0.25}]
+
+
+def test_official_client_reads_echoed_prompt_logprobs():
+    """The first prompt token's null logprob and alternatives (echo, as OpenAI's API and vLLM send
+    them; OpenAI's types say float, the client builds its objects without validating)."""
+    logprobs = CompletionLogprobs(tokens=["Hi", " there"], token_logprobs=[None, -1.5],
+                                  top_logprobs=[None, {" there": -1.5}], text_offset=[0, 2])
+    reply = CompletionResponse(id="cmpl-1", model="demo", usage=usage(),
+                               choices=[CompletionChoice(text="Hi there", logprobs=logprobs, finish_reason="length")])
+    client = client_for(lambda request: httpx2.Response(200, json=reply.model_dump()))
+    parsed = client.completions.create(model="demo", prompt="Hi there", echo=True, logprobs=1, max_tokens=0)
+    assert parsed.choices[0].text == "Hi there"
+    assert parsed.choices[0].logprobs.token_logprobs == [None, -1.5]
+    assert parsed.choices[0].logprobs.top_logprobs == [None, {" there": -1.5}]
 
 
 def test_official_client_streams_completion_chunks():

@@ -5,8 +5,9 @@ Who enforces what, each rule once:
 * ``SamplingParams`` (``core.sampler``) checks every sampling range below, for every caller:
   the HTTP server (which answers its ``InvalidSamplingParams`` with a 400 naming the field)
   and code that drives an engine directly.
-* The HTTP protocol (``engines.protocol``) checks only ``max_completion_logprobs``: a rule of
-  the ``/v1/completions`` API shape (its ``logprobs`` becomes the engine's ``top_logprobs``).
+* The HTTP protocol (``engines.protocol``) checks only ``max_completion_logprobs`` and
+  ``max_prompts``: rules of the ``/v1/completions`` API shape (its ``logprobs`` becomes the
+  engine's ``top_logprobs``; each prompt of a list becomes an engine request).
 
 OpenAI's limits, except ``max_n``: every choice is a full sequence in the batch with its own
 KV pages, so one request may not crowd out the rest of the engine (OpenAI allows 128).
@@ -32,6 +33,9 @@ class RequestLimits:
     max_stop_sequences: int = 4
     max_top_logprobs: int = 20           # chat's top_logprobs (and the engine's)
     max_completion_logprobs: int = 5     # /v1/completions' logprobs
+    #: /v1/completions' list of prompts, each an engine request (times n choices): enough for
+    #: lm-evaluation-harness's batches, short of one request queueing a flood.
+    max_prompts: int = 64
     temperature_min: float = 0.0
     temperature_max: float = 2.0
     top_p_min_exclusive: float = 0.0
