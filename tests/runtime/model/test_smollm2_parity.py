@@ -148,3 +148,34 @@ def test_float32_first_step_logits_are_close_to_transformers(smollm2: Checkpoint
     with torch.no_grad():
         theirs = hf_model(torch.tensor([ids])).logits[0, -1].numpy()
     assert np.abs(ours - theirs).max() < 2e-3 * np.abs(theirs).max()
+
+
+def test_float32_prompt_logprobs_are_close_to_transformers(smollm2: Checkpoint, hf_model) -> None:
+    """Prompt logprobs (what echo returns, lm-eval's loglikelihood reads) of a prompt in several
+    prefill chunks, against log-softmax of transformers' logits at every position."""
+    text = ("The lighthouse stood at the edge of the cliff, its lamp turning slowly through the night. "
+            "Sailors far out at sea watched for its light, and every ship that saw it found the harbour.")
+    ids = smollm2.tokenizer.encode(text)
+    top = 5
+    engine = Engine(LlamaModel.from_checkpoint(smollm2, backend="cpu"), smollm2,
+                    EngineConfig(max_num_seqs=2, num_pages=16, prefill_chunk_size=16))
+    assert len(ids) > 2 * 16
+    engine.add_request(request("score", ids, max_tokens=0, prompt_logprobs=top))
+    outputs = []
+    while engine.has_work:
+        outputs += engine.step()
+    (scores,) = [o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None]
+    with torch.no_grad():
+        want = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].double(), dim=-1).numpy()
+    assert scores[0] is None and len(scores) == len(ids)
+    got = np.array([s.logprob for s in scores[1:]])
+    expected = want[np.arange(len(ids) - 1), ids[1:]]
+    assert np.abs(got - expected).max() < 1e-3, np.abs(got - expected).max()  # 2.8e-5 measured
+    for pos, entry in enumerate(scores[1:]):
+        row = want[pos]
+        ranked = np.argsort(-row)[:top + 1]
+        gaps = -np.diff(row[ranked])  # each rank's lead over the next
+        # The same token at each rank transformers' own ranking does not nearly tie.
+        clear = [i for i in range(top) if gaps[i] > 1e-2 and (i == 0 or gaps[i - 1] > 1e-2)]
+        assert [entry.top_logprobs[i][0] for i in clear] == [int(ranked[i]) for i in clear], pos
+        np.testing.assert_allclose([v for _, v in entry.top_logprobs], row[ranked[:top]], atol=1e-3)
