@@ -73,7 +73,8 @@ class KVCacheUsage:
     Every page is exactly one of: ``used`` (held by a live sequence, or pinned),
     ``cached`` (resident prefix-cache page nobody holds: reusable, evictable) or
     ``free`` (no useful contents). ``query_tokens`` / ``hit_tokens`` count prompt tokens looked up at
-    admission and those served from the cache.
+    admission and those served from the cache (an admission capped by ``max_cached_tokens``, a
+    choice scoring its prompt, counts in neither: the rate stays the cache's worth to the others).
     """
 
     total_pages: int
@@ -192,7 +193,8 @@ class KVCachePool:
         the step's token budget for this sequence; the chunk is
         ``min(len(token_ids) - cached_tokens, max_new_tokens)`` tokens.
         ``max_cached_tokens`` caps the reused prefix (None: no cap), for a sequence that
-        must compute the logits of positions the cache holds (prompt logprobs).
+        must compute the logits of positions the cache holds (prompt logprobs); such an
+        admission is left out of the hit statistics.
 
         Returns ``None`` and changes nothing (statistics included) when the chunk does
         not fit; otherwise counts the lookup in the hit statistics.
@@ -470,8 +472,9 @@ class KVCachePool:
         seq.num_slots = cached_tokens + new_tokens
         self._extend(seq, needed)
         self._seqs[seq_id] = seq
-        self._query_tokens += len(token_ids)
-        self._hit_tokens += cached_tokens
+        if max_cached_tokens is None:  # a capped admission is no lookup: it may not take what it finds
+            self._query_tokens += len(token_ids)
+            self._hit_tokens += cached_tokens
         return Admission(cached_tokens=cached_tokens, new_tokens=new_tokens)
 
     def _match(self, token_ids: Sequence[int]) -> tuple[list[int], list[bytes]]:

@@ -158,6 +158,7 @@ def test_max_cached_tokens_caps_the_reused_prefix_in_whole_pages():
     prompt = toks(0, 13)
     run_prefill(pool, "a", prompt)
     cached = pool.pages("a")[:3]
+    stats = (pool.usage().query_tokens, pool.usage().hit_tokens)
     assert pool.admit("none", prompt, 100, max_cached_tokens=0) == Admission(cached_tokens=0, new_tokens=13)
     assert pool.pages("none")[0] not in cached
     # A cap inside a page rounds down; a cap past the match changes nothing.
@@ -166,6 +167,8 @@ def test_max_cached_tokens_caps_the_reused_prefix_in_whole_pages():
     assert pool.admit("all", prompt, 100, max_cached_tokens=50) == Admission(cached_tokens=12, new_tokens=1)
     pool.commit("none", prompt)
     assert pool.match_prefix(prompt) == 12 and pool._cached[pool._key[cached[0]]] == cached[0]
+    # Capped admissions are no lookups: the hit rate stays the cache's worth to the others.
+    assert (pool.usage().query_tokens, pool.usage().hit_tokens) == stats
     check_invariants(pool)
     for seq in ("a", "none", "some", "all"):
         pool.free(seq)
