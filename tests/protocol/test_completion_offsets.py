@@ -61,3 +61,58 @@ def test_offsets_never_pass_the_text_sent() -> None:
     held = TextOffsets()
     assert [held.next(b"abcdef", 2), held.next(b"gh", 2), held.next(b"i", 9)] == [0, 2, 8]
     assert offsets == sorted(offsets)
+
+
+class EchoTokenizer(ByteTokenizer):
+    bos_token_id = 9
+
+    def token_bytes(self, token_id: int) -> bytes:
+        return b"<s>" if token_id == self.bos_token_id else TOKENS[token_id]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return b"".join(self.token_bytes(i) for i in ids).decode()
+
+
+def echo_shaper(prompt: str | list[int], ids: list[int]) -> CompletionShaper:
+    engine = SimpleNamespace(name="m", tokenizer=EchoTokenizer())
+    body = CompletionRequest(model="m", prompt=prompt, logprobs=1, echo=True)
+    s = CompletionShaper("cmpl-1", engine, body)  # type: ignore[arg-type]
+    s.add_prompt("cmpl-1", prompt, ids)
+    return s
+
+
+SCORES = [None, TokenLogprob(2, -0.5, ((2, -0.5),)), TokenLogprob(3, -0.25, ((3, -0.25),))]
+
+
+def test_echo_offsets_run_from_the_prompt_into_the_completion() -> None:
+    """The prompt's tokens at their places in its text, the completion's after it, streamed and whole;
+    the first prompt token's logprob and alternatives null."""
+    streamed = echo_shaper([1, 2, 3], [1, 2, 3])
+    first = output(" au", [4])
+    first.prompt_logprobs = SCORES
+    chunks = [streamed.chunk(first), streamed.chunk(output(" lait", [5], "length"))]
+    whole = echo_shaper([1, 2, 3], [1, 2, 3])
+    whole.absorb(first)
+    whole.absorb(output(" lait", [5], "length"))
+    reply = whole.response().choices[0]
+    assert reply.text == "".join(c.choices[0].text for c in chunks) == "café au lait"  # type: ignore[union-attr]
+    assert chunks[0].choices[0].text == "café au"  # type: ignore[union-attr]
+    logprobs = reply.logprobs
+    assert logprobs is not None
+    assert logprobs.text_offset == [0, 3, 3, 4, 7]
+    assert logprobs.token_logprobs == [None, -0.5, -0.25, -1.0, -1.0]
+    assert logprobs.top_logprobs[:3] == [None, {"bytes:\\xc3": -0.5}, {"bytes:\\xa9": -0.25}]
+    assert [o for c in chunks for o in c.choices[0].logprobs.text_offset] == logprobs.text_offset  # type: ignore
+
+
+def test_echo_of_a_text_prompt_gives_the_added_bos_no_characters() -> None:
+    s = echo_shaper("café", [9, 1, 2, 3])
+    done = output("", [], "length")
+    done.prompt_logprobs = [None, TokenLogprob(1, -2.0)]  # aborted mid-prefill: the rest never came
+    s.absorb(done)
+    reply = s.response().choices[0]
+    assert reply.text == "café"
+    assert reply.logprobs is not None
+    assert reply.logprobs.tokens == ["<s>", "caf", "bytes:\\xc3", "bytes:\\xa9"]
+    assert reply.logprobs.text_offset == [0, 0, 3, 3]
+    assert reply.logprobs.token_logprobs == [None, -2.0, None, None]

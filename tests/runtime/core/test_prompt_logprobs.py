@@ -170,6 +170,17 @@ def test_max_tokens_zero_scores_the_prompt_and_generates_nothing(make_engine, de
     assert plain.tokens == [] and plain.finish_reason == "length"
 
 
+def test_an_abort_mid_prefill_sends_the_logprobs_computed_so_far(make_engine, demo) -> None:
+    prompt = prompts(demo, 1, 150, seed=10)[0]
+    engine = make_engine()  # 64-token chunks
+    engine.add_request(scoring("s", prompt, top=1))
+    assert engine.step() == []  # mid-prompt: nothing to report yet
+    final = engine.abort_request("s")
+    assert final is not None and final.usage is not None
+    assert final.prompt_logprobs is not None and len(final.prompt_logprobs) == 65  # positions 0..63 scored
+    assert [c.finish_reason for c in final.choices] == ["abort"]
+
+
 def test_a_one_token_prompt_has_only_the_null_entry(make_engine, demo) -> None:
     got = collected(make_engine(), [scoring("one", [5], top=2)])
     assert got["one"] == [None]
