@@ -45,13 +45,11 @@ async def generate(
     awaits ``outputs``, so the cancellation lands inside ``AsyncEngine.generate``, whose
     ``finally`` aborts the request (once) and frees its KV pages.
     """
-    shaper.prompt_tokens = len(generation.prompt)
+    generations = generation if isinstance(generation, list) else [generation]
+    shaper.prompt_tokens = sum(len(g.prompt) for g in generations)  # continuous usage: every prompt's
     # Counted for a draining shutdown; a stream counts again while its body is written.
     with registry.response_in_flight():
-        if isinstance(generation, list):
-            outputs = engine.generate(generation[0]) if len(generation) == 1 else together(engine, generation)
-        else:
-            outputs = engine.generate(generation)
+        outputs = engine.generate(generations[0]) if len(generations) == 1 else together(engine, generations)
         try:
             first = await anext(outputs)
         except EngineRequestError as exc:

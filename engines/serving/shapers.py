@@ -54,6 +54,7 @@ class ResponseShaper(ABC):
         self.continuous_usage = body.continuous_usage
         self.prompt_tokens = 0
         self._completion_tokens = 0  # every choice's, so far
+        self._cached_tokens: dict[str, int] = {}  # per engine request (a completion's prompts: several)
         self._texts: dict[int, list[str]] = {}
         self._logprobs: dict[int, list[EngineTokenLogprob]] = {}
         self._finish: dict[int, FinishReason | None] = {}
@@ -76,9 +77,10 @@ class ResponseShaper(ABC):
             return None
         if output.finished and self.usage is not None:
             return self.usage.model_copy(update={"extra": None})
+        self._cached_tokens[output.request_id] = output.cached_prompt_tokens
         return Usage(prompt_tokens=self.prompt_tokens, completion_tokens=self._completion_tokens,
                      total_tokens=self.prompt_tokens + self._completion_tokens,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=output.cached_prompt_tokens))
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self._cached_tokens.values())))
 
     def absorb(self, output: RequestOutput) -> None:
         """Accumulate an output for the non-streaming reply."""

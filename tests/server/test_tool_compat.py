@@ -139,6 +139,18 @@ async def test_continuous_usage_puts_the_usage_so_far_on_every_chunk(client: htt
     assert "extra" not in seen[-1] and "extra" in final["usage"]  # the request's metrics stay on the last chunk
 
 
+async def test_continuous_usage_of_several_prompts_counts_them_all(client: httpx.AsyncClient) -> None:
+    """A completion's list of prompts is one reply: its usage so far counts every prompt's tokens
+    and every choice's, and ends at the summed final usage."""
+    body = {"model": TRACED, "prompt": ["Once upon a time", "Hi"], "max_tokens": 3, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    *chunks, final = stream_events(await client.post(COMPLETIONS, json=body))
+    assert final["usage"]["completion_tokens"] == 6 and final["usage"]["prompt_tokens"] > 3
+    seen = [chunk["usage"] for chunk in chunks]
+    assert all(u["prompt_tokens"] == final["usage"]["prompt_tokens"] for u in seen)
+    assert [u["completion_tokens"] for u in seen][-1] == 6
+
+
 async def test_continuous_usage_alone_has_no_usage_only_chunk(client: httpx.AsyncClient) -> None:
     body = {"model": TRACED, "prompt": "Once upon a time", "max_tokens": 4, "ignore_eos": True, "stream": True,
             "stream_options": {"continuous_usage_stats": True}}
