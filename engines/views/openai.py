@@ -92,7 +92,7 @@ async def completions(request: HttpRequest) -> HttpResponseBase:
         _trace(engine, rid, "start tokenization")
         ids = prompt_ids(engine.tokenizer, prompt)
         _trace(engine, rid, "finish tokenization", {"prompt_tokens": len(ids)})
-        generations.append(make_generation_request(rid, ids, body, arrival))
+        generations.append(make_generation_request(rid, ids, body, arrival, client_request_id(request)))
         shaper.add_prompt(rid, prompt, ids)
     return reply_response(await generate(engine, body, generations, shaper))
 
@@ -114,7 +114,7 @@ async def chat_completions(request: HttpRequest) -> HttpResponseBase:
     _trace(engine, request_id, "start tokenization")
     prompt, system_tokens = tokenize_chat(engine.tokenizer, body)
     _trace(engine, request_id, "finish tokenization", {"prompt_tokens": len(prompt)})
-    generation = make_generation_request(request_id, prompt, body, arrival)
+    generation = make_generation_request(request_id, prompt, body, arrival, client_request_id(request))
     generation.system_prompt_tokens = system_tokens
     return reply_response(await generate(engine, body, generation, shaper))
 

@@ -56,6 +56,16 @@ async def test_list_requests_shows_a_live_stream_with_its_progress(client: httpx
     assert await live_row(client, "live-1") is None  # gone once ended
 
 
+async def test_the_live_table_names_the_clients_x_request_id(client: httpx.AsyncClient) -> None:
+    """With a ``user`` the request runs under an id of ours; the client's X-Request-Id shows beside it."""
+    stream = asyncio.create_task(client.post("/v1/chat/completions", json=chat("live-2"),
+                                             headers={"X-Request-Id": "client-trace-42"}))
+    row = await until_decoding(client, "live-2")
+    assert row["user"] == "live-2" and row["client_request_id"] == "client-trace-42"
+    await client.post("/debug/abort_request", json={"model": TRACED, "request_id": "live-2"})
+    await asyncio.wait_for(stream, 30)
+
+
 async def test_list_requests_empty_body_is_the_first_engine_and_bounded(client: httpx.AsyncClient) -> None:
     reply = await client.post("/debug/list_requests", content=b"")
     assert reply.status_code == 200
