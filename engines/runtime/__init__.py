@@ -53,6 +53,7 @@ _EXPORTS: dict[str, str] = {
     "GenerationRequest": "core.request",
     "GrammarMode": "core.request",
     "RequestOutput": "core.request",
+    "RequestTimes": "core.request",
     "ChoiceDelta": "core.request",
     "FinishReason": "core.request",
     "EngineRequestError": "core.request",
@@ -138,6 +139,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names resolve l
         GenerationRequest,
         GrammarMode,
         RequestOutput,
+        RequestTimes,
     )
     from engines.runtime.core.sampler import InvalidSamplingParams, SamplingParams, TokenLogprob
     from engines.runtime.frontend.async_engine import AsyncEngine, EngineDeadError

@@ -186,7 +186,7 @@ class Engine:
         # here: the server hands it over between two steps, after its tokenizing; behind a router,
         # from its arrival there.
         arrival = now if request.arrival_time is None else min(request.arrival_time, now)
-        state = RequestState(request, arrival - max(request.age_at_arrival_s, 0.0))
+        state = RequestState(request, arrival - max(request.age_at_arrival_s, 0.0), added_time=now)
         max_output = self.max_seq_len - len(request.prompt)
         for index in range(1 if kv_send else request.sampling.n):
             seq = Sequence(state, index, request.prompt[:kv_send.end] if kv_send else request.prompt,

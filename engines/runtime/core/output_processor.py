@@ -75,18 +75,21 @@ class OutputProcessor:
             seq.pending_ids, seq.pending_text, seq.pending_logprobs = [], "", []
             if reason_now is not None:
                 seq.finish_reported = True
-        usage = None
+        usage = times = None
         if state.finished:
-            usage = self._finish_request(state)
+            finish = state.finish_time or time.perf_counter()
+            usage = self._finish_request(state, finish)
+            times = state.times(finish)
         if not choices and usage is None:
             return None
         if prompt_logprobs is not None:
             state.prompt_logprobs_sent = True
         return RequestOutput(state.request_id, choices, usage, state.kv_block if usage is not None else None,
-                             cached_prompt_tokens=state.cached_prompt_tokens, prompt_logprobs=prompt_logprobs)
+                             cached_prompt_tokens=state.cached_prompt_tokens, prompt_logprobs=prompt_logprobs,
+                             times=times)
 
-    def _finish_request(self, state: RequestState) -> dict[str, Any]:
-        """Account for a request whose every choice ended (metrics, trace); returns its usage."""
+    def _finish_request(self, state: RequestState, finish: float) -> dict[str, Any]:
+        """Account for a request whose every choice ended at ``finish`` (metrics, trace); returns its usage."""
         completion = sum(s.num_output_tokens for s in state.sequences)
         prompt = len(state.request.prompt)
         aborted = all(s.finish_reason is FinishReason.ABORT for s in state.sequences)
@@ -99,7 +102,7 @@ class OutputProcessor:
             add_time=state.arrival_time,
             first_scheduled_time=state.first_scheduled_time,
             first_token_time=state.first_token_time,
-            finish_time=state.finish_time or time.perf_counter(),
+            finish_time=finish,
         )
         if not aborted:
             self.metrics.on_request_finished(rm)

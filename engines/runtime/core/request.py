@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from engines.runtime.model.tokenizer import IncrementalDetokenizer
 
 __all__ = ["ChoiceDelta", "EngineRequestError", "FinishReason", "GenerationRequest", "GrammarMode", "RequestOutput",
-           "RequestState", "Sequence", "validate_request"]
+           "RequestState", "RequestTimes", "Sequence", "validate_request"]
 
 
 class GrammarMode(StrEnum):
@@ -80,9 +80,26 @@ class ChoiceDelta:
     finish_reason: FinishReason | None
 
 
+@dataclass(frozen=True, slots=True)
+class RequestTimes:
+    """A request's moments in its engine, on the last output: the stamps its ``usage.extra`` figures
+    are differences of (docs/metrics.md), for a consumer that needs the moments themselves (the
+    OpenTelemetry spans: ``engines.request_spans``). ``time.perf_counter()`` seconds, the clock
+    every process of a host shares; None where the moment never came (aborted first)."""
+
+    #: What the request's figures count from: its arrival at the server, less any age a router
+    #: of ours reported (``GenerationRequest.age_at_arrival_s``).
+    arrival: float
+    #: The engine took it (``Engine.add_request``): after the server's tokenizing and the step in flight.
+    added: float
+    first_scheduled: float | None
+    first_token: float | None
+    finish: float
+
+
 @dataclass
 class RequestOutput:
-    """One step's news for one request; ``usage`` is set on the last one."""
+    """One step's news for one request; ``usage`` (and ``times``) are set on the last one."""
 
     request_id: str
     choices: list[ChoiceDelta]
@@ -99,6 +116,8 @@ class RequestOutput:
     #: None for the first (nothing precedes it). Shorter only if the request ended (aborted)
     #: before its prompt was computed.
     prompt_logprobs: "list[TokenLogprob | None] | None" = None
+    #: On the last output: the request's moments in the engine (what ``usage.extra`` is computed from).
+    times: RequestTimes | None = None
 
     @property
     def finished(self) -> bool:
@@ -178,11 +197,12 @@ class Sequence:
 class RequestState:
     """Everything the engine keeps about a live request."""
 
-    def __init__(self, request: GenerationRequest, arrival_time: float) -> None:
+    def __init__(self, request: GenerationRequest, arrival_time: float, added_time: float | None = None) -> None:
         self.request = request
         self.request_id = request.request_id
         self.params = request.sampling
         self.arrival_time = arrival_time
+        self.added_time = arrival_time if added_time is None else added_time  # the engine took it
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
@@ -208,6 +228,11 @@ class RequestState:
     def prompt_logprobs_missing(self) -> bool:
         """It asked for prompt logprobs and some are not computed yet."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.request.prompt)
+
+    def times(self, finish: float) -> RequestTimes:
+        """Its moments, ended at ``finish`` (the stamp its usage was computed with)."""
+        return RequestTimes(self.arrival_time, self.added_time, self.first_scheduled_time, self.first_token_time,
+                            finish)
 
 
 def validate_request(request: GenerationRequest, vocab_size: int, max_seq_len: int) -> None:

@@ -580,7 +580,7 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
     last = outputs[-1]
     prompt_logprobs = next((out.prompt_logprobs for out in outputs if out.prompt_logprobs is not None), None)
     return RequestOutput(last.request_id, [merged[i] for i in sorted(merged)], last.usage, last.kv_block,
-                         last.kv_delivery, last.cached_prompt_tokens, prompt_logprobs)
+                         last.kv_delivery, last.cached_prompt_tokens, prompt_logprobs, last.times)
 
 
 def _put_threadsafe(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, Any]]) -> None:

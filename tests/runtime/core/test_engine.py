@@ -762,3 +762,32 @@ def test_a_routed_request_s_metrics_count_from_the_router_its_trace_from_here(ma
 
     queue = [e for e in lane_events(engine.tracer.dump(), "routed") if e["name"] == "queue (0)"]
     assert (queue[1]["ts"] - queue[0]["ts"]) / 1e6 < 3.0  # its span: the wait on this engine
+
+
+def test_the_last_output_carries_the_moments_its_usage_counts_between(make_engine, demo):
+    """``RequestOutput.times``: the stamps ``usage.extra``'s figures are differences of, on the
+    last output only, so that a consumer (the OpenTelemetry spans) places them exactly."""
+    import time
+
+    engine = make_engine(max_num_seqs=1)
+    arrived = time.perf_counter() - 0.5
+    timed = request("timed", prompts(demo, 1)[0], max_tokens=4, ignore_eos=True)
+    timed.arrival_time, timed.age_at_arrival_s = arrived, 0.25
+    engine.add_request(timed)
+    engine.add_request(request("waiting", prompts(demo, 1, seed=1)[0], max_tokens=4))
+    engine.step()
+    cut = engine.abort_request("waiting")  # still queued behind max_num_seqs=1
+    outputs = []
+    while engine.has_work:
+        outputs += engine.step()
+    assert [o.times is None for o in outputs] == [True] * (len(outputs) - 1) + [False]
+    t, extra = outputs[-1].times, outputs[-1].usage["extra"]
+    assert t.arrival == arrived - 0.25  # what the metrics count from: a router's age included
+    assert t.arrival < arrived < t.added <= t.first_scheduled <= t.first_token <= t.finish
+    # Exactly the figures' ends: they are differences of these very stamps.
+    assert extra["queue_time_s"] == t.first_scheduled - t.arrival
+    assert extra["ttft_s"] == t.first_token - t.arrival
+    assert extra["end_to_end_latency_s"] == t.finish - t.arrival
+    assert cut.times is not None and cut.times.first_scheduled is None and cut.times.first_token is None
+    assert cut.times.added <= cut.times.finish and cut.usage["extra"]["end_to_end_latency_s"] == \
+        cut.times.finish - cut.times.arrival
