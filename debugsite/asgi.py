@@ -44,6 +44,7 @@ from django.core.handlers.exception import convert_exception_to_response  # noqa
 from django.http import HttpRequest, HttpResponseBase  # noqa: E402
 from django.http.request import split_domain_port  # noqa: E402
 
+from engines import otel  # noqa: E402
 from engines import registry as engine_registry  # noqa: E402
 from engines.api_routes import api_route  # noqa: E402
 from engines.auth import APIKeyMiddleware, ASGIApp, Receive, Scope, Send, routed_path  # noqa: E402
@@ -120,6 +121,8 @@ class PathRouter:
 
 if os.environ.get("ENGINES_MODELS") and not len(engine_registry.registry):
     engine_registry.configure_from_env()
+    # The standard variables, as under serve (no flag here); off without them.
+    otel.configure(otel.endpoint_from(None))
 
 application = ProtocolTypeRouter({
     # Static files (the admin's, the dashboard's, the vendored uPlot) straight from the app folders,

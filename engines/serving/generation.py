@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from pydantic import BaseModel
@@ -20,6 +20,9 @@ from engines.protocol import ChatCompletionRequest, CompletionRequest, ErrorResp
 from engines.registry import registry
 from engines.runtime import AsyncEngine, EngineDeadError, EngineRequestError, GenerationRequest, RequestOutput
 from engines.serving.shapers import ResponseShaper
+
+if TYPE_CHECKING:
+    from engines.otel.export import RequestSpan
 
 __all__ = ["SSE_DONE", "Reply", "collect", "generate", "metrics_events", "sse_events", "summed_usage", "together"]
 
@@ -34,9 +37,11 @@ async def generate(
     body: ChatCompletionRequest | CompletionRequest,
     generation: GenerationRequest | list[GenerationRequest],
     shaper: ResponseShaper,
+    span: RequestSpan | None = None,
 ) -> Reply:
     """Start the request (or the requests of a completion's several prompts, as one: see
     :func:`together`); the SSE events of its stream, or its whole reply once it ended.
+    ``span`` (``engines.otel.begin``: None unless spans are exported) sees every output.
 
     The first output is awaited before any reply is made, so a request the
     engine refuses still gets a proper 400 instead of a broken stream.
@@ -50,6 +55,8 @@ async def generate(
     # Counted for a draining shutdown; a stream counts again while its body is written.
     with registry.response_in_flight():
         outputs = engine.generate(generations[0]) if len(generations) == 1 else together(engine, generations)
+        if span is not None:
+            outputs = span.watch(outputs)
         try:
             first = await anext(outputs)
         except EngineRequestError as exc:

@@ -28,6 +28,7 @@ from typing import Any
 
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
 
+from engines import otel
 from engines.disagg.router import DisaggRouter, RoutedReply, RouterError
 from engines.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, ProtocolError
 from engines.registry import registry
@@ -94,7 +95,9 @@ async def completions(request: HttpRequest) -> HttpResponseBase:
         _trace(engine, rid, "finish tokenization", {"prompt_tokens": len(ids)})
         generations.append(make_generation_request(rid, ids, body, arrival, client_request_id(request)))
         shaper.add_prompt(rid, prompt, ids)
-    return reply_response(await generate(engine, body, generations, shaper))
+    # One span for the reply, named by its first prompt's request (a list's usage is summed).
+    span = otel.begin(request, body, generations[0], engine.name)  # None unless spans are exported
+    return reply_response(await generate(engine, body, generations, shaper, span))
 
 
 @api_view("POST")
@@ -116,7 +119,8 @@ async def chat_completions(request: HttpRequest) -> HttpResponseBase:
     _trace(engine, request_id, "finish tokenization", {"prompt_tokens": len(prompt)})
     generation = make_generation_request(request_id, prompt, body, arrival, client_request_id(request))
     generation.system_prompt_tokens = system_tokens
-    return reply_response(await generate(engine, body, generation, shaper))
+    span = otel.begin(request, body, generation, engine.name)  # None unless spans are exported
+    return reply_response(await generate(engine, body, generation, shaper, span))
 
 
 def _trace(engine: AsyncEngine, request_id: str, event: str, args: dict[str, Any] | None = None,

@@ -45,7 +45,7 @@ from engines.history.capture import start_digest_process, stop_digest_process
 from engines.loop_lag import loop_lag
 from engines.malloc_tuning import tune_malloc
 from engines.prometheus_names import DEFAULT_METRICS_PREFIX, check_prefix
-from engines import server_identity
+from engines import otel, server_identity
 from engines.registry import (
     ENGINE_MODES,
     WEIGHTS_DTYPES,
@@ -174,6 +174,12 @@ class Command(BaseCommand):
                             help="leave an engine that dies dead (default: restart it after 0.5 s, 1 s, 2 s, ...; "
                                  "an engine that dies 5 times in 10 minutes stays dead; /debug/reset_engine "
                                  "restarts a dead one)")
+        parser.add_argument("--otlp-traces-endpoint", metavar="URL", default=None,
+                            help="export a span per generation request (OpenTelemetry's GenAI conventions, with "
+                                 "queue, prefill and decode spans, joined to the client's traceparent) over "
+                                 "OTLP/HTTP to URL, e.g. http://127.0.0.1:4318/v1/traces (default: "
+                                 "$OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, or $OTEL_EXPORTER_OTLP_ENDPOINT/v1/traces; "
+                                 "neither: off, at no cost)")
         parser.add_argument("--kv-port", type=int, default=0, metavar="PORT",
                             help="with --enable-debug: the port of the first engine's K/V listener, where other "
                                  "servers send disaggregated K/V (the next engine takes the next port; default: "
@@ -260,6 +266,13 @@ class Command(BaseCommand):
             raise CommandError(f"--weights-dtype {options['weights_dtype']} with --dtype {options['dtype']}: "
                                "dequantized weights are stored in --dtype (give both the same, or leave "
                                "--weights-dtype out: a GGUF's matrices then stay in the file's types)") from exc
+        try:
+            traces_endpoint = otel.endpoint_from(options["otlp_traces_endpoint"])
+        except ValueError as exc:
+            raise CommandError(str(exc)) from None
+        if options["router"] and options["otlp_traces_endpoint"]:
+            raise CommandError("--otlp-traces-endpoint: a router exports no spans (its engine servers do): give the "
+                               "flag to them.")
         specs = [] if options["router"] else self._model_specs(options["models"] or list(builtin_model_names()))
         check_port_free(host, port)
         # Before the ASGI app is built (its websocket session middleware reads the name once).
@@ -274,6 +287,7 @@ class Command(BaseCommand):
                 self._configure_router(options)
             else:
                 self._load_engines(specs, options)
+                otel.configure(traces_endpoint)  # off (None) without a flag or variable
             if options["enable_debug"]:
                 logger.info("Enable debug endpoint and debug_config in requests...")
             if options["enable_tracing"]:
@@ -286,6 +300,7 @@ class Command(BaseCommand):
             pass
         finally:
             signal.signal(signal.SIGTERM, previous_term)
+            otel.shutdown()  # the spans of the requests that ended, out before the process goes
             had_engines = len(registry) > 0
             registry.shutdown_all()
             stop_digest_process()
@@ -386,6 +401,8 @@ class Command(BaseCommand):
             f"Admin        {base}/admin/",
             f"History      {base}/admin/engines/tracerecord/  ({_describe_autosave(autosave)})",
         ]
+        if otel.exporting():
+            lines.append(f"OpenTelemetry  request spans to {otel.exporting()} (OTLP/HTTP)")
         if enable_debug:
             lines.insert(1, f"Debug        {base}/debug/  ({', '.join(debug_routes())})")
         if api_key:
