@@ -177,6 +177,8 @@ VIEWS = (
          metrics=("engine", "engine, viewer/none", "behind the engine p50", "behind the engine p99",
                   "cores used: server", "cores used: engine", "cores used: browser"), where={"part": ("live",)}),
     View("profiler", "profiler_overhead", ("runtime",), metrics=("median total", "off/before", "on/off")),
+    View("otel", "otel_overhead", ("machine", "mode"),
+         metrics=("requests/s", "vs off", "off path a request", "span work a request")),
     View("metrics-truth", "metrics_truth", ("machine", "model", "source", "metric"), columns=("concurrency",)),
     View("cpu-anchors", "cpu_anchors", ("cell",), columns=("threads", "machine"), metrics=("ours/CT2",),
          where={"machine": (ZEN5, ZEN4, ZEN3, EMERALD_RAPIDS, XEON_AMX)}),
