@@ -223,6 +223,7 @@ class ProfileRecord(PayloadRecord):
     stack_samples = models.PositiveIntegerField(default=0, help_text="Python stack samples (0: not sampled).")
     kernels = models.JSONField(default=list, blank=True)
     note = models.TextField(blank=True)
+    trigger = models.TextField(blank=True, help_text="A profile that started itself: its trigger, and what fired it.")
 
     class Meta:
         ordering = ("-captured_at", "-id")

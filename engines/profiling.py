@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from engines.history.capture import acheck_database
 from engines.history.outage import HistoryUnavailableError
 from engines.history.profiles import asave_profile, aset_profile_note
-from engines.runtime import AsyncEngine, ProfilerStateError, ProfileStatus
+from engines.runtime import AsyncEngine, ProfilerStateError, ProfileStatus, ProfileTrigger
 
 __all__ = ["ProfileSaved", "ProfileState", "profile_state", "start_profile", "stop_profile"]
 
@@ -50,6 +50,8 @@ class ProfileState(BaseModel):
     running: bool = False
     steps: int = 0                 # profiled so far (while running)
     max_steps: int | None = None
+    armed: bool = False            # waiting for its trigger
+    trigger: str = ""              # the trigger (armed, or the running profile's when it started itself)
     last_id: int | None = None     # the newest profile this process saved for the engine
     last_url: str | None = None    # its page (/dashboard/profiles/<id>/)
 
@@ -80,18 +82,22 @@ def profile_state(engine: AsyncEngine) -> ProfileState:
     if state is None:
         return ProfileState()
     last = state.last
-    return ProfileState(running=state.watcher is not None and not state.watcher.done(), steps=state.status.steps,
-                        max_steps=state.status.max_steps, last_id=last.id if last else None,
-                        last_url=last.url if last else None)
+    watching = state.watcher is not None and not state.watcher.done()
+    armed = watching and state.status.armed
+    return ProfileState(running=watching and not armed, steps=state.status.steps, max_steps=state.status.max_steps,
+                        armed=armed, trigger=state.status.trigger if watching else "",
+                        last_id=last.id if last else None, last_url=last.url if last else None)
 
 
 async def start_profile(engine: AsyncEngine, *, max_steps: int | None = None,
                         max_seconds: float = DEFAULT_MAX_SECONDS, stack_sampling: bool = False,
-                        source: str = "api") -> ProfileStatus:
-    """Start profiling ``engine``; raises ``ProfilerStateError`` when a profile runs already."""
+                        source: str = "api", trigger: ProfileTrigger | None = None) -> ProfileStatus:
+    """Start profiling ``engine``, or with a ``trigger`` arm a profile that starts itself (saved,
+    as one that stops by itself is, when it ends); raises ``ProfilerStateError`` when a profile
+    runs or is armed already."""
     state = _of(engine)
     async with state.lock:
-        status = await engine.profile_start(max_steps, max_seconds, stack_sampling)
+        status = await engine.profile_start(max_steps, max_seconds, stack_sampling, trigger)
         state.status, state.source = status, source
         state.watcher = asyncio.get_running_loop().create_task(_watch(engine, state))
     return status
@@ -126,7 +132,7 @@ async def _watch(engine: AsyncEngine, state: _EngineProfiles) -> None:
             logger.warning("engine %s: its profile ended with the engine", engine.name)
             state.status = ProfileStatus(running=False)
             return
-        if state.status.finished or not state.status.running:
+        if state.status.finished or not (state.status.running or state.status.armed):
             break
     await _database_back(engine)
     async with state.lock:

@@ -33,6 +33,7 @@ def save_profile(profile: dict[str, Any], *, engine: str, source: str = ProfileR
     raw = orjson.dumps(profile)
     stored = compress_json(raw)
     stacks = profile.get("stacks") or {}
+    trigger = profile.get("trigger") or {}
     record = ProfileRecord(
         engine=engine, model=str(profile.get("model", "")), backend=str(profile.get("backend", "")),
         device=str(profile.get("device", ""))[:200], source=source,
@@ -41,6 +42,7 @@ def save_profile(profile: dict[str, Any], *, engine: str, source: str = ProfileR
         kernel_calls=sum(int(k["calls"]) for k in profile.get("kernels", [])),
         stopped_by=str(profile.get("stopped_by", "")), stack_samples=int(stacks.get("samples", 0)),
         kernels=profile.get("kernels", []), note=note, **stored.record_fields(), **where,
+        trigger=f"{trigger['trigger']}; fired: {trigger['fired_by']}" if trigger else "",
     )
     with transaction.atomic():
         record.save(force_insert=True)

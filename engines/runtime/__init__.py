@@ -36,6 +36,7 @@ _EXPORTS: dict[str, str] = {
     "EngineSpec": "frontend.messages",
     "EngineInfo": "frontend.messages",
     "DashboardReading": "frontend.messages",
+    "ProfileTrigger": "core.profile_trigger",
     "KVListenSpec": "core.disagg.kv_http",
     "KVPostError": "core.disagg.kv_http",
     "post_block": "core.disagg.kv_http",
@@ -130,6 +131,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names resolve lazily above
     from engines.runtime.core.engine import Engine, EngineConfig
     from engines.runtime.core.limits import REQUEST_LIMITS, RequestLimits
+    from engines.runtime.core.profile_trigger import ProfileTrigger
     from engines.runtime.core.live_view import (DEFAULT_KV_ENTRIES, DEFAULT_LIVE_LIMIT, KVCacheDump, LiveRequest,
                                                 LiveRequests, PrefixCacheEntry, RequestPages)
     from engines.runtime.core.request import (

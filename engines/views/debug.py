@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 from django.http import HttpRequest, HttpResponse
 from django.urls import reverse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
 
 from engines.history import (
     MAX_NOTE_CHARS,
@@ -42,7 +42,8 @@ from engines.profiling import DEFAULT_MAX_SECONDS, ProfileSaved, start_profile, 
 from engines.protocol.errors import ProtocolError
 from engines.registry import registry
 from engines.request_abort import RequestNotLiveError, abort_live_request
-from engines.runtime import DEFAULT_KV_ENTRIES, DEFAULT_LIVE_LIMIT, REQUEST_LIMITS, AsyncEngine, ProfilerStateError
+from engines.runtime import DEFAULT_KV_ENTRIES, DEFAULT_LIVE_LIMIT, REQUEST_LIMITS, AsyncEngine, ProfilerStateError, \
+    ProfileTrigger
 from engines.views.api import InvalidBody, debug_gated, json_body, json_response
 
 NOT_MOUNTED = ("Not found: the /debug endpoints (and vLLM's /reset_prefix_cache, /start_profile and /stop_profile) "
@@ -69,6 +70,25 @@ class SaveTraceOptions(BaseModel):
     clear: StrictBool = False
 
 
+class TriggerOptions(BaseModel):
+    """``profile_start``'s ``trigger``: what starts an armed profile (any one of these, after
+    ``delay_steps``; ``core.profile_trigger``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    step_over_ms: float | None = Field(default=None, gt=0, le=3_600_000)
+    ttft_p99_over_ms: float | None = Field(default=None, gt=0, le=3_600_000)
+    ttft_window_s: float = Field(default=60.0, gt=0, le=3600)
+    request_id: StrictStr | None = Field(default=None, min_length=1, max_length=REQUEST_LIMITS.max_request_id_chars)
+    user: StrictStr | None = Field(default=None, min_length=1, max_length=256)
+
+    @model_validator(mode="after")
+    def _one_condition(self) -> "TriggerOptions":
+        if all(v is None for v in (self.step_over_ms, self.ttft_p99_over_ms, self.request_id, self.user)):
+            raise ValueError("a trigger needs a condition")
+        return self
+
+
 class ProfileOptions(BaseModel):
     """What ``profile_start`` (and ``cuda_profiler_start``) take besides ``model``."""
 
@@ -77,6 +97,19 @@ class ProfileOptions(BaseModel):
     max_steps: StrictInt | None = Field(default=None, ge=1, le=1_000_000)
     max_seconds: float = Field(default=DEFAULT_MAX_SECONDS, gt=0, le=3600)
     stack_sampling: StrictBool = False
+    delay_steps: StrictInt = Field(default=0, ge=0, le=1_000_000)
+    trigger: TriggerOptions | None = None
+
+    def profile_trigger(self) -> ProfileTrigger | None:
+        """The engine's trigger for these options; None to start at once."""
+        t = self.trigger
+        if t is None:
+            return ProfileTrigger(delay_steps=self.delay_steps) if self.delay_steps else None
+        ms = 1e-3
+        return ProfileTrigger(delay_steps=self.delay_steps,
+                              step_over_s=t.step_over_ms * ms if t.step_over_ms is not None else None,
+                              ttft_p99_over_s=t.ttft_p99_over_ms * ms if t.ttft_p99_over_ms is not None else None,
+                              ttft_window_s=t.ttft_window_s, request_id=t.request_id, user=t.user)
 
 
 class ProfileStopOptions(BaseModel):
@@ -112,8 +145,9 @@ class KVDumpOptions(BaseModel):
 
 
 Options = TypeVar("Options", bound=BaseModel)
-PROFILE_HINT = ('Send "max_steps" as a whole number >= 1, "max_seconds" as a number of seconds (at most 3600) '
-                'and "stack_sampling" as true or false.')
+PROFILE_HINT = ('Send "max_steps" as a whole number >= 1, "max_seconds" as a number of seconds (at most 3600), '
+                '"stack_sampling" as true or false, "delay_steps" as a whole number >= 0 and "trigger" as an object '
+                'with at least one of "step_over_ms", "ttft_p99_over_ms" (with "ttft_window_s"), "request_id", "user".')
 
 
 debug_view = debug_gated(NOT_MOUNTED)
@@ -286,13 +320,15 @@ async def reset_prefix_cache(request: HttpRequest) -> HttpResponse:
 
 async def _start_builtin(request: HttpRequest, engine: AsyncEngine) -> dict[str, Any]:
     options = parse_options(request, ProfileOptions, PROFILE_HINT)
+    trigger = options.profile_trigger()
     try:
         await start_profile(engine, max_steps=options.max_steps, max_seconds=options.max_seconds,
-                            stack_sampling=options.stack_sampling)
+                            stack_sampling=options.stack_sampling, trigger=trigger)
     except ProfilerStateError as exc:
         raise ProtocolError(409, f"Engine {engine.name}: {exc} (POST /debug/profile_stop).") from None
-    return {"status": "profiling", "model": engine.name, "max_steps": options.max_steps,
-            "max_seconds": options.max_seconds, "stack_sampling": options.stack_sampling}
+    return {"status": "armed" if trigger is not None else "profiling", "model": engine.name,
+            "max_steps": options.max_steps, "max_seconds": options.max_seconds,
+            "stack_sampling": options.stack_sampling, "trigger": trigger.describe() if trigger is not None else None}
 
 
 async def _stop_builtin(request: HttpRequest, engine: AsyncEngine) -> ProfileSaved:

@@ -71,6 +71,17 @@ def test_the_page_shows_every_kernel_with_its_calls(staff: Client, profile: dict
     assert f'/dashboard/profiles/{record.pk}/timeline/' in html
 
 
+def test_a_profile_that_started_itself_says_what_started_it(staff: Client, profile: dict) -> None:
+    plain = save_profile(profile, engine="demo")
+    assert plain.trigger == ""
+    assert 'id="profile-trigger"' not in staff.get(f"/dashboard/profiles/{plain.pk}/").content.decode()
+    record = save_profile({**profile, "trigger": {"trigger": f"request {HOSTILE!r} arriving",
+                                                  "fired_by": "request 'x' arrived"}}, engine="demo")
+    html = staff.get(f"/dashboard/profiles/{record.pk}/").content.decode()
+    assert '<th>Started by</th><td colspan="5" id="profile-trigger">' in html
+    assert "fired: request &#x27;x&#x27; arrived" in html and "<script>alert(1)</script>" not in html
+
+
 def test_anonymous_users_go_to_the_login(profile: dict) -> None:
     record = save_profile(profile, engine="demo")
     for path in ("", "data.json", "profile.json.gz", "trace.json", "timeline/"):

@@ -31,7 +31,7 @@ async def test_start_load_stop_saves_a_profile_of_every_kernel(client: httpx.Asy
     started = await client.post("/debug/profile_start", json={"model": TRACED, "stack_sampling": True})
     assert started.status_code == 200, started.text
     assert started.json() == {"status": "profiling", "model": TRACED, "max_steps": None, "max_seconds": 60.0,
-                              "stack_sampling": True}
+                              "stack_sampling": True, "trigger": None}
     await load(client)
     stopped = await client.post("/debug/profile_stop", json={"model": TRACED, "note": "<b>first</b>"})
     assert stopped.status_code == 200, stopped.text
@@ -143,3 +143,44 @@ async def test_a_profile_that_stops_by_itself_while_the_database_is_away_is_save
         await asyncio.sleep(0.1)
     record = await sync_to_async(ProfileRecord.objects.latest)("id")
     assert record.engine == UNTRACED and record.steps == 3 and record.stopped_by == "max_steps"
+
+
+async def test_a_profile_armed_for_a_request_starts_and_saves_itself(client: httpx.AsyncClient) -> None:
+    before = await ProfileRecord.objects.acount()
+    started = await client.post("/debug/profile_start", json={
+        "model": UNTRACED, "max_steps": 2, "trigger": {"request_id": "slow-one"}})
+    assert started.status_code == 200, started.text
+    assert started.json()["status"] == "armed" and started.json()["trigger"] == "request 'slow-one' arriving"
+    state = profile_state(registry.get(UNTRACED))
+    assert state.armed and not state.running and state.trigger == "request 'slow-one' arriving"
+    # A second start while armed is refused, as while running.
+    assert_error(await client.post("/debug/profile_start", json={"model": UNTRACED}), 409)
+    await load(client, model=UNTRACED, n=2)  # other requests: it stays armed
+    await asyncio.sleep(0.6)  # the watcher's look
+    assert await ProfileRecord.objects.acount() == before and profile_state(registry.get(UNTRACED)).armed
+    body = {"model": UNTRACED, "prompt": "the one", "max_tokens": 8, "debug_config": {"ignore_eos": True}}
+    response = await client.post("/v1/completions", json=body, headers={"X-Request-Id": "slow-one"})
+    assert response.status_code == 200, response.text
+    for _ in range(100):
+        if await ProfileRecord.objects.acount() > before:
+            break
+        await asyncio.sleep(0.1)
+    record = await sync_to_async(ProfileRecord.objects.latest)("id")
+    assert record.engine == UNTRACED and record.steps == 2 and record.stopped_by == "max_steps"
+    assert record.trigger == "request 'slow-one' arriving; fired: request 'slow-one' arrived"
+
+
+async def test_a_stop_disarms_an_armed_profile_and_bad_triggers_are_400(client: httpx.AsyncClient) -> None:
+    assert_error(await client.post("/debug/profile_start", json={"model": UNTRACED, "trigger": {}}), 400)
+    assert_error(await client.post("/debug/profile_start",
+                                   json={"model": UNTRACED, "trigger": {"step_over_ms": -1}}), 400)
+    assert_error(await client.post("/debug/profile_start",
+                                   json={"model": UNTRACED, "trigger": {"when": "soon"}}), 400)
+    assert_error(await client.post("/debug/profile_start", json={"model": UNTRACED, "delay_steps": -2}), 400)
+    started = await client.post("/debug/profile_start", json={"model": UNTRACED, "trigger": {"user": "nobody"}})
+    assert started.status_code == 200, started.text
+    stopped = await client.post("/debug/profile_stop", json={"model": UNTRACED})
+    assert stopped.status_code == 409 and "disarmed" in stopped.text
+    assert not profile_state(registry.get(UNTRACED)).armed
+    again = await client.post("/debug/profile_start", json={"model": UNTRACED, "max_steps": 1})
+    assert again.status_code == 200 and again.json()["status"] == "profiling"

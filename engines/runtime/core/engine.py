@@ -50,6 +50,7 @@ from engines.runtime.core.request import (
 )
 from engines.runtime.core.sampler import Sampler, SamplingParams, SamplingState, TokenLogprob
 from engines.runtime.core.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from engines.runtime.core.profile_trigger import ProfileTrigger
 from engines.runtime.core.step_observer import StepObserver
 from engines.runtime.core.stop_checker import StopChecker
 from engines.runtime.telemetry.profiler import ProfileResult, ProfileStatus
@@ -202,6 +203,8 @@ class Engine:
         for seq in state.sequences:
             self.scheduler.add(seq)
         self.requests[request.request_id] = state
+        if (armed := self.profiling.armed) is not None:
+            armed.on_request(request.request_id, request.client_request_id, request.user)
         if self.observer is not None:
             self.observer.event(request.request_id, "request added to engine", {"prompt_tokens": len(request.prompt)})
             # The queue span opens at the arrival here (before the tokenizer's span): the queue time
@@ -305,11 +308,18 @@ class Engine:
     # ------------------------------------------------------------------- profiling
 
     def start_profile(self, max_steps: int | None = None, max_seconds: float = 60.0,
-                      stack_sampling: bool = False) -> ProfileStatus:
-        """Profile the next steps (``ProfilerControl.start``); between steps only."""
+                      stack_sampling: bool = False, trigger: ProfileTrigger | None = None) -> ProfileStatus:
+        """Profile the next steps (``ProfilerControl.start``), or, with a ``trigger``, arm a profile
+        that starts itself (``ProfilerControl.arm``); between steps only."""
+        if trigger is not None:
+            return self.profiling.arm(trigger, max_steps, max_seconds, stack_sampling)
         profiler = self.profiling.start(max_steps, max_seconds, stack_sampling)
         self.observer = StepObserver.watching(self.tracer, profiler)
         return profiler.status()
+
+    def _fire_profile(self) -> None:
+        """The armed profile's trigger fired (in the last step, or as a request came): it starts now."""
+        self.observer = StepObserver.watching(self.tracer, self.profiling.fire())
 
     def stop_profile(self, engine_name: str = "engine") -> ProfileResult:
         """End the profile, or take the one that stopped by itself (``ProfilerControl.stop``)."""
@@ -324,6 +334,9 @@ class Engine:
 
         Returns what the requests this step changed have to report (new text, finish reasons, usage).
         """
+        armed = self.profiling.armed
+        if armed is not None and armed.fired_by is not None:
+            self._fire_profile()
         obs = self.observer
         if obs is not None:
             obs.begin_step()
@@ -336,7 +349,10 @@ class Engine:
             self._generated_tokens = 0
             output = self._execute(sched)
             touched += self._update(sched, output)
-            self.metrics.on_step(time.perf_counter() - t0, prefill_tokens=sched.num_prefill_tokens,
+            step_s = time.perf_counter() - t0
+            if (armed := self.profiling.armed) is not None:
+                armed.on_step(step_s)
+            self.metrics.on_step(step_s, prefill_tokens=sched.num_prefill_tokens,
                                  decode_seqs=sched.num_decode_seqs, generated_tokens=self._generated_tokens,
                                  prompt_tokens=self._prompts_completed(sched.chunks))
         outputs = self.outputs.outputs(touched)
@@ -614,6 +630,8 @@ class Engine:
         if state.first_token_time is None:
             state.first_token_time = now
             self.metrics.on_first_token(now - state.arrival_time)
+            if (armed := self.profiling.armed) is not None:
+                armed.on_first_token(now - state.arrival_time, now)
             if self.observer is not None:
                 self.observer.event(state.request_id, "first token")
         if self._accept_token(seq, token, logprob) or seq.grammar is None:

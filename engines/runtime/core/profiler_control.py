@@ -3,15 +3,17 @@ was taken on.
 
 A profile swaps the model's backend for a timed one (``telemetry.profiler.ProfiledBackend``)
 until it stops, by request, at its step limit or at its time limit; one that stopped by itself
-waits for :meth:`ProfilerControl.stop` to take it. The step's seams lap the running profiler
-through the engine's ``StepObserver``. Start and stop run between steps, on the engine thread;
-:meth:`ProfilerControl.status` from any thread.
+waits for :meth:`ProfilerControl.stop` to take it. A profile with a trigger is armed first
+(:meth:`ProfilerControl.arm`) and starts itself when the trigger fires (``core.profile_trigger``).
+The step's seams lap the running profiler through the engine's ``StepObserver``. Start and stop
+run between steps, on the engine thread; :meth:`ProfilerControl.status` from any thread.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from engines.runtime.core.profile_trigger import ArmedTrigger, ProfileTrigger
 from engines.runtime.telemetry.profiler import ProfiledBackend, ProfileResult, ProfilerStateError, ProfileStatus, \
     StepProfiler
 
@@ -39,6 +41,10 @@ class ProfilerControl:
         self._stopped: StepProfiler | None = None  # ended by itself, not taken yet
         self._plain_backend = model.backend
         self._peak: tuple[float | None, str] | None = None  # measured once, at the first profile
+        #: The armed profile's watch, until it fires or is cancelled; None when none is armed.
+        self.armed: ArmedTrigger | None = None
+        self._armed_options: tuple[int | None, float, bool] = (None, 60.0, False)
+        self._trigger: dict[str, str] | None = None  # the running or stopped profile's, if it started itself
 
     @property
     def plain_backend(self) -> Any:
@@ -49,10 +55,19 @@ class ProfilerControl:
               stack_sampling: bool = False) -> StepProfiler:
         """Profile the next steps until :meth:`stop`, ``max_steps`` steps or ``max_seconds``.
         A profile already running (or stopped and not yet taken) is a :class:`ProfilerStateError`."""
+        self._check_idle()
+        self._trigger = None
+        return self._start(max_steps, max_seconds, stack_sampling)
+
+    def _check_idle(self) -> None:
         if self.running is not None:
             raise ProfilerStateError("a profile is already running: stop it first")
+        if self.armed is not None:
+            raise ProfilerStateError(f"a profile is armed ({self.armed.trigger.describe()}): stop it first")
         if self._stopped is not None:
             raise ProfilerStateError("a finished profile has not been taken yet: stop it first")
+
+    def _start(self, max_steps: int | None, max_seconds: float, stack_sampling: bool) -> StepProfiler:
         profiler = StepProfiler(max_steps=max_steps, max_seconds=max_seconds, stack_sampling=stack_sampling)
         if self._peak is None:
             self._peak = self._plain_backend.peak_bandwidth()
@@ -60,10 +75,36 @@ class ProfilerControl:
         self.running = profiler
         return profiler
 
+    def arm(self, trigger: ProfileTrigger, max_steps: int | None = None, max_seconds: float = 60.0,
+            stack_sampling: bool = False) -> ProfileStatus:
+        """Arm a profile that starts itself when ``trigger`` fires, bounded then by ``max_steps`` and
+        ``max_seconds`` as :meth:`start`'s; one at a time, as :meth:`start`."""
+        self._check_idle()
+        self.armed = ArmedTrigger(trigger)
+        self._armed_options = (max_steps, max_seconds, stack_sampling)
+        return self.status()
+
+    def fire(self) -> StepProfiler:
+        """Start the armed profile whose trigger fired (between steps, on the engine thread)."""
+        armed, self.armed = self.armed, None
+        assert armed is not None and armed.fired_by is not None
+        self._trigger = {"trigger": armed.trigger.describe(), "fired_by": armed.fired_by}
+        return self._start(*self._armed_options)
+
     def status(self) -> ProfileStatus:
         """Where the profiler stands; safe from any thread."""
+        armed = self.armed
+        if armed is not None:
+            max_steps, _, stack_sampling = self._armed_options
+            return ProfileStatus(running=False, max_steps=max_steps, stack_sampling=stack_sampling, armed=True,
+                                 trigger=armed.trigger.describe(), fired_by=armed.fired_by or "")
         profiler = self.running or self._stopped
-        return profiler.status() if profiler is not None else ProfileStatus(running=False)
+        if profiler is None:
+            return ProfileStatus(running=False)
+        status = profiler.status()
+        trigger = self._trigger
+        return dataclasses.replace(status, trigger=trigger["trigger"], fired_by=trigger["fired_by"]) if trigger \
+            else status
 
     def end(self) -> None:
         """The running profile ends (its limit, or a stop): the plain backend is back, and the
@@ -77,15 +118,21 @@ class ProfilerControl:
     def stop(self, engine_name: str = "engine") -> ProfileResult:
         """End the profile (or take the one that stopped by itself) and summarise it. None to stop
         is a :class:`ProfilerStateError`."""
+        if self.armed is not None:
+            armed, self.armed = self.armed, None
+            raise ProfilerStateError(f"the armed profile never started ({armed.trigger.describe()} did not happen "
+                                     f"in {armed.steps_seen} steps): it is disarmed and nothing was saved")
         if self.running is not None:
             self.end()
         profiler, self._stopped = self._stopped, None
         if profiler is None:
             raise ProfilerStateError("no profile is running: start one first")
         peak, source = self._peak or (None, "")
-        return profiler.result(engine=engine_name, model=self.checkpoint_name, backend=self.model.backend_name,
-                               device=self._plain_backend.device_name(), peak_gbs=peak, peak_source=source,
-                               config=self.describe())
+        trigger, self._trigger = self._trigger, None
+        result = profiler.result(engine=engine_name, model=self.checkpoint_name, backend=self.model.backend_name,
+                                 device=self._plain_backend.device_name(), peak_gbs=peak, peak_source=source,
+                                 config=self.describe())
+        return dataclasses.replace(result, trigger=trigger)
 
     def describe(self) -> dict[str, Any]:
         """The engine's configuration as plain data: what a profile was taken on."""

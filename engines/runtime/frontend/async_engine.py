@@ -30,6 +30,7 @@ from engines.runtime.core.request import ChoiceDelta, EngineRequestError, Genera
     validate_request
 from engines.runtime.frontend.engine_core import EngineCore, create_engine, engine_info, shorten_gil_switch
 from engines.runtime.core.live_view import DEFAULT_KV_ENTRIES, DEFAULT_LIVE_LIMIT, KVCacheDump, LiveRequests
+from engines.runtime.core.profile_trigger import ProfileTrigger
 from engines.runtime.frontend.messages import (
     AbortCall,
     AbortRequest,
@@ -401,10 +402,10 @@ class AsyncEngine:
         return await self._acall(TraceSinceCall(cursor))
 
     async def profile_start(self, max_steps: int | None = None, max_seconds: float = 60.0,
-                            stack_sampling: bool = False) -> ProfileStatus:
-        """Start the built-in profiler (``Engine.start_profile``) between two steps; a
-        ``ProfilerStateError`` when one runs already."""
-        return await self._acall(ProfileCall("start", max_steps, max_seconds, stack_sampling))
+                            stack_sampling: bool = False, trigger: ProfileTrigger | None = None) -> ProfileStatus:
+        """Start the built-in profiler (``Engine.start_profile``) between two steps, or arm it to
+        start itself when ``trigger`` fires; a ``ProfilerStateError`` when one runs or is armed already."""
+        return await self._acall(ProfileCall("start", max_steps, max_seconds, stack_sampling, trigger=trigger))
 
     async def profile_stop(self) -> ProfileResult:
         """Stop the profile (or take the one that stopped by itself) and return its result; a

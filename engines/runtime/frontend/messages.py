@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal, Union
 
 from engines.runtime.core.engine import EngineConfig
 from engines.runtime.core.kv_sizing import KVCacheSize
+from engines.runtime.core.profile_trigger import ProfileTrigger
 from engines.runtime.core.live_view import DEFAULT_KV_ENTRIES, DEFAULT_LIVE_LIMIT, KVCacheDump, LiveRequests
 from engines.runtime.core.disagg.kv_http import KVListenSpec
 from engines.runtime.core.disagg.transfer import KVBlock
@@ -258,6 +259,8 @@ class ProfileCall(EngineCall):
     stack_sampling: bool = False
     #: The engine's served name, for the result of a stop.
     engine_name: str = "engine"
+    #: ``start`` arms a profile that starts itself when this fires (``core.profile_trigger``).
+    trigger: ProfileTrigger | None = None
 
     @property
     def immediate(self) -> bool:  # type: ignore[override]
@@ -265,7 +268,7 @@ class ProfileCall(EngineCall):
 
     def run(self, engine: "Engine", send: "Send") -> Any:
         if self.action == "start":
-            return engine.start_profile(self.max_steps, self.max_seconds, self.stack_sampling)
+            return engine.start_profile(self.max_steps, self.max_seconds, self.stack_sampling, self.trigger)
         if self.action == "stop":
             return engine.stop_profile(self.engine_name)
         return engine.profiling.status()

@@ -58,6 +58,9 @@ class ProfileStatus:
     started_at_us: int | None = None
     finished: bool = False       # stopped by itself (max_steps, time limit): a result waits for stop
     stack_sampling: bool = False
+    armed: bool = False          # waiting for its trigger (``core.profile_trigger``); not running yet
+    trigger: str = ""            # the trigger, described (armed, or the profile it started)
+    fired_by: str = ""           # what fired it, once it has
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,8 @@ class ProfileResult:
     spans_dropped: int
     stacks: dict[str, Any] | None
     config: dict[str, Any]
+    #: For a profile that started itself: {"trigger": described, "fired_by": what fired it}.
+    trigger: dict[str, str] | None = None
 
     STEP_FIELDS = ("index", "start_us", "total_us", "batch_size", "tokens", "prefill_tokens") + PHASES
 
@@ -104,6 +109,7 @@ class ProfileResult:
                       "otherData": {"engine": self.engine, "spans_dropped": self.spans_dropped}},
             "stacks": self.stacks,
             "config": self.config,
+            "trigger": self.trigger,
         }
 
 

@@ -230,8 +230,11 @@ function applyControls() {
 function showProfile(profile) {
   if (!profile) return;
   const steps = profile.max_steps ? `${profile.steps} of ${profile.max_steps} steps` : `${profile.steps} steps`;
-  document.getElementById("profile-state").textContent = profile.running ? `profiling: ${steps}` : "not profiling";
-  controls.profiling = profile.running;
+  const state = document.getElementById("profile-state");
+  state.textContent = profile.armed ? `armed: starts at ${profile.trigger}`
+    : profile.running ? `profiling: ${steps}${profile.trigger ? ` (started by ${profile.trigger})` : ""}` : "not profiling";
+  // An armed profile holds the profiler as a running one does: Stop disarms it.
+  controls.profiling = profile.running || Boolean(profile.armed);
   applyControls();
   const last = document.getElementById("profile-last");
   if (profile.last_url) {
