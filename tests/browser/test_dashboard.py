@@ -201,6 +201,29 @@ async def test_profiling_from_the_engine_page_saves_a_profile_to_open(page, dash
         await page.wait_for_selector(f"table >> text={kernel}", timeout=15000)
 
 
+async def test_an_armed_profile_shows_armed_then_saves_itself(page, dashboard_server: LiveServer) -> None:
+    await page.goto(f"{dashboard_server.base}/dashboard/engines/demo/")
+    await page.wait_for_selector('#connection[data-state="open"]')
+    with httpx.Client(base_url=dashboard_server.base, timeout=60) as http:
+        armed = http.post("/debug/profile_start", json={"model": "demo", "max_steps": 2,
+                                                         "trigger": {"request_id": "browser-trigger"}})
+        assert armed.status_code == 200 and armed.json()["status"] == "armed", armed.text
+        await page.wait_for_function("() => document.getElementById('profile-state').textContent"
+                                     " === \"armed: starts at request 'browser-trigger' arriving\"", timeout=15000)
+        assert await page.is_disabled("#profile-start") and not await page.is_disabled("#profile-stop")
+        await page.locator("#controls").screenshot(path=str(SHOTS / "engine-profile-armed.png"))
+        http.post("/v1/completions", json={"model": "demo", "prompt": "fire", "max_tokens": 6,
+                                           "debug_config": {"ignore_eos": True}},
+                  headers={"X-Request-Id": "browser-trigger"})
+    # It ran its two steps and saved itself: the page links it, and the profile says what started it.
+    await page.wait_for_selector("#profile-last:not([hidden])", timeout=30000)
+    await page.wait_for_function("() => document.getElementById('profile-state').textContent === 'not profiling'")
+    await page.click("#profile-last")
+    await page.wait_for_url("**/dashboard/profiles/*/")
+    assert "fired: request 'browser-trigger' arrived" in await page.text_content("#profile-trigger")
+    await page.screenshot(path=str(SHOTS / "profile-started-by-trigger.png"), full_page=False)
+
+
 async def test_a_disaggregated_requests_two_halves_show_in_the_recent_table(
         page, dashboard_server: LiveServer) -> None:
     """The three MicroServing calls on one engine: it prefills and sends, then receives and decodes;
