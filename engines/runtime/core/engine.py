@@ -51,6 +51,7 @@ from engines.runtime.core.request import (
 from engines.runtime.core.sampler import Sampler, SamplingParams, SamplingState, TokenLogprob
 from engines.runtime.core.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from engines.runtime.core.profile_trigger import ProfileTrigger
+from engines.runtime.core.anatomy import QueueClock
 from engines.runtime.core.step_observer import StepObserver
 from engines.runtime.core.stop_checker import StopChecker
 from engines.runtime.telemetry.profiler import ProfileResult, ProfileStatus
@@ -126,6 +127,7 @@ class Engine:
         self.kv = model.new_kv_cache(num_pages, c.page_size)
         self.kv_pool = KVCachePool(num_pages, c.page_size, c.enable_prefix_cache)
         self.scheduler = Scheduler(self.kv_pool, c.max_num_seqs, c.prefill_chunk_size)
+        self.queue_clock = QueueClock()  # why the waiting queue waits (core.anatomy)
         self.sampler = Sampler(self.vocab_size)
         self.grammars = GrammarCompiler(self.tokenizer.tokenizer_json, self.vocab_size, checkpoint.eos_token_ids)
         self.metrics = EngineMetrics()
@@ -188,6 +190,9 @@ class Engine:
         # from its arrival there.
         arrival = now if request.arrival_time is None else min(request.arrival_time, now)
         state = RequestState(request, arrival - max(request.age_at_arrival_s, 0.0), added_time=now)
+        state.anatomy.running_at_add = len(self.scheduler.running)
+        state.anatomy.max_num_seqs = self.scheduler.max_num_seqs
+        state.anatomy.clock_at_add = self.queue_clock.prefill_blocked_s
         max_output = self.max_seq_len - len(request.prompt)
         for index in range(1 if kv_send else request.sampling.n):
             seq = Sequence(state, index, request.prompt[:kv_send.end] if kv_send else request.prompt,
@@ -348,6 +353,7 @@ class Engine:
             t0 = time.perf_counter()
             self._generated_tokens = 0
             output = self._execute(sched)
+            self._charge_anatomy(sched, t0, time.perf_counter())
             touched += self._update(sched, output)
             step_s = time.perf_counter() - t0
             if (armed := self.profiling.armed) is not None:
@@ -379,6 +385,7 @@ class Engine:
             state = seq.request
             if state.first_scheduled_time is None:
                 state.first_scheduled_time = now
+                state.anatomy.admitted(now, self.queue_clock)
                 # vLLM's rule: what the first admission found; a recompute after a preemption
                 # is the engine's business, not the client's.
                 state.cached_prompt_tokens = seq.num_cached_prefix_tokens
@@ -387,6 +394,7 @@ class Engine:
                 self.kv_pool.pin(seq.seq_id, state.request.system_prompt_tokens or len(state.request.prompt))
         for seq in sched.preempted:
             self.metrics.on_preemption()
+            seq.request.anatomy.was_preempted()
             if seq.kv_send is not None or seq.request.request.kv_window_begin is not None:
                 # As MLC: a disaggregated request is not recomputed here; the router retries it.
                 self._finish_sequence(seq, FinishReason.PREEMPT)
@@ -398,6 +406,36 @@ class Engine:
                            len(seq.token_ids), seq.index)
             self._finish_sequence(seq, FinishReason.LENGTH)
         return sched
+
+    def _charge_anatomy(self, sched: SchedulerOutput, start: float, end: float) -> None:
+        """Charge each request in the step its share of the forward pass (``core.anatomy``).
+
+        Two passes over the chunks, plain ints and float adds: no allocation per request."""
+        prefill_tokens = 0
+        top = second = 0  # the two largest prompts among the prefilling chunks
+        top_id = -1
+        for c in sched.chunks:
+            if c.is_prefill:
+                prefill_tokens += c.num_tokens
+                n = c.seq.num_prompt_tokens
+                if n > top:
+                    top, second, top_id = n, top, c.seq.seq_id
+                elif n > second:
+                    second = n
+        total = sched.num_tokens
+        step = self.num_steps
+        # Requests still wait with slots free and the budget gone, some of it to prefill: their
+        # queue time is time behind prefill (``QueueClock``).
+        scheduler = self.scheduler
+        self.queue_clock.step(start, end, bool(scheduler.waiting) and prefill_tokens > 0
+                              and len(scheduler.running) < scheduler.max_num_seqs
+                              and total >= scheduler.token_budget, top)
+        for c in sched.chunks:
+            seq = c.seq
+            prefills = c.is_prefill
+            seq.request.anatomy.charge_step(
+                step, start, end, c.num_tokens, prefills, c.start + c.num_tokens >= seq.num_prompt_tokens,
+                total, prefill_tokens, second if seq.seq_id == top_id else top)
 
     # ------------------------------------------------------------------- execute
 
@@ -470,7 +508,9 @@ class Engine:
         self._commit(sched.chunks)
         sent = [c.seq for c in sched.chunks if c.seq.kv_send is not None and c.completes]
         for seq in sent:
+            t0 = time.perf_counter()
             self._send_kv(seq)
+            seq.request.anatomy.kv_pending += time.perf_counter() - t0
         # max_tokens 0: the prompt is all there is; it ends once computed (OpenAI's and vLLM's "length").
         scored = [c.seq for c in sched.chunks if c.completes and c.seq.prefill_only and c.seq.kv_send is None]
         if obs is not None:
@@ -569,6 +609,7 @@ class Engine:
             obs.event(grammar_ids, "start apply logit mask")
         rows_mask = np.empty((len(grammar_rows), self.vocab_size), dtype=np.bool_)
         for j, i in enumerate(grammar_rows):
+            t0 = time.perf_counter()
             try:
                 grammars[i].fill_mask(rows_mask[j])
                 if not rows_mask[j].any():  # the sampler would fail the whole batch on this row
@@ -577,6 +618,7 @@ class Engine:
                 failures[i] = e
                 continue
             masks[i] = rows_mask[j]
+            sampled[i].seq.request.anatomy.grammar_pending += time.perf_counter() - t0
         if obs is not None:
             obs.event(grammar_ids, "finish apply logit mask")
         return masks, failures

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from engines.runtime.core.diagnosis import AnatomyFacts, diagnose
 from engines.runtime.core.disagg.sender import describe_half
 from engines.runtime.core.request import ChoiceDelta, FinishReason, RequestOutput, RequestState
 from engines.runtime.telemetry.metrics import EngineMetrics, RecentRequest, RequestMetrics
@@ -110,6 +111,12 @@ class OutputProcessor:
         # choice has ended, so each has its reason.)
         finish_reason = ",".join(sorted({s.finish_reason for s in state.sequences if s.finish_reason is not None}))
         extra = rm.as_usage_extra()
+        anatomy = state.anatomy
+        breakdown = anatomy.close(finish)
+        extra["time_breakdown"] = breakdown.as_dict()
+        extra["diagnosis"] = diagnose(AnatomyFacts(
+            breakdown, anatomy.running_at_add, anatomy.max_num_seqs, anatomy.blocker_tokens,
+            self.scheduler.token_budget, anatomy.preemptions, prompt))
         self.metrics.on_request_ended(RecentRequest(
             request_id=state.request_id, finish_reason=finish_reason, prompt_tokens=prompt,
             completion_tokens=completion,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
+from engines.runtime.core.anatomy import RequestAnatomy
 from engines.runtime.core.errors import EngineRequestError
 from engines.runtime.core.finish_reason import FinishReason
 from engines.runtime.core.limits import REQUEST_LIMITS
@@ -206,6 +207,8 @@ class RequestState:
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
+        #: Where its time goes, phase by phase (``core.anatomy``); the engine charges it each step.
+        self.anatomy = RequestAnatomy(arrival_time, self.added_time)
         self.prompt_counted = False  # its prompt tokens went into the engine's counter (once)
         self.cached_prompt_tokens = 0  # found in the KV cache at its first admission (usage)
         self.prefill_tokens = 0
