@@ -54,6 +54,11 @@ async def test_the_time_before_the_engine_takes_a_request_counts(held, stream) -
     assert HELD_S <= extra["end_to_end_latency_s"] <= client_e2e
     metrics = await registry.get(TRACED).metrics()
     assert metrics["ttft_s"]["min"] >= HELD_S and metrics["queue_time_s"]["min"] >= HELD_S
+    # The anatomy (issue 61): its phases add up to the same E2E, the held time as the server's.
+    breakdown = extra["time_breakdown"]
+    assert sum(breakdown.values()) == pytest.approx(extra["end_to_end_latency_s"], abs=1e-3)
+    assert breakdown["server"] >= HELD_S
+    assert any("server" in sentence for sentence in extra["diagnosis"]), extra["diagnosis"]
 
 
 async def test_the_trace_s_queue_span_opens_at_the_arrival(held) -> None:
