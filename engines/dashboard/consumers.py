@@ -37,9 +37,9 @@ from autobahn.exception import Disconnected  # Daphne's websocket protocol
 from channels.generic.websocket import AsyncWebsocketConsumer
 from pydantic import BaseModel, ValidationError
 
-from engines.dashboard.actions import EXPECTED_FAILURES, run_action
+from engines.engine_actions import EXPECTED_FAILURES, ActionRequest, run_action
 from engines.dashboard.feed import RETRY_S, FeedWatch, layer_reason
-from engines.dashboard.messages import ActionEvent, ActionEventType, ActionRequest, engine_group
+from engines.dashboard.messages import ActionEvent, ActionEventType, engine_group
 from engines.server_identity import server_id
 from engines.dashboard.sampler import LAYER_ERRORS, LayerUnavailableError, hub_for
 from engines.dashboard.socket_auth import database_away

@@ -10,7 +10,7 @@ Server to browser, each a JSON object with a ``type``:
 * ``feed``: :class:`FeedEvent`, whether the snapshots arrive: once when a socket opens, then at each
   change (``interrupted`` while the channel layer does not carry them, ``live`` when they come again).
 
-Browser to server: :class:`ActionRequest`. Every snapshot names the server process it came from
+Browser to server: :class:`engines.engine_actions.ActionRequest`. Every snapshot names the server process it came from
 (:func:`engines.server_identity.server_id`), so that servers sharing a Redis channel layer can feed
 one fleet-wide view.
 """
@@ -20,13 +20,11 @@ import hashlib
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
+from pydantic import BaseModel, StrictInt, StrictStr
 
-from engines.history import MAX_NOTE_CHARS, MAX_TAGS
 from engines.profiling import ProfileState
-from engines.runtime import REQUEST_LIMITS
 
-__all__ = ["CHART_FIELDS", "ActionEvent", "ActionEventType", "ActionRequest", "EngineHistory",
+__all__ = ["CHART_FIELDS", "ActionEvent", "ActionEventType", "EngineHistory",
            "EngineSnapshot", "FeedEvent", "FeedState", "engine_group", "chart_values"]
 
 _GROUP_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]")
@@ -70,23 +68,6 @@ class EngineSnapshot(BaseModel):
     #: numbers are left out, the page says "slow to answer".
     slow: bool = False
     profile: ProfileState = ProfileState()
-
-
-class ActionRequest(BaseModel):
-    """What a browser asks of an engine. ``engine`` may be left out on an engine's own socket."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    action: Literal["reset", "save_trace", "clear_trace", "profile_start", "profile_stop", "abort_request"]
-    id: StrictStr | StrictInt
-    engine: StrictStr | None = None
-    note: StrictStr = Field(default="", max_length=MAX_NOTE_CHARS)
-    tags: list[StrictStr] = Field(default=[], max_length=MAX_TAGS)
-    # profile_start only: stop by itself after this many steps; sample the engine's Python stacks.
-    max_steps: StrictInt | None = Field(default=None, ge=1, le=1_000_000)
-    stack_sampling: StrictBool = False
-    # abort_request only: the request to end (an id of the live table).
-    request_id: StrictStr | None = Field(default=None, min_length=1, max_length=REQUEST_LIMITS.max_request_id_chars)
 
 
 #: An ``ActionEvent``'s ``type``.

@@ -4,7 +4,7 @@ in the shared database (the audit: who, what, when, and each server's answer).
 
 How a target runs depends on where its engine is:
 
-* on this server: here, through the dashboard's own action runner (``dashboard.actions``);
+* on this server: here, through the action runner the dashboard's socket uses too (``engines.engine_actions``);
 * on another server of ours: a :class:`ControlCommand` is pushed on that server's queue in the
   store (``fleet:<name>:control:<server>``), its :class:`ControlListener` runs it and writes
   ack, progress and the outcome into the target's row;
@@ -36,6 +36,7 @@ from engines.fleet.board import ForeignTarget
 from engines.fleet.clock import ClockOffset
 from engines.fleet.store import FleetStore
 from engines.db_calls import in_db_thread
+from engines.engine_actions import EXPECTED_FAILURES, ActionRequest, run_action
 from engines.server_identity import url_server_id
 
 logger = logging.getLogger("engines.fleet")
@@ -126,8 +127,6 @@ def job_state(pk: int) -> dict[str, Any] | None:
 async def run_here(command: ControlCommand, here: str = "", clock: ClockOffset | None = None) -> None:
     """Run a target on an engine of this server, reporting into its row; a saved trace's result
     carries this server and its clock offset, for the fleet's merged timeline."""
-    from engines.dashboard.actions import EXPECTED_FAILURES, run_action
-    from engines.dashboard.messages import ActionRequest
     from engines.registry import registry
 
     engine = registry.get(command.engine)

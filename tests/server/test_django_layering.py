@@ -2,6 +2,9 @@
 
 - ``engines.profiling`` and ``engines.history`` (what the pages show) import nothing from the
   dashboard, the views or the admin (which show it);
+- ``engines.fleet``, ``engines.serving`` and ``engines.disagg`` import nothing from the dashboard,
+  the views or the admin either: what they share with the dashboard (the server's identity, the
+  engine actions) sits below both (``engines.server_identity``, ``engines.engine_actions``);
 - a view module imports no other view module, except the API views' base (``engines.views.api``):
   what two views share lives in a module of its own (``engines.serving``, the dashboard's ``frame``);
 - ``engines.protocol``, ``engines.serving`` and ``engines.api_routes`` import no Django: the
@@ -26,6 +29,8 @@ VIEW_MODULES = sorted(p for p in (ENGINES / "views").glob("*.py") if p.name != "
 API_BASE = "engines.views.api"
 #: What shows the history, or serves it over HTTP: the layers above it.
 ABOVE_THE_HISTORY = ("engines.dashboard", "engines.views", "engines.admin", "debugsite")
+#: What the fleet, the serving layer and the disaggregated router may not reach up to.
+SHOWING = ("engines.dashboard", "engines.views", "engines.admin")
 #: Django and what comes with it.
 DJANGO = ("django", "channels", "daphne", "engines.models", "engines.views", "engines.dashboard", "engines.admin",
           "engines.history")
@@ -62,6 +67,12 @@ def test_the_history_and_the_profiler_import_nothing_that_shows_them(path: Path)
         f"{relative(path)} imports {imports_from(path, ABOVE_THE_HISTORY)}: what the pages show sits below them"
 
 
+@pytest.mark.parametrize("path", python_files(ENGINES / "fleet", ENGINES / "serving", ENGINES / "disagg"), ids=relative)
+def test_the_fleet_the_serving_layer_and_the_router_import_nothing_that_shows_them(path: Path) -> None:
+    assert not imports_from(path, SHOWING), \
+        f"{relative(path)} imports {imports_from(path, SHOWING)}: move what it shares with them below both"
+
+
 @pytest.mark.parametrize("path", VIEW_MODULES, ids=relative)
 def test_a_view_imports_no_other_view_but_the_api_base(path: Path) -> None:
     assert not view_modules_imported(path), \
@@ -82,6 +93,7 @@ def test_the_checks_see_a_bad_import(tmp_path: Path) -> None:
     late = ["engines.dashboard.messages", "engines.dashboard.messages.ProfileState",
             "engines.views", "engines.views.openai"]
     assert imports_from(bad, ABOVE_THE_HISTORY) == late
+    assert imports_from(bad, SHOWING) == late
     assert "django.http" in imports_from(bad, DJANGO)
     view = ENGINES / "views" / "debug.py"
     assert module_of(view) == "engines.views.debug" and view in VIEW_MODULES

@@ -1,6 +1,9 @@
-"""The dashboard's engine actions (reset, save or clear the trace, start or stop a profile, abort
-one request), one definition for the engine page's socket and the fleet's control jobs
-(``engines.fleet.controls``).
+"""What the engine actions mean (reset, save or clear the trace, start or stop a profile, abort
+one request): one definition for the dashboard's engine socket (``engines.dashboard.consumers``)
+and the fleet's control jobs (``engines.fleet.controls``).
+
+Below both the dashboard and the fleet, as the server's identity is (``engines.server_identity``):
+each carries an action out the same way and neither imports the other for it.
 
 :func:`run_action` carries one out on an engine of this server and returns what the page shows;
 a refusal the user can act on is :data:`EXPECTED_FAILURES` (said as is), anything else a bug.
@@ -8,17 +11,36 @@ a refusal the user can act on is :data:`EXPECTED_FAILURES` (said as is), anythin
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Literal
 
 from django.urls import reverse
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
-from engines.dashboard.messages import ActionRequest
-from engines.history import EmptyTraceError, HistoryUnavailableError, TraceUnavailableError, asave_engine_trace
+from engines.history import (MAX_NOTE_CHARS, MAX_TAGS, EmptyTraceError, HistoryUnavailableError, TraceUnavailableError,
+                             asave_engine_trace)
 from engines.profiling import start_profile, stop_profile
 from engines.request_abort import RequestNotLiveError, abort_live_request
-from engines.runtime import AsyncEngine, EngineDeadError, ProfilerStateError
+from engines.runtime import REQUEST_LIMITS, AsyncEngine, EngineDeadError, ProfilerStateError
 
-__all__ = ["EXPECTED_FAILURES", "run_action"]
+__all__ = ["EXPECTED_FAILURES", "ActionRequest", "Progress", "run_action"]
+
+
+class ActionRequest(BaseModel):
+    """What a browser asks of an engine. ``engine`` may be left out on an engine's own socket."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    action: Literal["reset", "save_trace", "clear_trace", "profile_start", "profile_stop", "abort_request"]
+    id: StrictStr | StrictInt
+    engine: StrictStr | None = None
+    note: StrictStr = Field(default="", max_length=MAX_NOTE_CHARS)
+    tags: list[StrictStr] = Field(default=[], max_length=MAX_TAGS)
+    # profile_start only: stop by itself after this many steps; sample the engine's Python stacks.
+    max_steps: StrictInt | None = Field(default=None, ge=1, le=1_000_000)
+    stack_sampling: StrictBool = False
+    # abort_request only: the request to end (an id of the live table).
+    request_id: StrictStr | None = Field(default=None, min_length=1, max_length=REQUEST_LIMITS.max_request_id_chars)
+
 
 #: What an action may fail with for a reason the user can act on (the engine is down, it records
 #: no trace, a profile is already running, ...).
