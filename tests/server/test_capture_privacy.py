@@ -14,13 +14,13 @@ from tests.server.conftest import TRACED
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-SECRET = "Quokkaquartz Zanzibar lighthouse ledger 4417"
+SECRET = "Quokkaquartz Zanzibarnix florpwhistle lighthouse"
 
 
 def _no_text(blob: bytes | str, output: str) -> None:
     text = blob if isinstance(blob, str) else blob.decode("utf-8", errors="replace")
     assert SECRET not in text
-    for word in ("Quokkaquartz", "Zanzibar", "4417"):
+    for word in ("Quokkaquartz", "Zanzibarnix", "florpwhistle"):
         assert word not in text, word
     # The demo's output is random tokens; any run of 12 characters of it would be a leak.
     for start in range(0, max(len(output) - 12, 0), 6):

@@ -184,3 +184,6 @@ async def test_a_stop_disarms_an_armed_profile_and_bad_triggers_are_400(client: 
     assert not profile_state(registry.get(UNTRACED)).armed
     again = await client.post("/debug/profile_start", json={"model": UNTRACED, "max_steps": 1})
     assert again.status_code == 200 and again.json()["status"] == "profiling"
+    # Leave the shared engine as found: the profile sees no step, so stopping it saves nothing (409).
+    assert_error(await client.post("/debug/profile_stop", json={"model": UNTRACED}), 409)
+    assert not profile_state(registry.get(UNTRACED)).running
