@@ -27,9 +27,9 @@ def sleeper() -> Iterator[subprocess.Popen]:
 
 def test_a_running_process_stacks_name_its_function(sleeper: subprocess.Popen) -> None:
     got = outside_stacks(sleeper.pid)
-    if got.missing and "ptrace" in got.missing.lower():
-        pytest.skip(f"no ptrace permission here: {got.missing}")
-    assert got.missing is None and got.text is not None and "parked_here" in got.text
+    # No skip without ptrace: the watchdog's evidence needs it, so a machine that denies it fails here.
+    assert got.missing is None, got.missing
+    assert got.text is not None and "parked_here" in got.text
 
 
 def test_a_stopped_process_gives_stacks_or_the_reason(sleeper: subprocess.Popen) -> None:

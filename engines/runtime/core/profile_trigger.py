@@ -11,7 +11,6 @@ armed or running; the trigger and what fired it are kept with the profile.
 from __future__ import annotations
 
 import math
-import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -51,9 +50,10 @@ class ProfileTrigger:
             parts.append(f"request {self.request_id!r} arriving")
         if self.user is not None:
             parts.append(f"a request of user {self.user!r} arriving")
-        what = " or ".join(parts) if parts else "the delay"
-        return f"{what}, after {self.delay_steps} steps" if self.delay_steps and parts else (
-            f"after {self.delay_steps} steps" if not parts else what)
+        if not parts:
+            return f"after {self.delay_steps} steps"
+        what = " or ".join(parts)
+        return f"{what}, after {self.delay_steps} steps" if self.delay_steps else what
 
 
 class ArmedTrigger:
@@ -63,7 +63,6 @@ class ArmedTrigger:
     def __init__(self, trigger: ProfileTrigger) -> None:
         self.trigger = trigger
         self.steps_seen = 0
-        self.armed_at = time.time()
         self.fired_by: str | None = None
         self._ttfts: deque[tuple[float, float]] = deque()  # (when, ttft), the last window's
 
