@@ -153,6 +153,10 @@ class RequestSummary(ServerRecord):
     e2e_us = models.BigIntegerField(null=True, blank=True)
     finish_reason = models.CharField(max_length=32, blank=True, db_index=True)
     preemptions = models.PositiveIntegerField(default=0)
+    # Where its time went (docs/metrics.md, "Anatomy of a request"): seconds by phase, and the
+    # diagnosis' sentences. Null / empty for a trace of a server that did not record them.
+    time_breakdown = models.JSONField(null=True, blank=True, help_text="Seconds by phase; they sum to E2E.")
+    diagnosis = models.JSONField(default=list, blank=True, help_text="Why it took that long, in sentences.")
 
     class Meta:
         ordering = ("-id",)

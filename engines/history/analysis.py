@@ -21,7 +21,10 @@ the events needed, e.g. because the capture window cut the request):
 - ``e2e``: the ``finish`` instant minus the arrival;
 - tokens and the finish reason from the ``finish`` instant's args (the prompt token
   count falls back to ``request added to engine``'s args);
-- ``preemptions``: the number of ``preempt`` instants.
+- ``preemptions``: the number of ``preempt`` instants;
+- ``time_breakdown`` / ``diagnosis``: the request's anatomy (seconds by phase, and the sentences
+  that explain it; docs/metrics.md, "Anatomy of a request") from the ``finish`` instant's args,
+  kept only when well formed (known phases, finite, not negative; a short list of short strings).
 """
 from __future__ import annotations
 
@@ -113,6 +116,8 @@ class RequestStats:
     e2e_us: float | None
     finish_reason: str
     preemptions: int
+    time_breakdown: dict[str, float] | None = None
+    diagnosis: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -331,7 +336,42 @@ def _request_stats(request_id: str, lane: _Lane) -> RequestStats:
         e2e_us=(lane.finish_ts - arrival) if arrival is not None and lane.finish_ts is not None else None,
         finish_reason=str(finish_args.get("finish_reason") or ""),
         preemptions=lane.preemptions,
+        time_breakdown=_time_breakdown(finish_args.get("time_breakdown")),
+        diagnosis=_diagnosis(finish_args.get("diagnosis")),
     )
+
+
+# A diagnosis is a few rule sentences (engines/runtime/core/diagnosis.py); a trace from elsewhere
+# may hold anything, so what is kept is bounded.
+MAX_DIAGNOSIS_SENTENCES = 16
+MAX_SENTENCE_CHARS = 500
+
+
+def _time_breakdown(value: Any) -> dict[str, float] | None:
+    """The phases in engine order, or None unless ``value`` maps only known phases to seconds."""
+    if not isinstance(value, Mapping) or not value:
+        return None
+    from engines.runtime import PHASES  # the anatomy module alone: no numba, no model
+
+    out: dict[str, float] = {}
+    for name in PHASES:
+        seconds = value.get(name, 0.0)
+        if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) \
+                or seconds < 0:
+            return None
+        out[name] = float(seconds)
+    if any(name not in out for name in value):
+        return None
+    return out
+
+
+def _diagnosis(value: Any) -> tuple[str, ...]:
+    """The sentences, or () unless ``value`` is a short list of strings."""
+    if not isinstance(value, (list, tuple)) or len(value) > MAX_DIAGNOSIS_SENTENCES:
+        return ()
+    if not all(isinstance(s, str) for s in value):
+        return ()
+    return tuple(s[:MAX_SENTENCE_CHARS] for s in value)
 
 
 def _request_distributions(requests: Iterable[RequestStats]) -> dict[str, Distribution]:

@@ -389,6 +389,8 @@ def _summary_rows(record: TraceRecord, requests: list[RequestStats]) -> list[Req
             e2e_us=_int_or_none(r.e2e_us),
             finish_reason=_storable(r.finish_reason)[:_MAX_FINISH_REASON],
             preemptions=r.preemptions,
+            time_breakdown=r.time_breakdown,
+            diagnosis=[_storable(sentence) for sentence in r.diagnosis],
         ))
     return rows
 

@@ -68,6 +68,7 @@ _EXPORTS: dict[str, str] = {
     "InvalidSamplingParams": "core.sampler",
     "TokenLogprob": "core.sampler",
     "RequestLimits": "core.limits",
+    "PHASES": "core.anatomy",
     "DEFAULT_KV_ENTRIES": "core.live_view",
     "DEFAULT_LIVE_LIMIT": "core.live_view",
     "LiveRequest": "core.live_view",

@@ -130,3 +130,33 @@ def test_ttft_and_e2e_count_from_the_arrival_the_server_stamped():
     old.add("o", "request added to engine", T0).add("o", "first token", T0 + 50).add("o", "finish", T0 + 80)
     (o,) = analyze_trace(old.export()).requests
     assert (o.ttft_us, o.e2e_us) == (50, 80)
+
+
+def test_a_request_s_anatomy_is_read_from_its_finish_and_kept_only_when_well_formed() -> None:
+    from engines.runtime import PHASES
+
+    good = {phase: 0.0 for phase in PHASES} | {"queued": 1.5, "prefill": 0.25}
+    cases = {
+        "good": (good, ["queued 1.5 s: all 4 sequence slots busy"]),
+        "unknown-phase": ({**good, "lunch": 1.0}, "not a list"),
+        "negative": ({**good, "decode": -0.1}, ["x"] * 17),
+        "nan": ({**good, "decode": float("nan")}, [1, 2]),
+        "bool": ({**good, "decode": True}, None),
+        "missing-phases": ({"queued": 2.0}, ["a" * 900]),
+    }
+    b = TraceBuilder()
+    for rid, (breakdown, diagnosis) in cases.items():
+        b.add(rid, "request added to engine", T0, {"prompt_tokens": 3})
+        b.add(rid, "finish", T0 + 10, {"finish_reason": "stop", "time_breakdown": breakdown,
+                                       "diagnosis": diagnosis})
+    b.add("old-server", "finish", T0 + 10, {"finish_reason": "stop"})
+    stats = {r.request_id: r for r in analyze_trace(b.export()).requests}
+    assert stats["good"].time_breakdown == good and list(stats["good"].time_breakdown) == list(PHASES)
+    assert stats["good"].diagnosis == ("queued 1.5 s: all 4 sequence slots busy",)
+    for rid in ("unknown-phase", "negative", "nan", "bool"):
+        assert stats[rid].time_breakdown is None, rid
+        assert stats[rid].diagnosis == (), rid
+    # A server that records fewer phases: the rest are 0; a long sentence is cut, not dropped.
+    assert stats["missing-phases"].time_breakdown == {phase: 2.0 if phase == "queued" else 0.0 for phase in PHASES}
+    assert stats["missing-phases"].diagnosis == ("a" * 500,)
+    assert (stats["old-server"].time_breakdown, stats["old-server"].diagnosis) == (None, ())

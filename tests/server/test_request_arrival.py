@@ -111,3 +111,23 @@ async def test_a_router_s_age_moves_the_decode_engine_s_clock_back(client) -> No
     assert start.json()["usage"]["extra"]["ttft_s"] >= 4.0
     plain = await disaggregated(client, new_user(), -1)  # no router: the call's own arrival
     assert plain.json()["usage"]["extra"]["ttft_s"] < 4.0
+
+
+@pytest.mark.django_db(transaction=True)
+async def test_a_saved_trace_keeps_each_request_s_anatomy_as_the_client_got_it(held) -> None:
+    """The history's request summary holds the same time breakdown and diagnosis the client's
+    ``usage.extra`` had: one definition (docs/metrics.md, "Anatomy of a request"), two readers."""
+    from engines.history import asave_trace
+    from engines.models import RequestSummary
+
+    response = await held.post("/v1/completions", json={"model": TRACED, "prompt": "hi", "max_tokens": 3,
+                                                        "user": "anatomy-kept"})
+    assert response.status_code == 200, response.text
+    extra = response.json()["usage"]["extra"]
+    trace = (await held.post("/debug/dump_event_trace", json={"model": TRACED})).json()
+    record = await asave_trace(trace, engine=TRACED, model="demo")
+    row = await RequestSummary.objects.aget(trace=record, request_id="anatomy-kept")
+    assert row.time_breakdown == pytest.approx(extra["time_breakdown"], abs=1e-9)
+    assert list(row.time_breakdown) == list(extra["time_breakdown"])  # the phases in the engine's order
+    assert row.diagnosis == extra["diagnosis"] and row.diagnosis  # the hold: "server ..." at least
+    assert row.time_breakdown["server"] >= HELD_S

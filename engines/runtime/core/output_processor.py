@@ -131,6 +131,8 @@ class OutputProcessor:
                 "finish_reason": finish_reason,
                 "prompt_tokens": prompt, "completion_tokens": completion,
                 "prefill_tokens": state.prefill_tokens,
+                # The anatomy rides on the trace so a saved trace's request summaries keep it.
+                "time_breakdown": extra["time_breakdown"], "diagnosis": extra["diagnosis"],
             })
         return {
             "prompt_tokens": prompt,
