@@ -342,7 +342,7 @@ def test_request_columns_are_declared_once(admin_client, saved_trace):
     assert set(record.stats["requests"]) == {c.field for c in STATISTIC_COLUMNS}
 
     listed = list(result_headers(admin_client.get(reverse(REQUESTS)).context["cl"]))
-    assert [h["text"] for h in listed] == [headers[0], "trace", "engine", "server", *headers[1:]]
+    assert [h["text"] for h in listed] == [headers[0], "trace", "engine", "server", *headers[1:], "diagnosis"]
     # Across all history only indexed columns sort (a million rows); one trace's table sorts by any.
     assert {h["text"] for h in listed if h["sortable"]} == {
         "request id", "trace", "engine", "server", "finish reason", "queue (ms)", "TTFT (ms)", "e2e (ms)"}
