@@ -36,7 +36,7 @@ class LayerUnavailableError(Exception):
 #: What the channel layer raises while Redis does not answer (redis-py's errors, or the socket's).
 LAYER_ERRORS: tuple[type[Exception], ...] = (ConnectionError, OSError, RedisError)
 
-__all__ = ["LAYER_ERRORS", "EngineSampler", "LayerUnavailableError", "SamplerHub", "hub_for"]
+__all__ = ["LAYER_ERRORS", "EngineSampler", "LayerUnavailableError", "SamplerHub", "hub_for", "read_engine"]
 
 #: Seconds between snapshots while someone watches (the charts move at 4 Hz).
 WATCHED_INTERVAL_S = 0.25
@@ -77,7 +77,7 @@ class EngineSampler:
         metrics = view = None
         slow = False
         if engine.is_alive:
-            metrics, view, slow = await _read_engine(engine)
+            metrics, view, slow = await read_engine(engine)
         status = engine.status
         return EngineSnapshot(
             server=server_id(), engine=engine.name, at=time.time(), state=status.state.value,
@@ -135,7 +135,7 @@ class EngineSampler:
                 pass
 
 
-async def _read_engine(engine: AsyncEngine) -> tuple[Any, Any, bool]:
+async def read_engine(engine: AsyncEngine) -> tuple[Any, Any, bool]:
     """``(metrics, requests, slow)`` from one read (``AsyncEngine.dashboard_reading``), or none and
     ``slow`` when the engine does not answer in :data:`READ_TIMEOUT_S` (a long compile or step
     holding its process), or none when it died meanwhile. A read left behind is cancelled and
