@@ -71,7 +71,11 @@ class _OverFilter(admin.SimpleListFilter):
     CHOICES: tuple[float, ...] = ()
 
     def lookups(self, request: HttpRequest, model_admin: admin.ModelAdmin) -> list[tuple[str, str]]:
-        return [(f"{s:g}", f"over {s:g} s") for s in self.CHOICES]
+        choices = [(f"{s:g}", f"over {s:g} s") for s in self.CHOICES]
+        given = self.value()
+        if given and given not in dict(choices):  # a threshold from the URL shows as the one chosen
+            choices.append((given, f"over {given} s"))
+        return choices
 
     def queryset(self, request: HttpRequest, queryset: QuerySet) -> QuerySet:
         value = self.value()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.urls import path
 
-from engines.dashboard import fleet, fleet_history, pages, profiles, timeline
+from engines.dashboard import fleet, fleet_history, pages, profiles, request_page, timeline
 from engines.views import openai
 
 urlpatterns = [
@@ -18,6 +18,7 @@ urlpatterns = [
     path("fleet/jobs/<int:pk>.json", fleet.fleet_job, name="dashboard-fleet-job"),
     path("fleet/jobs/<int:pk>/trace.json", fleet.fleet_job_trace, name="dashboard-fleet-job-trace"),
     path("fleet/jobs/<int:pk>/timeline/", fleet.fleet_job_timeline, name="dashboard-fleet-job-timeline"),
+    path("engines/<str:name>/requests/<path:request_id>/", request_page.request_page, name="dashboard-request"),
     path("engines/<str:name>/timeline/", timeline.engine_timeline, name="dashboard-engine-timeline"),
     path("engines/<str:name>/trace.json", timeline.engine_trace, name="dashboard-engine-trace"),
     path("traces/<int:pk>/timeline/", timeline.trace_timeline, name="dashboard-trace-timeline"),

@@ -135,3 +135,63 @@ async def test_the_live_table_sorts_aborts_and_the_kv_section_opens(page, dashbo
     listed = await page.locator("#result_list tbody tr").all_text_contents()
     assert len(listed) == 1 and "admin" in listed[0] and "1 done" in listed[0], listed
     await page.screenshot(path=str(SHOTS / "admin-abort-history.png"), full_page=True)
+
+
+async def shots_that_fit(page, name: str) -> None:
+    """Full-page screenshots ``<name>-1400.png`` and ``<name>-900.png``; nothing off screen at 900 px."""
+    await page.screenshot(path=str(SHOTS / f"{name}-1400.png"), full_page=True)
+    await page.set_viewport_size({"width": 900, "height": 1000})
+    await page.wait_for_timeout(300)
+    assert await page.evaluate("document.scrollingElement.scrollWidth") <= 900
+    await page.screenshot(path=str(SHOTS / f"{name}-900.png"), full_page=True)
+    await page.set_viewport_size({"width": 1400, "height": 1000})
+
+
+async def test_a_request_page_from_the_live_table_shows_where_its_time_went(page, dashboard_server: LiveServer) -> None:
+    """Live table -> the request's page (live; it reloads itself when the request ends) -> its
+    waterfall and diagnosis; the recent table says why; the saved trace's summary draws the same."""
+    base = dashboard_server.base
+    await page.goto(f"{base}/dashboard/engines/demo/")
+    await page.wait_for_selector('#connection[data-state="open"]', timeout=15000)
+    finished: dict[str, list] = {}
+    stop = threading.Event()
+    threads = streams(base, ["anatomy/one"], finished, stop,
+                      **{"anatomy/one": {"max_tokens": 250, "stream_options": {"include_usage": True}}})
+    try:
+        link = page.locator('#live tbody tr[data-request-id="anatomy/one"] a.request-id')
+        await link.wait_for(timeout=60000)
+        await link.click()
+        await page.wait_for_selector('.request-page[data-where="live"]', timeout=15000)
+        assert await page.locator("#request-live").is_visible()
+        await page.screenshot(path=str(SHOTS / "request-live-1400.png"), full_page=True)
+        # It ends: the page reloads by itself and draws where its time went.
+        await page.wait_for_selector('.request-page[data-where="ended"]', timeout=90000)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(60)
+    usage = json.loads(finished["anatomy/one"][-2])["usage"]["extra"]
+    phases = await page.eval_on_selector_all("#anatomy tbody tr", "trs => trs.map(tr => tr.dataset.phase)")
+    assert phases == [p for p, s in usage["time_breakdown"].items() if s > 0]
+    widths = await page.eval_on_selector_all(".anatomy-bar", "bars => bars.map(b => b.getBoundingClientRect().width)")
+    assert widths and all(w >= 2 for w in widths)  # every phase that took time is seen
+    await shots_that_fit(page, "request-waterfall")
+
+    # The engine page's recent table links it and says why; saving the trace keeps its anatomy.
+    await page.goto(f"{base}/dashboard/engines/demo/")
+    recent = page.locator("#recent tbody tr", has_text="anatomy/one")
+    await recent.wait_for(timeout=15000)
+    why = await recent.locator("td.diagnosis-cell").text_content()
+    assert why == (usage["diagnosis"][0] + (f" (+{len(usage['diagnosis']) - 1})" if len(usage["diagnosis"]) > 1
+                                             else "") if usage["diagnosis"] else "—")
+    await page.locator("#recent-module").screenshot(path=str(SHOTS / "recent-why-1400.png"))
+    await page.click("#save-trace-button")
+    await page.wait_for_selector("#action-log li.success a", timeout=30000)
+    await page.goto(f"{base}/admin/engines/requestsummary/?engine=demo&q=anatomy%2Fone")
+    await page.click("#result_list tbody tr a >> nth=0")
+    await page.wait_for_selector("#anatomy")
+    saved = await page.eval_on_selector_all("#anatomy tbody tr", "trs => trs.map(tr => tr.dataset.phase)")
+    assert saved == phases
+    await shots_that_fit(page, "history-request-waterfall")
+    await page.goto(f"{base}/admin/engines/requestsummary/?e2e_over=0&o=-11")
+    await page.screenshot(path=str(SHOTS / "history-slow-requests-1400.png"), full_page=True)

@@ -100,6 +100,9 @@ def test_the_slow_requests_list_filters_by_threshold_per_engine_and_shows_why(ad
     # The filter offers its thresholds; a threshold that is not seconds is refused, not ignored.
     spec = next(f for f in page.context["cl"].filter_specs if f.parameter_name == "ttft_over")
     assert [value for value, _ in spec.lookup_choices] == ["0.5", "1", "2", "5", "10"]
+    custom = admin_client.get(reverse(REQUESTS), {"ttft_over": "9.5"}).context["cl"]
+    spec = next(f for f in custom.filter_specs if f.parameter_name == "ttft_over")
+    assert spec.lookup_choices[-1] == ("9.5", "over 9.5 s")  # shown as the one chosen
     for bad in ("soon", "-1", "nan"):
         refused = admin_client.get(reverse(REQUESTS), {"ttft_over": bad})
         assert refused.status_code == 302 and refused["Location"].endswith("?e=1"), bad

@@ -162,3 +162,48 @@ async def test_the_playground_needs_the_session_and_csrf_not_the_api_key(serve) 
         anonymous = await sync_to_async(Client().post)("/dashboard/playground/v1/chat/completions", body,
                                                        content_type="application/json")
         assert anonymous.status_code == 302  # to the login page
+
+
+async def test_a_request_page_shows_a_request_live_then_where_its_time_went(serve) -> None:
+    """Reached from the engine page's tables: while the request runs, its live row; once it has
+    ended, its waterfall and diagnosis from the engine (as its client's ``usage.extra`` had them);
+    a request the engine and the history do not hold is a 404."""
+    import asyncio
+
+    from django.contrib.auth.models import User
+    from django.test import AsyncClient
+    from django.utils.html import escape
+
+    from engines.registry import registry
+
+    browser = AsyncClient()
+    await browser.aforce_login(await User.objects.acreate(username="staff-r", is_staff=True))
+    async with serve(enable_debug=True) as http:
+        engine = registry.get(TRACED)
+        await engine.reset()
+        running = asyncio.ensure_future(http.post("/v1/completions", json={
+            "model": TRACED, "prompt": "hi", "max_tokens": 400, "user": "slow/one",
+            "debug_config": {"ignore_eos": True}}))
+        try:
+            for _ in range(200):
+                if any(r.request_id == "slow/one" for r in (await engine.live_requests()).requests):
+                    break
+                await asyncio.sleep(0.02)
+            live = await browser.get(f"/dashboard/engines/{TRACED}/requests/slow%2Fone/")
+            html = live.content.decode()
+            assert live.status_code == 200, html
+            assert 'data-where="live"' in html and "In the engine now" in html and "engines/js/request_page.js" in html
+        finally:
+            done = await running
+        extra = done.json()["usage"]["extra"]
+        ended = await browser.get(f"/dashboard/engines/{TRACED}/requests/slow/one/")
+        html = ended.content.decode()
+        assert ended.status_code == 200 and 'data-where="ended"' in html and "request_page.js" not in html
+        assert f"{extra['end_to_end_latency_s']:.3f} s" in html
+        for phase, seconds in extra["time_breakdown"].items():
+            assert (f'<tr data-phase="{phase}">' in html) == (seconds > 0), phase
+        assert all(escape(sentence) in html for sentence in extra["diagnosis"])
+        missing = await browser.get(f"/dashboard/engines/{TRACED}/requests/never-sent/")
+        assert missing.status_code == 404
+        assert (await browser.get("/dashboard/engines/nope/requests/x/")).status_code == 404
+        await engine.reset()

@@ -123,7 +123,8 @@ class OutputProcessor:
             queue_s=rm.queue_time_s if state.first_scheduled_time is not None else None,
             ttft_s=rm.ttft_s if state.first_token_time is not None else None,
             decode_tokens_per_s=extra.get("decode_tokens_per_s"), end_to_end_s=rm.end_to_end_latency_s,
-            finished_at=time.time(), disagg=describe_half(state.request)))
+            finished_at=time.time(), disagg=describe_half(state.request),
+            time_breakdown=extra["time_breakdown"], diagnosis=tuple(extra["diagnosis"])))
         if self.tracer is not None:
             if state.first_scheduled_time is None:  # aborted or dropped while waiting
                 self.tracer.add_event(state.request_id, "finish queue")

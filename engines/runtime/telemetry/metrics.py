@@ -110,6 +110,10 @@ class RecentRequest:
     #: Disaggregated serving: which half of a request this engine ran ("prefill, sent KV [0:39]",
     #: "decode, KV [0:39] received"); the other half has the same request id on its engine.
     disagg: str | None = None
+    #: Where its time went (``usage.extra.time_breakdown``: seconds by phase) and why
+    #: (``usage.extra.diagnosis``); docs/metrics.md, "Anatomy of a request".
+    time_breakdown: dict[str, float] | None = None
+    diagnosis: tuple[str, ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

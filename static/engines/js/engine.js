@@ -2,7 +2,7 @@
 import { Derivation, historyRows, TimeChart } from "./charts.js";
 import * as fmt from "./format.js";
 import { connect } from "./live.js";
-import { LiveTable, renderKV } from "./live_requests.js";
+import { LiveTable, renderKV, requestUrlOf } from "./live_requests.js";
 
 const page = document.querySelector(".engine-page");
 const NOW_WINDOW = Number(page.dataset.nowWindow); // seconds the "now" figures are over
@@ -133,6 +133,13 @@ function renderMetrics(m) {
 // -------------------------------------------------------------------- recent requests
 
 const historyUrl = document.getElementById("recent-module").dataset.history;
+const requestUrl = requestUrlOf(page.dataset.requestUrl);
+
+/** A request's diagnosis in a cell: its first sentence, the others counted (all in the tooltip). */
+function diagnosisText(sentences) {
+  if (!sentences || !sentences.length) return "—";
+  return sentences.length > 1 ? `${sentences[0]} (+${sentences.length - 1})` : sentences[0];
+}
 
 /** A table body of one row per item (`cells(item)`: texts, never HTML), or one row saying it is empty. */
 function fillTable(body, items, cells, emptyText, decorate = null) {
@@ -153,10 +160,11 @@ function fillTable(body, items, cells, emptyText, decorate = null) {
       td.textContent = value;  // ids and reasons come from clients: text, never HTML
       tr.append(td);
     }
-    // The request id on one line, cut short with an ellipsis; whole in its tooltip.
-    const id = document.createElement("span");
+    // The request id on one line, cut short with an ellipsis; whole in its tooltip; its page's link.
+    const id = document.createElement("a");
     id.className = "request-id";
     id.title = id.textContent = tr.firstChild.textContent;
+    id.href = requestUrl(item.request_id);
     tr.firstChild.replaceChildren(id);
     if (item.disagg) {  // one half of a disaggregated request: the other has the same id on its engine
       const tag = document.createElement("span");
@@ -173,9 +181,13 @@ function fillTable(body, items, cells, emptyText, decorate = null) {
 function renderRecent(recent) {
   fillTable(document.querySelector("#recent tbody"), recent,
     (r) => [r.request_id, fmt.count(r.prompt_tokens), fmt.count(r.completion_tokens), fmt.seconds(r.queue_s),
-      fmt.seconds(r.ttft_s), fmt.rate(r.decode_tokens_per_s), fmt.seconds(r.end_to_end_s), r.finish_reason],
+      fmt.seconds(r.ttft_s), fmt.rate(r.decode_tokens_per_s), fmt.seconds(r.end_to_end_s), r.finish_reason,
+      diagnosisText(r.diagnosis)],
     "No request has ended since the engine started or was reset.",
     (r, tr) => {
+      const why = tr.lastChild;
+      why.className = "diagnosis-cell";
+      why.title = (r.diagnosis || []).join("\n");
       const link = document.createElement("a");
       link.href = `${historyUrl}?q=${encodeURIComponent(r.request_id)}`;
       link.textContent = "history";
@@ -185,7 +197,8 @@ function renderRecent(recent) {
     });
 }
 
-const liveTable = new LiveTable(document.getElementById("live"), (requestId) => act("abort_request", { request_id: requestId }));
+const liveTable = new LiveTable(document.getElementById("live"), (requestId) => act("abort_request", { request_id: requestId }),
+  requestUrl);
 window.enginePage.liveTable = liveTable;
 
 // ---------------------------------------------------------------------------- state

@@ -56,10 +56,16 @@ function promptCell(r) {
   return td;
 }
 
-function idCell(r) {
+/** `template` (a URL with REQUEST_ID in it) as a function of a request id: its request page. */
+export function requestUrlOf(template) {
+  return (requestId) => template.replace("REQUEST_ID", encodeURIComponent(requestId));
+}
+
+function idCell(r, requestUrl) {
   const td = document.createElement("td");
-  const id = text("span", r.request_id, "request-id");
+  const id = text("a", r.request_id, "request-id");
   id.title = r.request_id;
+  id.href = requestUrl(r.request_id);
   td.append(id);
   const client = [r.user && r.user !== r.request_id ? `user ${r.user}` : null,
     r.client_request_id ? `X-Request-Id ${r.client_request_id}` : null].filter(Boolean);
@@ -76,11 +82,13 @@ function idCell(r) {
   return td;
 }
 
-/** The live table in `table` (its header made here); `onAbort(requestId)` after the user confirmed. */
+/** The live table in `table` (its header made here); `onAbort(requestId)` after the user confirmed;
+ * `requestUrl(requestId)`, the page each id links. */
 export class LiveTable {
-  constructor(table, onAbort) {
+  constructor(table, onAbort, requestUrl) {
     this.table = table;
     this.onAbort = onAbort;
+    this.requestUrl = requestUrl;
     this.sort = { key: "age_s", descending: true }; // oldest first, as the engine lists them
     this.rows = [];
     const tr = document.createElement("tr");
@@ -147,7 +155,7 @@ export class LiveTable {
       tr.dataset.requestId = r.request_id;
       tr.dataset.state = r.state;
       for (const column of COLUMNS) {
-        if (column.key === "request_id") tr.append(idCell(r));
+        if (column.key === "request_id") tr.append(idCell(r, this.requestUrl));
         else if (column.key === "prompt_tokens") tr.append(promptCell(r));
         else {
           const td = text("td", column.cell(r), column.num ? "num" : "");

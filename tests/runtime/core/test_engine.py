@@ -624,6 +624,9 @@ def test_ended_requests_are_remembered_newest_first_aborts_included(make_engine,
     assert (first["finish_reason"], first["prompt_tokens"], first["completion_tokens"]) == ("length", 20, 3)
     assert first["ttft_s"] > 0 and first["queue_s"] >= 0 and first["end_to_end_s"] >= first["ttft_s"]
     assert recent[0]["finish_reason"] == "abort"
+    # Each keeps where its time went, for its request page (docs/metrics.md, "Anatomy of a request").
+    assert sum(first["time_breakdown"].values()) == pytest.approx(first["end_to_end_s"], abs=1e-3)
+    assert isinstance(first["diagnosis"], tuple)
     run_all(engine, [request(f"r{i}", prompts(demo, 1)[0], max_tokens=1) for i in range(RECENT_REQUESTS + 3)])
     recent = engine.metrics.recent_requests()
     assert len(recent) == RECENT_REQUESTS and recent[0]["request_id"] == f"r{RECENT_REQUESTS + 2}"
