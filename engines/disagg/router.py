@@ -8,8 +8,11 @@ decode server, whose reply (JSON or SSE) goes back to the client as it comes. A 
 decode engine preempted (finish reason ``preempt``) is run again once, if no text of it reached
 the client yet (always so for a non-streaming one).
 
-Each request gets a fresh request id (the client's ``user`` plus a suffix): the three calls
-are tied by it, and two clients sending one ``user`` must not collide.
+Each request gets a fresh request id on the engines (the client's ``user``, else its ``X-Request-Id``,
+plus a suffix): the three calls are tied by it, and two clients sending one ``user`` must not
+collide. Every upstream call also carries the client's ``X-Request-Id`` (one minted here when it
+sent none: :func:`mint_request_id`), which the router's reply echoes, so one id names the request on
+the router, the prefill and the decode servers (their replies echo it, their live tables show it).
 """
 from __future__ import annotations
 
@@ -27,14 +30,26 @@ import orjson
 
 from engines.disagg.router_trace import RouterTrace
 from engines.request_arrival import age_headers
+from engines.request_ids import MAX_REQUEST_ID_CHARS, REQUEST_ID_HEADER
 from engines.protocol import ErrorResponse
 
 logger = logging.getLogger("engines.disagg")
 
-__all__ = ["DisaggRouter", "RouterError", "RoutedReply"]
+__all__ = ["DisaggRouter", "RouterError", "RoutedReply", "mint_request_id"]
 
 #: Connect, and each read or write, may take this long (a long prefill answers late).
 UPSTREAM_TIMEOUT = httpx.Timeout(300.0, connect=10.0)
+#: What an engine request id adds to its base: ``-<12 hex>`` for the request, ``-<attempt>``.
+_ENGINE_ID_SUFFIX_CHARS = 13 + 2
+
+
+def mint_request_id() -> str:
+    """An ``X-Request-Id`` for a request whose client sent none."""
+    return f"disagg-{uuid.uuid4().hex}"
+
+
+def _id_header(request_id: str | None) -> dict[str, str]:
+    return {REQUEST_ID_HEADER: request_id} if request_id else {}
 
 
 class RouterError(Exception):
@@ -103,27 +118,34 @@ class DisaggRouter:
         """The decode server with the fewest requests in flight from this router (first on a tie)."""
         return min(self.decode_urls, key=lambda u: self.in_flight[u])
 
-    async def models(self) -> RoutedReply:
+    async def models(self, request_id: str | None = None) -> RoutedReply:
         """The first decode server's ``/v1/models``."""
-        reply = await self._post_or_get("GET", self.decode_urls[0] + "/v1/models", None)
+        reply = await self._post_or_get("GET", self.decode_urls[0] + "/v1/models", None, _id_header(request_id))
         return RoutedReply(reply.status_code, "application/json", reply.content)
 
-    async def model(self, model_id: str) -> RoutedReply:
+    async def model(self, model_id: str, request_id: str | None = None) -> RoutedReply:
         """The first decode server's ``/v1/models/{model_id}`` (its 404 for a model it does not serve)."""
-        reply = await self._post_or_get("GET", self.decode_urls[0] + "/v1/models/" + quote(model_id), None)
+        reply = await self._post_or_get("GET", self.decode_urls[0] + "/v1/models/" + quote(model_id), None,
+                                        _id_header(request_id))
         return RoutedReply(reply.status_code, "application/json", reply.content)
 
-    async def route(self, payload: dict[str, Any], arrival: float | None = None) -> RoutedReply:
+    async def route(self, payload: dict[str, Any], arrival: float | None = None,
+                    request_id: str | None = None) -> RoutedReply:
         """Serve one completion or chat request (``payload`` is the client's JSON object), which
         arrived at ``arrival`` (``perf_counter`` seconds; default now): the servers it calls are
-        told its age with each call, so their engines count its life from the client's arrival."""
+        told its age with each call, so their engines count its life from the client's arrival.
+        ``request_id`` is the client's ``X-Request-Id`` (a fresh one when None), sent with every call."""
         arrival = time.perf_counter() if arrival is None else arrival
-        rid = f"{payload.get('user') or 'disagg'}-{uuid.uuid4().hex[:12]}"
+        request_id = request_id or mint_request_id()
+        # The engines' id: the user's, else the client's X-Request-Id, cut to leave the suffixes
+        # room within the length a user may have (longer, the upstream servers refuse it).
+        base = str(payload.get("user") or request_id)[:MAX_REQUEST_ID_CHARS - _ENGINE_ID_SUFFIX_CHARS]
+        rid = f"{base}-{uuid.uuid4().hex[:12]}"
         for attempt in (1, 2):
             decode = self.pick_decode()
             self.in_flight[decode] += 1
             try:
-                reply = await self._run(decode, {**payload, "user": f"{rid}-{attempt}"}, arrival)
+                reply = await self._run(decode, {**payload, "user": f"{rid}-{attempt}"}, arrival, request_id)
             except BaseException:
                 self.in_flight[decode] -= 1
                 raise
@@ -143,14 +165,15 @@ class DisaggRouter:
             return reply
         raise AssertionError("unreachable")
 
-    async def _run(self, decode: str, payload: dict[str, Any], arrival: float) -> RoutedReply:
-        """The three calls for one attempt."""
+    async def _run(self, decode: str, payload: dict[str, Any], arrival: float, request_id: str) -> RoutedReply:
+        """The three calls for one attempt, each carrying the client's ``X-Request-Id``."""
         user = payload["user"]
+        ids = _id_header(request_id)
         routed = self.trace.now_us()
         # prep_recv and remote_send answer plain JSON: the client's streaming options are for start_generate.
         quiet = {k: v for k, v in payload.items() if k not in ("stream", "stream_options")}
         started = self.trace.now_us()
-        prep = await self._call(decode, "/microserving/prep_recv", {**quiet, "end": -1})
+        prep = await self._call(decode, "/microserving/prep_recv", {**quiet, "end": -1}, ids)
         matched, length = prep["prefix_matched_length"], prep["prompt_length"]
         self.trace.span(user, "prep_recv", started, {"server": decode, "prefix_matched": matched, "prompt": length})
         if matched < length - 1:
@@ -158,17 +181,17 @@ class DisaggRouter:
             started = self.trace.now_us()
             await self._call(prefill, "/microserving/remote_send", {
                 **quiet, "begin": matched, "end": -1, "kv_addr_info": prep["kv_append_metadata"], "recv_rank": 0},
-                age_headers(arrival))
+                {**ids, **age_headers(arrival)})
             self.trace.span(user, "remote_send", started, {"server": prefill, "begin": matched})
         logger.debug("request %s: prefix %d of %d on %s", user, matched, length, decode)
         request = self.client.build_request("POST", decode + "/microserving/start_generate",
                                             content=orjson.dumps({**payload, "begin": length - 1}),
-                                            headers={"Content-Type": "application/json", **age_headers(arrival)})
+                                            headers={"Content-Type": "application/json", **ids, **age_headers(arrival)})
         started = self.trace.now_us()
         try:
             response = await self.client.send(request, stream=True)
             self.trace.span(user, "start_generate", started, {"server": decode, "status": response.status_code})
-            self.trace.span("", "route", routed, {"request": user, "decode": decode})
+            self.trace.span("", "route", routed, {"request": user, "decode": decode, "x_request_id": request_id})
         except httpx.HTTPError as exc:
             raise RouterError(
                 502, _error_body(502, f"the decode server {decode} could not be reached: {exc!r}")) from exc
@@ -202,7 +225,7 @@ class DisaggRouter:
                            headers: dict[str, str] | None = None) -> httpx.Response:
         try:
             if method == "GET":
-                return await self.client.get(url)
+                return await self.client.get(url, headers=headers)
             return await self.client.post(url, content=orjson.dumps(payload),
                                           headers={"Content-Type": "application/json", **(headers or {})})
         except httpx.HTTPError as exc:

@@ -132,8 +132,8 @@ def make_generation_request(
     """Map the OpenAI parameters, and MLC's ``debug_config`` options, onto the engine's fields
     (the pydantic ``DebugConfig`` never crosses into the runtime). ``arrival_time``: when the HTTP
     request arrived (``engines.request_arrival.arrival_of``). The client's ids go along for the
-    live table: ``user`` from the body, ``client_request_id`` as the caller read it (the seam for
-    ``X-Request-Id``: no view passes it yet).
+    live table: ``user`` from the body, ``client_request_id`` the client's ``X-Request-Id`` as the
+    view read it (``engines.request_ids``; behind a router, the router's client's).
 
     ``SamplingParams`` is where the sampling ranges are checked (``REQUEST_LIMITS``): a value
     out of range is a 400 naming the parameter the client sent.

@@ -1,5 +1,6 @@
 """MLC's MicroServing API (``/microserving/*``, with ``--enable-debug``): one engine prefills,
-another decodes, the K/V travels between them. The three calls of a request share its ``user``.
+another decodes, the K/V travels between them. The three calls of a request share its ``user``
+(the engine's request id); a router's ``X-Request-Id`` (the client's) goes on its live row.
 
 * ``prep_recv``: reserve the decode engine's pages for ``prompt[0:end]``; answers the
   ``kv_append_metadata`` (where to send, see ``engines.protocol.microserving``) and
@@ -25,6 +26,7 @@ from engines.protocol.microserving import ChatPrepRecvRequest, ChatRemoteSendReq
     KVAppendMetadata, KVReceiverAddress, PrepRecvRequest, RemoteSendRequest, StartGenerateRequest
 from engines.registry import registry
 from engines.request_arrival import age_of, arrival_of
+from engines.request_ids import client_request_id
 from engines.runtime import AsyncEngine, EngineRequestError, GenerationRequest, RequestOutput
 from engines.serving.generation import generate
 from engines.serving.request_mapping import lookup_engine, make_generation_request, prompt_ids, tokenize_chat, \
@@ -95,7 +97,8 @@ async def remote_send(request: HttpRequest) -> HttpResponse:
                                  f"{body.user!r}: the three calls of a request share its user", param="user")
     try:
         engine = lookup_engine(body.model)
-        generation = make_generation_request(body.user, _prompt(engine, body), body, arrival_of(request))
+        generation = make_generation_request(body.user, _prompt(engine, body), body, arrival_of(request),
+                                             client_request_id(request))
         generation.age_at_arrival_s = age_of(request)
         generation.kv_send = send_spec(engine, receiver, body.begin, body.end)
         last = await _prefill(engine, generation)
@@ -140,7 +143,8 @@ async def start_generate(request: HttpRequest) -> HttpResponseBase:
     """Generate on the received K/V: the rest of the prompt, then the completion."""
     body = _parse(request, StartGenerateRequest, ChatStartGenerateRequest)
     engine = lookup_engine(body.model)
-    generation = make_generation_request(body.user, _prompt(engine, body), body, arrival_of(request))
+    generation = make_generation_request(body.user, _prompt(engine, body), body, arrival_of(request),
+                                         client_request_id(request))
     generation.age_at_arrival_s = age_of(request)
     generation.kv_window_begin = body.begin
     shaper: ResponseShaper = (ChatShaper(body.user, engine, body) if isinstance(body, ChatCompletionRequest)

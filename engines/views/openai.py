@@ -15,7 +15,8 @@ returned) only when the server runs with ``--enable-debug``, and the ``query_eng
 special request is answered at once from the engine's metrics without generating.
 
 Under a disaggregating router (``serve --router disagg``) the same routes relay the decode
-server's reply, JSON or SSE, as it comes (``engines.disagg.router``).
+server's reply, JSON or SSE, as it comes (``engines.disagg.router``); the client's ``X-Request-Id``
+(else one the router mints, which its reply then names) goes with every call upstream.
 
 Statuses: 400 for a body that is not JSON, fails validation or that the engine
 refuses; 422 for MLC's two special-request rules (MLC's status for them);
@@ -29,7 +30,7 @@ from typing import Any
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
 
 from engines import otel
-from engines.disagg.router import DisaggRouter, RoutedReply, RouterError
+from engines.disagg.router import DisaggRouter, RoutedReply, RouterError, mint_request_id
 from engines.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, ProtocolError
 from engines.registry import registry
 from engines.request_arrival import arrival_of
@@ -54,7 +55,7 @@ from engines.views.api import api_view, json_body, json_response, reply_response
 async def list_models(request: HttpRequest) -> HttpResponseBase:
     """The served models, in the order the engines were added (a router's: its decode servers')."""
     if registry.router is not None:
-        return await routed_models(registry.router)
+        return await routed_models(registry.router, request)
     cards = [ModelCard(id=name, created=registry.created(name)) for name in registry.model_names()]
     return json_response(ModelList(data=cards).model_dump())
 
@@ -64,7 +65,7 @@ async def retrieve_model(request: HttpRequest, model: str) -> HttpResponseBase:
     """``GET /v1/models/{model}`` (the openai client's ``models.retrieve``): one card, or a 404 in the
     error shape for a model this server does not serve."""
     if registry.router is not None:
-        return await routed_models(registry.router, model)
+        return await routed_models(registry.router, request, model)
     if registry.get(model) is None:
         served = ", ".join(registry.model_names()) or "none"
         raise ProtocolError(404, f'The model "{model}" does not exist on this server. Served models: {served}.',
@@ -133,20 +134,29 @@ def _trace(engine: AsyncEngine, request_id: str, event: str, args: dict[str, Any
 # ------------------------------------------------------------------- under a disagg router
 
 
+def _routed_request_id(request: HttpRequest) -> str:
+    """The id sent upstream and echoed: the client's ``X-Request-Id``, else a fresh one."""
+    request_id = client_request_id(request) or mint_request_id()
+    use_request_id(request, request_id)
+    return request_id
+
+
 async def routed_generation(router: DisaggRouter, request: HttpRequest) -> HttpResponseBase:
     """A completion or chat request through the router; upstream errors come back as they were."""
     payload = json_body(request)
+    request_id = _routed_request_id(request)
     try:
         with registry.response_in_flight():
-            return _relayed(await router.route(payload, arrival_of(request)))
+            return _relayed(await router.route(payload, arrival_of(request), request_id))
     except RouterError as exc:
         return json_response(exc.body, status=exc.status)
 
 
-async def routed_models(router: DisaggRouter, model: str | None = None) -> HttpResponseBase:
+async def routed_models(router: DisaggRouter, request: HttpRequest, model: str | None = None) -> HttpResponseBase:
     """The decode servers' models, or the one named ``model`` (their 404 for another)."""
+    request_id = _routed_request_id(request)
     try:
-        return _relayed(await (router.models() if model is None else router.model(model)))
+        return _relayed(await (router.models(request_id) if model is None else router.model(model, request_id)))
     except RouterError as exc:
         return json_response(exc.body, status=exc.status)
 

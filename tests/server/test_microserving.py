@@ -34,18 +34,19 @@ async def kv_pages_used(name: str = DECODE) -> float:
 
 
 async def disaggregated(http: httpx.AsyncClient, user: str, end: int, stream: bool = False,
-                        prompt=PROMPT) -> httpx.Response:
-    prep = await http.post("/microserving/prep_recv", json=body(user, prompt=prompt, end=end))
+                        prompt=PROMPT, headers: dict[str, str] | None = None) -> httpx.Response:
+    prep = await http.post("/microserving/prep_recv", json=body(user, prompt=prompt, end=end), headers=headers)
     assert prep.status_code == 200, prep.text
     reply = prep.json()
     metadata, matched = reply["kv_append_metadata"], reply["prefix_matched_length"]
     resolved = end % len(prompt)
     if matched < resolved:
         send = await http.post("/microserving/remote_send", json=body(
-            user, PREFILL, prompt=prompt, begin=matched, end=end, kv_addr_info=metadata, recv_rank=0))
+            user, PREFILL, prompt=prompt, begin=matched, end=end, kv_addr_info=metadata, recv_rank=0),
+            headers=headers)
         assert send.status_code == 200 and send.json() == {}, send.text
     return await http.post("/microserving/start_generate", json=body(user, prompt=prompt, begin=resolved,
-                                                                     stream=stream))
+                                                                     stream=stream), headers=headers)
 
 
 async def single_engine(http: httpx.AsyncClient, prompt=PROMPT) -> str:
@@ -77,6 +78,25 @@ async def test_streaming_and_a_prefix_hit_on_the_decode_side(client):
     events = sse_payloads(reply.text)
     assert events[-1] == "[DONE]"
     assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == alone
+
+
+async def test_a_router_s_x_request_id_goes_on_both_halves_requests(client, monkeypatch):
+    """What a router sends (its client's X-Request-Id) is each engine request's client id (the live
+    row's), beside the ``user`` the engines run it under; each call's reply echoes it."""
+    seen: dict[str, list[str | None]] = {}
+    for name in (PREFILL, DECODE):
+        engine = registry.get(name)
+
+        def spy(request, _name=name, _generate=engine.generate):
+            seen.setdefault(_name, []).append(request.client_request_id)
+            return _generate(request)
+
+        monkeypatch.setattr(engine, "generate", spy)
+    user = new_user()
+    reply = await disaggregated(client, user, -1, headers={"X-Request-Id": "req_7f3a"})
+    assert reply.status_code == 200 and reply.headers["x-request-id"] == "req_7f3a"
+    assert reply.json()["id"] == user
+    assert seen == {PREFILL: ["req_7f3a"], DECODE: ["req_7f3a"]}
 
 
 async def test_metadata_names_the_receiver_and_keeps_mlcs_segments(client):

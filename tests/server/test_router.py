@@ -1,14 +1,17 @@
 """The disaggregating router's choices, against mock upstream servers: which decode server, when
-``remote_send`` is skipped, a preempted request run once more, upstream errors passed through."""
+``remote_send`` is skipped, a preempted request run once more, upstream errors passed through, one
+``X-Request-Id`` on every call and on the reply (the last through the ASGI app, as served)."""
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 
 import httpx
 import orjson
 import pytest
 
 from engines.disagg.router import DisaggRouter, RouterError
+from engines.registry import ServerOptions, configure, registry
 
 PREFILL, DECODE_A, DECODE_B = "http://prefill", "http://decode-a", "http://decode-b"
 
@@ -18,6 +21,8 @@ class Upstreams:
 
     def __init__(self, matched: int = 0, prompt_length: int = 10, preempt_times: int = 0, stream: bool = False):
         self.calls: list[tuple[str, str, dict]] = []
+        #: Each call's X-Request-Id (None: it had none).
+        self.request_ids: list[str | None] = []
         self.matched, self.prompt_length = matched, prompt_length
         self.preempt_times, self.stream = preempt_times, stream
 
@@ -25,6 +30,7 @@ class Upstreams:
         body = json.loads(request.content) if request.content else {}
         host, path = f"http://{request.url.host}", request.url.path
         self.calls.append((host, path, body))
+        self.request_ids.append(request.headers.get("x-request-id"))
         if path == "/microserving/prep_recv":
             return httpx.Response(200, json={"kv_append_metadata": "m", "prefix_matched_length": self.matched,
                                              "prompt_length": self.prompt_length})
@@ -184,3 +190,92 @@ async def test_one_model_is_the_first_decode_server_s_answer_relayed():
     missing = await router.model("nope")
     assert missing.status == 404 and orjson.loads(missing.body)["message"] == "not served"
     assert asked == [("decode-a", "/v1/models/org/demo"), ("decode-a", "/v1/models/nope")]
+
+
+# ------------------------------------------------------------------------- X-Request-Id
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_every_call_of_every_attempt_carries_the_client_s_request_id(stream):
+    up = Upstreams(preempt_times=1, stream=stream)  # two attempts: six calls
+    reply = await up.router().route({"model": "demo", "prompt": "hi", "stream": stream}, request_id="req_7f3a")
+    if stream:
+        assert b"hello" in b"".join([e async for e in reply.stream])
+    assert len(up.calls) == 6 and up.request_ids == ["req_7f3a"] * 6
+    # Without a user it names the engines' request too (as on one server), suffixed per request and attempt.
+    users = [body["user"] for _, _, body in up.calls]
+    assert all(u.startswith("req_7f3a-") for u in users) and users[0] != users[-1]
+
+
+async def test_a_user_still_names_the_engines_request_and_the_header_stays_the_client_s():
+    up = Upstreams()
+    await up.router().route({"model": "demo", "prompt": "hi", "user": "alice"}, request_id="trace-42")
+    assert all(body["user"].startswith("alice-") for _, _, body in up.calls)
+    assert up.request_ids == ["trace-42"] * 3
+
+
+async def test_without_one_the_router_mints_one_for_both_halves():
+    up = Upstreams(matched=0, prompt_length=10)
+    await up.router().route({"model": "demo", "prompt": "hi"})
+    (minted,) = set(up.request_ids)
+    assert minted.startswith("disagg-") and [h for h, _, _ in up.calls] == [DECODE_A, PREFILL, DECODE_A]
+    up.calls.clear()
+    up.request_ids.clear()
+    await up.router().route({"model": "demo", "prompt": "hi"})
+    assert set(up.request_ids) != {minted}  # one per request
+
+
+async def test_the_longest_request_id_still_makes_an_engine_id_the_servers_take():
+    from engines.request_ids import MAX_REQUEST_ID_CHARS
+
+    up = Upstreams(preempt_times=1)
+    longest = "x" * MAX_REQUEST_ID_CHARS
+    await up.router().route({"model": "demo", "prompt": "hi"}, request_id=longest)
+    assert up.request_ids == [longest] * 6  # the header goes as it came
+    assert max(len(body["user"]) for _, _, body in up.calls) == MAX_REQUEST_ID_CHARS
+
+
+@pytest.fixture
+async def routed() -> AsyncIterator[tuple[httpx.AsyncClient, Upstreams]]:
+    """The ASGI app as ``serve --router disagg`` serves it (no engines), in front of mock upstreams."""
+    from debugsite.asgi import application
+
+    up = Upstreams()
+    configure([], start=False)
+    registry.router = up.router(decode=(DECODE_A, DECODE_B))
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=application),
+                                     base_url="http://127.0.0.1", timeout=30) as http:
+            yield http, up
+    finally:
+        await registry.router.aclose()
+        registry.replace([], ServerOptions())
+
+
+async def test_the_router_s_reply_echoes_the_id_its_upstream_calls_carried(routed):
+    http, up = routed
+    sent = await http.post("/v1/completions", json={"model": "demo", "prompt": "hi"},
+                           headers={"X-Request-Id": "req_7f3a"})
+    assert sent.status_code == 200 and sent.headers["x-request-id"] == "req_7f3a"
+    assert up.request_ids == ["req_7f3a"] * 3
+    up.request_ids.clear()
+    minted = await http.post("/v1/chat/completions", json={"model": "demo", "messages": [], "stream": True})
+    assert minted.headers["x-request-id"].startswith("disagg-")
+    assert up.request_ids == [minted.headers["x-request-id"]] * 3
+    up.request_ids.clear()
+    listed = await http.get("/v1/models", headers={"X-Request-Id": "m-1"})
+    assert listed.headers["x-request-id"] == "m-1" and up.request_ids == ["m-1"]
+
+
+async def test_an_upstream_error_through_the_router_echoes_the_id_too(routed):
+    http, _ = routed
+    seen = []
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        seen.append(request.headers.get("x-request-id"))
+        return httpx.Response(400, json={"object": "error", "message": "temperature must be >= 0", "code": 400})
+
+    registry.router = DisaggRouter([PREFILL], [DECODE_A], transport=httpx.MockTransport(refuse))
+    refused = await http.post("/v1/completions", json={"model": "demo", "prompt": "hi", "temperature": -1})
+    assert refused.status_code == 400 and refused.json()["message"] == "temperature must be >= 0"
+    assert refused.headers["x-request-id"].startswith("disagg-") and seen == [refused.headers["x-request-id"]]
