@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 import orjson
@@ -25,16 +25,19 @@ from django.http import HttpRequest, HttpResponse, HttpResponseBase, StreamingHt
 from django.views.decorators.csrf import csrf_exempt
 from pydantic import BaseModel
 
+from engines.disagg.router import RoutedReply, RouterError, mint_request_id
 from engines.history.outage import OUTAGE_ERRORS, history_outage, request_message, said_once
 from engines.protocol.errors import ErrorResponse, ProtocolError
 from engines.protocol.json_body import JSONTooDeepError, loads_bounded
 from engines.registry import registry
+from engines.request_ids import client_request_id, use_request_id
 from engines.runtime import EngineDeadError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncView", "InvalidBody", "api_not_found", "api_view", "database_unavailable", "debug_gated",
-           "error_response", "json_body", "json_response", "reply_response", "sse_response"]
+__all__ = ["AsyncView", "InvalidBody", "api_not_found", "api_view", "counted_stream", "database_unavailable",
+           "debug_gated", "error_response", "json_body", "json_response", "reply_response", "routed_response",
+           "sse_response"]
 
 #: An ``async def`` view (what Django's ``path()`` takes: a coroutine function, not any awaitable).
 AsyncView = Callable[..., Coroutine[Any, Any, HttpResponseBase]]
@@ -85,6 +88,33 @@ def sse_response(events: AsyncIterator[bytes], content_type: str = "text/event-s
 def reply_response(reply: BaseModel | AsyncIterator[bytes]) -> HttpResponseBase:
     """A generation's reply (``engines.serving.generation.Reply``): one JSON object, or its SSE stream."""
     return json_response(reply.model_dump()) if isinstance(reply, BaseModel) else sse_response(reply)
+
+
+async def routed_response(request: HttpRequest, call: Callable[[str], Awaitable[RoutedReply]]) -> HttpResponseBase:
+    """What a disaggregating router (``engines.disagg.router``) relays for ``request``: ``call`` gets
+    the id that goes upstream (the client's ``X-Request-Id``, else a fresh one, which the reply's
+    header then names); its reply goes back as it came, JSON or SSE, and a :class:`RouterError` as
+    its status and body (the upstream's error object, or ours in the same shape)."""
+    request_id = client_request_id(request) or mint_request_id()
+    use_request_id(request, request_id)
+    try:
+        reply = await call(request_id)
+    except RouterError as exc:
+        return json_response(exc.body, status=exc.status)
+    if reply.stream is None:
+        return HttpResponse(reply.body, status=reply.status, content_type=reply.content_type)
+    return sse_response(counted_stream(reply.stream), content_type=reply.content_type)
+
+
+async def counted_stream(stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """A relayed stream, counted in flight while it is written (a draining shutdown waits for it,
+    as for the engine servers' own streams); closing it closes the upstream stream."""
+    with registry.response_in_flight():
+        try:
+            async for event in stream:
+                yield event
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
 
 
 def error_response(error: ProtocolError) -> HttpResponse:

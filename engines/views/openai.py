@@ -24,13 +24,12 @@ refuses; 422 for MLC's two special-request rules (MLC's status for them);
 """
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
-from django.http import HttpRequest, HttpResponse, HttpResponseBase
+from django.http import HttpRequest, HttpResponseBase
 
 from engines import otel
-from engines.disagg.router import DisaggRouter, RoutedReply, RouterError, mint_request_id
+from engines.disagg.router import DisaggRouter, RoutedReply
 from engines.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList, ProtocolError
 from engines.registry import registry
 from engines.request_arrival import arrival_of
@@ -48,7 +47,7 @@ from engines.serving.request_mapping import (
     validate_body,
 )
 from engines.serving.shapers import ChatShaper, CompletionShaper
-from engines.views.api import api_view, json_body, json_response, reply_response, sse_response
+from engines.views.api import api_view, json_body, json_response, reply_response, routed_response
 
 
 @api_view("GET")
@@ -134,45 +133,18 @@ def _trace(engine: AsyncEngine, request_id: str, event: str, args: dict[str, Any
 # ------------------------------------------------------------------- under a disagg router
 
 
-def _routed_request_id(request: HttpRequest) -> str:
-    """The id sent upstream and echoed: the client's ``X-Request-Id``, else a fresh one."""
-    request_id = client_request_id(request) or mint_request_id()
-    use_request_id(request, request_id)
-    return request_id
-
-
 async def routed_generation(router: DisaggRouter, request: HttpRequest) -> HttpResponseBase:
     """A completion or chat request through the router; upstream errors come back as they were."""
     payload = json_body(request)
-    request_id = _routed_request_id(request)
-    try:
+
+    async def route(request_id: str) -> RoutedReply:
         with registry.response_in_flight():
-            return _relayed(await router.route(payload, arrival_of(request), request_id))
-    except RouterError as exc:
-        return json_response(exc.body, status=exc.status)
+            return await router.route(payload, arrival_of(request), request_id)
+
+    return await routed_response(request, route)
 
 
 async def routed_models(router: DisaggRouter, request: HttpRequest, model: str | None = None) -> HttpResponseBase:
     """The decode servers' models, or the one named ``model`` (their 404 for another)."""
-    request_id = _routed_request_id(request)
-    try:
-        return _relayed(await (router.models(request_id) if model is None else router.model(model, request_id)))
-    except RouterError as exc:
-        return json_response(exc.body, status=exc.status)
-
-
-def _relayed(reply: RoutedReply) -> HttpResponseBase:
-    if reply.stream is None:
-        return HttpResponse(reply.body, status=reply.status, content_type=reply.content_type)
-    return sse_response(_counted(reply.stream), content_type=reply.content_type)
-
-
-async def _counted(stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """A relayed stream, counted in flight while it is written (a draining shutdown waits for it,
-    as for the engine servers' own streams); closing it closes the upstream stream."""
-    with registry.response_in_flight():
-        try:
-            async for event in stream:
-                yield event
-        finally:
-            await stream.aclose()  # type: ignore[attr-defined]
+    return await routed_response(request, lambda request_id: (
+        router.models(request_id) if model is None else router.model(model, request_id)))

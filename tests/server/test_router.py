@@ -138,7 +138,7 @@ def test_a_router_needs_both_sides():
 
 async def test_a_relayed_stream_counts_in_flight_and_closing_it_closes_upstream():
     from engines.registry import registry
-    from engines.views.openai import _counted
+    from engines.views.api import counted_stream
 
     closed = []
 
@@ -150,7 +150,7 @@ async def test_a_relayed_stream_counts_in_flight_and_closing_it_closes_upstream(
             closed.append(True)
 
     before = registry.responses_in_flight
-    body = _counted(upstream())
+    body = counted_stream(upstream())
     assert await anext(body) == b"data: 0\n\n"
     assert registry.responses_in_flight == before + 1  # a draining shutdown waits for it
     await body.aclose()  # the client went away
