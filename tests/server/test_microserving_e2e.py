@@ -139,3 +139,18 @@ def test_the_router_passes_errors_through(router):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{router.base}/v1", api_key="wrong", max_retries=0).models.list()
 
+
+
+def test_one_request_id_names_the_request_on_the_router_and_both_servers(servers, router):
+    prefill, decode = servers
+    for server in servers:
+        server.http.post("/debug/reset_engine", json={"model": "demo", "clear_trace": True})
+    raw = router.openai.completions.with_raw_response.create(model="demo", prompt=PROMPT, max_tokens=4,
+                                                             extra_headers={"X-Request-Id": "e2e-rid-7"})
+    assert raw.headers["x-request-id"] == "e2e-rid-7" and raw.parse().usage.completion_tokens == 4
+    for server in servers:  # without a user, each engine's lane is named after it (plus the router's suffixes)
+        trace = server.http.post("/debug/dump_event_trace", json={"model": "demo"}).text
+        assert '"e2e-rid-7-' in trace, server.base
+    minted = router.http.post("/v1/completions", json={"model": "demo", "prompt": PROMPT, "max_tokens": 2})
+    assert minted.status_code == 200 and minted.headers["x-request-id"].startswith("disagg-")
+
