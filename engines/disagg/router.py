@@ -1,5 +1,6 @@
 """The disaggregating router (``manage.py serve --router disagg``): ordinary OpenAI requests in,
-MicroServing's three calls behind them, so any client gets prefill/decode disaggregation.
+MicroServing's three calls behind them, so any client gets prefill/decode disaggregation. The
+models and vLLM's ``/tokenize`` and ``/detokenize`` are the first decode server's, relayed.
 
 For each request, as MLC's router does: pick the least loaded decode server; ``prep_recv``
 there for the whole prompt but its last token; ``remote_send`` on a prefill server for what
@@ -128,6 +129,19 @@ class DisaggRouter:
         reply = await self._post_or_get("GET", self.decode_urls[0] + "/v1/models/" + quote(model_id), None,
                                         _id_header(request_id))
         return RoutedReply(reply.status_code, "application/json", reply.content)
+
+    async def tokenizer_call(self, path: str, payload: dict[str, Any], request_id: str | None = None) -> RoutedReply:
+        """vLLM's ``POST /tokenize`` or ``/detokenize`` (``path``), asked of the first decode server
+        and its answer relayed; a refusal comes back as a :class:`RouterError` in the error shape.
+
+        A decode server, because its tokenizer makes the token ids that count: ``start_generate``
+        tokenizes the prompt there, its ``max_model_len`` bounds prompt plus output, and its prefix
+        cache is what the ids match (a prefill server serves the same model: the K/V's identity
+        check holds them to it). The first, as for the models, so one client sees one answer."""
+        reply = await self._post_or_get("POST", self.decode_urls[0] + path, payload, _id_header(request_id))
+        if reply.status_code != 200:
+            raise RouterError(reply.status_code, _upstream_error(reply.status_code, reply.content))
+        return RoutedReply(200, "application/json", reply.content)
 
     async def route(self, payload: dict[str, Any], arrival: float | None = None,
                     request_id: str | None = None) -> RoutedReply:

@@ -3,6 +3,8 @@
 ``/v1``; ours guards every route but ``/health``).
 
 ``model`` names the engine whose tokenizer answers; left out, the first engine (vLLM serves one).
+Under a disaggregating router (``serve --router disagg``) ``/tokenize`` and ``/detokenize`` are a
+decode server's answer relayed (``DisaggRouter.tokenizer_call``), its errors as they came.
 Statuses: 400 for a body that fails validation, a chat template that fails or an id outside the
 vocabulary; 404 for an unknown model.
 """
@@ -14,6 +16,7 @@ from django.http import HttpRequest, HttpResponseBase
 from pydantic import BaseModel, ValidationError
 
 import engines
+from engines.disagg.router import DisaggRouter
 from engines.protocol import ProtocolError
 from engines.protocol.vllm import (
     DetokenizeRequest,
@@ -26,7 +29,7 @@ from engines.protocol.vllm import (
 from engines.registry import registry
 from engines.runtime import AsyncEngine, ChatTemplateError
 from engines.serving.request_mapping import lookup_engine
-from engines.views.api import api_view, json_body, json_response
+from engines.views.api import api_view, json_body, json_response, routed_response
 
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -52,6 +55,8 @@ def _engine(model: str | None) -> AsyncEngine:
 async def tokenize(request: HttpRequest) -> HttpResponseBase:
     """A prompt's token ids, or a chat's as the chat route would prompt the model with them."""
     data = json_body(request)
+    if registry.router is not None:
+        return await _routed(registry.router, request, "/tokenize", data)
     body = _validated(data, tokenize_request_model(data))
     engine = _engine(body.model)
     tokenizer = engine.tokenizer
@@ -72,7 +77,10 @@ async def tokenize(request: HttpRequest) -> HttpResponseBase:
 @api_view("POST")
 async def detokenize(request: HttpRequest) -> HttpResponseBase:
     """Token ids back to text, special tokens kept (so ``/tokenize``'s BOS comes back)."""
-    body = _validated(json_body(request), DetokenizeRequest)
+    data = json_body(request)
+    if registry.router is not None:
+        return await _routed(registry.router, request, "/detokenize", data)
+    body = _validated(data, DetokenizeRequest)
     tokenizer = _engine(body.model).tokenizer
     outside = next((t for t in body.tokens if t >= tokenizer.vocab_size), None)
     if outside is not None:
@@ -80,6 +88,11 @@ async def detokenize(request: HttpRequest) -> HttpResponseBase:
                             param="tokens")
     return json_response(DetokenizeResponse(prompt=tokenizer.decode(body.tokens, skip_special_tokens=False))
                          .model_dump())
+
+
+async def _routed(router: DisaggRouter, request: HttpRequest, path: str, data: dict[str, Any]) -> HttpResponseBase:
+    """``path`` relayed to the router's decode server (the router has no tokenizer of its own)."""
+    return await routed_response(request, lambda request_id: router.tokenizer_call(path, data, request_id))
 
 
 @api_view("GET")

@@ -154,3 +154,17 @@ def test_one_request_id_names_the_request_on_the_router_and_both_servers(servers
     minted = router.http.post("/v1/completions", json={"model": "demo", "prompt": PROMPT, "max_tokens": 2})
     assert minted.status_code == 200 and minted.headers["x-request-id"].startswith("disagg-")
 
+
+def test_the_router_relays_tokenize_and_detokenize(servers, router):
+    _, decode = servers
+    prompt = {"model": "demo", "prompt": "Tell me about lighthouses."}
+    direct = decode.http.post("/tokenize", json=prompt).json()
+    routed = router.http.post("/tokenize", json=prompt, headers={"X-Request-Id": "e2e-tok"})
+    assert routed.status_code == 200 and routed.json() == direct and routed.headers["x-request-id"] == "e2e-tok"
+    back = router.http.post("/detokenize", json={"model": "demo", "tokens": direct["tokens"]})
+    assert back.status_code == 200
+    assert back.json() == decode.http.post("/detokenize", json={"model": "demo", "tokens": direct["tokens"]}).json()
+    refused = router.http.post("/detokenize", json={"model": "demo", "tokens": [10**9]})
+    assert refused.status_code == 400 and refused.json()["param"] == "tokens"
+    unknown = router.http.post("/tokenize", json={"model": "nope", "prompt": "hi"})
+    assert unknown.status_code == 404 and unknown.json()["object"] == "error"

@@ -1,6 +1,7 @@
 """The disaggregating router's choices, against mock upstream servers: which decode server, when
 ``remote_send`` is skipped, a preempted request run once more, upstream errors passed through, one
-``X-Request-Id`` on every call and on the reply (the last through the ASGI app, as served)."""
+``X-Request-Id`` on every call and on the reply, vLLM's ``/tokenize`` and ``/detokenize`` relayed (the
+last two also through the ASGI app, as served)."""
 from __future__ import annotations
 
 import json
@@ -46,6 +47,14 @@ class Upstreams:
                 sse = b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n"
                 return httpx.Response(200, content=sse, headers={"content-type": "text/event-stream"})
             return httpx.Response(200, json={"choices": [choice]})
+        if path == "/tokenize":
+            return httpx.Response(200, json={"count": 2, "max_model_len": 2048, "tokens": [1, 2], "token_strs": None})
+        if path == "/detokenize":
+            if max(body["tokens"]) >= 49152:
+                return httpx.Response(400, json={"object": "error", "message": "token id 49152 is outside the "
+                                                 "vocabulary (size 49152)", "type": "BadRequestError",
+                                                 "param": "tokens", "code": 400})
+            return httpx.Response(200, json={"prompt": "hi"})
         return httpx.Response(404, json={"object": "error", "message": "no route", "code": 404})
 
     def router(self, decode=(DECODE_A,)) -> DisaggRouter:
@@ -279,3 +288,58 @@ async def test_an_upstream_error_through_the_router_echoes_the_id_too(routed):
     refused = await http.post("/v1/completions", json={"model": "demo", "prompt": "hi", "temperature": -1})
     assert refused.status_code == 400 and refused.json()["message"] == "temperature must be >= 0"
     assert refused.headers["x-request-id"].startswith("disagg-") and seen == [refused.headers["x-request-id"]]
+
+
+# ------------------------------------------------------------------------- /tokenize, /detokenize
+
+
+async def test_tokenize_and_detokenize_are_the_first_decode_server_s_answers():
+    up = Upstreams()
+    router = up.router(decode=(DECODE_A, DECODE_B))
+    router.in_flight[DECODE_A] = 3  # no matter: the token ids of one model are the same on any
+    counted = await router.tokenizer_call("/tokenize", {"model": "demo", "prompt": "hi"}, "tok-1")
+    assert counted.status == 200 and orjson.loads(counted.body)["tokens"] == [1, 2]
+    back = await router.tokenizer_call("/detokenize", {"model": "demo", "tokens": [1, 2]}, "tok-2")
+    assert orjson.loads(back.body) == {"prompt": "hi"}
+    assert [(host, path) for host, path, _ in up.calls] == [(DECODE_A, "/tokenize"), (DECODE_A, "/detokenize")]
+    assert up.calls[0][2] == {"model": "demo", "prompt": "hi"} and up.request_ids == ["tok-1", "tok-2"]
+
+
+async def test_a_refused_tokenizer_call_comes_back_in_the_error_shape():
+    up = Upstreams()
+    with pytest.raises(RouterError) as err:
+        await up.router().tokenizer_call("/detokenize", {"model": "demo", "tokens": [49152]})
+    assert err.value.status == 400 and err.value.body["param"] == "tokens"  # the upstream's own error object
+
+    def broken(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(502, text="<html>Bad Gateway</html>")  # a proxy's page, not JSON
+    router = DisaggRouter([PREFILL], [DECODE_A], transport=httpx.MockTransport(broken))
+    with pytest.raises(RouterError) as err:
+        await router.tokenizer_call("/tokenize", {"prompt": "hi"})
+    assert err.value.status == 502 and err.value.body["object"] == "error"
+    assert "upstream answered 502: <html>Bad Gateway" in err.value.body["message"]
+
+    def down(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused")
+    router = DisaggRouter([PREFILL], [DECODE_A], transport=httpx.MockTransport(down))
+    with pytest.raises(RouterError) as err:
+        await router.tokenizer_call("/tokenize", {"prompt": "hi"})
+    assert err.value.status == 502 and "could not be reached" in err.value.body["message"]
+
+
+async def test_the_router_serves_tokenize_and_detokenize(routed):
+    http, up = routed
+    counted = await http.post("/tokenize", json={"model": "demo", "prompt": "hi"}, headers={"X-Request-Id": "t-1"})
+    assert counted.status_code == 200, counted.text
+    assert counted.json() == {"count": 2, "max_model_len": 2048, "tokens": [1, 2], "token_strs": None}
+    assert counted.headers["x-request-id"] == "t-1"
+    back = await http.post("/detokenize", json={"model": "demo", "tokens": [1, 2]})
+    assert back.status_code == 200 and back.json() == {"prompt": "hi"}
+    assert back.headers["x-request-id"].startswith("disagg-")
+    assert [path for _, path, _ in up.calls] == ["/tokenize", "/detokenize"]
+    assert up.request_ids == ["t-1", back.headers["x-request-id"]]
+    refused = await http.post("/detokenize", json={"model": "demo", "tokens": [49152]})
+    assert refused.status_code == 400 and refused.json()["param"] == "tokens"
+    assert refused.json()["message"].startswith("token id 49152 is outside")
+    not_json = await http.post("/tokenize", content=b"{nope")  # refused by the router itself, same shape
+    assert not_json.status_code == 400 and not_json.json()["object"] == "error" and len(up.calls) == 3
