@@ -131,6 +131,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names resolve lazily above
     from engines.runtime.core.engine import Engine, EngineConfig
+    from engines.runtime.core.anatomy import PHASES
     from engines.runtime.core.limits import REQUEST_LIMITS, RequestLimits
     from engines.runtime.core.profile_trigger import ProfileTrigger
     from engines.runtime.core.live_view import (DEFAULT_KV_ENTRIES, DEFAULT_LIVE_LIMIT, KVCacheDump, LiveRequest,
