@@ -32,6 +32,9 @@ class LoopLagMonitor:
         self.interval_s = interval_s
         self.lag = LatencyDistribution(LAG_BUCKETS, WINDOW)
         self._task: asyncio.Task[None] | None = None
+        #: When the probe last asked for its timer (perf_counter): a loop held now shows as this
+        #: ageing, long before the late timer fires and is recorded (:meth:`current_lag`).
+        self._asked: float | None = None
 
     def start(self) -> None:
         """Start probing the running loop (once: a second call does nothing)."""
@@ -47,10 +50,18 @@ class LoopLagMonitor:
 
     async def _run(self) -> None:
         while True:
-            asked = time.perf_counter()
+            asked = self._asked = time.perf_counter()
             await asyncio.sleep(self.interval_s)
             fired = time.perf_counter()
             self.lag.observe(max(0.0, fired - asked - self.interval_s), at=fired)
+
+    def current_lag(self) -> float:
+        """Seconds the loop is late *now*, from any thread: how overdue the pending probe is
+        (a blocked loop's lag grows while it is blocked); 0 while not probing."""
+        asked = self._asked
+        if asked is None or not self.running:
+            return 0.0
+        return max(0.0, time.perf_counter() - asked - self.interval_s)
 
     @property
     def running(self) -> bool:

@@ -280,6 +280,20 @@ async def list_requests(request: HttpRequest) -> HttpResponse:
 
 
 @debug_view
+async def list_incidents(request: HttpRequest) -> HttpResponse:
+    """The engine's stalls this server saw (``StallIncident`` fields, evidence included), newest
+    first, the open one among them; ``model`` optional (the first engine). Read from the
+    watchdog (``engines.stall_watch``), never from the engine: it answers while the engine cannot."""
+    from engines.stall_watch import stall_watch
+
+    body = parse_body(request)
+    engine = lookup(body.model)
+    incidents = stall_watch.incidents(engine.name)
+    return json_response({"model": engine.name, "stalls_total": stall_watch.stalls_total(engine.name),
+                          "open": any(i.open for i in incidents), "incidents": [i.as_dict() for i in incidents]})
+
+
+@debug_view
 async def abort_request(request: HttpRequest) -> HttpResponse:
     """End one request by id as a client's disconnect would (its stream ends with ``abort``);
     a 404 when the engine holds no such request. Kept in the history (``engines.request_abort``)."""

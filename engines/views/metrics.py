@@ -45,6 +45,7 @@ from prometheus_client.utils import floatToGoString
 from engines.loop_lag import loop_lag
 from engines.prometheus_names import DEFAULT_METRICS_PREFIX, VLLM_ALIASES, VLLM_MODEL_LABEL
 from engines.registry import registry
+from engines.stall_watch import stall_watch
 from engines.runtime import AsyncEngine, EngineDeadError, HistogramSnapshot
 from engines.views.api import api_view, json_response
 from engines.cancellation import within
@@ -193,12 +194,21 @@ class EngineCollector(Collector):
                                labels=["model", "state"])
         restarts = CounterMetricFamily(self.prefix + "restarts", "Times the engine was restarted after it died.",
                                        labels=["model"])
+        # The watchdog's (engines.stall_watch): incidents opened, and whether one is open now.
+        stalls = CounterMetricFamily(self.prefix + "stalls", "Times the engine was seen up but not progressing "
+                                     "(the watchdog's incidents).", labels=["model"])
+        stalled = GaugeMetricFamily(self.prefix + "stalled", "1 while a stall incident of the engine is open.",
+                                    labels=["model"])
         for engine in engines:
             status = engine.status
             up.add_metric([engine.name, status.state.value], 1.0 if engine.is_alive else 0.0)
             restarts.add_metric([engine.name], float(status.restarts))
+            stalls.add_metric([engine.name], float(stall_watch.stalls_total(engine.name)))
+            stalled.add_metric([engine.name], 1.0 if stall_watch.open_incident(engine.name) else 0.0)
         yield up
         yield restarts
+        yield stalls
+        yield stalled
 
     def _info(self, readings: list[EngineReading]) -> Metric:
         family = GaugeMetricFamily(
@@ -333,6 +343,13 @@ async def health(request: HttpRequest) -> HttpResponse:
     dead = [engine.name for engine in registry if not engine.is_alive]
     if dead:
         return json_response({"status": "unhealthy", "dead_engines": dead, "engines": statuses}, status=503)
+    # Up but not progressing (the watchdog, engines.stall_watch): 503 so a load balancer moves
+    # traffic, unless serve --stall-health-ok keeps 200; the reason either way.
+    stalled = {engine.name: {"reason": i.reason, "detail": i.detail, "since": i.opened_wall}
+               for engine in registry if (i := stall_watch.open_incident(engine.name)) is not None}
+    if stalled:
+        return json_response({"status": "stalled", "stalled": stalled, "engines": statuses},
+                             status=200 if stall_watch.health_ok else 503)
     return json_response({"status": "ok", "engines": statuses})
 
 

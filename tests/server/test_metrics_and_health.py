@@ -159,8 +159,9 @@ async def test_debug_routes_on_a_dead_engine_are_503_not_500(serve, stopped_engi
         exposition = (await http.get("/metrics")).text
         assert f'{P}up{{model="stopped",state="stopped"}} 0.0' in exposition
         assert f'{P}restarts_total{{model="stopped"}} 0.0' in exposition
+        # Its life, and the watchdog's count of its stalls (a dead engine is not stalled: 0).
         assert [line.split("{")[0] for line in exposition.splitlines() if 'model="stopped"' in line] == \
-            [f"{P}up", f"{P}restarts_total"]
+            [f"{P}up", f"{P}restarts_total", f"{P}stalls_total", f"{P}stalled"]
 
 
 async def test_health_says_draining_during_a_shutdown(serve, engines) -> None:

@@ -43,6 +43,8 @@ from engines.fleet.service import fleet_service
 from engines.history.autosave import HistoryAutosave
 from engines.history.capture import start_digest_process, stop_digest_process
 from engines.loop_lag import loop_lag
+from engines.stall_watch import stall_watch
+from engines.watchdog import LOOP_LAG_S, NO_PROGRESS_S, STEP_S, StallThresholds
 from engines.malloc_tuning import tune_malloc
 from engines.prometheus_names import DEFAULT_METRICS_PREFIX, check_prefix
 from engines import otel, server_identity
@@ -214,6 +216,17 @@ class Command(BaseCommand):
                              default=settings.METRICS_SNAPSHOT_INTERVAL_S,
                              help="every SECONDS, save each engine's metrics into the history (0: off; "
                                   "default %(default)g, from $METRICS_SNAPSHOT_INTERVAL_S)")
+        stalls = parser.add_argument_group("stalls (the watchdog: an engine up but not progressing)")
+        stalls.add_argument("--stall-no-progress-s", type=seconds, default=NO_PROGRESS_S, metavar="SECONDS",
+                            help="a stall: requests waiting and no engine step finished for SECONDS "
+                                 "(default %(default)g)")
+        stalls.add_argument("--stall-step-s", type=seconds, default=STEP_S, metavar="SECONDS",
+                            help="a stall: one engine step running longer than SECONDS (default %(default)g)")
+        stalls.add_argument("--stall-loop-lag-s", type=seconds, default=LOOP_LAG_S, metavar="SECONDS",
+                            help="a stall: the server's event loop running SECONDS late (default %(default)g)")
+        stalls.add_argument("--stall-health-ok", action="store_true",
+                            help="/health answers 200 while a stall lasts (still saying 'stalled' and why); "
+                                 "default 503, so a load balancer moves traffic away")
         metrics = parser.add_argument_group("Prometheus /metrics")
         metrics.add_argument("--metrics-prefix", type=metrics_prefix, default=DEFAULT_METRICS_PREFIX, metavar="PREFIX",
                              help="start every /metrics name with PREFIX, our namespace in a shared Prometheus "
@@ -274,6 +287,11 @@ class Command(BaseCommand):
             raise CommandError("--otlp-traces-endpoint: a router exports no spans (its engine servers do): give the "
                                "flag to them.")
         specs = [] if options["router"] else self._model_specs(options["models"] or list(builtin_model_names()))
+        try:
+            stall_watch.configure(StallThresholds(options["stall_no_progress_s"], options["stall_step_s"],
+                                                  options["stall_loop_lag_s"]), options["stall_health_ok"])
+        except ValueError as exc:
+            raise CommandError(f"--stall-*: {exc}") from None
         check_port_free(host, port)
         # Before the ASGI app is built (its websocket session middleware reads the name once).
         settings.SESSION_COOKIE_NAME, settings.CSRF_COOKIE_NAME = cookie_names(port)
@@ -428,6 +446,7 @@ class Command(BaseCommand):
             autosave.start(loop)
             loop.call_soon(lambda: hub_for(registry).start())  # the dashboard's samplers, once it runs
             loop.call_soon(loop_lag.start)
+            stall_watch.start(lambda: list(registry))  # a thread: the loop may be what stalls
             fleet.configure(f"http://{host}:{port}")
             loop.call_soon(lambda: fleet_service().start())  # this server in the fleet, once it runs
             stopper = GracefulStop(loop, drain_timeout_s, self.stdout)
@@ -446,6 +465,7 @@ class Command(BaseCommand):
             ready_callable=ready,
         )
         server.run()
+        stall_watch.stop()  # a drain's quiet end is not a stall
         loop = asyncio.get_event_loop()
         # The autosave is spared the cancel-all: cancelled mid-save it would lose a trace window
         # it had already taken from the recorder. Once the requests are cancelled it stops

@@ -14,6 +14,7 @@ everything above this class (views, history, metrics) works the same with either
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import concurrent.futures
 import itertools
 import logging
@@ -63,6 +64,7 @@ from engines.runtime.frontend.messages import (
     StepOutputs,
     TraceSinceCall,
 )
+from engines.runtime.frontend.progress_board import ProgressBoard, ProgressCounts
 from engines.runtime.frontend.supervision import EngineState, EngineStatus, RestartPolicy, Supervisor
 from engines.runtime.frontend.transports import ProcessTransport, ThreadTransport
 from engines.runtime.model.checkpoint import Checkpoint
@@ -123,8 +125,11 @@ class AsyncEngine:
         self._send_lock = threading.Lock()
         self._server_events: list[ServerTraceEvent] = []
         self._tracing_requested = enable_tracing
+        #: How far the engine loop got, read by the server's watchdog without asking the engine.
+        self.board = ProgressBoard.create_file(name) if process else ProgressBoard()
         self._spec = EngineSpec(checkpoint.path, name, self.config, backend, dtype, enable_tracing,
-                                trace_clock.epoch_anchor_ns(), kv_listen, keep_quantized=keep_quantized)
+                                trace_clock.epoch_anchor_ns(), kv_listen, keep_quantized=keep_quantized,
+                                progress_path=self.board.path)
         self._supervisor = Supervisor(name, restart or RestartPolicy(), self.restart)
         self._restart_lock = threading.Lock()
         self._generation = 0  # which transport's messages count; a stale one's death is old news
@@ -150,7 +155,7 @@ class AsyncEngine:
         self.engine = create_engine(self.checkpoint, spec.name, spec.config, spec.backend, spec.dtype,
                                     spec.enable_tracing)
         self._info = engine_info(self.engine)
-        return ThreadTransport(EngineCore(self.engine, self.name), on_message, spec.kv_listen)
+        return ThreadTransport(EngineCore(self.engine, self.name, self.board), on_message, spec.kv_listen)
 
     def start(self) -> None:
         """Warm the kernels up and start the engine loop (idempotent). A process engine has
@@ -177,6 +182,7 @@ class AsyncEngine:
                 self._transport.stop(timeout)
         # A graceful stop answered everything; a stuck engine that had to be killed did not.
         self._fail_pending(EngineDeadError(f"engine {self.name!r} was shut down"))
+        self.board.remove()
 
     def restart(self) -> None:
         """Replace the engine (its process) with a fresh one now, whatever state it is in.
@@ -215,6 +221,21 @@ class AsyncEngine:
     @property
     def is_alive(self) -> bool:
         return self._transport.alive and self.error is None
+
+    @property
+    def pid(self) -> int | None:
+        """The engine process's pid; None for an engine thread or one not started."""
+        transport = self._transport
+        process = transport.process if isinstance(transport, ProcessTransport) else None
+        return process.pid if process is not None else None
+
+    def progress(self) -> ProgressCounts:
+        """How far the engine loop got (its board), from any thread, whatever state the engine
+        is in; ``work`` counts the streams this server waits on too, which a stopped engine
+        never took in."""
+        counts = self.board.read()
+        waiting = len(self._streams)
+        return counts if waiting <= counts.work else dataclasses.replace(counts, work=waiting)
 
     @property
     def backend_name(self) -> str:
@@ -458,6 +479,10 @@ class AsyncEngine:
     def metrics_blocking(self, timeout: float | None = None) -> dict[str, Any]:
         """``metrics()`` for code without an event loop (blocks until the engine answers)."""
         return self._call(MetricsCall()).result(timeout)
+
+    def dashboard_reading_blocking(self, timeout: float | None = None) -> DashboardReading:
+        """``dashboard_reading()`` for code without an event loop (the watchdog's evidence)."""
+        return self._call(DashboardCall()).result(timeout)
 
     def dump_trace_blocking(self, clear: bool = False, skip_empty: bool = False,
                             timeout: float | None = None) -> bytes | None:

@@ -28,6 +28,7 @@ from engines.runtime.core.disagg.transfer import KVDelivery, KVSend
 from engines.runtime.core.engine import Engine, EngineConfig
 from engines.runtime.core.request import RequestOutput
 from engines.runtime.core.warm_up import warm_up
+from engines.runtime.frontend.progress_board import ProgressBoard
 from engines.runtime.frontend.messages import (
     MessageConnection,
     AbortRequest,
@@ -120,9 +121,11 @@ class EngineCore:
     after that output, so nothing of it can reach a stream that reuses its id.
     """
 
-    def __init__(self, engine: Engine, name: str = "engine") -> None:
+    def __init__(self, engine: Engine, name: str = "engine", board: ProgressBoard | None = None) -> None:
         self.engine = engine
         self.name = name
+        #: Where the loop says how far it got, for a watchdog that cannot ask (``progress_board``).
+        self.board = board or ProgressBoard()
         self._posts: dict[str, KVSend] = {}  # request id -> where its block goes (engine thread only)
         self._posting: dict[str, bool] = {}  # request id -> an abort waits for its post (under the lock)
         self._posting_lock = threading.Lock()
@@ -146,7 +149,13 @@ class EngineCore:
                     timeout = 0
                 engine.expire_receives()
                 if engine.has_work:
-                    self._send_outputs(engine.step(), send)
+                    board = self.board
+                    board.step_started(len(engine.requests))
+                    outputs = engine.step()
+                    board.step_finished(len(engine.requests))
+                    self._send_outputs(outputs, send)
+                else:
+                    self.board.idle()
         except EOFError:
             logger.info("engine %s: its front end went away; stopping", self.name)
         except Exception as e:  # noqa: BLE001 - a dead engine must fail its streams, not hang them
@@ -301,7 +310,7 @@ def run_engine_process(conn: Any, spec: EngineSpec) -> None:
             return
         info = dataclasses.replace(info, kv_port=listener.port)
     conn.send(Ready(info))
-    core = EngineCore(engine, spec.name)
+    core = EngineCore(engine, spec.name, ProgressBoard(spec.progress_path) if spec.progress_path else None)
     send_lock = threading.Lock()
 
     def send(message: CoreMessage) -> None:

@@ -96,6 +96,8 @@ class EngineSpec:
     kv_listen: KVListenSpec | None = None
     #: Keep a GGUF's matrices quantized (``load_checkpoint(keep_quantized=...)``).
     keep_quantized: bool = False
+    #: The file of the engine's ``ProgressBoard`` (the parent made it); None: the child keeps none.
+    progress_path: str | None = None
 
 
 # ----------------------------------------------------------------- calls (answered by Reply)
