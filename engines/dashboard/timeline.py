@@ -98,6 +98,8 @@ def engine_timeline(request: HttpRequest, name: str) -> HttpResponse:
         "engine": engine.name,
         "ws": "/ws/engines/" + quote(engine.name, safe="") + "/timeline/",
         "engine_url": reverse("dashboard-engine", args=[engine.name]),
+        # A request lane links the request's page (the browser puts its id in).
+        "request_url": reverse("dashboard-request", args=[engine.name, "REQUEST_ID"]),
         "download_json": reverse("dashboard-engine-trace", args=[engine.name]),
         "download_gzip": reverse("dashboard-engine-trace", args=[engine.name]) + "?gzip=1",
         "tracing": engine.tracing_enabled,

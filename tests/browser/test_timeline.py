@@ -108,6 +108,11 @@ async def test_live_timeline_follows_the_engine_and_matches_its_dump(page, dashb
     await page.click("#search-next")
     assert await page.text_content("#search-result") == "1 of 1"
     assert await page.text_content("#lane-title") == HOSTILE_ID
+    # Its lane links its request page (where its time went), the id encoded as encodeURIComponent does.
+    from urllib.parse import quote
+
+    assert await page.get_attribute("#lane-history", "href") == (
+        f"/dashboard/engines/demo/requests/{quote(HOSTILE_ID, safe=chr(39) + '-_.!~*()')}/")
     box = await page.locator(".tl-canvas").bounding_box()
     hit = await page.evaluate("""() => {
       const v = window.timeline.view; const lane = v.highlight; v.layoutLanes();

@@ -180,6 +180,11 @@ function showLane(lane) {
   const link = $("lane-history");
   if (summaries && summaries.has(lane.label) && changeUrl) {
     link.href = changeUrl.replace("/ID/", `/${summaries.get(lane.label).id}/`);
+    link.textContent = "Its saved summary: where its time went";
+    link.hidden = false;
+  } else if (source.request_url) {  // live: the engine's page of the request
+    link.href = source.request_url.replace("REQUEST_ID", encodeURIComponent(lane.label));
+    link.textContent = "Its request page: where its time went";
     link.hidden = false;
   } else {
     link.hidden = true;
