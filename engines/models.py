@@ -242,6 +242,42 @@ class ProfileRecord(PayloadRecord):
         return f"{self.engine} profile #{self.pk} ({self.captured_at:%Y-%m-%d %H:%M:%S})"
 
 
+class StallIncidentRecord(ServerRecord):
+    """One stall the watchdog saw (``engines.stall_watch``): an engine up but not progressing,
+    from the poll that saw it to the one that saw progress again, with the evidence taken when it
+    opened (stacks, requests in flight, KV pool, metrics, trace events; ``missing`` says what
+    could not be taken, and why). Kept as it happens: open rows are stalls that last, or whose
+    server ended first."""
+
+    class Reason(models.TextChoices):
+        NO_PROGRESS = "no_progress", "no progress"
+        LONG_STEP = "long_step", "long step"
+        LOOP_LAG = "loop_lag", "event loop lag"
+
+    engine = models.CharField(max_length=200, help_text="Engine (served model) name.")
+    reason = models.CharField(max_length=16, choices=Reason.choices)
+    detail = models.TextField(help_text="The rule's words: what it saw, and the limit.")
+    opened_at = models.DateTimeField(default=timezone.now)
+    closed_at = models.DateTimeField(null=True, blank=True, help_text="When progress resumed (empty: not seen).")
+    duration_s = models.FloatField(null=True, blank=True)
+    evidence = models.JSONField(default=dict, blank=True)
+
+    class Meta:
+        ordering = ("-opened_at", "-id")
+        indexes = [
+            models.Index(fields=["opened_at", "id"], name="incident_opened_idx"),
+            models.Index(fields=["server", "engine", "opened_at", "id"], name="incident_server_engine_idx"),
+        ]
+        verbose_name = "stall incident"
+
+    def __str__(self) -> str:
+        return f"{self.engine} stall #{self.pk} ({self.get_reason_display()})"
+
+    @property
+    def is_open(self) -> bool:
+        return self.closed_at is None
+
+
 class ForeignServer(models.Model):
     """A server that is not one of ours (vLLM, SGLang, MLC LLM, llama.cpp), or one of ours outside
     the fleet's Redis, attached by URL: the fleet polls its ``/metrics`` (``engines.fleet``).

@@ -77,8 +77,8 @@ class StallWatch:
             self._detectors.clear()
 
     def add_listener(self, listener: Listener) -> None:
-        """Call ``listener(incident)`` on the watch thread when an incident opens (its evidence
-        taken) and when it closes."""
+        """Call ``listener(incident)`` on the watch's threads when an incident opens, when its
+        evidence has been taken (the two may come after its close) and when it closes."""
         self._listeners.append(listener)
 
     def start(self, engines: Callable[[], Iterable[AsyncEngine]]) -> None:
@@ -125,6 +125,7 @@ class StallWatch:
                 opened.append(incident)
                 logger.warning("engine %s stalled: %s (%s); taking the evidence", engine.name, incident.reason,
                                incident.detail)
+                self._notify(incident)  # kept at once: the evidence may take tens of seconds (py-spy)
                 threading.Thread(target=self._capture, args=(engine, incident, counts), daemon=True,
                                  name=f"stall-evidence-{engine.name}").start()
             elif before is not None and detector.incident is None:
@@ -171,6 +172,8 @@ def capture_evidence(engine: AsyncEngine, incident: StallIncident, counts: Any,
                           "backend": engine.backend_name, "dtype": engine.dtype,
                           "checkpoint": str(engine.checkpoint.path), **_plain(engine.config)},
         "server_stacks": server_stacks(),
+        # What the server side knows of the requests, which a stopped engine cannot tell.
+        "server_streams": engine.stream_ids(),
     }
     pid = engine.pid
     if pid is not None:

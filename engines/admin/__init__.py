@@ -12,7 +12,7 @@ Staff only; what a user may do follows Django's view / change / delete permissio
 from django.contrib import admin
 
 # Importing the modules registers their admins (Django's autodiscover imports this package).
-from engines.admin import fleet, metrics_snapshots, profiles, request_summaries, traces  # noqa: F401
+from engines.admin import fleet, incidents, metrics_snapshots, profiles, request_summaries, traces  # noqa: F401
 
 # The admin is the dashboard's frame: its header names the product, not the framework.
 admin.site.site_header = "LLM engine debug server"

@@ -38,6 +38,16 @@ def engine_group(engine: str) -> str:
     return f"dashboard.engine.{_GROUP_UNSAFE.sub('_', engine)[:60]}.{digest}"
 
 
+class StallBanner(BaseModel):
+    """An engine's open stall incident as the page's banner shows it: the rule, its words, since
+    when (Unix seconds), and the incident's page in the history (None until it is written)."""
+
+    reason: str
+    detail: str
+    since: float
+    url: str | None = None
+
+
 class EngineSnapshot(BaseModel):
     """One engine as of ``at`` (Unix seconds): who serves it, its state, and its metrics
     (``None`` while it is not running)."""
@@ -68,6 +78,8 @@ class EngineSnapshot(BaseModel):
     #: numbers are left out, the page says "slow to answer".
     slow: bool = False
     profile: ProfileState = ProfileState()
+    #: The watchdog's open incident (``engines.stall_watch``): the page's banner; None while none.
+    stall: StallBanner | None = None
 
 
 #: An ``ActionEvent``'s ``type``.

@@ -19,8 +19,12 @@ from typing import Any
 from channels.layers import get_channel_layer
 from redis.exceptions import RedisError
 
-from engines.dashboard.messages import EngineHistory, EngineSnapshot, chart_values, engine_group
+from django.urls import reverse
+
+from engines.dashboard.messages import EngineHistory, EngineSnapshot, StallBanner, chart_values, engine_group
+from engines.history.incidents import incident_recorder
 from engines.server_identity import server_id
+from engines.stall_watch import stall_watch
 from engines.profiling import profile_state
 from engines.registry import EngineRegistry, registry as served_engines
 from engines.runtime import AsyncEngine, EngineDeadError
@@ -86,7 +90,7 @@ class EngineSampler:
             recent_requests=view.ended if view else None, slow=slow,
             live_requests=[dataclasses.asdict(row) for row in view.live.requests] if view else None,
             live_total=view.live.total if view else None, kv_cache=dataclasses.asdict(view.kv) if view else None,
-            draining=served_engines.draining, profile=profile_state(engine))
+            draining=served_engines.draining, profile=profile_state(engine), stall=stall_banner(engine.name))
 
     def history_text(self) -> str:
         """The last :data:`HISTORY_S` of samples as an :class:`EngineHistory` message (JSON)."""
@@ -133,6 +137,16 @@ class EngineSampler:
                 await within(self._wake.wait(), interval)
             except asyncio.TimeoutError:
                 pass
+
+
+def stall_banner(engine: str) -> StallBanner | None:
+    """The engine's open stall incident for the page's banner, linking its history row once written."""
+    incident = stall_watch.open_incident(engine)
+    if incident is None:
+        return None
+    pk = incident_recorder.record_pk(incident)
+    url = reverse("admin:engines_stallincidentrecord_change", args=[pk]) if pk is not None else None
+    return StallBanner(reason=incident.reason, detail=incident.detail, since=incident.opened_wall, url=url)
 
 
 async def read_engine(engine: AsyncEngine) -> tuple[Any, Any, bool]:

@@ -3,8 +3,10 @@ stalled, its evidence taken, ``/health`` says so (503), ``/metrics`` counts it, 
 closes with its duration when the process runs again; the request in flight then finishes."""
 from __future__ import annotations
 
+import json
 import os
 import signal
+import sqlite3
 import threading
 import time
 
@@ -56,6 +58,7 @@ def test_a_stopped_engine_process_is_a_stall_with_its_evidence(tmp_path) -> None
             assert "engine_stacks" in evidence or "py-spy" in evidence["missing"]["engine_stacks"]
             assert "did not answer" in evidence["missing"]["requests"]
             assert evidence["progress"]["work"] >= 1 and evidence["configuration"]["mode"] == "process"
+            assert len(evidence["server_streams"]) == 1  # whom the server waits on
             assert evidence["thresholds"]["no_progress_s"] == 2.0
         finally:
             os.kill(engine_pid, signal.SIGCONT)
@@ -66,5 +69,15 @@ def test_a_stopped_engine_process_is_a_stall_with_its_evidence(tmp_path) -> None
         assert 'llm_engine_stalled{model="demo"} 0.0' in srv.http.get("/metrics").text
         worker.join(180)
         assert done["reply"].status_code == 200 and done["reply"].json()["usage"]["completion_tokens"] == 600
+        # Kept in the history as it ended: one row, closed, with its evidence.
+        with sqlite3.connect(tmp_path / "db.sqlite3") as db:
+            rows = wait_for(lambda: (r := db.execute(
+                "select engine, reason, duration_s, evidence, server from engines_stallincidentrecord").fetchall())
+                and r[0][2] is not None and r, 30, "the incident's row closed")
+        assert len(rows) == 1
+        engine, reason, duration_s, evidence_json, server = rows[0]
+        assert (engine, reason) == ("demo", "no_progress") and server.endswith(f":{srv.port}")  # host:port
+        assert duration_s == pytest.approx(closed["incidents"][0]["duration_s"], abs=1e-6)
+        assert json.loads(evidence_json)["thresholds"]["no_progress_s"] == 2.0
     finally:
         srv.stop()

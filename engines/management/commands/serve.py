@@ -43,6 +43,7 @@ from engines.fleet.service import fleet_service
 from engines.history.autosave import HistoryAutosave
 from engines.history.capture import start_digest_process, stop_digest_process
 from engines.loop_lag import loop_lag
+from engines.history.incidents import incident_recorder
 from engines.stall_watch import stall_watch
 from engines.watchdog import LOOP_LAG_S, NO_PROGRESS_S, STEP_S, StallThresholds
 from engines.malloc_tuning import tune_malloc
@@ -446,6 +447,7 @@ class Command(BaseCommand):
             autosave.start(loop)
             loop.call_soon(lambda: hub_for(registry).start())  # the dashboard's samplers, once it runs
             loop.call_soon(loop_lag.start)
+            stall_watch.add_listener(incident_recorder)  # each incident kept in the history
             stall_watch.start(lambda: list(registry))  # a thread: the loop may be what stalls
             fleet.configure(f"http://{host}:{port}")
             loop.call_soon(lambda: fleet_service().start())  # this server in the fleet, once it runs

@@ -229,6 +229,10 @@ class AsyncEngine:
         process = transport.process if isinstance(transport, ProcessTransport) else None
         return process.pid if process is not None else None
 
+    def stream_ids(self) -> list[str]:
+        """The ids of the requests whose outputs this server waits on (from any thread)."""
+        return list(self._streams)
+
     def progress(self) -> ProgressCounts:
         """How far the engine loop got (its board), from any thread, whatever state the engine
         is in; ``work`` counts the streams this server waits on too, which a stopped engine

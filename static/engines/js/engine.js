@@ -203,6 +203,25 @@ window.enginePage.liveTable = liveTable;
 
 // ---------------------------------------------------------------------------- state
 
+/** The watchdog's open incident: what it saw, since when, and its page (once kept). */
+let stallShown = null; // the banner's incident as JSON: redrawn only when it changes (text stays selectable)
+
+function showStall(stall) {
+  const banner = document.getElementById("stall-banner");
+  banner.hidden = !stall;
+  const key = stall ? JSON.stringify(stall) : null;
+  if (!stall || key === stallShown) {
+    stallShown = key;
+    return;
+  }
+  stallShown = key;
+  banner.replaceChildren(`Stalled since ${fmt.timeOfDay(stall.since)}: ${stall.detail}. `);
+  const link = document.createElement("a");
+  link.href = stall.url || `${page.dataset.incidentsUrl}?engine=${encodeURIComponent(page.dataset.engine)}`;
+  link.textContent = stall.url ? "Its incident and evidence" : "The incidents";
+  banner.append(link);
+}
+
 function showState(snap) {
   const el = document.querySelector('h1 [data-field="state"]');
   el.textContent = fmt.state(snap);
@@ -260,6 +279,7 @@ function showProfile(profile) {
 function onSnapshot(snap) {
   showState(snap);
   showProfile(snap.profile);
+  showStall(snap.stall);  // a stalled engine's reads go unanswered: before the metrics' return
   const m = snap.metrics;
   document.getElementById("metrics-module").classList.toggle("stale", !m);
   plotSample(snap.at, m);
