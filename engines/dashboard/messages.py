@@ -123,6 +123,7 @@ class FeedEvent(BaseModel):
 CHART_FIELDS: tuple[str, ...] = (
     "now.prefill_tokens_per_s", "now.decode_tokens_per_s", "now.decode_batch_size", "now.decode_batch_size_max",
     "num_running_requests", "num_waiting_requests", "kv_cache_usage", "prefix_cache_hit_rate", "num_preemptions",
+    "num_kv_evictions",
     "num_finished_requests", "num_aborted_requests", "num_failed_requests", "ttft_s.last_60s.p50",
     "ttft_s.last_60s.p99", "token_gap_s.last_60s.p50", "token_gap_s.last_60s.p99",
 )

@@ -92,6 +92,7 @@ SERVING_COUNTERS: dict[str, tuple[str, str]] = {
     "request_aborted": ("num_aborted_requests", "Requests ended by an abort (a client gone, a reset, a failure)."),
     "request_failed": ("num_failed_requests", "Aborted requests that failed on their own (grammar, tokenizer)."),
     "num_preemptions": ("num_preemptions", "Sequences preempted for lack of KV pages."),
+    "kv_cache_evictions": ("num_kv_evictions", "Prefix-cache pages evicted to make room for new K/V."),
     "prefill_tokens_processed": ("prefill_tokens_processed", "Prompt tokens prefilled, counted every step."),
     "decode_tokens_processed": ("decode_tokens_processed", "Tokens decoded, counted every step."),
     "jump_forward_tokens_processed": ("jump_forward_tokens_processed", "Grammar-forced tokens, counted as appended."),

@@ -88,6 +88,16 @@ async def test_the_live_table_sorts_aborts_and_the_kv_section_opens(page, dashbo
         # The KV chart draws the prefix cache's hit rate over time beside its use.
         series = await page.evaluate("window.enginePage.charts.kv.plot.series.map((s) => s.label)")
         assert "prefix hit rate" in series
+        # Evictions over time: beside the preemptions, as a rate of the engine's count.
+        labels = await page.evaluate("window.enginePage.charts.preemptions.plot.series.map((s) => s.label)")
+        assert "KV evictions/s" in labels
+        rate = await page.evaluate("""async () => {
+          const { Derivation } = await import('/static/engines/js/charts.js');
+          const d = new Derivation(5);
+          d.next(100, { num_kv_evictions: 10, num_preemptions: 0 });
+          return d.next(102, { num_kv_evictions: 16, num_preemptions: 0 }).evictions;
+        }""")
+        assert rate == 3
         await page.locator("#live-module").screenshot(path=str(SHOTS / "live-requests-1400.png"))
         await page.locator("#kv-module").screenshot(path=str(SHOTS / "kv-cache-1400.png"))
         await page.screenshot(path=str(SHOTS / "engine-live-debugger-1400.png"), full_page=True)

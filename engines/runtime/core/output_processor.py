@@ -168,4 +168,5 @@ class OutputProcessor:
             kv_pages_used=usage.used_pages,
             kv_pages_total=usage.total_pages,
             prefix_cache_hit_rate=usage.hit_rate,
+            num_kv_evictions=self.kv_pool.num_evictions,
         )

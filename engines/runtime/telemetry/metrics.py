@@ -443,6 +443,7 @@ class EngineMetrics:
         self.num_aborted_requests = 0  # ended by an abort (a client gone, a reset, a failure)
         self.num_failed_requests = 0   # of those, ended by a failure of their own (grammar, tokenizer)
         self.num_preemptions = 0
+        self.num_kv_evictions = 0  # the pool's count, mirrored by set_gauges (zeroed with it on reset)
         self.num_running_requests = 0
         self.num_waiting_requests = 0
         self.kv_pages_used = 0
@@ -566,9 +567,11 @@ class EngineMetrics:
     def set_gauges(self, *, num_running_requests: int | None = None,
                    num_waiting_requests: int | None = None, kv_pages_used: int | None = None,
                    kv_pages_total: int | None = None,
-                   prefix_cache_hit_rate: float | None = None) -> None:
+                   prefix_cache_hit_rate: float | None = None, num_kv_evictions: int | None = None) -> None:
         """Update the live gauges given (``None`` leaves one as it is)."""
         with self._lock:
+            if num_kv_evictions is not None:
+                self.num_kv_evictions = num_kv_evictions
             if num_running_requests is not None:
                 self.num_running_requests = num_running_requests
             if num_waiting_requests is not None:
@@ -627,6 +630,7 @@ class EngineMetrics:
                 "kv_cache_usage": self.kv_pages_used / total if total else 0.0,
                 "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
                 "num_preemptions": self.num_preemptions,
+                "num_kv_evictions": self.num_kv_evictions,
                 "num_finished_requests": self.num_finished_requests,
                 "num_aborted_requests": self.num_aborted_requests,
                 "num_failed_requests": self.num_failed_requests,

@@ -179,8 +179,9 @@ export class TimeChart {
   }
 }
 
-/** The counters the engine page charts as rates (requests ended, preemptions). */
-const COUNTERS = ["num_finished_requests", "num_aborted_requests", "num_failed_requests", "num_preemptions"];
+/** The counters the engine page charts as rates (requests ended, preemptions, KV evictions). */
+const COUNTERS = ["num_finished_requests", "num_aborted_requests", "num_failed_requests", "num_preemptions",
+  "num_kv_evictions"];
 
 /**
  * The engine's numbers a chart draws, from one sample (a snapshot, or a row of the history): its
@@ -228,6 +229,8 @@ export class Derivation {
       aborted: rate("num_aborted_requests"),
       failed: rate("num_failed_requests"),
       preemptions: rate("num_preemptions"),
+      // Absent from a sample of an older server: no rate rather than NaN.
+      evictions: m.num_kv_evictions == null ? null : rate("num_kv_evictions"),
     };
   }
 }

@@ -19,7 +19,8 @@ const CHARTS = {
   itl: { kind: "ms", series: [["p50", "#d46a00", "itl50"], ["p99", "#f0a35e", "itl99"]] },
   outcomes: { kind: "rate", series: [["finished/s", "#417690", "finished"], ["aborted/s", "#d46a00", "aborted"],
                                      ["failed/s", "#ba2121", "failed"]] },
-  preemptions: { kind: "rate", series: [["preemptions/s", "#ba2121", "preemptions"]] },
+  preemptions: { kind: "rate", series: [["preemptions/s", "#ba2121", "preemptions"],
+                                        ["KV evictions/s", "#79aec8", "evictions"]] },
 };
 const charts = {};
 for (const [name, spec] of Object.entries(CHARTS)) {

@@ -83,8 +83,11 @@ def test_kv_dump_counts_pages_entries_hits_and_evictions(make_engine, demo):
         assert sum(h.pages for h in held) <= 16 and (not engine.has_work or any(h.pages for h in held))
     assert engine.dump_kv_cache().evictions > 0
     assert dataclasses.asdict(engine.dump_kv_cache())["evictions"] > 0
+    # The metrics carry the same count (the engine page charts it as a rate; /metrics counts it).
+    assert engine.metrics.as_dict()["num_kv_evictions"] == engine.dump_kv_cache().evictions
     engine.reset()
     assert engine.dump_kv_cache().evictions == 0 and engine.dump_kv_cache().entries == []
+    assert engine.metrics.as_dict()["num_kv_evictions"] == 0
 
 
 def test_page_ranges() -> None:
