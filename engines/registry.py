@@ -127,6 +127,7 @@ class ServerOptions:
     api_key: str | None = None  # required as "Authorization: Bearer <key>" when set
     metrics_prefix: str = DEFAULT_METRICS_PREFIX  # starts every /metrics name (engines.prometheus_names)
     metrics_vllm_aliases: bool = False  # /metrics repeats the series of vLLM's definition under its names
+    capture_text: bool = False  # captures keep prompt and output text too (serve --capture-text)
 
 
 @dataclass
@@ -259,6 +260,7 @@ def configure(
     start: bool = True,
     metrics_prefix: str = DEFAULT_METRICS_PREFIX,
     metrics_vllm_aliases: bool = False,
+    capture_text: bool = False,
 ) -> EngineRegistry:
     """Make the process-wide registry serve ``engines``; the one entry point for serve, tests and ASGI.
 
@@ -271,7 +273,8 @@ def configure(
     except ValueError as exc:
         raise RegistryError(str(exc)) from None
     registry.replace(engines, ServerOptions(enable_debug=enable_debug, api_key=api_key or None,
-                                            metrics_prefix=metrics_prefix, metrics_vllm_aliases=metrics_vllm_aliases))
+                                            metrics_prefix=metrics_prefix, metrics_vllm_aliases=metrics_vllm_aliases,
+                                            capture_text=capture_text))
     if start:
         registry.start_all()
     return registry

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from engines.loop_lag import LoopLagMonitor, loop_lag
+from engines.registry import registry
 from engines.stack_capture import outside_stacks
 from engines.watchdog import ProgressReading, StallDetector, StallIncident, StallThresholds
 
@@ -183,7 +184,7 @@ def capture_evidence(engine: AsyncEngine, incident: StallIncident, counts: Any,
         else:
             missing["engine_stacks"] = outside.missing or "py-spy read nothing"
     try:
-        reading = engine.dashboard_reading_blocking(ANSWER_TIMEOUT_S)
+        reading = engine.dashboard_reading_blocking(ANSWER_TIMEOUT_S, with_text=registry.options.capture_text)
     except Exception as exc:  # noqa: BLE001 - a timeout or a dead engine: both are findings
         why = f"the engine did not answer in {ANSWER_TIMEOUT_S:g} s" if _is_timeout(exc) else repr(exc)
         for part in ("requests", "kv_cache", "metrics"):

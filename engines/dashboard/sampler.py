@@ -154,7 +154,7 @@ async def read_engine(engine: AsyncEngine) -> tuple[Any, Any, bool]:
     ``slow`` when the engine does not answer in :data:`READ_TIMEOUT_S` (a long compile or step
     holding its process), or none when it died meanwhile. A read left behind is cancelled and
     awaited here, its outcome taken: nothing is left to log "exception was never retrieved" later."""
-    read = asyncio.ensure_future(engine.dashboard_reading())
+    read = asyncio.ensure_future(engine.dashboard_reading(with_text=served_engines.options.capture_text))
     done, _ = await asyncio.wait([read], timeout=READ_TIMEOUT_S)
     if not done:
         read.cancel()

@@ -274,7 +274,7 @@ async def list_requests(request: HttpRequest) -> HttpResponse:
     body = parse_body(request)
     engine = lookup(body.model)
     options = parse_options(request, ListRequestsOptions, 'Send "limit" as a whole number from 1 to 4096.')
-    live = await engine.live_requests(options.limit)
+    live = await engine.live_requests(options.limit, with_text=registry.options.capture_text)
     return json_response({"model": engine.name, "total": live.total, "truncated": live.truncated,
                           "requests": [dataclasses.asdict(row) for row in live.requests]})
 

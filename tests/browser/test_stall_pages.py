@@ -14,7 +14,8 @@ from tests.browser.test_live_debugger import shots_that_fit, streams
 
 pytestmark = pytest.mark.slow
 SERVE_MODELS = ("demo",)
-EXTRA_SERVE_ARGS = ["--stall-no-progress-s", "2"]
+# --capture-text too: the live row then shows its text (README, "What each capture holds").
+EXTRA_SERVE_ARGS = ["--stall-no-progress-s", "2", "--capture-text"]
 
 
 async def test_the_banner_links_the_incident_and_its_evidence(page, dashboard_server: LiveServer) -> None:
@@ -27,6 +28,9 @@ async def test_the_banner_links_the_incident_and_its_evidence(page, dashboard_se
     pid = dashboard_server.engine_pid("demo")
     try:
         await page.wait_for_selector('#live tbody tr[data-request-id="held-up"]', timeout=60000)
+        said = await page.text_content('#live tbody tr[data-request-id="held-up"] .request-text')
+        assert said.startswith("“") and "tides" in said
+        await page.locator("#live-module").screenshot(path=str(SHOTS / "live-requests-text-1400.png"))
         os.kill(pid, signal.SIGSTOP)
         try:
             banner = page.locator("#stall-banner")

@@ -64,3 +64,32 @@ async def test_no_capture_holds_the_prompt_or_the_output(client: httpx.AsyncClie
     assert stopped.status_code == 200, stopped.text
     profile_record = await ProfileRecord.objects.aget(pk=stopped.json()["profile_id"])
     _no_text(decompress_json(profile_record.payload), output)
+
+
+async def test_with_capture_text_the_live_table_shows_the_prompt_start_and_output_end(serve) -> None:
+    """``serve --capture-text`` opts in: a live row carries its prompt's first tokens and its output's
+    last as text, in /debug/list_requests and the dashboard's snapshot; without it (above) none."""
+    import asyncio
+
+    from engines.dashboard.sampler import read_engine
+    from engines.registry import registry
+
+    async with serve(enable_debug=True, capture_text=True) as http:
+        engine = registry.get(TRACED)
+        await engine.reset()
+        body = {"model": TRACED, "prompt": SECRET, "max_tokens": 400, "user": "texted",
+                "debug_config": {"ignore_eos": True}}
+        running = asyncio.ensure_future(http.post("/v1/completions", json=body))
+        try:
+            for _ in range(300):
+                rows = (await http.post("/debug/list_requests", json={"model": TRACED})).json()["requests"]
+                if rows and rows[0]["output_text"]:
+                    break
+                await asyncio.sleep(0.02)
+            (row,) = rows
+            assert row["prompt_text"].startswith("Quokkaquartz") and row["output_text"]
+            _, reading, _ = await read_engine(engine)
+            assert reading.live.requests[0].prompt_text == row["prompt_text"]
+        finally:
+            await running
+        await engine.reset()

@@ -41,7 +41,7 @@ class SlowEngine:
 
         self.status = EngineStatus(EngineState.RUNNING, None, 0)
 
-    async def dashboard_reading(self) -> DashboardReading:
+    async def dashboard_reading(self, with_text: bool = False) -> DashboardReading:
         await asyncio.sleep(self.delay)
         if self.error is not None:
             raise self.error

@@ -217,6 +217,11 @@ class Command(BaseCommand):
                              default=settings.METRICS_SNAPSHOT_INTERVAL_S,
                              help="every SECONDS, save each engine's metrics into the history (0: off; "
                                   "default %(default)g, from $METRICS_SNAPSHOT_INTERVAL_S)")
+        parser.add_argument("--capture-text", action="store_true",
+                            help="let captures keep text: the live requests table, /debug/list_requests and a "
+                                 "stall's evidence show each request's prompt start and output end (32 tokens "
+                                 "each). Default: ids, counts and times only (README, \"What each capture "
+                                 "holds\")")
         stalls = parser.add_argument_group("stalls (the watchdog: an engine up but not progressing)")
         stalls.add_argument("--stall-no-progress-s", type=seconds, default=NO_PROGRESS_S, metavar="SECONDS",
                             help="a stall: requests waiting and no engine step finished for SECONDS "
@@ -379,7 +384,8 @@ class Command(BaseCommand):
                 keep_quantized=options["keep_quantized"],
             )
             configure(engines, enable_debug=options["enable_debug"], api_key=options["api_key"],
-                      metrics_prefix=options["metrics_prefix"], metrics_vllm_aliases=options["metrics_vllm_aliases"])
+                      metrics_prefix=options["metrics_prefix"], metrics_vllm_aliases=options["metrics_vllm_aliases"],
+                      capture_text=options["capture_text"])
         except (CheckpointError, RegistryError, ValueError, RuntimeError) as exc:
             registry.shutdown_all()  # the engines that did start
             raise CommandError(str(exc)) from exc

@@ -229,9 +229,11 @@ class Engine:
         self.outputs.update_gauges()
         return out
 
-    def live_requests(self, limit: int = DEFAULT_LIVE_LIMIT) -> LiveRequests:
-        """The requests in the engine now (``live_view.live_requests``); any thread, mid-step too."""
-        return live_requests(self.requests, self.scheduler, self.kv_pool, self.kv_receiver, self.max_seq_len, limit)
+    def live_requests(self, limit: int = DEFAULT_LIVE_LIMIT, with_text: bool = False) -> LiveRequests:
+        """The requests in the engine now (``live_view.live_requests``); any thread, mid-step too.
+        ``with_text``: each row's prompt start and output end as text (``serve --capture-text``)."""
+        return live_requests(self.requests, self.scheduler, self.kv_pool, self.kv_receiver, self.max_seq_len, limit,
+                             self.tokenizer.decode if with_text else None)
 
     def dump_kv_cache(self, max_entries: int = DEFAULT_KV_ENTRIES) -> KVCacheDump:
         """The KV cache opened (``live_view.dump_kv_cache``); any thread, mid-step too."""

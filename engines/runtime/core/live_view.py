@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -72,6 +73,10 @@ class LiveRequest:
     preemptions: int
     #: Which half of a disaggregated request it is (``describe_half``), or None.
     disagg: str | None
+    #: Text, only when the server captures it (``serve --capture-text``): the prompt's first
+    #: :data:`TEXT_TOKENS` tokens and choice 0's last as many, detokenized. None otherwise.
+    prompt_text: str | None = None
+    output_text: str | None = None
 
 
 @dataclass(frozen=True)
@@ -160,10 +165,15 @@ def _grammar(state: "RequestState") -> str | None:
     return None if kind in (None, "text") else str(kind)
 
 
+#: Tokens of text a live row keeps of its prompt (the start) and its output (the end), with text capture on.
+TEXT_TOKENS = 32
+
+
 def live_requests(requests: dict[str, "RequestState"], scheduler: "Scheduler", kv_pool: "KVCachePool",
-                  receiver: "KVReceiver", max_seq_len: int, limit: int = DEFAULT_LIVE_LIMIT) -> LiveRequests:
+                  receiver: "KVReceiver", max_seq_len: int, limit: int = DEFAULT_LIVE_LIMIT,
+                  text: Callable[[list[int]], str] | None = None) -> LiveRequests:
     """The requests in the engine now, oldest first, then the K/V reservations waiting for their
-    transfer; at most ``limit`` of them."""
+    transfer; at most ``limit`` of them. ``text`` (a detokenizer): rows carry text too."""
     now = time.perf_counter()
     states = list(requests.values())  # one C-level copy each: a step may change them meanwhile
     reservations = list(receiver.reservations.items())
@@ -196,7 +206,10 @@ def live_requests(requests: dict[str, "RequestState"], scheduler: "Scheduler", k
             ttft_s=None if first is None else first - state.arrival_time,
             kv_pages=sum(kv_pool.num_pages_held(s.seq_id) for s in seqs), grammar=_grammar(state),
             temperature=state.params.temperature, top_p=state.params.top_p, n=len(seqs),
-            preemptions=sum(s.num_preemptions for s in seqs), disagg=describe_half(state.request)))
+            preemptions=sum(s.num_preemptions for s in seqs), disagg=describe_half(state.request),
+            prompt_text=text(list(state.request.prompt[:TEXT_TOKENS])) if text is not None else None,
+            output_text=text(seqs[0].token_ids[max(seqs[0].num_prompt_tokens, len(seqs[0].token_ids) - TEXT_TOKENS):])
+            if text is not None and seqs else None))
     for request_id, res in reservations[:max(0, limit - len(rows))]:
         age = now - res.reserved_at if res.reserved_at is not None else 0.0
         computed = res.receipt.prefix_matched_length if not res.received else res.receipt.end

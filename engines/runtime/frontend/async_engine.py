@@ -391,15 +391,15 @@ class AsyncEngine:
         """MLC's engine metrics plus our gauges and latency distributions (JSON-ready), as of now."""
         return await self._acall(MetricsCall())
 
-    async def dashboard_reading(self) -> DashboardReading:
+    async def dashboard_reading(self, with_text: bool = False) -> DashboardReading:
         """The metrics, the requests in the engine now and the last that ended, in one read
-        (``DashboardReading``); answered even mid-step."""
-        return await self._acall(DashboardCall())
+        (``DashboardReading``); answered even mid-step. ``with_text``: the live rows' text too."""
+        return await self._acall(DashboardCall(with_text))
 
-    async def live_requests(self, limit: int = DEFAULT_LIVE_LIMIT) -> LiveRequests:
+    async def live_requests(self, limit: int = DEFAULT_LIVE_LIMIT, with_text: bool = False) -> LiveRequests:
         """The requests in the engine now, oldest first, at most ``limit`` (``Engine.live_requests``);
-        answered even mid-step."""
-        return await self._acall(LiveRequestsCall(limit))
+        answered even mid-step. ``with_text``: with their text (``serve --capture-text``)."""
+        return await self._acall(LiveRequestsCall(limit, with_text))
 
     async def dump_kv_cache(self, max_entries: int = DEFAULT_KV_ENTRIES) -> KVCacheDump:
         """The KV cache opened (``Engine.dump_kv_cache``); answered even mid-step."""
@@ -484,9 +484,9 @@ class AsyncEngine:
         """``metrics()`` for code without an event loop (blocks until the engine answers)."""
         return self._call(MetricsCall()).result(timeout)
 
-    def dashboard_reading_blocking(self, timeout: float | None = None) -> DashboardReading:
+    def dashboard_reading_blocking(self, timeout: float | None = None, with_text: bool = False) -> DashboardReading:
         """``dashboard_reading()`` for code without an event loop (the watchdog's evidence)."""
-        return self._call(DashboardCall()).result(timeout)
+        return self._call(DashboardCall(with_text)).result(timeout)
 
     def dump_trace_blocking(self, clear: bool = False, skip_empty: bool = False,
                             timeout: float | None = None) -> bytes | None:

@@ -170,10 +170,12 @@ class DashboardCall(EngineCall):
     """A :class:`DashboardReading`: a dashboard sample in one round trip."""
 
     immediate: ClassVar[bool] = True
+    #: The live rows' text too (``serve --capture-text``).
+    with_text: bool = False
 
     def run(self, engine: "Engine", send: "Send") -> DashboardReading:
-        return DashboardReading(engine.metrics.as_dict(), engine.live_requests(), engine.metrics.recent_requests(),
-                                engine.dump_kv_cache())
+        return DashboardReading(engine.metrics.as_dict(), engine.live_requests(with_text=self.with_text),
+                                engine.metrics.recent_requests(), engine.dump_kv_cache())
 
 
 @dataclass(frozen=True)
@@ -183,9 +185,10 @@ class LiveRequestsCall(EngineCall):
 
     immediate: ClassVar[bool] = True
     limit: int = DEFAULT_LIVE_LIMIT
+    with_text: bool = False
 
     def run(self, engine: "Engine", send: "Send") -> LiveRequests:
-        return engine.live_requests(self.limit)
+        return engine.live_requests(self.limit, self.with_text)
 
 
 @dataclass(frozen=True)

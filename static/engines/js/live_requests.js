@@ -74,6 +74,11 @@ function idCell(r, requestUrl) {
     ids.title = "The client's own ids";
     td.append(ids);
   }
+  if (r.prompt_text != null) {  // serve --capture-text: the prompt's start, the output's end
+    const said = text("span", `“${r.prompt_text}” → “${r.output_text ?? ""}”`, "request-text");
+    said.title = said.textContent;
+    td.append(said);
+  }
   if (r.disagg) {
     const tag = text("span", r.disagg, "disagg-tag");
     tag.title = "Disaggregated serving: the other half runs on another engine under the same request id";
