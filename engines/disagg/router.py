@@ -21,7 +21,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
@@ -144,11 +144,13 @@ class DisaggRouter:
         return RoutedReply(200, "application/json", reply.content)
 
     async def route(self, payload: dict[str, Any], arrival: float | None = None,
-                    request_id: str | None = None) -> RoutedReply:
+                    request_id: str | None = None, trace_context: Mapping[str, str] | None = None) -> RoutedReply:
         """Serve one completion or chat request (``payload`` is the client's JSON object), which
         arrived at ``arrival`` (``perf_counter`` seconds; default now): the servers it calls are
         told its age with each call, so their engines count its life from the client's arrival.
-        ``request_id`` is the client's ``X-Request-Id`` (a fresh one when None), sent with every call."""
+        ``request_id`` is the client's ``X-Request-Id`` (a fresh one when None), sent with every call;
+        ``trace_context`` its W3C ``traceparent`` and ``tracestate``, sent on to the decode server's
+        start_generate, whose span (``engines.otel``) then joins the client's trace."""
         arrival = time.perf_counter() if arrival is None else arrival
         request_id = request_id or mint_request_id()
         # The engines' id: the user's, else the client's X-Request-Id, cut to leave the suffixes
@@ -159,7 +161,8 @@ class DisaggRouter:
             decode = self.pick_decode()
             self.in_flight[decode] += 1
             try:
-                reply = await self._run(decode, {**payload, "user": f"{rid}-{attempt}"}, arrival, request_id)
+                reply = await self._run(decode, {**payload, "user": f"{rid}-{attempt}"}, arrival, request_id,
+                                        dict(trace_context or {}))
             except BaseException:
                 self.in_flight[decode] -= 1
                 raise
@@ -179,7 +182,8 @@ class DisaggRouter:
             return reply
         raise AssertionError("unreachable")
 
-    async def _run(self, decode: str, payload: dict[str, Any], arrival: float, request_id: str) -> RoutedReply:
+    async def _run(self, decode: str, payload: dict[str, Any], arrival: float, request_id: str,
+                   trace_context: dict[str, str]) -> RoutedReply:
         """The three calls for one attempt, each carrying the client's ``X-Request-Id``."""
         user = payload["user"]
         ids = _id_header(request_id)
@@ -200,7 +204,8 @@ class DisaggRouter:
         logger.debug("request %s: prefix %d of %d on %s", user, matched, length, decode)
         request = self.client.build_request("POST", decode + "/microserving/start_generate",
                                             content=orjson.dumps({**payload, "begin": length - 1}),
-                                            headers={"Content-Type": "application/json", **ids, **age_headers(arrival)})
+                                            headers={"Content-Type": "application/json", **ids, **age_headers(arrival),
+                                                     **trace_context})
         started = self.trace.now_us()
         try:
             response = await self.client.send(request, stream=True)

@@ -23,7 +23,8 @@ if TYPE_CHECKING:
     from engines.protocol import ChatCompletionRequest, CompletionRequest
     from engines.runtime import GenerationRequest
 
-__all__ = ["ENDPOINT_VARIABLES", "begin", "configure", "endpoint_from", "exporting", "force_flush", "shutdown"]
+__all__ = ["ENDPOINT_VARIABLES", "TRACE_CONTEXT_HEADERS", "begin", "configure", "endpoint_from", "exporting",
+           "force_flush", "shutdown", "trace_context"]
 
 #: The standard variables, in the order the OTLP exporter spec reads them.
 ENDPOINT_VARIABLES = ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "OTEL_EXPORTER_OTLP_ENDPOINT")
@@ -79,6 +80,16 @@ def begin(request: HttpRequest, body: ChatCompletionRequest | CompletionRequest,
     if _export is None:
         return None
     return _export.begin(request.headers, body, generation, model)
+
+
+#: The W3C trace-context headers (``traceparent``, ``tracestate``) a hop passes on.
+TRACE_CONTEXT_HEADERS = ("traceparent", "tracestate")
+
+
+def trace_context(request: HttpRequest) -> dict[str, str]:
+    """The client's W3C trace-context headers, to send on (a router to its decode server), exporting or not:
+    the hop that makes the spans is the one that decides."""
+    return {name: value for name in TRACE_CONTEXT_HEADERS if (value := request.headers.get(name))}
 
 
 def force_flush() -> bool:

@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 from django.http import HttpRequest, HttpResponse, HttpResponseBase
 from pydantic import ValidationError
 
+from engines import otel
 from engines.disagg.delivery import check_delivery, deliver, release, send_spec
 from engines.protocol import ChatCompletionRequest, CompletionRequest, ProtocolError
 from engines.protocol.microserving import ChatPrepRecvRequest, ChatRemoteSendRequest, ChatStartGenerateRequest, \
@@ -149,7 +150,9 @@ async def start_generate(request: HttpRequest) -> HttpResponseBase:
     generation.kv_window_begin = body.begin
     shaper: ResponseShaper = (ChatShaper(body.user, engine, body) if isinstance(body, ChatCompletionRequest)
                               else CompletionShaper(body.user, engine, body))
-    return reply_response(await generate(engine, body, generation, shaper))
+    # The decode half's span, joined to the client's trace when a router passed its traceparent on.
+    span = otel.begin(request, body, generation, engine.name)  # None unless spans are exported
+    return reply_response(await generate(engine, body, generation, shaper, span))
 
 
 @microserving_view

@@ -139,7 +139,7 @@ async def routed_generation(router: DisaggRouter, request: HttpRequest) -> HttpR
 
     async def route(request_id: str) -> RoutedReply:
         with registry.response_in_flight():
-            return await router.route(payload, arrival_of(request), request_id)
+            return await router.route(payload, arrival_of(request), request_id, otel.trace_context(request))
 
     return await routed_response(request, route)
 

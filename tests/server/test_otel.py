@@ -335,3 +335,23 @@ print("clean")
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
                             timeout=120)
     assert result.stdout.strip() == "clean", result.stderr
+
+
+async def test_the_decode_half_of_a_disaggregated_request_is_a_span_in_the_client_s_trace(client, receiver) -> None:
+    """MicroServing's start_generate (what a router calls with the client's traceparent) makes the
+    request's span, joined to that trace; prep_recv and remote_send make none."""
+    from tests.server.test_microserving import disaggregated, new_user
+
+    user, traced = new_user(), new_user()
+    reply = await disaggregated(client, user, -1)
+    assert reply.status_code == 200, reply.text
+    start = await disaggregated(client, traced, -1, headers={"traceparent": f"00-{TRACE_ID}-{PARENT_ID}-01"})
+    assert start.status_code == 200, start.text
+    assert otel.force_flush()
+    spans = receiver.trace_of(traced)
+    top = spans["request"]
+    assert top.span.trace_id.hex() == TRACE_ID and top.span.parent_span_id.hex() == PARENT_ID
+    assert top.attributes["gen_ai.usage.output_tokens"] == start.json()["usage"]["completion_tokens"]
+    assert {"queue", "prefill", "decode"} <= set(spans)
+    # The first disaggregated run (no traceparent) is a trace of its own, from start_generate alone.
+    assert len([s for s in receiver.spans() if s.attributes.get("gen_ai.request.id") == user]) == 1

@@ -24,6 +24,8 @@ class Upstreams:
         self.calls: list[tuple[str, str, dict]] = []
         #: Each call's X-Request-Id (None: it had none).
         self.request_ids: list[str | None] = []
+        #: Each call's (traceparent, tracestate).
+        self.trace_context: list[tuple[str | None, str | None]] = []
         self.matched, self.prompt_length = matched, prompt_length
         self.preempt_times, self.stream = preempt_times, stream
 
@@ -32,6 +34,7 @@ class Upstreams:
         host, path = f"http://{request.url.host}", request.url.path
         self.calls.append((host, path, body))
         self.request_ids.append(request.headers.get("x-request-id"))
+        self.trace_context.append((request.headers.get("traceparent"), request.headers.get("tracestate")))
         if path == "/microserving/prep_recv":
             return httpx.Response(200, json={"kv_append_metadata": "m", "prefix_matched_length": self.matched,
                                              "prompt_length": self.prompt_length})
@@ -343,3 +346,13 @@ async def test_the_router_serves_tokenize_and_detokenize(routed):
     assert refused.json()["message"].startswith("token id 49152 is outside")
     not_json = await http.post("/tokenize", content=b"{nope")  # refused by the router itself, same shape
     assert not_json.status_code == 400 and not_json.json()["object"] == "error" and len(up.calls) == 3
+
+
+async def test_the_client_s_trace_context_goes_on_to_start_generate_only():
+    """start_generate's server makes the request's span (engines.otel): it joins the client's trace."""
+    up = Upstreams(matched=0, prompt_length=10)
+    parent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    await up.router().route({"model": "demo", "prompt": "hi"}, request_id="t-1",
+                            trace_context={"traceparent": parent, "tracestate": "v=1"})
+    assert up.paths() == ["prep_recv", "remote_send", "start_generate"]
+    assert up.trace_context == [(None, None), (None, None), (parent, "v=1")]
