@@ -37,6 +37,7 @@ urlpatterns = [
     path("debug/profile_stop", debug.profile_stop, name="debug-profile-stop"),
     path("debug/list_requests", debug.list_requests, name="debug-list-requests"),
     path("debug/list_incidents", debug.list_incidents, name="debug-list-incidents"),
+    path("debug/dump_workload", debug.dump_workload, name="debug-dump-workload"),
     path("debug/abort_request", debug.abort_request, name="debug-abort-request"),
     path("debug/dump_kv_cache", debug.dump_kv_cache, name="debug-dump-kv-cache"),
     # vLLM's control routes (aiperf's defaults), gated and guarded as /debug is.

@@ -280,6 +280,15 @@ async def list_requests(request: HttpRequest) -> HttpResponse:
 
 
 @debug_view
+async def dump_workload(request: HttpRequest) -> HttpResponse:
+    """The engine's flight recorder: its last requests that ended, as a workload (docs/interfaces.md,
+    "Workload"; ids, parameters, token counts and times, no text); ``model`` optional (the first engine)."""
+    body = parse_body(request)
+    engine = lookup(body.model)
+    return json_response((await engine.dump_workload()).as_dict())
+
+
+@debug_view
 async def list_incidents(request: HttpRequest) -> HttpResponse:
     """The engine's stalls this server saw (``StallIncident`` fields, evidence included), newest
     first, the open one among them; ``model`` optional (the first engine). Read from the

@@ -44,7 +44,7 @@ async def test_no_capture_holds_the_prompt_or_the_output(client: httpx.AsyncClie
     assert b"privacy-check" in trace.content  # the request is in it, named by its user
     _no_text(trace.content, output)
     for path, extra in (("/debug/list_requests", {}), ("/debug/dump_kv_cache", {"max_entries": 4096}),
-                        ("/debug/dump_engine_metrics", {})):
+                        ("/debug/dump_engine_metrics", {}), ("/debug/dump_workload", {})):
         dumped = await client.post(path, json={"model": TRACED, **extra})
         assert dumped.status_code == 200, (path, dumped.text)
         _no_text(dumped.content, output)

@@ -35,6 +35,7 @@ from engines.runtime.core.live_view import (DEFAULT_KV_ENTRIES, DEFAULT_LIVE_LIM
 from engines.runtime.core.output_processor import OutputProcessor
 from engines.runtime.core.profiler_control import ProfilerControl
 from engines.runtime.core.prompt_logprobs import prompt_logprobs
+from engines.runtime.telemetry.flight_recorder import Workload
 from engines.runtime.telemetry.metrics import EngineMetrics
 from engines.runtime.model.forward_batch import ForwardBatch
 from engines.runtime.model.llama import LlamaModel
@@ -235,6 +236,11 @@ class Engine:
         return live_requests(self.requests, self.scheduler, self.kv_pool, self.kv_receiver, self.max_seq_len, limit,
                              self.tokenizer.decode if with_text else None)
 
+    def dump_workload(self, engine_name: str) -> Workload:
+        """The flight recorder's window: the last requests that ended, as a replayable workload
+        (named ``engine_name``: the name it is served under); any thread."""
+        return self.outputs.recorder.dump(engine_name)
+
     def dump_kv_cache(self, max_entries: int = DEFAULT_KV_ENTRIES) -> KVCacheDump:
         """The KV cache opened (``live_view.dump_kv_cache``); any thread, mid-step too."""
         return dump_kv_cache(self.kv_pool, self.requests, self.scheduler.num_preemptions, max_entries)
@@ -246,6 +252,7 @@ class Engine:
         self.scheduler.clear()
         self.kv_pool.reset()
         self.metrics.reset()
+        self.outputs.recorder.clear()
         if clear_trace and self.tracer is not None:
             self.tracer.clear()
         self.outputs.update_gauges()

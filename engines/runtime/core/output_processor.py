@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from engines.runtime.core.diagnosis import AnatomyFacts, diagnose
 from engines.runtime.core.disagg.sender import describe_half
 from engines.runtime.core.request import ChoiceDelta, FinishReason, RequestOutput, RequestState
+from engines.runtime.telemetry.flight_recorder import FlightRecorder, WorkloadRequest
 from engines.runtime.telemetry.metrics import EngineMetrics, RecentRequest, RequestMetrics
 
 if TYPE_CHECKING:
@@ -36,12 +37,15 @@ class OutputProcessor:
     """
 
     def __init__(self, requests: dict[str, RequestState], scheduler: "Scheduler", kv_pool: "KVCachePool",
-                 metrics: EngineMetrics, tracer: "TraceRecorder | None") -> None:
+                 metrics: EngineMetrics, tracer: "TraceRecorder | None",
+                 recorder: FlightRecorder | None = None) -> None:
         self.requests = requests
         self.scheduler = scheduler
         self.kv_pool = kv_pool
         self.metrics = metrics
         self.tracer = tracer
+        #: Every request that ends, for ``/debug/dump_workload`` (the flight recorder).
+        self.recorder = recorder if recorder is not None else FlightRecorder()
 
     def outputs(self, touched: list[RequestState]) -> list[RequestOutput]:
         """What the requests a step changed have to report, in the order they were touched;
@@ -125,6 +129,14 @@ class OutputProcessor:
             decode_tokens_per_s=extra.get("decode_tokens_per_s"), end_to_end_s=rm.end_to_end_latency_s,
             finished_at=time.time(), disagg=describe_half(state.request),
             time_breakdown=extra["time_breakdown"], diagnosis=tuple(extra["diagnosis"])))
+        params = state.params
+        self.recorder.record(WorkloadRequest(
+            request_id=state.request_id, arrival=state.arrival_time, prompt_tokens=prompt,
+            completion_tokens=completion, cached_tokens=state.cached_prompt_tokens, max_tokens=params.max_tokens,
+            temperature=params.temperature, top_p=params.top_p, n=params.n, seed=params.seed,
+            ignore_eos=params.ignore_eos, finish_reason=finish_reason,
+            queue_s=rm.queue_time_s if state.first_scheduled_time is not None else None,
+            ttft_s=rm.ttft_s if state.first_token_time is not None else None, e2e_s=rm.end_to_end_latency_s))
         if self.tracer is not None:
             if state.first_scheduled_time is None:  # aborted or dropped while waiting
                 self.tracer.add_event(state.request_id, "finish queue")

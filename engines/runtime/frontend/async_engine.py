@@ -53,6 +53,7 @@ from engines.runtime.frontend.messages import (
     PrepareReceiveCall,
     ProfileCall,
     DashboardCall,
+    DumpWorkloadCall,
     ReceiveKVCall,
     Rejected,
     ReleaseReceiveCall,
@@ -69,6 +70,7 @@ from engines.runtime.frontend.supervision import EngineState, EngineStatus, Rest
 from engines.runtime.frontend.transports import ProcessTransport, ThreadTransport
 from engines.runtime.model.checkpoint import Checkpoint
 from engines.runtime.telemetry import trace_recorder as trace_clock
+from engines.runtime.telemetry.flight_recorder import Workload
 from engines.runtime.telemetry.metrics import HistogramSnapshot
 from engines.runtime.telemetry.trace_recorder import TraceDelta
 from engines.runtime.telemetry.profiler import ProfileResult, ProfileStatus
@@ -400,6 +402,10 @@ class AsyncEngine:
         """The requests in the engine now, oldest first, at most ``limit`` (``Engine.live_requests``);
         answered even mid-step. ``with_text``: with their text (``serve --capture-text``)."""
         return await self._acall(LiveRequestsCall(limit, with_text))
+
+    async def dump_workload(self) -> "Workload":
+        """The last requests that ended, as a replayable workload (``FlightRecorder``); answered even mid-step."""
+        return await self._acall(DumpWorkloadCall(self.name))
 
     async def dump_kv_cache(self, max_entries: int = DEFAULT_KV_ENTRIES) -> KVCacheDump:
         """The KV cache opened (``Engine.dump_kv_cache``); answered even mid-step."""

@@ -44,10 +44,11 @@ from engines.runtime.core.request import GenerationRequest, RequestOutput
 
 if TYPE_CHECKING:
     from engines.runtime.core.engine import Engine
+    from engines.runtime.telemetry.flight_recorder import Workload
 
 __all__ = [
     "AbortCall", "AbortRequest", "AddRequest", "Aborted", "KVCacheDumpCall", "LiveRequestsCall", "Call",
-    "CoreCommand", "CoreMessage", "CudaProfilerCall", "Dead",
+    "CoreCommand", "CoreMessage", "CudaProfilerCall", "Dead", "DumpWorkloadCall",
     "DumpTraceCall", "EngineCall", "EngineInfo", "DashboardReading", "EngineSpec", "Failed", "LocalCall",
     "MessageConnection", "MetricsCall", "PrepareReceiveCall", "ProfileCall", "DashboardCall", "Ready", "ReceiveKVCall",
     "Rejected", "ReleaseReceiveCall", "Reply", "ResetCall", "ResetPrefixCacheCall", "Send", "ServerTraceEvent",
@@ -189,6 +190,17 @@ class LiveRequestsCall(EngineCall):
 
     def run(self, engine: "Engine", send: "Send") -> LiveRequests:
         return engine.live_requests(self.limit, self.with_text)
+
+
+@dataclass(frozen=True)
+class DumpWorkloadCall(EngineCall):
+    """The flight recorder's window (``Engine.dump_workload``), a ``Workload``; answered at once."""
+
+    immediate: ClassVar[bool] = True
+    engine_name: str = "engine"
+
+    def run(self, engine: "Engine", send: "Send") -> "Workload":
+        return engine.dump_workload(self.engine_name)
 
 
 @dataclass(frozen=True)
