@@ -1,0 +1,164 @@
+"""Replay a workload (``engines.runtime.telemetry.flight_recorder``, ``/debug/dump_workload``) onto any
+OpenAI-compatible server, and keep what its client saw: the run a regression report compares.
+
+Each recorded request is sent at its arrival offset (divided by ``speed``) to ``/v1/completions``,
+streamed, with a prompt of its recorded token length (token ids, the completions API's other prompt
+form: no text is recorded) and its recorded sampling parameters; ``max_tokens`` is its recorded
+output length with ``ignore_eos`` where it was generated to that length, so the two runs do the same
+work. The client measures TTFT (first token chunk), the gaps between token chunks (ITL) and E2E, as
+an OpenAI client does. A run is bounded by ``max_requests`` and ``max_seconds``.
+"""
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+import orjson
+
+from engines.runtime.telemetry.flight_recorder import WORKLOAD_FORMAT, WORKLOAD_VERSION
+
+__all__ = ["RUN_FORMAT", "RUN_VERSION", "ReplayedRequest", "Run", "WorkloadError", "check_workload", "prompt_for",
+           "replay"]
+
+RUN_FORMAT = "llm-debugsite.run"
+RUN_VERSION = 1
+#: The token ids a replayed prompt is made of: ordinary ids every Llama-family vocabulary holds.
+PROMPT_TOKEN_IDS = range(1000, 2000)
+
+
+class WorkloadError(ValueError):
+    """The value is not a workload this version replays; the message says why."""
+
+
+@dataclass
+class ReplayedRequest:
+    """One request as the replaying client saw it (seconds; None where the moment never came)."""
+
+    request_id: str
+    offset_s: float
+    sent_offset_s: float
+    status: int | None = None
+    ttft_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    e2e_s: float | None = None
+    completion_tokens: int | None = None
+    finish_reason: str | None = None
+    text: str = ""
+    error: str | None = None
+
+
+@dataclass
+class Run:
+    """A replay's outcome: what was sent where, and each request as its client saw it."""
+
+    target: str
+    model: str
+    workload_engine: str
+    speed: float
+    started_unix: float
+    requests: list[ReplayedRequest]
+    duration_s: float = 0.0
+    format: str = RUN_FORMAT
+    version: int = RUN_VERSION
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        ok = [r for r in self.requests if r.error is None and r.ttft_s is not None]
+        out["summary"] = {
+            "requests": len(self.requests), "succeeded": len(ok),
+            "ttft_p50_s": statistics.median([r.ttft_s for r in ok if r.ttft_s is not None]) if ok else None,
+            "e2e_p50_s": statistics.median([r.e2e_s for r in ok if r.e2e_s is not None]) if ok else None,
+        }
+        return out
+
+
+def check_workload(value: Any) -> list[dict[str, Any]]:
+    """``value``'s requests, oldest first, if it is a workload of the version this replays."""
+    if not isinstance(value, dict) or value.get("format") != WORKLOAD_FORMAT:
+        raise WorkloadError(f"not a workload: its \"format\" must be {WORKLOAD_FORMAT!r}")
+    if value.get("version") != WORKLOAD_VERSION:
+        raise WorkloadError(f"workload version {value.get('version')!r}; this server replays version "
+                            f"{WORKLOAD_VERSION}")
+    requests = value.get("requests")
+    if not isinstance(requests, list):
+        raise WorkloadError("a workload's \"requests\" must be a list")
+    for i, r in enumerate(requests):
+        if not isinstance(r, dict) or not isinstance(r.get("offset_s"), (int, float)) or r["offset_s"] < 0 \
+                or not isinstance(r.get("prompt_tokens"), int) or r["prompt_tokens"] < 1:
+            raise WorkloadError(f"request {i}: needs offset_s >= 0 and prompt_tokens >= 1")
+    return sorted(requests, key=lambda r: r["offset_s"])
+
+
+def prompt_for(index: int, length: int) -> list[int]:
+    """A prompt of ``length`` token ids, different per request (no prefix shared by accident)."""
+    ids = PROMPT_TOKEN_IDS
+    return [ids[(index * 7919 + i) % len(ids)] for i in range(length)]
+
+
+def _body(index: int, recorded: dict[str, Any], model: str) -> dict[str, Any]:
+    completion = recorded.get("completion_tokens") or 1
+    body: dict[str, Any] = {
+        "model": model, "prompt": prompt_for(index, recorded["prompt_tokens"]), "max_tokens": completion,
+        "temperature": recorded.get("temperature", 1.0), "top_p": recorded.get("top_p", 1.0), "stream": True,
+        # Its recorded length either way: the replay does the same work (vLLM's extension, as ours).
+        "ignore_eos": True,
+        "user": f"replay-{index}",
+    }
+    if recorded.get("seed") is not None:
+        body["seed"] = recorded["seed"]
+    return body
+
+
+async def _one(client: httpx.AsyncClient, index: int, recorded: dict[str, Any], model: str, start: float,
+               speed: float, deadline: float) -> ReplayedRequest:
+    await asyncio.sleep(max(0.0, start + recorded["offset_s"] / speed - time.perf_counter()))
+    sent = time.perf_counter()
+    out = ReplayedRequest(str(recorded.get("request_id", index)), recorded["offset_s"], sent - start)
+    last = None
+    try:
+        async with client.stream("POST", "/v1/completions", json=_body(index, recorded, model),
+                                 timeout=max(1.0, deadline - sent)) as response:
+            out.status = response.status_code
+            if response.status_code != 200:
+                out.error = (await response.aread()).decode("utf-8", "replace")[:500]
+                return out
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = orjson.loads(line[6:])
+                if event.get("usage"):
+                    out.completion_tokens = event["usage"].get("completion_tokens")
+                for choice in event.get("choices") or ():
+                    if choice.get("text"):
+                        now = time.perf_counter()
+                        if out.ttft_s is None:
+                            out.ttft_s = now - sent
+                        elif last is not None:
+                            out.itl_s.append(now - last)
+                        last = now
+                        out.text += choice["text"]
+                    if choice.get("finish_reason"):
+                        out.finish_reason = choice["finish_reason"]
+    except httpx.HTTPError as exc:
+        out.error = f"{type(exc).__name__}: {exc}"
+    out.e2e_s = time.perf_counter() - sent
+    return out
+
+
+async def replay(workload: dict[str, Any], client: httpx.AsyncClient, model: str, target: str, speed: float = 1.0,
+                 max_requests: int | None = None, max_seconds: float = 600.0) -> Run:
+    """Send ``workload``'s requests through ``client`` (its base URL the server) to ``model``, at their
+    offsets divided by ``speed``; at most ``max_requests`` of them, and none after ``max_seconds``."""
+    if not speed > 0:
+        raise WorkloadError(f"speed must be > 0, not {speed}")
+    requests = check_workload(workload)[:max_requests]
+    requests = [r for r in requests if r["offset_s"] / speed <= max_seconds]
+    started_unix, start = time.time(), time.perf_counter()
+    deadline = start + max_seconds
+    done = await asyncio.gather(*(_one(client, i, r, model, start, speed, deadline) for i, r in enumerate(requests)))
+    return Run(target, model, str(workload.get("engine", "")), speed, started_unix, list(done),
+               duration_s=time.perf_counter() - start)
