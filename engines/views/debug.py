@@ -325,7 +325,7 @@ async def dump_kv_cache(request: HttpRequest) -> HttpResponse:
     body = parse_body(request)
     engine = lookup(body.model)
     options = parse_options(request, KVDumpOptions, 'Send "max_entries" as a whole number from 0 to 4096.')
-    dump = await engine.dump_kv_cache(options.max_entries)
+    dump = await engine.dump_kv_cache(options.max_entries, with_text=registry.options.capture_text)
     return json_response({"model": engine.name, **dataclasses.asdict(dump)})
 
 

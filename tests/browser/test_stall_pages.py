@@ -31,6 +31,10 @@ async def test_the_banner_links_the_incident_and_its_evidence(page, dashboard_se
         said = await page.text_content('#live tbody tr[data-request-id="held-up"] .request-text')
         assert said.startswith("“") and "tides" in said
         await page.locator("#live-module").screenshot(path=str(SHOTS / "live-requests-text-1400.png"))
+        # ... and the prefix cache's entries their first words (the chat template's start).
+        await page.wait_for_selector("#kv-entries td.kv-words", timeout=15000)
+        assert (await page.text_content("#kv-entries td.kv-words")).startswith("“")
+        await page.locator("#kv-module").screenshot(path=str(SHOTS / "kv-cache-text-1400.png"))
         os.kill(pid, signal.SIGSTOP)
         try:
             banner = page.locator("#stall-banner")

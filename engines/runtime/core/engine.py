@@ -241,9 +241,11 @@ class Engine:
         (named ``engine_name``: the name it is served under); any thread."""
         return self.outputs.recorder.dump(engine_name)
 
-    def dump_kv_cache(self, max_entries: int = DEFAULT_KV_ENTRIES) -> KVCacheDump:
-        """The KV cache opened (``live_view.dump_kv_cache``); any thread, mid-step too."""
-        return dump_kv_cache(self.kv_pool, self.requests, self.scheduler.num_preemptions, max_entries)
+    def dump_kv_cache(self, max_entries: int = DEFAULT_KV_ENTRIES, with_text: bool = False) -> KVCacheDump:
+        """The KV cache opened (``live_view.dump_kv_cache``); any thread, mid-step too. ``with_text``:
+        each prefix-cache entry's first words (``serve --capture-text``)."""
+        return dump_kv_cache(self.kv_pool, self.requests, self.scheduler.num_preemptions, max_entries,
+                             self.tokenizer.decode if with_text else None)
 
     def reset(self, clear_trace: bool = False) -> list[RequestOutput]:
         """Abort everything, free all KV pages and the prefix cache (pinned too), zero every metric."""

@@ -173,6 +173,9 @@ class KVCachePool:
         # admissions that matched it, and when it was last matched, filled or released.
         self._parent: list[bytes | None] = [None] * self.num_pages
         self._depth = [0] * self.num_pages
+        #: A cached prefix's first page -> its tokens: what the debugger names an entry by, with text
+        #: capture on (``prefix_tokens``); a page's worth of ints a cached prefix.
+        self._first_tokens: dict[int, tuple[int, ...]] = {}
         self._hits = [0] * self.num_pages
         self._last_use = [0.0] * self.num_pages
         self._evictions = 0
@@ -276,6 +279,8 @@ class KVCachePool:
                 self._key[page] = key
                 self._parent[page], self._depth[page] = parent, i + 1
                 self._hits[page], self._last_use[page] = 0, time.perf_counter()
+                if i == 0:
+                    self._first_tokens[page] = tuple(seq.token_ids[:ps])
             if (i + 1) * ps <= seq.pin_tokens:
                 self._pin(key, page)
 
@@ -313,6 +318,7 @@ class KVCachePool:
                 continue
             del self._cached[key]
             self._key[page] = None
+            self._first_tokens.pop(page, None)
             dropped += 1
             if self._refcount[page] == 0:
                 del self._evictable[page]
@@ -375,13 +381,20 @@ class KVCachePool:
 
     def first_page_hits(self, page: int) -> int:
         """Admissions that matched the first page of the cached prefix ending at ``page``."""
+        return self._hits[self._first_page(page)]
+
+    def prefix_tokens(self, page: int) -> tuple[int, ...] | None:
+        """The first page's tokens of the cached prefix ending at ``page`` (None: not known)."""
+        return self._first_tokens.get(self._first_page(page))
+
+    def _first_page(self, page: int) -> int:
         parent = self._parent[page]
         while parent:
             above = self._cached.get(parent)
             if above is None:
                 break
             page, parent = above, self._parent[above]
-        return self._hits[page]
+        return page
 
     def num_computed_tokens(self, seq_id: SeqId) -> int:
         """Tokens whose K/V is in the cache (``ForwardBatch.cached_lens``)."""
@@ -527,6 +540,7 @@ class KVCachePool:
             del self._cached[key]
             self._key[page] = None
             self._parent[page] = None
+            self._first_tokens.pop(page, None)
             self._evictions += 1
         self._refcount[page] = 1
         return page

@@ -117,6 +117,8 @@ class PrefixCacheEntry:
     #: Live sequences holding its last page now (0: evictable, unless pinned).
     held_by: int
     pinned: bool
+    #: Its first page's tokens as text, only when the server captures text (``serve --capture-text``).
+    first_words: str | None = None
 
 
 @dataclass(frozen=True)
@@ -157,6 +159,13 @@ def page_ranges(pages: list[int]) -> str:
     if start is not None:
         runs.append(f"{start}-{prev}" if prev != start else f"{start}")
     return ", ".join(runs)
+
+
+def _first_words(kv_pool: "KVCachePool", page: int, text: Callable[[list[int]], str] | None) -> str | None:
+    if text is None:
+        return None
+    tokens = kv_pool.prefix_tokens(page)
+    return text(list(tokens)) if tokens is not None else None
 
 
 def _grammar(state: "RequestState") -> str | None:
@@ -223,8 +232,9 @@ def live_requests(requests: dict[str, "RequestState"], scheduler: "Scheduler", k
 
 
 def dump_kv_cache(kv_pool: "KVCachePool", requests: dict[str, "RequestState"], preemptions: int,
-                  max_entries: int = DEFAULT_KV_ENTRIES) -> KVCacheDump:
-    """The pool as of now (:class:`KVCacheDump`), its ``max_entries`` most recently used prefix entries."""
+                  max_entries: int = DEFAULT_KV_ENTRIES, text: Callable[[list[int]], str] | None = None) -> KVCacheDump:
+    """The pool as of now (:class:`KVCacheDump`), its ``max_entries`` most recently used prefix entries;
+    ``text`` (a detokenizer): each entry's first words too."""
     usage = kv_pool.usage()
     held = []
     for state in list(requests.values()):
@@ -235,7 +245,8 @@ def dump_kv_cache(kv_pool: "KVCachePool", requests: dict[str, "RequestState"], p
     newest = heapq.nlargest(max_entries, leaves, key=lambda leaf: leaf.last_use)
     entries = [PrefixCacheEntry(tokens=leaf.depth * kv_pool.page_size, pages=leaf.depth, hits=leaf.hits,
                                 prefix_hits=kv_pool.first_page_hits(leaf.page),
-                                last_use_s=max(0.0, now - leaf.last_use), held_by=leaf.held_by, pinned=leaf.pinned)
+                                last_use_s=max(0.0, now - leaf.last_use), held_by=leaf.held_by, pinned=leaf.pinned,
+                                first_words=_first_words(kv_pool, leaf.page, text))
                for leaf in newest]
     return KVCacheDump(
         page_size=kv_pool.page_size, total_pages=usage.total_pages, used_pages=usage.used_pages,

@@ -407,9 +407,9 @@ class AsyncEngine:
         """The last requests that ended, as a replayable workload (``FlightRecorder``); answered even mid-step."""
         return await self._acall(DumpWorkloadCall(self.name))
 
-    async def dump_kv_cache(self, max_entries: int = DEFAULT_KV_ENTRIES) -> KVCacheDump:
+    async def dump_kv_cache(self, max_entries: int = DEFAULT_KV_ENTRIES, with_text: bool = False) -> KVCacheDump:
         """The KV cache opened (``Engine.dump_kv_cache``); answered even mid-step."""
-        return await self._acall(KVCacheDumpCall(max_entries))
+        return await self._acall(KVCacheDumpCall(max_entries, with_text))
 
     async def abort_request(self, request_id: str) -> bool:
         """Abort the request ``request_id`` as a client's disconnect does (its stream ends with

@@ -176,7 +176,7 @@ class DashboardCall(EngineCall):
 
     def run(self, engine: "Engine", send: "Send") -> DashboardReading:
         return DashboardReading(engine.metrics.as_dict(), engine.live_requests(with_text=self.with_text),
-                                engine.metrics.recent_requests(), engine.dump_kv_cache())
+                                engine.metrics.recent_requests(), engine.dump_kv_cache(with_text=self.with_text))
 
 
 @dataclass(frozen=True)
@@ -210,9 +210,10 @@ class KVCacheDumpCall(EngineCall):
 
     immediate: ClassVar[bool] = True
     max_entries: int = DEFAULT_KV_ENTRIES
+    with_text: bool = False
 
     def run(self, engine: "Engine", send: "Send") -> KVCacheDump:
-        return engine.dump_kv_cache(self.max_entries)
+        return engine.dump_kv_cache(self.max_entries, self.with_text)
 
 
 @dataclass(frozen=True)

@@ -198,7 +198,7 @@ function figureRows(kv) {
   ];
 }
 
-function fill(body, rows, emptyText, columns) {
+function fill(body, rows, emptyText, columns, words = -1) {
   if (!rows.length) {
     const tr = document.createElement("tr");
     tr.className = "empty";
@@ -210,7 +210,12 @@ function fill(body, rows, emptyText, columns) {
   }
   body.replaceChildren(...rows.map((cells) => {
     const tr = document.createElement("tr");
-    cells.forEach((value, i) => tr.append(text("td", value, i ? "num" : "")));
+    // The first column names the row; `words`, a text column (one line, cut short); the rest are figures.
+    cells.forEach((value, i) => {
+      const td = text("td", value, i === words ? "kv-words" : i ? "num" : "");
+      if (i === words) td.title = value;
+      tr.append(td);
+    });
     return tr;
   }));
 }
@@ -238,8 +243,9 @@ export function renderKV(kv) {
     "No request holds pages now.", 3);
   fill(module.querySelector("#kv-entries tbody"),
     kv.entries.map((e) => [fmt.count(e.tokens), fmt.count(e.pages), fmt.count(e.hits), fmt.count(e.prefix_hits),
-      `${fmt.seconds(e.last_use_s)} ago`, e.held_by ? `${e.held_by} now` : (e.pinned ? "pinned" : "evictable")]),
-    "The prefix cache holds no full page.", 6);
+      `${fmt.seconds(e.last_use_s)} ago`, e.held_by ? `${e.held_by} now` : (e.pinned ? "pinned" : "evictable"),
+      e.first_words == null ? "–" : `“${e.first_words}”`]),
+    "The prefix cache holds no full page.", 7, 6);
   module.querySelector("#kv-entries-count").textContent = kv.num_entries > kv.entries.length
     ? `(the ${kv.entries.length} most recently used of ${kv.num_entries})` : `(${kv.num_entries})`;
 }

@@ -68,6 +68,10 @@ def test_kv_dump_counts_pages_entries_hits_and_evictions(make_engine, demo):
     assert dump.total_pages == 16 and dump.used_pages + dump.cached_pages + dump.free_pages == 16
     assert dump.cached_pages == 2 and dump.requests == []  # two full pages of 40 + 4 tokens stay
     assert [(e.tokens, e.pages, e.hits, e.held_by) for e in dump.entries] == [(32, 2, 0, 0)]
+    # No text unless asked (serve --capture-text): then the entry's first page as text.
+    assert dump.entries[0].first_words is None
+    words = engine.dump_kv_cache(with_text=True).entries[0].first_words
+    assert words == engine.tokenizer.decode(list(shared[:16])) and words
     run_all(engine, [request("two", shared, max_tokens=4)])
     dump = engine.dump_kv_cache()
     assert dump.entries[0].hits == 1 and dump.entries[0].prefix_hits == 1
@@ -87,6 +91,7 @@ def test_kv_dump_counts_pages_entries_hits_and_evictions(make_engine, demo):
     assert engine.metrics.as_dict()["num_kv_evictions"] == engine.dump_kv_cache().evictions
     engine.reset()
     assert engine.dump_kv_cache().evictions == 0 and engine.dump_kv_cache().entries == []
+    assert engine.kv_pool._first_tokens == {}  # an evicted or dropped prefix's tokens go with it
     assert engine.metrics.as_dict()["num_kv_evictions"] == 0
 
 
