@@ -179,6 +179,8 @@ VIEWS = (
     View("profiler", "profiler_overhead", ("runtime",), metrics=("median total", "off/before", "on/off")),
     View("otel", "otel_overhead", ("machine", "mode"),
          metrics=("requests/s", "vs off", "off path a request", "span work a request")),
+    View("watchdog", "watchdog_overhead", ("machine", "threads", "watchdog"),
+         metrics=("decode", "on/off", "board writes a step", "a poll", "cost from the parts")),
     View("metrics-truth", "metrics_truth", ("machine", "model", "source", "metric"), columns=("concurrency",)),
     View("cpu-anchors", "cpu_anchors", ("cell",), columns=("threads", "machine"), metrics=("ours/CT2",),
          where={"machine": (ZEN5, ZEN4, ZEN3, EMERALD_RAPIDS, XEON_AMX)}),
