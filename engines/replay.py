@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import orjson
 
-from engines.runtime.telemetry.flight_recorder import WORKLOAD_FORMAT, WORKLOAD_VERSION
+from engines.runtime import WORKLOAD_FORMAT, WORKLOAD_VERSION
 
 __all__ = ["RUN_FORMAT", "RUN_VERSION", "ReplayedRequest", "Run", "WorkloadError", "check_workload", "prompt_for",
            "replay"]

@@ -111,6 +111,8 @@ _EXPORTS: dict[str, str] = {
     "HistogramSnapshot": "telemetry.metrics",
     "LatencyDistribution": "telemetry.metrics",
     "NOW_WINDOW_S": "telemetry.metrics",
+    "WORKLOAD_FORMAT": "telemetry.flight_recorder",
+    "WORKLOAD_VERSION": "telemetry.flight_recorder",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -165,6 +167,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names resolve l
     from engines.runtime.model.forward_batch import ForwardBatch
     from engines.runtime.model.llama import LlamaModel
     from engines.runtime.model.tokenizer import ChatTemplateError, Tokenizer
+    from engines.runtime.telemetry.flight_recorder import WORKLOAD_FORMAT, WORKLOAD_VERSION
     from engines.runtime.telemetry.metrics import NOW_WINDOW_S, EngineMetrics, HistogramSnapshot, LatencyDistribution
     from engines.runtime.telemetry.profiler import ProfiledBackend, ProfileResult, ProfilerStateError, \
         ProfileStatus, StepProfiler, measure_host_bandwidth

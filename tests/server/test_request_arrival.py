@@ -128,6 +128,5 @@ async def test_a_saved_trace_keeps_each_request_s_anatomy_as_the_client_got_it(h
     record = await asave_trace(trace, engine=TRACED, model="demo")
     row = await RequestSummary.objects.aget(trace=record, request_id="anatomy-kept")
     assert row.time_breakdown == pytest.approx(extra["time_breakdown"], abs=1e-9)
-    assert list(row.time_breakdown) == list(extra["time_breakdown"])  # the phases in the engine's order
     assert row.diagnosis == extra["diagnosis"] and row.diagnosis  # the hold: "server ..." at least
     assert row.time_breakdown["server"] >= HELD_S

@@ -20,6 +20,7 @@ import itertools
 import logging
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
@@ -129,6 +130,8 @@ class AsyncEngine:
         self._tracing_requested = enable_tracing
         #: How far the engine loop got, read by the server's watchdog without asking the engine.
         self.board = ProgressBoard.create_file(name) if process else ProgressBoard()
+        # Its file outlives a shutdown (a restart maps it again) and goes with the engine, or at exit.
+        weakref.finalize(self, self.board.remove)
         self._spec = EngineSpec(checkpoint.path, name, self.config, backend, dtype, enable_tracing,
                                 trace_clock.epoch_anchor_ns(), kv_listen, keep_quantized=keep_quantized,
                                 progress_path=self.board.path)
@@ -184,7 +187,6 @@ class AsyncEngine:
                 self._transport.stop(timeout)
         # A graceful stop answered everything; a stuck engine that had to be killed did not.
         self._fail_pending(EngineDeadError(f"engine {self.name!r} was shut down"))
-        self.board.remove()
 
     def restart(self) -> None:
         """Replace the engine (its process) with a fresh one now, whatever state it is in.

@@ -43,6 +43,7 @@ SAMPLES = [
     m.Call(18, m.LiveRequestsCall(limit=5)),
     m.Call(19, m.KVCacheDumpCall(max_entries=3)),
     m.Call(20, m.AbortCall("r1")),
+    m.Call(21, m.DumpWorkloadCall("demo")),
     m.Shutdown(),
     m.Ready(INFO),
     m.StepOutputs([RequestOutput("r1", [ChoiceDelta(0, "hi", [5], None, FinishReason.STOP)], {"prompt_tokens": 3},
@@ -82,7 +83,7 @@ def test_every_message_class_is_covered_by_the_samples() -> None:
 def test_every_call_carries_its_own_handler() -> None:
     calls = [c for name in m.__all__ if isinstance(c := getattr(m, name), type) and issubclass(c, m.EngineCall)
              and c is not m.EngineCall]
-    assert len(calls) == 14
+    assert len(calls) == 15
     for call in calls:
         assert call.run is not m.EngineCall.run, f"{call.__name__} has no handler"
 
@@ -97,7 +98,8 @@ def test_only_metrics_calls_are_answered_mid_step() -> None:
     immediate = [s for s in SAMPLES if EngineCore.is_immediate(s)]
     assert immediate == [m.Call(8, m.MetricsCall(with_histograms=True)), m.Call(11, m.DashboardCall()),
                          m.Call(12, m.TraceSinceCall(cursor=42)), m.Call(14, m.ProfileCall("status")),
-                         m.Call(18, m.LiveRequestsCall(limit=5)), m.Call(19, m.KVCacheDumpCall(max_entries=3))]
+                         m.Call(18, m.LiveRequestsCall(limit=5)), m.Call(19, m.KVCacheDumpCall(max_entries=3)),
+                         m.Call(21, m.DumpWorkloadCall("demo"))]
     assert EngineCore.is_immediate(m.Call(1, m.MetricsCall()))
 
 
