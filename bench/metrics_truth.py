@@ -52,6 +52,7 @@ import orjson
 from prometheus_client.parser import text_string_to_metric_families
 from results_file import ResultsFile, add_results_option  # bench/ is the script's folder, first on sys.path
 from servers import launch
+from tool_env import tool_venv, write_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -367,30 +368,7 @@ def rollup_comparisons(var_dir: Path, model: str, levels: list[dict[str, Any]]) 
 
 def truth_venv() -> Path:
     """The virtualenv aiperf runs from (``bench/requirements-truth.txt``), made the first time."""
-    venv = REPO / "var" / "truth-venv"
-    stamp = venv / ".installed-aiperf-0.13.0"
-    if not stamp.exists():
-        print("installing aiperf into var/truth-venv (once)", flush=True)
-        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-        requirements = REPO / "bench" / "requirements-truth.txt"
-        subprocess.run([str(venv / "bin" / "pip"), "install", "-q", "-r", str(requirements)], check=True)
-        stamp.touch()
-    return venv
-
-
-def write_tokenizer(model: str, folder: Path) -> Path:
-    """A Hugging Face tokenizer folder for aiperf, from the model's own tokenizer: its tokenizer.json
-    (a GGUF's vocabulary as the engine reads it) and the settings beside it; no hub, no torch."""
-    from engines.runtime import BUILTIN_MODEL_NAMES, builtin_model_path, load_checkpoint
-
-    path = builtin_model_path(model) if model in BUILTIN_MODEL_NAMES else Path(model)
-    tokenizer = load_checkpoint(path, load_weights=False).tokenizer
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "tokenizer.json").write_text(tokenizer.tokenizer_json)
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": tokenizer.chat_template,
-              **tokenizer.special_tokens}
-    (folder / "tokenizer_config.json").write_text(json.dumps(config))
-    return folder
+    return tool_venv("truth-venv", REPO / "bench" / "requirements-truth.txt")
 
 
 def main() -> None:
