@@ -46,9 +46,3 @@ def write_tokenizer(model: str, folder: Path) -> Path:
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
 
-
-if __name__ == "__main__":
-    # python bench/tool_env.py MODEL FOLDER: the tokenizer folder the tools are given.
-    if len(sys.argv) != 3:
-        raise SystemExit("usage: python bench/tool_env.py MODEL FOLDER  (a built-in model or a --model path)")
-    print(write_tokenizer(sys.argv[1], Path(sys.argv[2])))

@@ -22,6 +22,7 @@ have counted the requests the tool says it made. Every figure goes to ``bench/re
 
     .venv/bin/python bench/tools.py
     .venv/bin/python bench/tools.py --model demo --requests 4 --only aiperf
+    .venv/bin/python bench/tools.py --write-tokenizer var/tokenizer   # the folder alone, for the tools by hand
 
 Exit status 1 when a tool failed or a check disagreed.
 """
@@ -297,8 +298,13 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=8, help="requests for aiperf and guidellm (default 8)")
     parser.add_argument("--only", choices=TOOLS, action="append", help="run only this tool (repeatable)")
     parser.add_argument("--serve-arg", action="append", default=[], help="one more argument for manage.py serve")
+    parser.add_argument("--write-tokenizer", type=Path, metavar="FOLDER",
+                        help="only write the model's tokenizer folder, as the tools are given it, and exit")
     add_results_option(parser, "tools")
     args = parser.parse_args()
+    if args.write_tokenizer:
+        print(write_tokenizer(args.model, args.write_tokenizer))
+        return
     tools = args.only or list(TOOLS)
 
     venv = tool_venv("bench-tools-venv", REQUIREMENTS, first=(TORCH,))
