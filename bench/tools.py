@@ -241,20 +241,27 @@ metric_list:
 
 def direct_picks(base: str, model: str) -> list[int]:
     """Each item's answer with the highest summed logprob, asked of the server directly (echo with
-    ``max_tokens: 0``: lm-eval's acc), from text, not lm-eval's token lists."""
+    ``max_tokens: 0``: lm-eval's acc). As lm-eval splits them: context and context + answer tokenized
+    (by the server's ``/tokenize``, no special tokens, as lm-eval's API models), the answer's tokens
+    those past the context's count, the whole sent as a token list."""
     picks = []
     with httpx.Client(base_url=base, timeout=120) as http:
+        def tokens(text: str) -> list[int]:
+            reply = http.post("/tokenize", json={"model": model, "prompt": text, "add_special_tokens": False})
+            reply.raise_for_status()
+            return reply.json()["tokens"]
+
         for question, choices, _ in MC_ITEMS:
             context = f"Question: {question}\nAnswer:"
-            base_tokens = len(http.post("/tokenize", json={"model": model, "prompt": context}).json()["tokens"])
+            known = len(tokens(context))
             scores = []
             for choice in choices:
                 reply = http.post("/v1/completions", json={
-                    "model": model, "prompt": f"{context} {choice}", "max_tokens": 0, "echo": True, "logprobs": 1,
-                    "temperature": 0})
+                    "model": model, "prompt": tokens(f"{context} {choice}"), "max_tokens": 0, "echo": True,
+                    "logprobs": 1, "temperature": 0})
                 reply.raise_for_status()
                 logprobs = reply.json()["choices"][0]["logprobs"]["token_logprobs"]
-                scores.append(sum(logprobs[base_tokens:]))
+                scores.append(sum(logprobs[known:]))
             picks.append(max(range(len(scores)), key=scores.__getitem__))
     return picks
 
