@@ -22,7 +22,7 @@ have counted the requests the tool says it made. Every figure goes to ``bench/re
 
     .venv/bin/python bench/tools.py
     .venv/bin/python bench/tools.py --model demo --requests 4 --only aiperf
-    .venv/bin/python bench/tools.py --write-tokenizer var/tokenizer   # the folder alone, for the tools by hand
+    .venv/bin/python bench/tools.py --write-tokenizer var/tokenizer --write-task var/lm-eval-task  # for a hand run
 
 Exit status 1 when a tool failed or a check disagreed.
 """
@@ -307,10 +307,15 @@ def main() -> None:
     parser.add_argument("--serve-arg", action="append", default=[], help="one more argument for manage.py serve")
     parser.add_argument("--write-tokenizer", type=Path, metavar="FOLDER",
                         help="only write the model's tokenizer folder, as the tools are given it, and exit")
+    parser.add_argument("--write-task", type=Path, metavar="FOLDER",
+                        help=f"only write the lm-eval task {TASK} (its data and YAML) for --include_path, and exit")
     add_results_option(parser, "tools")
     args = parser.parse_args()
-    if args.write_tokenizer:
-        print(write_tokenizer(args.model, args.write_tokenizer))
+    if args.write_tokenizer or args.write_task:
+        if args.write_tokenizer:
+            print(write_tokenizer(args.model, args.write_tokenizer))
+        if args.write_task:
+            print(write_task(args.write_task.resolve()))
         return
     tools = args.only or list(TOOLS)
 
