@@ -243,7 +243,7 @@ async def test_the_history_pages_fit_at_1400_and_900_px(page, dashboard_server: 
     assert all(request["lines"] == 1 and request["tooltip"] == request["text"] for request in ids), ids
     assert all(request["cut"] for request in ids if request["text"] in LONG_IDS)
     await page.set_viewport_size({"width": 1400, "height": 1000})
-    assert len(await visible_columns(page)) == 13
+    assert len(await visible_columns(page)) == 14  # the diagnosis too (it gives way below 1024 px)
     assert await page.evaluate(OFF_SCREEN) == []
 
     # The profile list: each profile's page and download on screen.

@@ -129,7 +129,9 @@ async def test_dump_kv_cache_counts_pages_and_the_prefix_cache(client: httpx.Asy
     assert dump["num_entries"] >= 1 and 1 <= len(dump["entries"]) <= 5
     assert dump["hit_tokens"] > 0 and 0 < dump["hit_rate"] <= 1
     assert any(e["hits"] >= 1 for e in dump["entries"])
-    assert set(dump["entries"][0]) == {"tokens", "pages", "hits", "prefix_hits", "last_use_s", "held_by", "pinned"}
+    assert set(dump["entries"][0]) == {"tokens", "pages", "hits", "prefix_hits", "last_use_s", "held_by", "pinned",
+                                         "first_words"}
+    assert dump["entries"][0]["first_words"] is None  # no text without --capture-text
     assert_error(await client.post("/debug/dump_kv_cache", json={"model": UNTRACED, "max_entries": -1}), 400)
 
 
