@@ -9,7 +9,7 @@ import pytest
 from django.core.management import CommandError, call_command
 
 from engines.registry import registry
-from engines.replay import RUN_FORMAT, WorkloadError, check_workload, prompt_for, replay
+from engines.workloads.replay import RUN_FORMAT, WorkloadError, check_workload, prompt_for, replay
 from tests.server.conftest import TRACED
 
 

@@ -7,7 +7,7 @@ from typing import Any
 import orjson
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from engines.run_compare import RunError, compare_runs, markdown
+from engines.workloads.run_compare import RunError, compare_runs, markdown
 
 
 class Command(BaseCommand):

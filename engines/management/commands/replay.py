@@ -9,7 +9,7 @@ import httpx
 import orjson
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from engines.replay import WorkloadError, replay
+from engines.workloads.replay import WorkloadError, replay
 
 
 class Command(BaseCommand):

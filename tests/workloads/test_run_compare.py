@@ -7,8 +7,8 @@ import orjson
 import pytest
 from django.core.management import CommandError, call_command
 
-from engines.replay import RUN_FORMAT
-from engines.run_compare import RunError, compare_runs, markdown
+from engines.workloads.replay import RUN_FORMAT
+from engines.workloads.run_compare import RunError, compare_runs, markdown
 
 
 def run(ttft: np.ndarray, texts: list[str] | None = None, duration: float = 10.0) -> dict:

@@ -1,4 +1,4 @@
-"""The regression report: two runs (``engines.replay``) compared, each difference said beyond noise or not.
+"""The regression report: two runs (``engines.workloads.replay``) compared, each difference said beyond noise or not.
 
 For TTFT, ITL and E2E, the p50, p90 and p99 of run A and run B, and a bootstrap confidence interval
 of B's minus A's (both runs resampled with replacement, :data:`RESAMPLES` times, a fixed seed: the
@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from engines.replay import RUN_FORMAT, RUN_VERSION
+from engines.workloads.replay import RUN_FORMAT, RUN_VERSION
 
 __all__ = ["CONFIDENCE", "FIGURES", "RESAMPLES", "Comparison", "RunError", "compare_runs", "markdown"]
 
