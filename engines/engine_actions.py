@@ -1,6 +1,6 @@
 """What the engine actions mean (reset, save or clear the trace, start or stop a profile, abort
-one request): one definition for the dashboard's engine socket (``engines.dashboard.consumers``)
-and the fleet's control jobs (``engines.fleet.controls``).
+one request, save the flight recorder as a workload): one definition for the dashboard's engine
+socket (``engines.dashboard.consumers``) and the fleet's control jobs (``engines.fleet.controls``).
 
 Below both the dashboard and the fleet, as the server's identity is (``engines.server_identity``):
 each carries an action out the same way and neither imports the other for it.
@@ -18,7 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, Strict
 
 from engines.history import (MAX_NOTE_CHARS, MAX_TAGS, EmptyTraceError, HistoryUnavailableError, TraceUnavailableError,
                              asave_engine_trace)
+from engines.history.workloads import EmptyWorkloadError, asave_engine_workload
 from engines.profiling import start_profile, stop_profile
+from engines.registry import registry
 from engines.request_abort import RequestNotLiveError, abort_live_request
 from engines.runtime import REQUEST_LIMITS, AsyncEngine, EngineDeadError, ProfilerStateError
 
@@ -30,7 +32,8 @@ class ActionRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    action: Literal["reset", "save_trace", "clear_trace", "profile_start", "profile_stop", "abort_request"]
+    action: Literal["reset", "save_trace", "clear_trace", "profile_start", "profile_stop", "abort_request",
+                    "save_workload"]
     id: StrictStr | StrictInt
     engine: StrictStr | None = None
     note: StrictStr = Field(default="", max_length=MAX_NOTE_CHARS)
@@ -45,7 +48,7 @@ class ActionRequest(BaseModel):
 #: What an action may fail with for a reason the user can act on (the engine is down, it records
 #: no trace, a profile is already running, ...).
 EXPECTED_FAILURES = (EngineDeadError, TraceUnavailableError, EmptyTraceError, HistoryUnavailableError,
-                     ProfilerStateError, RequestNotLiveError, ValueError)
+                     ProfilerStateError, RequestNotLiveError, EmptyWorkloadError, ValueError)
 
 Progress = Callable[[str], Awaitable[None]]
 
@@ -84,4 +87,10 @@ async def run_action(request: ActionRequest, engine: AsyncEngine, progress: Prog
                 raise ValueError("name the request: add \"request_id\" to the message")
             outcome = await abort_live_request(engine, request.request_id, user or source, source)
             return {**outcome.as_dict(), "message": f"request {request.request_id} was aborted"}
+        case "save_workload":
+            workload = await asave_engine_workload(engine, source=source, note=request.note,
+                                                   with_text=registry.options.capture_text)
+            return {"record_id": workload.pk, "requests": workload.request_count,
+                    "url": reverse("admin:engines_workloadrecord_change", args=[workload.pk]),
+                    "message": f"saved a workload of {workload.request_count} requests"}
     raise AssertionError(request.action)  # ActionRequest admits no other action

@@ -278,6 +278,84 @@ class StallIncidentRecord(ServerRecord):
         return self.closed_at is None
 
 
+class WorkloadRecord(PayloadRecord):
+    """One saved workload (``engines.runtime.telemetry.flight_recorder``'s format): what an engine's
+    flight recorder held when it was saved, or a saved trace's requests converted. The payload is
+    the workload JSON; the row what the list shows."""
+
+    payload_kind = "workload"
+
+    class Source(models.TextChoices):
+        API = "api", "API"
+        DASHBOARD = "dashboard", "Dashboard"
+        TRACE = "trace", "From a trace"
+
+    engine = models.CharField(max_length=200, help_text="Engine (served model) name.")
+    model = models.CharField(max_length=200, blank=True, help_text="Model the engine served.")
+    source = models.CharField(max_length=16, choices=Source.choices, default=Source.API)
+    captured_at = models.DateTimeField(default=timezone.now)
+    request_count = models.PositiveIntegerField("requests", default=0)
+    span_s = models.FloatField(default=0.0, help_text="Seconds from the first arrival to the last.")
+    first_arrival_at = models.DateTimeField(null=True, blank=True)
+    dropped = models.PositiveIntegerField(default=0, help_text="Requests that fell out of the recorder's window.")
+    text_captured = models.BooleanField(default=False, help_text="Prompts and outputs kept (--capture-text).")
+    trace = models.ForeignKey(TraceRecord, null=True, blank=True, on_delete=models.SET_NULL, related_name="+",
+                              help_text="The trace it was converted from.")
+    note = models.TextField(blank=True)
+
+    class Meta:
+        ordering = ("-captured_at", "-id")
+        indexes = [models.Index(fields=["server", "engine", "captured_at", "id"], name="workload_server_engine_idx")]
+        verbose_name = "workload"
+
+    def __str__(self) -> str:
+        return f"{self.engine} workload #{self.pk} ({self.request_count} requests)"
+
+
+class ReplayRunRecord(PayloadRecord):
+    """One replay of a workload onto a server (``engines.workloads.replay``): the payload is the run
+    (each request as its client saw it); the row its summary, the target's configuration as it
+    said it was (ours: flags, model, weights, commit) and, for our servers, the trace and profile
+    of the run. A run in progress is a row in state ``running``."""
+
+    payload_kind = "run"
+
+    class State(models.TextChoices):
+        RUNNING = "running"
+        DONE = "done"
+        FAILED = "failed"
+
+    workload = models.ForeignKey(WorkloadRecord, null=True, blank=True, on_delete=models.SET_NULL,
+                                 related_name="runs")
+    engine = models.CharField(max_length=200, help_text="The model named in each request.")
+    target = models.CharField(max_length=500, help_text="The server's base URL.")
+    target_kind = models.CharField(max_length=32, blank=True, help_text="ours, vllm, sglang, llama.cpp, ...")
+    speed = models.FloatField(default=1.0)
+    captured_at = models.DateTimeField(default=timezone.now, help_text="When the replay started.")
+    state = models.CharField(max_length=16, choices=State.choices, default=State.RUNNING)
+    message = models.TextField(blank=True)
+    requested_by = models.CharField(max_length=150, blank=True)
+    duration_s = models.FloatField(null=True, blank=True)
+    request_count = models.PositiveIntegerField("requests", default=0)
+    succeeded = models.PositiveIntegerField(default=0)
+    ttft_p50_s = models.FloatField(null=True, blank=True)
+    ttft_p90_s = models.FloatField(null=True, blank=True)
+    e2e_p50_s = models.FloatField(null=True, blank=True)
+    tokens_per_s = models.FloatField(null=True, blank=True)
+    target_config = models.JSONField(default=dict, blank=True)
+    trace = models.ForeignKey(TraceRecord, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    profile = models.ForeignKey(ProfileRecord, null=True, blank=True, on_delete=models.SET_NULL, related_name="+")
+    note = models.TextField(blank=True)
+
+    class Meta:
+        ordering = ("-captured_at", "-id")
+        indexes = [models.Index(fields=["captured_at", "id"], name="run_captured_idx")]
+        verbose_name = "replay run"
+
+    def __str__(self) -> str:
+        return f"run #{self.pk} of {self.engine} on {self.target}"
+
+
 class ForeignServer(models.Model):
     """A server that is not one of ours (vLLM, SGLang, MLC LLM, llama.cpp), or one of ours outside
     the fleet's Redis, attached by URL: the fleet polls its ``/metrics`` (``engines.fleet``).

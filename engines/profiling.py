@@ -12,6 +12,7 @@ import asyncio
 import logging
 import weakref
 from dataclasses import dataclass, field
+from typing import Any
 
 from django.urls import reverse
 from pydantic import BaseModel
@@ -41,6 +42,8 @@ class ProfileSaved:
     url: str
     steps: int
     kernel_calls: int
+    #: The per-kernel table (``ProfileRecord.kernels``): what a replay's report compares.
+    kernels: list[dict[str, Any]] = field(default_factory=list)
 
 
 class ProfileState(BaseModel):
@@ -169,7 +172,7 @@ async def _save(engine: AsyncEngine, state: _EngineProfiles, *, note: str, sourc
                                  "was saved: start it again and send requests")
     record = await asave_profile(result.to_json(), engine=engine.name, source=source, note=note)
     state.last = ProfileSaved(record.pk, reverse("dashboard-profile", args=[record.pk]), record.steps,
-                              record.kernel_calls)
+                              record.kernel_calls, list(record.kernels))
     state.status = ProfileStatus(running=False, steps=record.steps, finished=True)
     logger.info("engine %s: profile #%d saved (%d steps)", engine.name, record.pk, record.steps)
     return state.last

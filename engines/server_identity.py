@@ -14,13 +14,16 @@ the other for it.
 """
 from __future__ import annotations
 
+import functools
 import os
 import socket
+import subprocess
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from django.conf import settings
 
-__all__ = ["configure", "fleet_name", "host_of", "server_id", "url_server_id"]
+__all__ = ["configure", "fleet_name", "host_of", "server_id", "source_commit", "url_server_id"]
 
 _HOST = socket.gethostname()
 _port: int | None = int(os.environ["ENGINES_PORT"]) if os.environ.get("ENGINES_PORT", "").isdigit() else None
@@ -54,3 +57,21 @@ def url_server_id(url: str) -> str:
     host = parts.hostname or ""
     port = parts.port or (443 if parts.scheme == "https" else 80)
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+@functools.cache
+def source_commit() -> str:
+    """The git commit this server's code is at (``SOURCE_COMMIT`` where set, for an install without
+    its ``.git``), with ``-dirty`` for uncommitted changes; empty when neither says. A replay's run
+    keeps it (``/stats``), so a regression report names the two commits it compares."""
+    if os.environ.get("SOURCE_COMMIT"):
+        return os.environ["SOURCE_COMMIT"]
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=5, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return f"{head}-dirty" if dirty else head

@@ -7,12 +7,15 @@ trace and profile admins share (the stored payload: deferred, shown, verified on
 ``large_tables`` the counting, filtering and sorting that keep the lists fast on 1,000,000 rows,
 ``cells`` how values print, ``servers`` the server that wrote a record (each list's column and
 filter). ``fleet``: the attached foreign servers and the audit of the jobs run across the fleet.
+``incidents``: the watchdog's stalls with their evidence. ``workloads``: saved workloads, their
+replays onto servers by URL, and the regression report of two runs.
 Staff only; what a user may do follows Django's view / change / delete permissions.
 """
 from django.contrib import admin
 
 # Importing the modules registers their admins (Django's autodiscover imports this package).
-from engines.admin import fleet, incidents, metrics_snapshots, profiles, request_summaries, traces  # noqa: F401
+from engines.admin import (fleet, incidents, metrics_snapshots, profiles, request_summaries,  # noqa: F401
+                           traces, workloads)
 
 # The admin is the dashboard's frame: its header names the product, not the framework.
 admin.site.site_header = "LLM engine debug server"

@@ -33,12 +33,15 @@ from engines.history.downloads import PAYLOAD_ERROR_STATUS, PayloadForm, payload
 from engines.history.payload import PayloadError
 from engines.history.report import PHASE_STATS, REQUEST_STATS, compare_records, trace_report
 from engines.history.retention import apply_retention
+from engines.history.workloads import EmptyWorkloadError, workload_from_trace
 from engines.models import RequestSummary, TraceRecord
 
 __all__ = ["TraceRecordAdmin"]
 
 #: Rows of a trace page's request table (the request list has them all).
 REQUEST_TABLE_LIMIT = 200
+#: Traces one "make a workload" action converts at most.
+MAX_WORKLOADS_AT_ONCE = 20
 
 
 def _record_id(value: str | None) -> int | None:
@@ -63,7 +66,7 @@ class TraceRecordAdmin(ServerColumn, PayloadRecordAdmin[TraceRecord]):
     list_per_page = 50
     show_full_result_count = False
     paginator = EstimatedCountPaginator
-    actions = ("compare_traces", "verify_payloads", "apply_retention_limits", "delete_selected")
+    actions = ("compare_traces", "make_workloads", "verify_payloads", "apply_retention_limits", "delete_selected")
     fieldsets = (
         (None, {"fields": ("engine", "engine_dashboard", "server_column", "model", "backend", "source", "captured_at",
                            "engine_version")}),
@@ -202,6 +205,25 @@ class TraceRecordAdmin(ServerColumn, PayloadRecordAdmin[TraceRecord]):
             return None
         query = urlencode({"a": ids[0], "b": ids[1]})
         return HttpResponseRedirect(f"{reverse('admin:engines_tracerecord_compare')}?{query}")
+
+    @admin.action(description="Make a workload of each selected trace (to replay)", permissions=["view"])
+    def make_workloads(self, request: HttpRequest, queryset: QuerySet[TraceRecord]) -> HttpResponse | None:
+        made, refused = [], []
+        for trace in queryset.order_by("captured_at", "id")[:MAX_WORKLOADS_AT_ONCE]:
+            try:
+                made.append(workload_from_trace(trace))
+            except EmptyWorkloadError as exc:
+                refused.append(str(exc))
+        if len(made) == 1 and not refused:
+            self.message_user(request, f"Made workload #{made[0].pk} of {made[0].request_count} requests.",
+                              messages.SUCCESS)
+            return HttpResponseRedirect(reverse("admin:engines_workloadrecord_change", args=[made[0].pk]))
+        if made:
+            self.message_user(request, f"Made {len(made)} workloads: " + ", ".join(f"#{w.pk}" for w in made) + ".",
+                              messages.SUCCESS)
+        for problem in refused:
+            self.message_user(request, f"No workload: {problem}.", messages.WARNING)
+        return None
 
     @admin.action(description="Apply retention limits to the selected traces' engines", permissions=["delete"])
     def apply_retention_limits(self, request: HttpRequest, queryset: QuerySet[TraceRecord]) -> None:

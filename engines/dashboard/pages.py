@@ -149,4 +149,5 @@ def engine_page(request: HttpRequest, name: str) -> HttpResponse:
     if engine is None:
         raise Http404(f"No engine {name!r} is served here.")
     return render(request, "dashboard/engine.html",
-                  page_context(request, f"Engine {name}", engine=engine_facts(engine)))
+                  page_context(request, f"Engine {name}", engine=engine_facts(engine),
+                               capture_text=registry.options.capture_text))

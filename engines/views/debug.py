@@ -37,7 +37,8 @@ from engines.history import (
     traced_engine,
     validate_note,
 )
-from engines.models import TraceRecord
+from engines.history.workloads import EmptyWorkloadError, asave_engine_workload
+from engines.models import TraceRecord, WorkloadRecord
 from engines.profiling import DEFAULT_MAX_SECONDS, ProfileSaved, start_profile, stop_profile
 from engines.protocol.errors import ProtocolError
 from engines.registry import registry
@@ -134,6 +135,15 @@ class AbortOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     request_id: StrictStr = Field(min_length=1, max_length=REQUEST_LIMITS.max_request_id_chars)
+
+
+class DumpWorkloadOptions(BaseModel):
+    """What ``dump_workload`` takes besides ``model``: whether to save it into the history, with a note."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    save: StrictBool = False
+    note: StrictStr = Field(default="", max_length=MAX_NOTE_CHARS)
 
 
 class KVDumpOptions(BaseModel):
@@ -282,10 +292,24 @@ async def list_requests(request: HttpRequest) -> HttpResponse:
 @debug_view
 async def dump_workload(request: HttpRequest) -> HttpResponse:
     """The engine's flight recorder: its last requests that ended, as a workload (docs/interfaces.md,
-    "Workload"; ids, parameters, token counts and times, no text); ``model`` optional (the first engine)."""
+    "Workload"; ids, parameters, token counts and times; token ids and outputs only with ``serve
+    --capture-text``); ``model`` optional (the first engine). With ``save``, it is kept in the
+    history instead, and the answer is its record's id and admin page."""
     body = parse_body(request)
     engine = lookup(body.model)
-    return json_response((await engine.dump_workload()).as_dict())
+    options = parse_options(request, DumpWorkloadOptions, 'Send "save" as true or false and "note" as a string.')
+    with_text = registry.options.capture_text
+    if not options.save:
+        return json_response((await engine.dump_workload(with_text=with_text)).as_dict())
+    try:
+        record = await asave_engine_workload(engine, source=WorkloadRecord.Source.API, note=options.note,
+                                             with_text=with_text)
+    except EmptyWorkloadError as exc:
+        raise ProtocolError(409, f"{exc}.") from None
+    except HistoryUnavailableError as exc:
+        raise ProtocolError(503, f"{exc}.") from None
+    return json_response({"id": record.pk, "requests": record.request_count, "text_captured": record.text_captured,
+                          "admin_url": reverse("admin:engines_workloadrecord_change", args=[record.pk])})
 
 
 @debug_view
@@ -370,7 +394,7 @@ async def _stop_builtin(request: HttpRequest, engine: AsyncEngine) -> ProfileSav
 def _saved_reply(engine: AsyncEngine, saved: ProfileSaved, **extra: Any) -> dict[str, Any]:
     return {"status": "stopped", "model": engine.name, "profile_id": saved.id, "url": saved.url,
             "admin_url": reverse("admin:engines_profilerecord_change", args=[saved.id]), "steps": saved.steps,
-            "kernel_calls": saved.kernel_calls, **extra}
+            "kernel_calls": saved.kernel_calls, "kernels": saved.kernels, **extra}
 
 
 @debug_view

@@ -30,11 +30,13 @@ included); ``*_tokens_processed_total`` count what each step computed.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from asgiref.sync import sync_to_async
 from django.http import HttpRequest, HttpResponse
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric,
                                     SummaryMetricFamily)
@@ -42,9 +44,11 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
+import engines as engines_package
 from engines.loop_lag import loop_lag
 from engines.prometheus_names import DEFAULT_METRICS_PREFIX, VLLM_ALIASES, VLLM_MODEL_LABEL
 from engines.registry import registry
+from engines.server_identity import source_commit
 from engines.stall_watch import stall_watch
 from engines.runtime import AsyncEngine, EngineDeadError, HistogramSnapshot
 from engines.views.api import api_view, json_response
@@ -367,7 +371,8 @@ async def stats(request: HttpRequest) -> HttpResponse:
         reading = readings.get(engine.name)
         life = engine.status.as_dict()
         fixed = {"backend": engine.backend_name, "weights": engine.source_format,
-                 "weights_in_memory": engine.weights_format,
+                 "weights_in_memory": engine.weights_format, "model": engine.checkpoint.name,
+                 "config": dataclasses.asdict(engine.config),
                  "kv_cache": engine.kv_cache.as_dict() if engine.kv_cache else None}
         if reading is None:  # dead or restarting: nothing to read
             engines[engine.name] = {**fixed, "alive": False, **life}
@@ -387,4 +392,7 @@ async def stats(request: HttpRequest) -> HttpResponse:
             "ttft_p50_s": m["ttft_s"]["p50"],
             "ttft_p99_s": m["ttft_s"]["p99"],
         }
-    return json_response({"engines": engines, "event_loop_lag": loop_lag.summary()})
+    # What a replay's run keeps of its target (engines.workloads.run_job): the report's configuration diff.
+    server = {"version": engines_package.__version__, "commit": await sync_to_async(source_commit)(),
+              "capture_text": registry.options.capture_text}
+    return json_response({"engines": engines, "server": server, "event_loop_lag": loop_lag.summary()})

@@ -2,17 +2,20 @@
 OpenAI-compatible server, and keep what its client saw: the run a regression report compares.
 
 Each recorded request is sent at its arrival offset (divided by ``speed``) to ``/v1/completions``,
-streamed, with a prompt of its recorded token length (token ids, the completions API's other prompt
-form: no text is recorded) and its recorded sampling parameters; ``max_tokens`` is its recorded
-output length with ``ignore_eos`` where it was generated to that length, so the two runs do the same
-work. The client measures TTFT (first token chunk), the gaps between token chunks (ITL) and E2E, as
-an OpenAI client does. A run is bounded by ``max_requests`` and ``max_seconds``.
+streamed, with its recorded prompt where the workload holds one (``prompt_token_ids``: recorded
+with ``serve --capture-text``), else a prompt of its recorded token length (token ids, the
+completions API's other prompt form), and its recorded sampling parameters; ``max_tokens`` is its
+recorded output length with ``ignore_eos``, so the two runs do the same work. Each carries
+``X-Request-Id: replay-<tag>-<index>``, which names its trace lane and history rows on our servers.
+The client measures TTFT (first token chunk), the gaps between token chunks (ITL) and E2E, as an
+OpenAI client does. A run is bounded by ``max_requests`` and ``max_seconds``.
 """
 from __future__ import annotations
 
 import asyncio
 import statistics
 import time
+import uuid
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -22,7 +25,7 @@ import orjson
 from engines.runtime import WORKLOAD_FORMAT, WORKLOAD_VERSION
 
 __all__ = ["RUN_FORMAT", "RUN_VERSION", "ReplayedRequest", "Run", "WorkloadError", "check_workload", "prompt_for",
-           "replay"]
+           "replay", "summarize"]
 
 RUN_FORMAT = "llm-debugsite.run"
 RUN_VERSION = 1
@@ -41,6 +44,8 @@ class ReplayedRequest:
     request_id: str
     offset_s: float
     sent_offset_s: float
+    #: The ``X-Request-Id`` it was sent with (the target's name for it).
+    sent_id: str = ""
     status: int | None = None
     ttft_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
@@ -62,18 +67,29 @@ class Run:
     started_unix: float
     requests: list[ReplayedRequest]
     duration_s: float = 0.0
+    #: What names this run's requests (``replay-<tag>-<index>``).
+    tag: str = ""
     format: str = RUN_FORMAT
     version: int = RUN_VERSION
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        ok = [r for r in self.requests if r.error is None and r.ttft_s is not None]
-        out["summary"] = {
-            "requests": len(self.requests), "succeeded": len(ok),
-            "ttft_p50_s": statistics.median([r.ttft_s for r in ok if r.ttft_s is not None]) if ok else None,
-            "e2e_p50_s": statistics.median([r.e2e_s for r in ok if r.e2e_s is not None]) if ok else None,
-        }
+        out["summary"] = summarize(self.requests, self.duration_s)
         return out
+
+
+def summarize(requests: list[ReplayedRequest], duration_s: float) -> dict[str, Any]:
+    """A run's headline figures: requests, successes, TTFT p50 and p90, E2E p50, output tokens/s."""
+    ok = [r for r in requests if r.error is None and r.ttft_s is not None]
+    ttft = sorted(r.ttft_s for r in ok if r.ttft_s is not None)
+    tokens = sum(r.completion_tokens or len(r.itl_s) + 1 for r in ok)
+    return {
+        "requests": len(requests), "succeeded": len(ok),
+        "ttft_p50_s": statistics.median(ttft) if ttft else None,
+        "ttft_p90_s": ttft[min(len(ttft) - 1, int(0.9 * len(ttft)))] if ttft else None,
+        "e2e_p50_s": statistics.median([r.e2e_s for r in ok if r.e2e_s is not None]) if ok else None,
+        "tokens_per_s": tokens / duration_s if duration_s > 0 else None,
+    }
 
 
 def check_workload(value: Any) -> list[dict[str, Any]]:
@@ -90,6 +106,10 @@ def check_workload(value: Any) -> list[dict[str, Any]]:
         if not isinstance(r, dict) or not isinstance(r.get("offset_s"), (int, float)) or r["offset_s"] < 0 \
                 or not isinstance(r.get("prompt_tokens"), int) or r["prompt_tokens"] < 1:
             raise WorkloadError(f"request {i}: needs offset_s >= 0 and prompt_tokens >= 1")
+        ids = r.get("prompt_token_ids")
+        if ids is not None and (not isinstance(ids, list) or not ids
+                                or not all(isinstance(t, int) and t >= 0 for t in ids)):
+            raise WorkloadError(f"request {i}: prompt_token_ids must be a non-empty list of token ids")
     return sorted(requests, key=lambda r: r["offset_s"])
 
 
@@ -102,11 +122,13 @@ def prompt_for(index: int, length: int) -> list[int]:
 def _body(index: int, recorded: dict[str, Any], model: str) -> dict[str, Any]:
     completion = recorded.get("completion_tokens") or 1
     body: dict[str, Any] = {
-        "model": model, "prompt": prompt_for(index, recorded["prompt_tokens"]), "max_tokens": completion,
+        "model": model, "prompt": recorded.get("prompt_token_ids") or prompt_for(index, recorded["prompt_tokens"]),
+        "max_tokens": completion,
         "temperature": recorded.get("temperature", 1.0), "top_p": recorded.get("top_p", 1.0), "stream": True,
         # Its recorded length either way: the replay does the same work (vLLM's extension, as ours).
         "ignore_eos": True,
-        "user": f"replay-{index}",
+        # The last chunk's usage: the output tokens as the server counts them.
+        "stream_options": {"include_usage": True},
     }
     if recorded.get("seed") is not None:
         body["seed"] = recorded["seed"]
@@ -114,13 +136,15 @@ def _body(index: int, recorded: dict[str, Any], model: str) -> dict[str, Any]:
 
 
 async def _one(client: httpx.AsyncClient, index: int, recorded: dict[str, Any], model: str, start: float,
-               speed: float, deadline: float) -> ReplayedRequest:
+               speed: float, deadline: float, tag: str) -> ReplayedRequest:
     await asyncio.sleep(max(0.0, start + recorded["offset_s"] / speed - time.perf_counter()))
     sent = time.perf_counter()
-    out = ReplayedRequest(str(recorded.get("request_id", index)), recorded["offset_s"], sent - start)
+    out = ReplayedRequest(str(recorded.get("request_id", index)), recorded["offset_s"], sent - start,
+                          sent_id=f"replay-{tag}-{index}")
     last = None
     try:
         async with client.stream("POST", "/v1/completions", json=_body(index, recorded, model),
+                                 headers={"X-Request-Id": out.sent_id},
                                  timeout=max(1.0, deadline - sent)) as response:
             out.status = response.status_code
             if response.status_code != 200:
@@ -150,15 +174,18 @@ async def _one(client: httpx.AsyncClient, index: int, recorded: dict[str, Any], 
 
 
 async def replay(workload: dict[str, Any], client: httpx.AsyncClient, model: str, target: str, speed: float = 1.0,
-                 max_requests: int | None = None, max_seconds: float = 600.0) -> Run:
+                 max_requests: int | None = None, max_seconds: float = 600.0, tag: str | None = None) -> Run:
     """Send ``workload``'s requests through ``client`` (its base URL the server) to ``model``, at their
-    offsets divided by ``speed``; at most ``max_requests`` of them, and none after ``max_seconds``."""
+    offsets divided by ``speed``; at most ``max_requests`` of them, and none after ``max_seconds``.
+    ``tag`` names the requests (``replay-<tag>-<index>``; default: a fresh one)."""
     if not speed > 0:
         raise WorkloadError(f"speed must be > 0, not {speed}")
     requests = check_workload(workload)[:max_requests]
     requests = [r for r in requests if r["offset_s"] / speed <= max_seconds]
+    tag = tag or uuid.uuid4().hex[:8]
     started_unix, start = time.time(), time.perf_counter()
     deadline = start + max_seconds
-    done = await asyncio.gather(*(_one(client, i, r, model, start, speed, deadline) for i, r in enumerate(requests)))
+    done = await asyncio.gather(*(_one(client, i, r, model, start, speed, deadline, tag)
+                                  for i, r in enumerate(requests)))
     return Run(target, model, str(workload.get("engine", "")), speed, started_unix, list(done),
-               duration_s=time.perf_counter() - start)
+               duration_s=time.perf_counter() - start, tag=tag)

@@ -15,7 +15,8 @@ import numpy as np
 
 from engines.workloads.replay import RUN_FORMAT, RUN_VERSION
 
-__all__ = ["CONFIDENCE", "FIGURES", "RESAMPLES", "Comparison", "RunError", "compare_runs", "markdown"]
+__all__ = ["CDF_POINTS", "CONFIDENCE", "FIGURES", "RESAMPLES", "Comparison", "RunError", "cdf_points", "compare_runs",
+           "config_diff", "flatten", "kernel_deltas", "markdown", "phase_deltas"]
 
 #: The resamples of each bootstrap, and the interval's confidence.
 RESAMPLES = 2000
@@ -23,6 +24,8 @@ CONFIDENCE = 0.95
 #: The figures compared: a request's field -> how the report names it.
 FIGURES = {"ttft_s": "TTFT", "itl_s": "ITL", "e2e_s": "E2E"}
 PERCENTILES = (50, 90, 99)
+#: Points of each distribution drawn (its quantiles, evenly spaced): a page's chart, not the data.
+CDF_POINTS = 101
 
 
 class RunError(ValueError):
@@ -107,13 +110,67 @@ def _outputs(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     return {"outputs_compared": compared, "outputs_identical": identical, "first_divergence": first}
 
 
+def cdf_points(values: np.ndarray, points: int = CDF_POINTS) -> list[list[float]]:
+    """``values``' distribution as ``[value, fraction at or below]`` pairs, at evenly spaced quantiles."""
+    if values.size == 0:
+        return []
+    fractions = np.linspace(0.0, 1.0, points)
+    return [[float(v), float(f)] for v, f in zip(np.quantile(values, fractions), fractions, strict=True)]
+
+
+def flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested mapping as one level of dotted keys."""
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for key, item in value.items():
+            out.update(flatten(item, f"{prefix}{key}."))
+        return out
+    return {prefix.rstrip("."): value}
+
+
+def config_diff(a: dict[str, Any] | None, b: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """The settings in which two targets' configurations differ (dotted keys, sorted; ``None``
+    where one does not say): flags, model, weights format, commit, server kind and version."""
+    fa, fb = flatten(a or {}), flatten(b or {})
+    return [{"key": key, "a": fa.get(key), "b": fb.get(key)} for key in sorted(set(fa) | set(fb))
+            if key != "url" and fa.get(key) != fb.get(key)]
+
+
+def phase_deltas(a: list[dict[str, float]], b: list[dict[str, float]]) -> list[dict[str, Any]]:
+    """Where the requests' time went in each run (their anatomy, ``time_breakdown``: seconds by
+    phase), as the mean seconds a request per phase, A, B and B - A; largest change first."""
+    def means(rows: list[dict[str, float]]) -> dict[str, float]:
+        phases = {key for row in rows for key in row}
+        return {key: sum(row.get(key, 0.0) for row in rows) / len(rows) for key in phases} if rows else {}
+
+    ma, mb = means(a), means(b)
+    out = [{"phase": key, "a": ma.get(key), "b": mb.get(key), "delta": mb.get(key, 0.0) - ma.get(key, 0.0)}
+           for key in set(ma) | set(mb)]
+    return sorted(out, key=lambda row: -abs(row["delta"]))
+
+
+def kernel_deltas(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Two profiles' kernels side by side (``ProfileRecord.kernels``): calls and mean µs a call in
+    each, and the change of total µs; largest change first."""
+    ka, kb = {k["name"]: k for k in a}, {k["name"]: k for k in b}
+    out = []
+    for name in set(ka) | set(kb):
+        x, y = ka.get(name, {}), kb.get(name, {})
+        out.append({"kernel": name, "calls_a": x.get("calls"), "calls_b": y.get("calls"),
+                    "mean_us_a": x.get("mean_us"), "mean_us_b": y.get("mean_us"),
+                    "total_us_delta": (y.get("total_us") or 0.0) - (x.get("total_us") or 0.0)})
+    return sorted(out, key=lambda row: -abs(row["total_us_delta"]))
+
+
 def compare_runs(a: Any, b: Any) -> dict[str, Any]:
     """The report of run ``b`` against run ``a`` (JSON-ready)."""
     a, b = _check(a, "run A"), _check(b, "run B")
     rng = np.random.default_rng(0)
     rows: list[Comparison] = []
+    cdfs: dict[str, dict[str, list[list[float]]]] = {}
     for field, name in FIGURES.items():
         va, vb = _values(a, field), _values(b, field)
+        cdfs[name] = {"a": cdf_points(va), "b": cdf_points(vb)}
         for q in PERCENTILES:
             stat = f"p{q}"
             if va.size < 2 or vb.size < 2:
@@ -126,8 +183,10 @@ def compare_runs(a: Any, b: Any) -> dict[str, Any]:
         "a": {"target": a.get("target"), "model": a.get("model"), "requests": len(a["requests"])},
         "b": {"target": b.get("target"), "model": b.get("model"), "requests": len(b["requests"])},
         "figures": [asdict(r) for r in rows],
+        "cdfs": cdfs,
         "throughput_tokens_per_s": {"a": _throughput(a), "b": _throughput(b)},
         **_outputs(a, b),
+        "config_diff": config_diff(a.get("target_config"), b.get("target_config")),
         "confidence": CONFIDENCE, "resamples": RESAMPLES,
     }
 
@@ -148,5 +207,21 @@ def markdown(report: dict[str, Any]) -> str:
     t = report["throughput_tokens_per_s"]
     lines += ["", f"Throughput: A {t['a'] or 0:,.1f}, B {t['b'] or 0:,.1f} output tokens/s. Outputs identical: "
                   f"{report['outputs_identical']} of {report['outputs_compared']}."]
+    first = report.get("first_divergence")
+    if first:
+        lines += ["", f"First divergence: request {first['request_id']} at character {first['at_char']}: "
+                      f"A `{first['a']}`, B `{first['b']}`."]
+    if report.get("config_diff"):
+        lines += ["", "| setting | A | B |", "|---|---|---|"]
+        lines += [f"| {row['key']} | {row['a']} | {row['b']} |" for row in report["config_diff"]]
+    if report.get("phases"):
+        lines += ["", "| phase (mean s a request) | A | B | B - A |", "|---|---:|---:|---:|"]
+        lines += [f"| {row['phase']} | {row['a'] or 0:.4f} | {row['b'] or 0:.4f} | {row['delta']:+.4f} |"
+                  for row in report["phases"]]
+    if report.get("kernels"):
+        lines += ["", "| kernel | calls A | calls B | mean µs A | mean µs B | total µs B - A |",
+                  "|---|---:|---:|---:|---:|---:|"]
+        lines += [f"| {row['kernel']} | {row['calls_a'] or 0} | {row['calls_b'] or 0} | {row['mean_us_a'] or 0:,.1f} "
+                  f"| {row['mean_us_b'] or 0:,.1f} | {row['total_us_delta']:+,.0f} |" for row in report["kernels"][:15]]
     return "\n".join(lines) + "\n"
 

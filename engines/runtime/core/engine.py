@@ -236,10 +236,11 @@ class Engine:
         return live_requests(self.requests, self.scheduler, self.kv_pool, self.kv_receiver, self.max_seq_len, limit,
                              self.tokenizer.decode if with_text else None)
 
-    def dump_workload(self, engine_name: str) -> Workload:
+    def dump_workload(self, engine_name: str, with_text: bool = False) -> Workload:
         """The flight recorder's window: the last requests that ended, as a replayable workload
-        (named ``engine_name``: the name it is served under); any thread."""
-        return self.outputs.recorder.dump(engine_name)
+        (named ``engine_name``: the name it is served under); any thread. ``with_text``: their
+        token ids and outputs too (``serve --capture-text``)."""
+        return self.outputs.recorder.dump(engine_name, self.tokenizer.decode if with_text else None)
 
     def dump_kv_cache(self, max_entries: int = DEFAULT_KV_ENTRIES, with_text: bool = False) -> KVCacheDump:
         """The KV cache opened (``live_view.dump_kv_cache``); any thread, mid-step too. ``with_text``:

@@ -136,7 +136,8 @@ class OutputProcessor:
             temperature=params.temperature, top_p=params.top_p, n=params.n, seed=params.seed,
             ignore_eos=params.ignore_eos, finish_reason=finish_reason,
             queue_s=rm.queue_time_s if state.first_scheduled_time is not None else None,
-            ttft_s=rm.ttft_s if state.first_token_time is not None else None, e2e_s=rm.end_to_end_latency_s))
+            ttft_s=rm.ttft_s if state.first_token_time is not None else None, e2e_s=rm.end_to_end_latency_s),
+            state.request.prompt, state.sequences[0].token_ids[state.sequences[0].num_prompt_tokens:])
         if self.tracer is not None:
             if state.first_scheduled_time is None:  # aborted or dropped while waiting
                 self.tracer.add_event(state.request_id, "finish queue")

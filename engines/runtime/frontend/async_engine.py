@@ -405,9 +405,10 @@ class AsyncEngine:
         answered even mid-step. ``with_text``: with their text (``serve --capture-text``)."""
         return await self._acall(LiveRequestsCall(limit, with_text))
 
-    async def dump_workload(self) -> "Workload":
-        """The last requests that ended, as a replayable workload (``FlightRecorder``); answered even mid-step."""
-        return await self._acall(DumpWorkloadCall(self.name))
+    async def dump_workload(self, with_text: bool = False) -> "Workload":
+        """The last requests that ended, as a replayable workload (``FlightRecorder``); answered even
+        mid-step. ``with_text``: with their token ids and outputs (``serve --capture-text``)."""
+        return await self._acall(DumpWorkloadCall(self.name, with_text))
 
     async def dump_kv_cache(self, max_entries: int = DEFAULT_KV_ENTRIES, with_text: bool = False) -> KVCacheDump:
         """The KV cache opened (``Engine.dump_kv_cache``); answered even mid-step."""

@@ -198,9 +198,10 @@ class DumpWorkloadCall(EngineCall):
 
     immediate: ClassVar[bool] = True
     engine_name: str = "engine"
+    with_text: bool = False
 
     def run(self, engine: "Engine", send: "Send") -> "Workload":
-        return engine.dump_workload(self.engine_name)
+        return engine.dump_workload(self.engine_name, self.with_text)
 
 
 @dataclass(frozen=True)

@@ -369,6 +369,7 @@ document.getElementById("save-trace").addEventListener("submit", (event) => {
   act("save_trace", { note: document.getElementById("trace-note").value, tags });
 });
 document.getElementById("clear-trace").addEventListener("click", () => act("clear_trace"));
+document.getElementById("save-workload").addEventListener("click", () => act("save_workload"));
 document.getElementById("profile-start").addEventListener("click", () => {
   const maxSteps = parseInt(document.getElementById("profile-max-steps").value, 10);
   act("profile_start", {
