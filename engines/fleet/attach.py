@@ -7,7 +7,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from engines.fleet.aliases import ServerKind
+from engines.fleet.server_kinds import ServerKind
 from engines.fleet.foreign import ForeignReader, PollError, fetch_metrics, probe_kind
 from engines.db_calls import in_db_thread
 

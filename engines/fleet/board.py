@@ -21,7 +21,7 @@ from django.urls import NoReverseMatch, reverse
 
 from engines.cancellation import check_cancelled
 from engines.fleet.outage_log import OutageLog
-from engines.fleet.aliases import ALIASES, ServerKind
+from engines.fleet.server_kinds import KINDS, ServerKind
 from engines.fleet.quantiles import fleet_quantile
 from engines.fleet.rows import (FLEET_WINDOW_QUANTITIES, EngineRow, EngineWeights, FleetRowsUpdate, FleetServer,
                                 FleetTotals, FleetUnavailable, FleetView, ServerRows, TotalQuantile)
@@ -127,8 +127,7 @@ async def fleet_view(store: FleetStore, foreign: Sequence[ForeignTarget], now: f
     for target in foreign:
         polled = foreign_rows.get(target.id)
         kind = polled.kind if polled is not None else (target.kind or ServerKind.UNKNOWN.value)
-        aliases = ALIASES.get(ServerKind(kind)) if kind in ServerKind._value2member_map_ else None
-        missing = dict(aliases.missing_controls) if aliases is not None else {}
+        missing = dict(KINDS[ServerKind.parse(kind)].missing_controls)
         if polled is None:
             servers.append(FleetServer(server=target.id, name=target.name, url=target.url, kind=kind, state="waiting",
                                        missing_controls=missing))

@@ -8,7 +8,7 @@ How a target runs depends on where its engine is:
 * on another server of ours: a :class:`ControlCommand` is pushed on that server's queue in the
   store (``fleet:<name>:control:<server>``), its :class:`ControlListener` runs it and writes
   ack, progress and the outcome into the target's row;
-* on a foreign server: its HTTP control (``aliases``: vLLM's ``/reset_prefix_cache``, SGLang's
+* on a foreign server: its HTTP control (``server_kinds``: vLLM's ``/reset_prefix_cache``, SGLang's
   ``/flush_cache``, MLC's ``/debug/*``, ...) called from here with its API key; an action it has
   no endpoint for is refused with the reason. MLC's ``dump_event_trace`` is saved as a trace
   record, which opens on our timeline.
@@ -31,7 +31,7 @@ from pydantic import BaseModel, Field, StrictBool, StrictInt, StrictStr
 
 from engines.cancellation import check_cancelled
 from engines.fleet.outage_log import OutageLog
-from engines.fleet.aliases import ALIASES, ServerKind
+from engines.fleet.server_kinds import KINDS, ServerKind
 from engines.fleet.board import ForeignTarget
 from engines.fleet.clock import ClockOffset
 from engines.fleet.store import FleetStore
@@ -182,17 +182,16 @@ async def run_on_router(command: ControlCommand, trace: Any, here: str, clock: C
 
 async def run_foreign(command: ControlCommand, server: ForeignTarget, client: httpx.AsyncClient) -> None:
     """Run a target on a foreign server through its HTTP control, if it has one."""
-    kind = ServerKind(server.kind) if server.kind in ServerKind._value2member_map_ else ServerKind.UNKNOWN
-    aliases = ALIASES.get(kind)
-    control = aliases.controls.get(command.action) if aliases else None
+    kind = ServerKind.parse(server.kind)
+    kind_record = KINDS[kind]
+    control = kind_record.controls.get(command.action)
     if control is None:
-        reason = aliases.missing_controls.get(command.action) if aliases else None
+        reason = kind_record.missing_controls.get(command.action)
         await update_target(command.target, "error", reason or f"a {kind.value} server has no {command.action}")
         return
     await update_target(command.target, "ack", f"{control.method} {control.path}")
     headers = {"Authorization": f"Bearer {server.api_key}"} if server.api_key else {}
-    # MLC's /debug/* (and ours) name the engine in a JSON body; vLLM's and SGLang's take none.
-    body = {"model": command.engine} if kind in (ServerKind.MLC, ServerKind.OURS) else None
+    body = {"model": command.engine} if kind_record.body_names_engine else None
     try:
         response = await client.request(control.method, server.url.rstrip("/") + control.path, headers=headers,
                                         json=body, timeout=FOREIGN_TIMEOUT_S, follow_redirects=False)

@@ -6,7 +6,7 @@ redirecting or wrongly typed answer is an error that says so, never a stall);
 :class:`ForeignReader` keeps what the previous readings said, so that counters become rates over
 the polls of the last ``windows.RATE_WINDOW_S`` or more and histograms become percentiles over
 the last minute, and returns one :class:`ForeignReading` a
-poll: per model, each quantity of :data:`~engines.fleet.aliases.QUANTITIES`, or the note that
+poll: per model, each quantity of :data:`~engines.fleet.server_kinds.QUANTITIES`, or the note that
 the server does not export it.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from engines.fleet.aliases import ALIAS_TABLE_VERSION, ALIASES, QUANTITIES, KindAliases, ServerKind, Source
+from engines.fleet.server_kinds import ALIAS_TABLE_VERSION, KINDS, QUANTITIES, KindRecord, ServerKind, Source
 from engines.fleet.exposition import Exposition, ExpositionError, Sample, parse_exposition
 from engines.fleet.quantiles import Buckets, bucket_quantile, buckets_from_samples
 from engines.fleet.rows import FLEET_WINDOW_QUANTITIES, EngineRow, ServerRows, WindowHistogram
@@ -27,8 +27,8 @@ from engines.fleet.windows import CounterRate, HistogramWindow
 from engines.cancellation import within
 from engines.prometheus_names import our_prefix
 
-__all__ = ["MAX_METRICS_BYTES", "ForeignReader", "ForeignReading", "PollError", "aliases_for", "detect_kind",
-           "fetch_metrics", "probe_kind", "reading_rows"]
+__all__ = ["MAX_METRICS_BYTES", "ForeignReader", "ForeignReading", "PollError", "detect_kind", "fetch_metrics",
+           "probe_kind", "reading_rows", "record_for"]
 
 #: The most a ``/metrics`` body may hold; vLLM's with every histogram is about 100 kB.
 MAX_METRICS_BYTES = 8 << 20
@@ -89,45 +89,31 @@ async def fetch_metrics(client: httpx.AsyncClient, url: str, api_key: str | None
 # ----------------------------------------------------------------------------- detection
 
 
-def _has_prefix(exposition: Exposition, kind: ServerKind) -> bool:
-    prefixes = ALIASES[kind].prefixes
-    return any(name.startswith(prefixes) for name in exposition.names)
-
-
 def detect_kind(exposition: Exposition) -> ServerKind:
-    """The kind of server a ``/metrics`` body comes from, by its metric names alone."""
-    names = exposition.names
-    if exposition.format == "mlc":
-        return ServerKind.MLC
-    if our_prefix(names) is not None:  # before vLLM's: ours may carry vLLM's names too (--metrics-vllm-aliases)
-        return ServerKind.OURS
-    if any(n.removeprefix("vllm:").removeprefix("vllm_") in ("healthy_pods_total", "current_qps") for n in names):
-        return ServerKind.VLLM_ROUTER  # production-stack's router, not an engine (it re-exports theirs)
-    for kind in (ServerKind.VLLM, ServerKind.SGLANG, ServerKind.LLAMA_CPP):
-        if _has_prefix(exposition, kind):
-            return kind
-    return ServerKind.UNKNOWN
+    """The kind of server a ``/metrics`` body comes from, by its metric names and format alone:
+    the first of :data:`~engines.fleet.server_kinds.KINDS` whose predicate it meets."""
+    return next((kind for kind, record in KINDS.items() if record.detect(exposition)), ServerKind.UNKNOWN)
 
 
-def aliases_for(kind: ServerKind, exposition: Exposition) -> KindAliases:
+def record_for(kind: ServerKind, exposition: Exposition) -> KindRecord:
     """How to read a body of this kind: for ours, under the prefix it has (any ``--metrics-prefix``)."""
-    aliases = ALIASES[kind]
+    record = KINDS[kind]
     if kind is ServerKind.OURS:
         prefix = our_prefix(exposition.names)
         if prefix is not None:
-            return replace(aliases, prefixes=(prefix,))
-    return aliases
+            return replace(record, prefixes=(prefix,))
+    return record
 
 
-_OWNERS = {"vllm": ServerKind.VLLM, "sglang": ServerKind.SGLANG, "llamacpp": ServerKind.LLAMA_CPP,
-           "mlc-llm": ServerKind.MLC}
+_OWNERS = {owner: kind for kind, record in KINDS.items() for owner in record.owned_by}
 
 
 async def probe_kind(client: httpx.AsyncClient, url: str, api_key: str | None = None,
                      timeout_s: float = POLL_TIMEOUT_S) -> tuple[ServerKind, str]:
-    """The kind and version of a server whose ``/metrics`` did not tell (metrics off): from
-    ``/version`` (vLLM), ``/server_info`` or ``/get_server_info`` (SGLang), ``/props``
-    (llama.cpp) and ``/v1/models``' ``owned_by``. ``(UNKNOWN, "")`` when none answers."""
+    """The kind and version of a server whose ``/metrics`` did not tell (metrics off): from each
+    kind's probes, in detection order (``/server_info`` or ``/get_server_info``: SGLang;
+    ``/version``: vLLM; ``/props``: llama.cpp), then ``/v1/models``' ``owned_by``.
+    ``(UNKNOWN, "")`` when none answers."""
     base = url.rstrip("/")
 
     async def get(path: str) -> Any:
@@ -143,16 +129,11 @@ async def probe_kind(client: httpx.AsyncClient, url: str, api_key: str | None = 
         except ValueError:
             return None
 
-    for path in ("/server_info", "/get_server_info"):
-        info = await get(path)
-        if isinstance(info, dict) and ("tp_size" in info or "model_path" in info):
-            return ServerKind.SGLANG, str(info.get("version", ""))
-    version = await get("/version")
-    if isinstance(version, dict) and "version" in version:
-        return ServerKind.VLLM, str(version["version"])
-    props = await get("/props")
-    if isinstance(props, dict) and "default_generation_settings" in props:
-        return ServerKind.LLAMA_CPP, str(props.get("build_info", ""))
+    for kind, record in KINDS.items():
+        for probe in record.probes:
+            answer = await get(probe.path)
+            if isinstance(answer, dict) and any(key in answer for key in probe.keys):
+                return kind, str(answer.get(probe.version, ""))
     models = await get("/v1/models")
     if isinstance(models, dict):
         for model in models.get("data") or []:
@@ -165,8 +146,8 @@ async def probe_kind(client: httpx.AsyncClient, url: str, api_key: str | None = 
 # ------------------------------------------------------------------------- normalisation
 
 
-def _find(exposition: Exposition, aliases: KindAliases, name: str) -> tuple[str, list[Sample]] | None:
-    for prefix in aliases.prefixes:
+def _find(exposition: Exposition, record: KindRecord, name: str) -> tuple[str, list[Sample]] | None:
+    for prefix in record.prefixes:
         samples = exposition.samples.get(prefix + name)
         if samples:
             return prefix + name, samples
@@ -196,34 +177,34 @@ class _Raw:
     buckets: Buckets | None = None
 
 
-def _read_raw(exposition: Exposition, aliases: KindAliases) -> dict[str, dict[str, _Raw]]:
+def _read_raw(exposition: Exposition, record: KindRecord) -> dict[str, dict[str, _Raw]]:
     """model -> quantity -> what the body says of it (the first source of each that is present)."""
     out: dict[str, dict[str, _Raw]] = {}
-    for quantity, sources in aliases.sources.items():
+    for quantity, sources in record.sources.items():
         for source in sources:
-            found = _find(exposition, aliases, source.name + ("_bucket" if source.type == "histogram" else ""))
+            found = _find(exposition, record, source.name + ("_bucket" if source.type == "histogram" else ""))
             if found is None:
                 continue
             _, samples = found
             samples = _selected(samples, source)
             if source.type == "histogram":
-                sums = _find(exposition, aliases, source.name + "_sum")
-                sum_by_model = _by_model(_selected(sums[1], source), aliases.model_label) if sums else {}
-                for model, group in _by_model(samples, aliases.model_label).items():
+                sums = _find(exposition, record, source.name + "_sum")
+                sum_by_model = _by_model(_selected(sums[1], source), record.model_label) if sums else {}
+                for model, group in _by_model(samples, record.model_label).items():
                     pairs = [(float(s.labels["le"]), s.value) for s in group if "le" in s.labels]
                     total = sum(s.value for s in sum_by_model[model]) if model in sum_by_model else None
                     out.setdefault(model, {})[quantity] = _Raw(source, value=total, buckets=buckets_from_samples(pairs))
             elif source.type == "ratio":
-                denominator = _find(exposition, aliases, source.denominator)
+                denominator = _find(exposition, record, source.denominator)
                 if denominator is None:
                     continue
-                below = _by_model(_selected(denominator[1], source), aliases.model_label)
-                for model, group in _by_model(samples, aliases.model_label).items():
+                below = _by_model(_selected(denominator[1], source), record.model_label)
+                for model, group in _by_model(samples, record.model_label).items():
                     out.setdefault(model, {})[quantity] = _Raw(
                         source, sum(s.value for s in group), sum(s.value for s in below.get(model, [])))
             else:
                 combine = max if quantity == "kv_usage" else sum
-                for model, group in _by_model(samples, aliases.model_label).items():
+                for model, group in _by_model(samples, record.model_label).items():
                     out.setdefault(model, {})[quantity] = _Raw(source, combine(s.value for s in group))
             break
     return out
@@ -273,8 +254,7 @@ class ForeignReader:
             return ForeignReading(at=time.time(), kind=self.kind or ServerKind.UNKNOWN, version=self.version,
                                   error=f"/metrics is not metrics text: {exc}", nbytes=len(text))
         kind = self.kind or detect_kind(exposition)
-        aliases = aliases_for(kind, exposition)
-        raw = _read_raw(exposition, aliases)
+        raw = _read_raw(exposition, record_for(kind, exposition))
         models: dict[str, dict[str, Any]] = {}
         present: set[str] = set()
         sources: dict[str, str] = {}

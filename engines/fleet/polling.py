@@ -16,7 +16,7 @@ import httpx
 
 from engines.cancellation import check_cancelled
 from engines.fleet.outage_log import OutageLog
-from engines.fleet.aliases import ServerKind
+from engines.fleet.server_kinds import ServerKind
 from engines.fleet.board import ForeignTarget
 from engines.fleet.foreign import ForeignReader, ForeignReading, PollError, fetch_metrics, reading_rows
 from engines.fleet.store import FleetStore
@@ -33,7 +33,7 @@ class ForeignPoller:
 
     def __init__(self, store: FleetStore, holder: str, target: ForeignTarget, client: httpx.AsyncClient) -> None:
         self.store, self.holder, self.target, self.client = store, holder, target, client
-        kind = ServerKind(target.kind) if target.kind in ServerKind._value2member_map_ else None
+        kind = ServerKind.parse(target.kind)
         self.reader = ForeignReader(kind if kind is not ServerKind.UNKNOWN else None)
         self._outage = OutageLog(f"polling {target.name}")
 

@@ -1,7 +1,7 @@
 """What a fleet member publishes and what a fleet page is sent: typed, one definition each.
 
 Every engine of every server, ours or foreign, becomes one :class:`EngineRow`: the quantities of
-:data:`~engines.fleet.aliases.QUANTITIES` as figures (gauges as read, counters as rates per
+:data:`~engines.fleet.server_kinds.QUANTITIES` as figures (gauges as read, counters as rates per
 second, latencies as p50/p99 over the last minute), the quantities its server does not export
 named as such, and the last minute's histogram of TTFT and ITL (:class:`WindowHistogram`), so
 that a fleet percentile is computed from the servers' own buckets (``quantiles.fleet_quantile``)

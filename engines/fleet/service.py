@@ -21,7 +21,7 @@ from engines.cancellation import check_cancelled
 from engines.server_identity import server_id, url_server_id
 from engines.fleet.outage_log import OutageLog
 from engines.fleet.board import FleetBoard, ForeignTarget
-from engines.fleet.aliases import QUANTITIES
+from engines.fleet.server_kinds import QUANTITIES
 from engines.fleet.controls import ROUTER_ENGINE, ControlListener
 from engines.fleet.membership import KEY_TTL_S, EngineCard, ServerCard
 from engines.fleet.polling import TARGETS_REFRESH_S, ForeignPolling

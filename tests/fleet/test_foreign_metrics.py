@@ -8,7 +8,7 @@ import math
 import httpx
 import pytest
 
-from engines.fleet.aliases import ALIASES, QUANTITIES, ServerKind
+from engines.fleet.server_kinds import KINDS, QUANTITIES, ServerKind
 from engines.fleet.exposition import ExpositionError, parse_exposition
 from engines.fleet.foreign import ForeignReader, PollError, detect_kind, fetch_metrics, probe_kind, reading_rows
 from tests.fleet import foreign_expositions as fx
@@ -132,10 +132,10 @@ def test_what_is_not_metrics_text_is_an_error_reading(body):
 
 def test_every_kind_names_a_source_or_a_reason_for_each_control():
     for kind in (ServerKind.VLLM, ServerKind.SGLANG, ServerKind.LLAMA_CPP, ServerKind.MLC, ServerKind.OURS):
-        aliases = ALIASES[kind]
-        assert set(aliases.sources) <= set(QUANTITIES)
+        record = KINDS[kind]
+        assert set(record.sources) <= set(QUANTITIES)
         for action in ("reset", "profile_start", "profile_stop"):
-            assert action in aliases.controls or action in aliases.missing_controls, (kind, action)
+            assert action in record.controls or action in record.missing_controls, (kind, action)
 
 
 # ------------------------------------------------------------------------------ fetching

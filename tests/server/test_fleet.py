@@ -286,7 +286,7 @@ async def test_a_save_trace_job_opens_as_one_timeline(page: httpx.AsyncClient) -
 async def test_our_own_metrics_read_as_a_foreign_server_export_every_quantity(page: httpx.AsyncClient) -> None:
     """One of ours attached by URL (outside the fleet's Redis) is read through the alias table:
     the table's names for our kind are the ones our /metrics exports."""
-    from engines.fleet.aliases import QUANTITIES, ServerKind
+    from engines.fleet.server_kinds import QUANTITIES, ServerKind
     from engines.fleet.foreign import ForeignReader
 
     done = await page.post("/v1/completions", json={"model": TRACED, "prompt": "Hi", "max_tokens": 3})

@@ -10,7 +10,7 @@ from django.core.management import call_command
 from django.core.management.base import CommandError
 from prometheus_client.parser import text_string_to_metric_families
 
-from engines.fleet.aliases import QUANTITIES, ServerKind
+from engines.fleet.server_kinds import QUANTITIES, ServerKind
 from engines.fleet.foreign import ForeignReader
 from engines.loop_lag import LoopLagMonitor
 from engines.prometheus_names import DEFAULT_METRICS_PREFIX, VLLM_ALIASES
