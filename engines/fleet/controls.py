@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 from django.utils import timezone
@@ -31,7 +31,7 @@ from pydantic import BaseModel, Field, StrictBool, StrictInt, StrictStr
 
 from engines.cancellation import check_cancelled
 from engines.fleet.outage_log import OutageLog
-from engines.fleet.server_kinds import KINDS, ServerKind
+from engines.fleet.server_kinds import KINDS, Action, ServerKind
 from engines.fleet.board import ForeignTarget
 from engines.fleet.clock import ClockOffset
 from engines.fleet.store import FleetStore
@@ -51,8 +51,6 @@ FOREIGN_TIMEOUT_S = 60.0
 MAX_TARGETS = 1000
 #: The engine name a ``--router disagg`` server lists for its own lane (its trace: save, clear).
 ROUTER_ENGINE = "router"
-
-Action = Literal["reset", "save_trace", "clear_trace", "profile_start", "profile_stop"]
 
 
 class JobTarget(BaseModel):

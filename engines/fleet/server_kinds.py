@@ -28,7 +28,8 @@ from typing import Literal
 from engines.fleet.exposition import Exposition
 from engines.prometheus_names import DEFAULT_METRICS_PREFIX, our_prefix
 
-__all__ = ["ALIAS_TABLE_VERSION", "KINDS", "QUANTITIES", "Control", "KindRecord", "Probe", "ServerKind", "Source"]
+__all__ = ["ALIAS_TABLE_VERSION", "KINDS", "QUANTITIES", "Action", "Control", "KindRecord", "Probe", "ServerKind",
+           "Source"]
 
 #: Bumped whenever a name is added or retired, and shown with a server's coverage.
 ALIAS_TABLE_VERSION = "2026-12-02"
@@ -38,6 +39,11 @@ QUANTITIES: tuple[str, ...] = (
     "running", "waiting", "kv_usage", "prefix_hit_rate", "prompt_tokens", "generation_tokens",
     "finished", "aborted", "preemptions", "ttft", "itl", "e2e", "queue_time",
 )
+
+
+#: What a fleet job may do to an engine (``controls.JobRequest``): each kind's record offers a
+#: call for it or says why not.
+Action = Literal["reset", "save_trace", "clear_trace", "profile_start", "profile_stop"]
 
 
 class ServerKind(StrEnum):
