@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Literal
+from typing import Literal, get_args
 
 from engines.fleet.exposition import Exposition
 from engines.prometheus_names import DEFAULT_METRICS_PREFIX, our_prefix
@@ -219,7 +219,9 @@ KINDS: dict[ServerKind, KindRecord] = {
             "profile_stop": Control("POST", "/debug/profile_stop", "with --enable-debug"),
         },
         body_names_engine=True),
-    ServerKind.VLLM_ROUTER: KindRecord(prefixes=_VLLM_PREFIXES, model_label=None, sources={}, detect=_is_vllm_router),
+    ServerKind.VLLM_ROUTER: KindRecord(
+        prefixes=_VLLM_PREFIXES, model_label=None, sources={}, detect=_is_vllm_router,
+        missing_controls=dict.fromkeys(get_args(Action), "a router serves no model itself: act on its backends")),
     ServerKind.SGLANG: KindRecord(
         prefixes=_SGLANG_PREFIXES, model_label="model_name", metrics_flag="--enable-metrics",
         detect=_named(_SGLANG_PREFIXES), owned_by=("sglang",),
@@ -294,5 +296,7 @@ KINDS: dict[ServerKind, KindRecord] = {
         missing_controls={"reset": "llama.cpp has no cache reset over HTTP", "profile_start": _NO_PROFILER,
                           "profile_stop": _NO_PROFILER, "save_trace": "llama.cpp records no event trace",
                           "clear_trace": "llama.cpp records no event trace"}),
-    ServerKind.UNKNOWN: KindRecord(prefixes=("",), model_label=None, sources={}),
+    ServerKind.UNKNOWN: KindRecord(
+        prefixes=("",), model_label=None, sources={},
+        missing_controls=dict.fromkeys(get_args(Action), "this server's kind is not known, nor so its controls")),
 }

@@ -131,11 +131,18 @@ def test_what_is_not_metrics_text_is_an_error_reading(body):
 
 
 def test_every_kind_names_a_source_or_a_reason_for_each_control():
-    for kind in (ServerKind.VLLM, ServerKind.SGLANG, ServerKind.LLAMA_CPP, ServerKind.MLC, ServerKind.OURS):
+    assert set(KINDS) == set(ServerKind)
+    for kind in ServerKind:
         record = KINDS[kind]
         assert set(record.sources) <= set(QUANTITIES)
         for action in ("reset", "profile_start", "profile_stop"):
             assert action in record.controls or action in record.missing_controls, (kind, action)
+
+
+def test_a_stored_kind_this_version_does_not_know_parses_as_unknown():
+    assert ServerKind.parse("llama.cpp") is ServerKind.LLAMA_CPP
+    assert ServerKind.parse("") is ServerKind.UNKNOWN
+    assert ServerKind.parse("trt-llm") is ServerKind.UNKNOWN
 
 
 # ------------------------------------------------------------------------------ fetching
