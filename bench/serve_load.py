@@ -168,7 +168,7 @@ async def run_engine_alone(engine, clients: int, requests_per_client: int, max_t
 
 def start_engine(args: argparse.Namespace):
     """The in-process engine of the "engine alone" runs, sized like the server's."""
-    from engines.registry import ModelSpec, build_engines
+    from engines.startup import ModelSpec, build_engines
     from engines.runtime import EngineConfig
 
     (engine,) = build_engines([ModelSpec.parse(args.model)], EngineConfig(**sizing(args)), backend=args.backend)

@@ -22,7 +22,7 @@ API clients authenticate with a bearer key, and the views are CSRF-exempt JSON.
 ``manage.py serve`` fills the engine registry before handing this application to
 Daphne. Under another ASGI server (``daphne debugsite.asgi:application``), set
 ``ENGINES_MODELS`` and the engines are built here, at import, from the
-``ENGINES_*`` variables (see :func:`engines.registry.configure_from_env`).
+``ENGINES_*`` variables (see :func:`engines.startup.configure_from_env`).
 """
 import os
 from collections.abc import Callable
@@ -45,7 +45,8 @@ from django.http import HttpRequest, HttpResponseBase  # noqa: E402
 from django.http.request import split_domain_port  # noqa: E402
 
 from engines import otel  # noqa: E402
-from engines import registry as engine_registry  # noqa: E402
+from engines.registry import registry  # noqa: E402
+from engines.startup import configure_from_env  # noqa: E402
 from engines.api_routes import api_route  # noqa: E402
 from engines.auth import APIKeyMiddleware, ASGIApp, Receive, Scope, Send, routed_path  # noqa: E402
 from engines.dashboard.routing import websocket_urlpatterns  # noqa: E402
@@ -119,8 +120,8 @@ class PathRouter:
         await (self.api_app if is_api else self.site_app)(scope, receive, send)
 
 
-if os.environ.get("ENGINES_MODELS") and not len(engine_registry.registry):
-    engine_registry.configure_from_env()
+if os.environ.get("ENGINES_MODELS") and not len(registry):
+    configure_from_env()
     # The standard variables, as under serve (no flag here); off without them.
     otel.configure(otel.endpoint_from(None))
 

@@ -15,7 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from engines.registry import ModelSpec, ServerOptions, build_engines, configure, registry
+from engines.registry import ServerOptions, configure, registry
+from engines.startup import ModelSpec, build_engines
 from engines.runtime.frontend.async_engine import AsyncEngine
 from engines.runtime.core.engine import EngineConfig
 from engines.runtime.core.disagg.kv_http import KVListenSpec
@@ -85,6 +86,17 @@ async def dashboard(serve: Callable[..., httpx.AsyncClient]) -> AsyncIterator[No
         await registry.get(TRACED).reset(clear_trace=True)
         yield
         await hub_for(registry).stop()
+
+
+@pytest.fixture
+def precompiled(monkeypatch) -> list[bool]:
+    """``startup.prepare_kernels``' call of ``precompile`` noted, not run (``serve``'s and a bare
+    Daphne's cold start): whether it was asked for the kept-quantized units, a call each."""
+    import engines.runtime
+
+    calls: list[bool] = []
+    monkeypatch.setattr(engines.runtime, "precompile", lambda progress=None, quantized=False: calls.append(quantized))
+    return calls
 
 
 def sse_payloads(body: str) -> list[Any]:

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from engines.prometheus_names import DEFAULT_METRICS_PREFIX as P
-from engines.registry import ModelSpec, build_engines
+from engines.startup import ModelSpec, build_engines
 from engines.runtime import AsyncEngine, EngineConfig, EngineState, RestartPolicy
 from engines.runtime.frontend.supervision import DeathLog
 from tests.server.conftest import SMALL_ENGINE, assert_error

@@ -9,7 +9,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engines.prometheus_names import DEFAULT_METRICS_PREFIX as P
-from engines.registry import ModelSpec, build_engines, registry
+from engines.registry import registry
+from engines.startup import ModelSpec, build_engines
 from engines.runtime.core.engine import EngineConfig
 from tests.server.conftest import SMALL_ENGINE, TRACED, UNTRACED, assert_error
 

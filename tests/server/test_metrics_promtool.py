@@ -14,7 +14,8 @@ from engines.fleet.server_kinds import QUANTITIES, ServerKind
 from engines.fleet.foreign import ForeignReader
 from engines.loop_lag import LoopLagMonitor
 from engines.prometheus_names import DEFAULT_METRICS_PREFIX, VLLM_ALIASES
-from engines.registry import RegistryError, configure, configure_from_env, registry
+from engines.registry import RegistryError, configure, registry
+from engines.startup import configure_from_env
 from engines.views import metrics as metrics_view
 from tests.promtool import promtool
 from tests.server.conftest import TRACED, UNTRACED

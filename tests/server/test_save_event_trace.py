@@ -12,7 +12,8 @@ import pytest
 from engines.history import TraceUnavailableError, asave_engine_trace, save_engine_trace
 from engines.history.payload import decompress_json
 from engines.models import RequestSummary, TraceRecord
-from engines.registry import ModelSpec, build_engines, registry
+from engines.registry import registry
+from engines.startup import ModelSpec, build_engines
 from engines.runtime.core.engine import EngineConfig
 from engines.runtime.frontend.async_engine import AsyncEngine
 from engines.server_identity import server_id

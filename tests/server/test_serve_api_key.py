@@ -17,7 +17,8 @@ def test_serve_refuses_a_blank_api_key(monkeypatch, host: str, key: str) -> None
 
 
 def test_configure_from_env_refuses_a_whitespace_api_key() -> None:
-    from engines.registry import RegistryError, configure_from_env
+    from engines.registry import RegistryError
+    from engines.startup import configure_from_env
 
     with pytest.raises(RegistryError, match="only whitespace"):
         configure_from_env({"ENGINES_MODELS": "demo", "API_KEY": "  "})

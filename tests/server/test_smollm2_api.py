@@ -13,7 +13,7 @@ import httpx
 import jsonschema
 import pytest
 
-from engines.registry import ModelSpec, build_engines
+from engines.startup import ModelSpec, build_engines
 from engines.runtime.frontend.async_engine import AsyncEngine
 from engines.runtime.core.engine import EngineConfig
 from tests.server.conftest import sse_payloads

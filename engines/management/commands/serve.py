@@ -49,19 +49,17 @@ from engines.watchdog import LOOP_LAG_S, NO_PROGRESS_S, STEP_S, StallThresholds
 from engines.malloc_tuning import tune_malloc
 from engines.prometheus_names import DEFAULT_METRICS_PREFIX, check_prefix
 from engines import otel, server_identity
-from engines.registry import (
+from engines.registry import RegistryError, configure, registry
+from engines.startup import (
     ENGINE_MODES,
     WEIGHTS_DTYPES,
     ModelSpec,
-    RegistryError,
     build_engines,
     builtin_model_names,
-    configure,
     engine_mode,
     keeps_quantized,
     parse_byte_size,
     prepare_kernels,
-    registry,
 )
 
 logger = logging.getLogger("engines.serve")

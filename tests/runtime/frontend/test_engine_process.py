@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.registry import ModelSpec, build_engines
+from engines.startup import ModelSpec, build_engines
 from engines.runtime.frontend.async_engine import AsyncEngine, EngineDeadError
 from engines.runtime.model.checkpoint import load_checkpoint
 from engines.runtime.model.config import CheckpointError
@@ -233,7 +233,7 @@ def test_the_engine_process_stops_when_its_server_is_killed(tmp_path) -> None:
     """No orphan holding a GPU: a server killed with SIGKILL closes the socket, and the engine exits."""
     script = (
         "import sys\n"
-        "from engines.registry import ModelSpec, build_engines\n"
+        "from engines.startup import ModelSpec, build_engines\n"
         "from engines.runtime.core.engine import EngineConfig\n"
         "(e,) = build_engines([ModelSpec('demo')], EngineConfig(num_pages=16), backend='cpu', process=True)\n"
         "e.start()\n"

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from engines.registry import ModelSpec, build_engines
+from engines.startup import ModelSpec, build_engines
 from engines.runtime import AsyncEngine, EngineConfig, EngineDeadError, EngineState, RestartPolicy
 from engines.runtime.frontend.supervision import DeathLog, EngineStatus
 from tests.runtime.demo_engine import consume, prompts, request
