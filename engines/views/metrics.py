@@ -123,7 +123,8 @@ class EngineReading:
 
     @classmethod
     async def read(cls, engine: AsyncEngine) -> "EngineReading":
-        """Ask the engine for its metrics and histograms (taken together, between two steps)."""
+        """Ask the engine for its metrics and histograms, in one call it answers at once, mid-step
+        if a step is running (``MetricsCall`` is immediate): a scrape never waits for a step."""
         metrics, histograms = await engine.metrics_with_histograms()
         return cls(engine, metrics, histograms)
 
