@@ -6,9 +6,9 @@ list), ``profiles`` (profile records; their pages are the dashboard's). ``payloa
 trace and profile admins share (the stored payload: deferred, shown, verified on request),
 ``large_tables`` the counting, filtering and sorting that keep the lists fast on 1,000,000 rows,
 ``cells`` how values print, ``servers`` the server that wrote a record (each list's column and
-filter). ``fleet``: the attached foreign servers and the audit of the jobs run across the fleet.
-``incidents``: the watchdog's stalls with their evidence. ``workloads``: saved workloads, their
-replays onto servers by URL, and the regression report of two runs.
+filter). ``fleet``: the attached foreign servers and the audit of the jobs run across the fleet;
+``incidents``: the watchdog's stall incidents, each with its evidence laid out and as one download;
+``workloads``: saved workloads, their replays onto servers by URL, and the regression report of two runs.
 Staff only; what a user may do follows Django's view / change / delete permissions.
 """
 from django.contrib import admin

@@ -10,18 +10,21 @@ The public API (what the server, the dashboard and the admin call)::
     await asave_engine_trace(engine_or_name, **same)      # the live trace of a served engine
     save_metrics_snapshot(engine, model, metrics, *, server=None, fleet=None) -> MetricsSnapshot
     await asave_metrics_snapshot(engine, model, metrics)
+    apply_retention(engine=None, *, max_records=None, max_days=None, dry_run=False) -> RetentionResult
+    compare_records(a, b) -> TraceComparison
 
 Every record names the server that wrote it and its fleet: this server (``server_identity``)
 unless ``server`` names another (a foreign server's trace, saved here by a fleet job).
-    apply_retention(engine=None, *, max_records=None, max_days=None, dry_run=False) -> RetentionResult
-    compare_records(a, b) -> TraceComparison
 
 Modules: ``analysis`` (trace -> summaries, pure Python), ``columns`` (the request-summary
 columns, declared once), ``payload`` (gzip storage with a CRC, for traces and profiles alike),
 ``downloads`` (reading a stored payload back, checked: the one download), ``capture`` (saving),
-``profiles`` (saving profiles), ``retention``, ``report`` (detail and compare tables),
-``autosave`` (the periodic trace windows and metrics snapshots of ``manage.py serve``), ``outage`` (the
-database going away, said once) with ``middleware`` (the pages' 503 meanwhile).
+``digest`` (a trace's bytes checked, compressed and analysed; under ``manage.py serve`` in a
+process of its own), ``profiles`` (saving profiles), ``incidents`` (the watchdog's stall incidents
+kept), ``workloads`` (workloads and replay runs kept, a trace's requests made a workload), ``retention``, ``report`` (detail and compare tables), ``metrics_charts`` (the metrics
+snapshots as the admin's chart series), ``autosave`` (the periodic trace windows and metrics
+snapshots of ``manage.py serve``), ``outage`` (the database going away, said once) with
+``middleware`` (the pages' 503 meanwhile).
 """
 from engines.history.analysis import TraceAnalysis, TraceFormatError, analyze_trace
 from engines.history.capture import (
