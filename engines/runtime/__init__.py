@@ -90,7 +90,7 @@ _EXPORTS: dict[str, str] = {
     "CheckpointError": "model.config",
     "Checkpoint": "model.checkpoint",
     "load_checkpoint": "model.checkpoint",
-    "QuantizedWeight": "model.quantized_weight",
+    "QuantizedWeight": "model.quant.quantized_weight",
     "demo_checkpoint_path": "model.demo_model",
     "BUILTIN_MODEL_NAMES": "model.builtin_models",
     "BUILTIN_GGUF_NAMES": "model.builtin_models",
@@ -158,7 +158,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names resolve l
     from engines.runtime.frontend.precompile import precompile
     from engines.runtime.model.backend import StepInputs, cuda_usable, select_backend
     from engines.runtime.model.checkpoint import Checkpoint, load_checkpoint
-    from engines.runtime.model.quantized_weight import QuantizedWeight
+    from engines.runtime.model.quant.quantized_weight import QuantizedWeight
     from engines.runtime.model.config import CheckpointError, ModelConfig
     from engines.runtime.model.builtin_models import BUILTIN_GGUF_NAMES, BUILTIN_MODEL_NAMES, builtin_model_path
     from engines.runtime.model.demo_model import demo_checkpoint_path

@@ -99,8 +99,8 @@ def _dequantization(engine: "Engine") -> None:
     while it loads, before its warm-up."""
     import numpy as np
 
-    from engines.runtime.model.gguf.dequantize import DEQUANTIZABLE, dequantize
-    from engines.runtime.model.gguf.quant_types import GGML_TYPE_BY_NAME
+    from engines.runtime.model.quant.dequantize import DEQUANTIZABLE, dequantize
+    from engines.runtime.model.quant.quant_types import GGML_TYPE_BY_NAME
 
     for name in sorted(DEQUANTIZABLE):
         ggml_type = GGML_TYPE_BY_NAME[name]

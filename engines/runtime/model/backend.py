@@ -23,10 +23,10 @@ import numpy as np
 from numba import cuda
 
 from engines.runtime.model.cpu_pool import CpuPool
-from engines.runtime.model.gguf.dequantize import half_table
+from engines.runtime.model.quant.dequantize import half_table
 from engines.runtime.model.host_memory import aligned_copy, aligned_empty, available_bytes
-from engines.runtime.model.interleaved_weight import InterleavedWeight, interleavable
-from engines.runtime.model.quantized_weight import BlockArrays, HostWeight, QuantizedWeight
+from engines.runtime.model.quant.interleaved_weight import InterleavedWeight, interleavable
+from engines.runtime.model.quant.quantized_weight import BlockArrays, HostWeight, QuantizedWeight
 from engines.runtime.model.kernels import (add_rmsnorm, argmax, attention, embedding, interleaved_dot, matmul,
                                            quantized_matmul, rope_kv, run_attention, silu_mul, wide_load)
 

@@ -27,7 +27,7 @@ import numpy as np
 from engines.runtime.model.config import CheckpointError, ModelConfig, expected_tensor_shapes
 from engines.runtime.model.gguf.container import is_gguf_file
 from engines.runtime.model.gguf.model import read_gguf_model
-from engines.runtime.model.quantized_weight import HostWeight
+from engines.runtime.model.quant.quantized_weight import HostWeight
 from engines.runtime.model.tokenizer import Tokenizer
 
 __all__ = ["Checkpoint", "CheckpointError", "load_checkpoint", "expected_tensor_shapes", "read_safetensors"]

@@ -67,13 +67,13 @@ from engines.runtime.model import step_inputs, thread_team
 from engines.runtime.model.backend import Activations, Array, CpuBackend, CpuWeight, Workspace
 from engines.runtime.model.config import ModelConfig
 from engines.runtime.model.forward_batch import ForwardBatch
-from engines.runtime.model.interleaved_weight import GROUP, InterleavedWeight
+from engines.runtime.model.quant.interleaved_weight import GROUP, InterleavedWeight
 from engines.runtime.model.kernels import (add_rmsnorm, argmax, attention, interleaved_dot,
                                            matmul, rope_kv, silu_mul, step_weights)
 from engines.runtime.model.kernels.fast_exp import exp_f32
 from engines.runtime.model.kv_storage import PagedKVCache
 from engines.runtime.model.layer_weights import LayerWeights
-from engines.runtime.model.quantized_weight import BLOCK
+from engines.runtime.model.quant.quantized_weight import BLOCK
 
 __all__ = ["CpuDecodeStep", "decode_step_cpu", "one_token_team_step", "team_matmul"]
 

@@ -30,7 +30,7 @@ from engines.runtime.model.config import CheckpointError, ModelConfig, expected_
 from engines.runtime.model.forward_batch import ForwardBatch
 from engines.runtime.model.kernels.rope_kv import rope_tables
 from engines.runtime.model.layer_weights import LayerWeights
-from engines.runtime.model.quantized_weight import HostWeight, QuantizedWeight
+from engines.runtime.model.quant.quantized_weight import HostWeight, QuantizedWeight
 from engines.runtime.model.kv_storage import PagedKVCache
 from engines.runtime.model.step_inputs import IdentityRows, step_inputs
 

@@ -144,7 +144,7 @@ def measure_host_bandwidth(nbytes: int = 128 << 20, repeats: int = 5) -> float:
 
 
 def _nbytes(array: Any) -> int:
-    if not hasattr(array, "dtype"):  # a quantized weight (model.quantized_weight): its own bytes
+    if not hasattr(array, "dtype"):  # a quantized weight (model.quant.quantized_weight): its own bytes
         return int(array.nbytes)
     return int(np.prod(array.shape)) * np.dtype(array.dtype).itemsize
 

@@ -18,7 +18,7 @@ import engines.runtime.model.kernels as kernels_package
 MODULES = [importlib.import_module(f"{kernels_package.__name__}.{m.name}")
            for m in pkgutil.iter_modules(kernels_package.__path__)]
 MODULES += [importlib.import_module(f"engines.runtime.model.{name}")
-            for name in ("cpu_step", "step_inputs", "thread_team", "gguf.dequantize")]
+            for name in ("cpu_step", "step_inputs", "thread_team", "quant.dequantize")]
 
 
 def test_every_compiled_cpu_function_states_its_fastmath() -> None:

@@ -15,8 +15,8 @@ import pytest
 from engines.runtime.model.checkpoint import Checkpoint, load_checkpoint
 from engines.runtime.model.config import CheckpointError, ModelConfig
 from engines.runtime.model.gguf.container import read_gguf
-from engines.runtime.model.gguf.dequantize import DEQUANTIZABLE, dequantize, half_table
-from engines.runtime.model.gguf.quant_types import GGML_TYPE_BY_NAME
+from engines.runtime.model.quant.dequantize import DEQUANTIZABLE, dequantize, half_table
+from engines.runtime.model.quant.quant_types import GGML_TYPE_BY_NAME
 from tests.runtime.demo_engine import request, run_all
 from tests.runtime.model.gguf_files import write_gguf
 
@@ -229,7 +229,7 @@ def test_a_q5_0_file_is_kept_as_q8_0_with_its_values(demo: Checkpoint, tmp_path:
     """A block type the kernels do not read is converted at load (Q5_0: exactly, as Q8_0): every
     matrix holds the float loader's values, the engine runs on it, and says what it holds."""
     from engines.runtime.model.llama import LlamaModel
-    from engines.runtime.model.quantized_weight import QuantizedWeight
+    from engines.runtime.model.quant.quantized_weight import QuantizedWeight
 
     path = demo_as_gguf(demo, tmp_path / "demo-q5.gguf", qtype=Q.Q5_0)
     kept, floats = load_checkpoint(path, keep_quantized=True), load_checkpoint(path)

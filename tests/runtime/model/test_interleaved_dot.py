@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from engines.runtime.model.backend import CpuBackend
-from engines.runtime.model.gguf.dequantize import half_table
-from engines.runtime.model.interleaved_weight import GROUP, PART_BYTES, InterleavedWeight, interleavable
+from engines.runtime.model.quant.dequantize import half_table
+from engines.runtime.model.quant.interleaved_weight import GROUP, PART_BYTES, InterleavedWeight, interleavable
 from engines.runtime.model.kernels import interleaved_dot, quantized_dot
-from engines.runtime.model.quantized_weight import BLOCK, QUANTIZED_TYPES, QuantizedWeight
+from engines.runtime.model.quant.quantized_weight import BLOCK, QUANTIZED_TYPES, QuantizedWeight
 from tests.runtime.model.test_quantized_dot import extreme_weight, quantized
 
 

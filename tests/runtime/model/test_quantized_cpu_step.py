@@ -16,10 +16,10 @@ from numba.typed import List
 from engines.runtime.model import thread_team
 from engines.runtime.model.checkpoint import load_checkpoint
 from engines.runtime.model.forward_batch import ForwardBatch
-from engines.runtime.model.interleaved_weight import InterleavedWeight
+from engines.runtime.model.quant.interleaved_weight import InterleavedWeight
 from engines.runtime.model.kernels import step_weights
 from engines.runtime.model.llama import LlamaModel
-from engines.runtime.model.quantized_weight import QuantizedWeight
+from engines.runtime.model.quant.quantized_weight import QuantizedWeight
 from tests.runtime.model.test_cpu_step import CountedStep, one_token_steps, run_both, run_both_as_team
 from tests.runtime.model.test_model_parity import save_tiny_checkpoint
 

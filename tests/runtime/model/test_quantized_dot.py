@@ -12,9 +12,9 @@ import pytest
 from llvmlite import binding
 from numba import njit
 
-from engines.runtime.model.gguf.dequantize import half_table
+from engines.runtime.model.quant.dequantize import half_table
 from engines.runtime.model.kernels import matmul, quantized_dot
-from engines.runtime.model.quantized_weight import BLOCK, QUANTIZED_TYPES, QuantizedWeight
+from engines.runtime.model.quant.quantized_weight import BLOCK, QUANTIZED_TYPES, QuantizedWeight
 from tests.runtime.model.test_quantized_matmul import weight
 
 

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from engines.runtime.model.gguf.dequantize import dequantize, half_table
-from engines.runtime.model.gguf.quant_types import GGML_TYPE_BY_NAME
+from engines.runtime.model.quant.dequantize import dequantize, half_table
+from engines.runtime.model.quant.quant_types import GGML_TYPE_BY_NAME
 from engines.runtime.model.kernels import matmul, quantized_dot, quantized_matmul
-from engines.runtime.model.quantized_weight import BLOCK, QUANTIZED_TYPES, QuantizedWeight
+from engines.runtime.model.quant.quantized_weight import BLOCK, QUANTIZED_TYPES, QuantizedWeight
 
 REAL_GPU = os.environ.get("ENGINES_TEST_GPU") == "1"
 

@@ -12,7 +12,7 @@ from engines.runtime.core.engine import Engine, EngineConfig
 from engines.runtime.model.checkpoint import Checkpoint, load_checkpoint
 from engines.runtime.model.forward_batch import ForwardBatch
 from engines.runtime.model.llama import LlamaModel
-from engines.runtime.model.quantized_weight import QuantizedWeight
+from engines.runtime.model.quant.quantized_weight import QuantizedWeight
 from tests.runtime.demo_engine import request, run_all
 
 PROMPTS = ["What is the capital of France?", "Tell me about lighthouses.", "Why is the sky blue?",

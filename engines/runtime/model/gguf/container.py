@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from engines.runtime.model.config import CheckpointError
-from engines.runtime.model.gguf.quant_types import GGML_TYPES, GGMLType
+from engines.runtime.model.quant.quant_types import GGML_TYPES, GGMLType
 
 __all__ = ["GGUF_MAGIC", "GGUFFile", "GGUFTensor", "is_gguf_file", "read_gguf"]
 

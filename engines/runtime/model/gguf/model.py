@@ -23,8 +23,8 @@ import numpy as np
 
 from engines.runtime.model.config import CheckpointError, ModelConfig, expected_tensor_shapes
 from engines.runtime.model.gguf.container import GGUFFile, GGUFTensor, read_gguf
-from engines.runtime.model.gguf.dequantize import DEQUANTIZABLE, dequantize
-from engines.runtime.model.quantized_weight import CONVERTED_TYPES, QUANTIZED_TYPES, HostWeight, QuantizedWeight
+from engines.runtime.model.quant.dequantize import DEQUANTIZABLE, dequantize
+from engines.runtime.model.quant.quantized_weight import CONVERTED_TYPES, QUANTIZED_TYPES, HostWeight, QuantizedWeight
 from engines.runtime.model.gguf.vocabulary import tokenizer_files_from_gguf
 
 __all__ = ["GGUFModel", "SUPPORTED_ARCHITECTURES", "read_gguf_model"]

@@ -37,13 +37,13 @@ from numba import float32, get_num_threads, int32, njit, prange, types
 from numba.core import cgutils, config
 from numba.extending import intrinsic
 
-from engines.runtime.model.interleaved_weight import GROUP, PART_BYTES
+from engines.runtime.model.quant.interleaved_weight import GROUP, PART_BYTES
 from engines.runtime.model.kernels.matmul import add_bias
 from engines.runtime.model.kernels.quantized_dot import (KINDS, _F32, _I8, _I16, _I32, _constant, _declare,
                                                          _load_vector, _row, _vector, available_isas,
                                                          offset_activations_cpu, quantize_activations_cpu,
                                                          quantized_activations, takes_offset_activations)
-from engines.runtime.model.quantized_weight import BLOCK
+from engines.runtime.model.quant.quantized_weight import BLOCK
 
 __all__ = ["GROUP_DOTS", "ISA", "ROWS", "ROW_TILE", "chunks", "group_dots", "group_rows", "interleaved_dot_rows_cpu",
            "interleaved_embedding_cpu", "interleaved_kind", "quantize_input"]

@@ -44,7 +44,7 @@ from numba.core import cgutils, config
 from numba.extending import intrinsic
 
 from engines.runtime.model.kernels.matmul import add_bias
-from engines.runtime.model.quantized_weight import BLOCK, QuantizedWeight
+from engines.runtime.model.quant.quantized_weight import BLOCK, QuantizedWeight
 
 __all__ = ["ISA", "Q8_0_OFFSET", "ROW_DOTS", "available_isas", "quantize_activations_cpu",
            "quantize_activations_reference", "quantized_activations", "quantized_dot_reference",

@@ -33,12 +33,12 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda, float32, get_num_threads, njit, prange
 
-from engines.runtime.model.gguf.dequantize import half_table
+from engines.runtime.model.quant.dequantize import half_table
 from engines.runtime.model.kernels.matmul import CPU_ROWS_KERNEL_MAX_ROWS, FOUR_ROW_BLOCKS, add_bias, four_weight_rows
 # (dequantize_rows_cpu lives beside the IR it calls: numba's cache keys a function by its own file.)
 from engines.runtime.model.kernels.quantized_dot import dequantize_rows_cpu, quantized_dot_rows_cpu
 from engines.runtime.model.kernels.vector_width import prefer_wide_vectors
-from engines.runtime.model.quantized_weight import BLOCK, QuantizedWeight
+from engines.runtime.model.quant.quantized_weight import BLOCK, QuantizedWeight
 
 __all__ = ["dequantize_rows_cpu", "quantized_embedding_cpu", "quantized_embedding_cuda", "quantized_gemv_cuda",
            "quantized_matmul_cpu", "quantized_matmul_reference", "quantized_matmul_rows_cpu", "panel_rows",

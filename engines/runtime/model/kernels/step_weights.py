@@ -21,8 +21,8 @@ from numba import njit, typeof, types
 from numba.extending import overload
 from numba.typed import List
 
-from engines.runtime.model.gguf.dequantize import half_table
-from engines.runtime.model.interleaved_weight import InterleavedWeight
+from engines.runtime.model.quant.dequantize import half_table
+from engines.runtime.model.quant.interleaved_weight import InterleavedWeight
 from engines.runtime.model.kernels import embedding, interleaved_dot, matmul, silu_mul
 
 __all__ = ["StepWeight", "fuses_swiglu", "gather", "rows_matmul", "step_form", "step_layers", "swiglu_matmul"]

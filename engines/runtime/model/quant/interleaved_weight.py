@@ -1,7 +1,7 @@
 """A quantized weight with its rows interleaved in groups of ``GROUP``, the layout the CPU's
 integer dots read (``kernels.interleaved_dot``).
 
-:class:`~engines.runtime.model.quantized_weight.QuantizedWeight` keeps a row's quants in one run,
+:class:`~engines.runtime.model.quant.quantized_weight.QuantizedWeight` keeps a row's quants in one run,
 so a vector of a block's bytes holds partial sums of one output, which every row of the step must
 then add across lanes, and a block's scale is spread over lanes for each row. Interleaved, the same
 bytes lie so that one 64-byte load holds four bytes of each of 16 weight rows: one ``vpdpbusd``
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engines.runtime.model.quantized_weight import BLOCK, BlockArrays, QuantizedWeight
+from engines.runtime.model.quant.quantized_weight import BLOCK, BlockArrays, QuantizedWeight
 
 __all__ = ["GROUP", "InterleavedWeight", "interleavable"]
 

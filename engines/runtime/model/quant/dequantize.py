@@ -29,7 +29,7 @@ import numpy as np
 from numba import float32, njit, prange
 
 from engines.runtime.model.config import CheckpointError
-from engines.runtime.model.gguf.quant_types import GGMLType
+from engines.runtime.model.quant.quant_types import GGMLType
 
 __all__ = ["DEQUANTIZABLE", "dequantize", "half_table"]
 

@@ -14,7 +14,7 @@ in vectors; split, they are, and a block's 32 int8 (or 16 nibble bytes) follow t
 - ``Q4_1``: the same nibbles, each ``nibble * scale + minimum``.
 
 ``scales`` and ``minima`` are uint16 ``[out, in // 32]``, the halves' bits (``minima`` has no columns
-but for Q4_1); the kernels widen them through ``gguf.dequantize.half_table``, exactly.
+but for Q4_1); the kernels widen them through ``dequantize.half_table``, exactly.
 :meth:`QuantizedWeight.dequantize` is the reference every kernel is diffed against: the file's
 blocks again (:meth:`to_blocks`) through the loader's own dequantization.
 """
@@ -25,8 +25,8 @@ from typing import Sequence
 
 import numpy as np
 
-from engines.runtime.model.gguf.dequantize import dequantize
-from engines.runtime.model.gguf.quant_types import GGML_TYPE_BY_NAME, GGMLType
+from engines.runtime.model.quant.dequantize import dequantize
+from engines.runtime.model.quant.quant_types import GGML_TYPE_BY_NAME, GGMLType
 
 __all__ = ["BLOCK", "BlockArrays", "CONVERTED_TYPES", "HostWeight", "QUANTIZED_TYPES", "QuantizedWeight"]
 
