@@ -68,6 +68,17 @@ def test_core_asks_the_backend_about_the_device(path: Path) -> None:
     assert not offenders, f"core/{path.name} imports {offenders}: ask the model's backend instead"
 
 
+def test_the_quantized_formats_know_no_file_reader() -> None:
+    """``model/quant`` (ggml's formats: types, dequantization, the kept-quantized layouts) lies
+    below ``model/gguf`` (the file reader): the reader builds on the formats, never the other way."""
+    reader = "engines.runtime.model.gguf"
+    files = sorted((RUNTIME / "model" / "quant").rglob("*.py"))
+    assert len(files) >= 4, "model/quant is where the quantized formats live"
+    offenders = [f"quant/{path.name}: {m}" for path in files for m in imported_modules(path)
+                 if m == reader or m.startswith(reader + ".")]
+    assert not offenders, "the quantized formats import the GGUF reader:\n" + "\n".join(offenders)
+
+
 def outside_files() -> list[Path]:
     roots = [REPO / "engines", REPO / "debugsite", REPO / "bench", REPO / "scripts"]
     return sorted(p for root in roots if root.exists() for p in root.rglob("*.py")
