@@ -39,10 +39,10 @@ from numba.extending import intrinsic
 
 from engines.runtime.model.quant.interleaved_weight import GROUP, PART_BYTES
 from engines.runtime.model.kernels.matmul import add_bias
-from engines.runtime.model.kernels.quantized_dot import (KINDS, _F32, _I8, _I16, _I32, _constant, _declare,
-                                                         _load_vector, _row, _vector, available_isas,
-                                                         offset_activations_cpu, quantize_activations_cpu,
-                                                         quantized_activations, takes_offset_activations)
+from engines.runtime.model.kernels.llvm_ir import F32, I8, I16, I32, constant, declare, load_vector, row_pointer, vector
+from engines.runtime.model.kernels.quantized_dot import (KINDS, available_isas, offset_activations_cpu,
+                                                         quantize_activations_cpu, quantized_activations,
+                                                         takes_offset_activations)
 from engines.runtime.model.quant.quantized_weight import BLOCK
 
 __all__ = ["GROUP_DOTS", "ISA", "ROWS", "ROW_TILE", "chunks", "group_dots", "group_rows", "interleaved_dot_rows_cpu",
@@ -106,33 +106,33 @@ def _plain_group(wq, ws, wm, table, xq, xd, xs, g, m, rows, out):
 
 def _broadcast4(builder: ir.IRBuilder, base: ir.Value, offset: ir.Value) -> ir.Value:
     """The four bytes at ``base + offset`` in every int32 lane of 64 bytes (``vpbroadcastd``)."""
-    word = builder.load(builder.bitcast(builder.gep(base, [offset]), _I32.as_pointer()), align=1)
-    lanes = _vector(_I32, GROUP)
-    one = builder.insert_element(ir.Constant(lanes, None), word, ir.Constant(_I32, 0))
+    word = builder.load(builder.bitcast(builder.gep(base, [offset]), I32.as_pointer()), align=1)
+    lanes = vector(I32, GROUP)
+    one = builder.insert_element(ir.Constant(lanes, None), word, ir.Constant(I32, 0))
     spread = builder.shuffle_vector(one, one, ir.Constant(lanes, [0] * GROUP))
-    return builder.bitcast(spread, _vector(_I8, GROUP * PART_BYTES))
+    return builder.bitcast(spread, vector(I8, GROUP * PART_BYTES))
 
 
 def _splat(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
     """A float in every lane of ``<16 x float>``."""
-    floats = _vector(_F32, GROUP)
-    one = builder.insert_element(ir.Constant(floats, None), value, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(one, one, ir.Constant(_vector(_I32, GROUP), [0] * GROUP))
+    floats = vector(F32, GROUP)
+    one = builder.insert_element(ir.Constant(floats, None), value, ir.Constant(I32, 0))
+    return builder.shuffle_vector(one, one, ir.Constant(vector(I32, GROUP), [0] * GROUP))
 
 
 def _add_products(builder: ir.IRBuilder, isa: str, total: ir.Value, unsigned: ir.Value, signed: ir.Value) -> ir.Value:
     """``total`` (16 int32) plus the sums of each lane's four unsigned-by-signed byte products."""
-    lanes = _vector(_I32, GROUP)
+    lanes = vector(I32, GROUP)
     if isa == "vnni":
-        dpbusd = _declare(builder, "llvm.x86.avx512.vpdpbusd.512", lanes, [lanes] * 3)
+        dpbusd = declare(builder, "llvm.x86.avx512.vpdpbusd.512", lanes, [lanes] * 3)
         return builder.call(dpbusd, [total, builder.bitcast(unsigned, lanes), builder.bitcast(signed, lanes)])
-    half = _vector(_I8, 32)
-    pairs = _vector(_I16, 16)
-    maddubs = _declare(builder, "llvm.x86.avx2.pmadd.ub.sw", pairs, [half, half])
-    maddwd = _declare(builder, "llvm.x86.avx2.pmadd.wd", _vector(_I32, 8), [pairs, pairs])
+    half = vector(I8, 32)
+    pairs = vector(I16, 16)
+    maddubs = declare(builder, "llvm.x86.avx2.pmadd.ub.sw", pairs, [half, half])
+    maddwd = declare(builder, "llvm.x86.avx2.pmadd.wd", vector(I32, 8), [pairs, pairs])
     sums = []
     for part in range(2):
-        pick = ir.Constant(_vector(_I32, 32), list(range(32 * part, 32 * part + 32)))
+        pick = ir.Constant(vector(I32, 32), list(range(32 * part, 32 * part + 32)))
         u = builder.shuffle_vector(unsigned, unsigned, pick)
         s = builder.shuffle_vector(signed, signed, pick)
         sums.append(builder.call(maddwd, [builder.call(maddubs, [u, s]), ir.Constant(pairs, [1] * 16)]))
@@ -141,15 +141,15 @@ def _add_products(builder: ir.IRBuilder, isa: str, total: ir.Value, unsigned: ir
 
 def _halves(builder: ir.IRBuilder, base: ir.Value, offset: ir.Value) -> ir.Value:
     """16 halves (uint16 bits) at ``base + offset`` as ``<16 x float>`` (``vcvtph2ps``)."""
-    bits = _load_vector(builder, base, offset, _vector(_I16, GROUP))
-    return builder.fpext(builder.bitcast(bits, _vector(ir.HalfType(), GROUP)), _vector(_F32, GROUP))
+    bits = load_vector(builder, base, offset, vector(I16, GROUP))
+    return builder.fpext(builder.bitcast(bits, vector(ir.HalfType(), GROUP)), vector(F32, GROUP))
 
 
 def _prefetch(builder: ir.IRBuilder, address: ir.Value) -> None:
     """Ask for the line at ``address`` (an ``i8*``) into every cache level (``prefetcht0``: a read;
     an address past the array's end does not fault)."""
-    prefetch = _declare(builder, "llvm.prefetch.p0i8", ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32])
-    builder.call(prefetch, [address, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+    prefetch = declare(builder, "llvm.prefetch.p0i8", ir.VoidType(), [I8.as_pointer(), I32, I32, I32])
+    builder.call(prefetch, [address, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
 
 
 def _make_group_dot(kind: str, isa: str, rows: int) -> Callable:
@@ -173,42 +173,42 @@ def _make_group_dot(kind: str, isa: str, rows: int) -> Callable:
             out_ = context.make_array(sig.args[9])(context, builder, args[9])
             group = context.cast(builder, args[7], sig.args[7], types.intp)
             first = context.cast(builder, args[8], sig.args[8], types.intp)
-            blocks = builder.udiv(builder.extract_value(ws_.shape, 1), _constant(GROUP, group))
-            weights = _row(builder, wq_, group, _I8)
-            scales = _row(builder, ws_, group, _I16)
-            minima = _row(builder, wm_, group, _I16)
-            at = [builder.add(first, _constant(r, first)) for r in range(rows)]
-            x_rows = [_row(builder, xq_, m_, _I8) for m_ in at]
-            xd_rows = [_row(builder, xd_, m_, _F32) for m_ in at]
-            xs_rows = [_row(builder, xs_, m_, _F32) for m_ in at]
-            floats, lanes = _vector(_F32, GROUP), _vector(_I32, GROUP)
-            fma = _declare(builder, "llvm.fma.v16f32", floats, [floats] * 3)
+            blocks = builder.udiv(builder.extract_value(ws_.shape, 1), constant(GROUP, group))
+            weights = row_pointer(builder, wq_, group, I8)
+            scales = row_pointer(builder, ws_, group, I16)
+            minima = row_pointer(builder, wm_, group, I16)
+            at = [builder.add(first, constant(r, first)) for r in range(rows)]
+            x_rows = [row_pointer(builder, xq_, m_, I8) for m_ in at]
+            xd_rows = [row_pointer(builder, xd_, m_, F32) for m_ in at]
+            xs_rows = [row_pointer(builder, xs_, m_, F32) for m_ in at]
+            floats, lanes = vector(F32, GROUP), vector(I32, GROUP)
+            fma = declare(builder, "llvm.fma.v16f32", floats, [floats] * 3)
             zero_f, zero_i = ir.Constant(floats, [0.0] * GROUP), ir.Constant(lanes, [0] * GROUP)
             accumulators = [cgutils.alloca_once_value(builder, zero_f) for _ in range(rows)]
             with cgutils.for_range(builder, blocks) as loop:
                 b = loop.index
-                d = _halves(builder, scales, builder.mul(b, _constant(GROUP, b)))
+                d = _halves(builder, scales, builder.mul(b, constant(GROUP, b)))
                 correction = None
                 if kind == "Q4_1":
-                    correction = _halves(builder, minima, builder.mul(b, _constant(GROUP, b)))
+                    correction = _halves(builder, minima, builder.mul(b, constant(GROUP, b)))
                 elif kind == "Q4_0":
                     correction = builder.fmul(d, ir.Constant(floats, [-8.0] * GROUP))
                 sums = [[zero_i] * chains for _ in range(rows)]
                 bias = zero_i  # offset activations: 128 sum(q), subtracted from each row's sums
-                x_at = builder.mul(b, _constant(BLOCK, b))
+                x_at = builder.mul(b, constant(BLOCK, b))
                 for p in range(parts):
-                    at_part = builder.add(builder.mul(b, _constant(per_block, b)), _constant(p * GROUP * PART_BYTES, b))
+                    at_part = builder.add(builder.mul(b, constant(per_block, b)), constant(p * GROUP * PART_BYTES, b))
                     if rows == 1 and PREFETCH_BYTES:
-                        _prefetch(builder, builder.gep(weights, [builder.add(at_part, _constant(PREFETCH_BYTES, b))]))
-                    w = _load_vector(builder, weights, at_part, _vector(_I8, GROUP * PART_BYTES))
+                        _prefetch(builder, builder.gep(weights, [builder.add(at_part, constant(PREFETCH_BYTES, b))]))
+                    w = load_vector(builder, weights, at_part, vector(I8, GROUP * PART_BYTES))
                     chain = p % chains
-                    x_low = builder.add(x_at, _constant(PART_BYTES * p, b))
+                    x_low = builder.add(x_at, constant(PART_BYTES * p, b))
                     if kind == "Q8_0":
                         if offset_x:
                             bias = _add_products(builder, isa, bias, ir.Constant(w.type, [-128] * (GROUP * 4)), w)
                             unsigned = None
                         else:
-                            absolute = _declare(builder, "llvm.abs.v64i8", w.type, [w.type, ir.IntType(1)])
+                            absolute = declare(builder, "llvm.abs.v64i8", w.type, [w.type, ir.IntType(1)])
                             unsigned = builder.call(absolute, [w, ir.Constant(ir.IntType(1), 0)])
                         for r in range(rows):
                             x = _broadcast4(builder, x_rows[r], x_low)
@@ -221,7 +221,7 @@ def _make_group_dot(kind: str, isa: str, rows: int) -> Callable:
                     else:
                         low = builder.and_(w, ir.Constant(w.type, [15] * (GROUP * 4)))
                         high = builder.lshr(w, ir.Constant(w.type, [4] * (GROUP * 4)))
-                        x_high = builder.add(x_low, _constant(BLOCK // 2, b))
+                        x_high = builder.add(x_low, constant(BLOCK // 2, b))
                         for r in range(rows):
                             total = _add_products(builder, isa, sums[r][chain], low,
                                                   _broadcast4(builder, x_rows[r], x_low))
@@ -240,9 +240,9 @@ def _make_group_dot(kind: str, isa: str, rows: int) -> Callable:
                         x_s = _splat(builder, builder.load(builder.gep(xs_rows[r], [b])))
                         total = builder.call(fma, [correction, x_s, total])
                     builder.store(total, accumulators[r])
-            column = builder.mul(group, _constant(GROUP, group))
+            column = builder.mul(group, constant(GROUP, group))
             for r in range(rows):
-                target = builder.gep(_row(builder, out_, at[r], _F32), [column])
+                target = builder.gep(row_pointer(builder, out_, at[r], F32), [column])
                 builder.store(builder.load(accumulators[r]), builder.bitcast(target, floats.as_pointer()), align=4)
             return context.get_dummy_value()
 

@@ -18,16 +18,16 @@ with ``s_x = d_x * sum(xq)`` computed once per activation block (llama.cpp's Q8_
 integer ``dot`` is exact (at most 32 * 128 * 127 in magnitude); everything after it is float32.
 
 The dot of one weight row with one (or four) activation rows is written in LLVM IR (numba
-``@intrinsic``), since numba has no vector types: per block, the weight's 32 values as unsigned
-bytes (Q4: the 16 bytes' low nibbles, then their high nibbles, as GGUF lays a block out; Q8_0:
-``|q|``, with ``xq``'s signs flipped where ``q < 0``, llama.cpp's trick for an unsigned-by-signed
-instruction), their products with ``xq`` summed in eight int32 lanes -- ``vpdpbusd`` where the CPU
-has AVX-512 VNNI (two blocks in one 512-bit instruction), ``vpmaddubsw`` + ``vpmaddwd`` on AVX2 (no
-saturation: ``u <= 128``, ``|xq| <= 127``) -- converted to float and accumulated with one FMA by
-the block's scales; the lanes are added once a row. The activations' scales are spread over eight
-lanes a block once a call (``spread_scales_cpu``) so that a pair of blocks' scales is one load.
-A CPU without AVX2 runs the plain numba loops (``ROW_DOTS["plain"]``), which are also the
-reference the tests diff the IR against.
+``@intrinsic``, built from :mod:`.llvm_ir`), since numba has no vector types: per block, the
+weight's 32 values as unsigned bytes (Q4: the 16 bytes' low nibbles, then their high nibbles, as
+GGUF lays a block out; Q8_0: ``|q|``, with ``xq``'s signs flipped where ``q < 0``, llama.cpp's trick
+for an unsigned-by-signed instruction), their products with ``xq`` summed in eight int32 lanes --
+``vpdpbusd`` where the CPU has AVX-512 VNNI (two blocks in one 512-bit instruction), ``vpmaddubsw`` +
+``vpmaddwd`` on AVX2 (no saturation: ``u <= 128``, ``|xq| <= 127``) -- converted to float and
+accumulated with one FMA by the block's scales; the lanes are added once a row. The activations'
+scales are spread over eight lanes a block once a call (``spread_scales_cpu``) so that a pair of
+blocks' scales is one load. A CPU without AVX2 runs the plain numba loops (``ROW_DOTS["plain"]``),
+which are also the reference the tests diff the IR against.
 
 Accuracy: the activations' rounding is the only difference from dequantize-then-float32; its size
 on SmolLM2 is measured in tests/runtime/model/test_quantized_model.py and bench/gguf_vs_llamacpp.py.
@@ -43,6 +43,7 @@ from numba import float32, int32, njit, prange, types
 from numba.core import cgutils, config
 from numba.extending import intrinsic
 
+from engines.runtime.model.kernels.llvm_ir import F32, I8, I16, I32, constant, declare, load_vector, row_pointer, vector
 from engines.runtime.model.kernels.matmul import add_bias
 from engines.runtime.model.quant.quantized_weight import BLOCK, QuantizedWeight
 
@@ -56,7 +57,6 @@ XQ_MAX = 127
 #: The three weight layouts, as the row-dot tuples of ``ROW_DOTS`` order them.
 KINDS = ("Q8_0", "Q4_0", "Q4_1")
 
-_I8, _I16, _I32, _F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
 #: int32 lanes of one block's dot (256 bits), and the lanes a block's activation scale is spread over.
 LANES = 8
 #: Independent accumulators a row dot keeps over all its rows (see ``_make_ir_row_dot``).
@@ -237,43 +237,18 @@ def offset_activations_cpu(xq):
         flat[i] ^= np.uint8(128)
 
 
-
-def _vector(element: ir.Type, count: int) -> ir.VectorType:
-    return ir.VectorType(element, count)
-
-
-def _declare(builder: ir.IRBuilder, name: str, returns: ir.Type, arguments: list[ir.Type]) -> ir.Function:
-    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(returns, arguments), name)
-
-
-def _load_vector(builder: ir.IRBuilder, base: ir.Value, offset: ir.Value, vector: ir.VectorType) -> ir.Value:
-    """``vector`` from ``base + offset`` (elements of ``base``'s type), unaligned."""
-    return builder.load(builder.bitcast(builder.gep(base, [offset]), vector.as_pointer()), align=1)
-
-
-def _row(builder: ir.IRBuilder, array: object, row: ir.Value, element: ir.Type) -> ir.Value:
-    """A pointer to row ``row`` of a 2-D numba array (its own strides)."""
-    stride = builder.extract_value(array.strides, 0)  # type: ignore[attr-defined]
-    start = builder.gep(builder.bitcast(array.data, _I8.as_pointer()), [builder.mul(row, stride)])  # type: ignore[attr-defined]
-    return builder.bitcast(start, element.as_pointer())
-
-
-def _constant(value: int, like: ir.Value) -> ir.Constant:
-    return ir.Constant(like.type, value)
-
-
 def _spread_halves(builder: ir.IRBuilder, base: ir.Value, b: ir.Value, count: int) -> ir.Value:
     """Halves ``base[b .. b + count - 1]`` (uint16 bits) as float32, each in eight lanes
     (``<8 count x float>``; ``vcvtph2ps`` with F16C)."""
-    bits = _load_vector(builder, builder.bitcast(base, _I16.as_pointer()), b, _vector(_I16, count))
-    floats = builder.fpext(builder.bitcast(bits, _vector(ir.HalfType(), count)), _vector(_F32, count))
-    return builder.shuffle_vector(floats, floats, ir.Constant(_vector(_I32, LANES * count),
+    bits = load_vector(builder, builder.bitcast(base, I16.as_pointer()), b, vector(I16, count))
+    floats = builder.fpext(builder.bitcast(bits, vector(ir.HalfType(), count)), vector(F32, count))
+    return builder.shuffle_vector(floats, floats, ir.Constant(vector(I32, LANES * count),
                                                               [i // LANES for i in range(LANES * count)]))
 
 
 def _signed_weights(builder: ir.IRBuilder, weights: ir.Value, b: ir.Value, count: int) -> ir.Value:
     """Q8_0 blocks ``b .. b + count - 1``'s quants as ``32 count`` signed bytes."""
-    return _load_vector(builder, weights, builder.mul(b, _constant(BLOCK, b)), _vector(_I8, BLOCK * count))
+    return load_vector(builder, weights, builder.mul(b, constant(BLOCK, b)), vector(I8, BLOCK * count))
 
 
 def _weights_as_unsigned(builder: ir.IRBuilder, kind: str, weights: ir.Value, b: ir.Value,
@@ -285,42 +260,42 @@ def _weights_as_unsigned(builder: ir.IRBuilder, kind: str, weights: ir.Value, b:
     size = BLOCK * count
     if kind == "Q8_0":
         q = _signed_weights(builder, weights, b, count)
-        absolute = _declare(builder, f"llvm.abs.v{size}i8", _vector(_I8, size), [_vector(_I8, size), ir.IntType(1)])
+        absolute = declare(builder, f"llvm.abs.v{size}i8", vector(I8, size), [vector(I8, size), ir.IntType(1)])
         return builder.call(absolute, [q, ir.Constant(ir.IntType(1), 0)]), q  # |-128| wraps to 128: right unsigned
     half = BLOCK // 2
-    packed = _load_vector(builder, weights, builder.mul(b, _constant(half, b)), _vector(_I8, half * count))
-    low = builder.and_(packed, ir.Constant(_vector(_I8, half * count), [15] * (half * count)))
-    high = builder.lshr(packed, ir.Constant(_vector(_I8, half * count), [4] * (half * count)))
+    packed = load_vector(builder, weights, builder.mul(b, constant(half, b)), vector(I8, half * count))
+    low = builder.and_(packed, ir.Constant(vector(I8, half * count), [15] * (half * count)))
+    high = builder.lshr(packed, ir.Constant(vector(I8, half * count), [4] * (half * count)))
     # Each block's low nibbles (its elements 0-15), then its high ones (16-31).
     order = [i for block in range(count) for i in (*range(half * block, half * block + half),
                                                     *range(half * (count + block), half * (count + block) + half))]
-    return builder.shuffle_vector(low, high, ir.Constant(_vector(_I32, size), order)), None
+    return builder.shuffle_vector(low, high, ir.Constant(vector(I32, size), order)), None
 
 
 def _dot_lanes(builder: ir.IRBuilder, isa: str, unsigned: ir.Value, signed: ir.Value, count: int,
                start: ir.Value | None = None) -> ir.Value:
     """The byte products of ``count`` blocks summed in eight int32 lanes a block (``<8 count x i32>``),
     added to ``start`` (VNNI only; zeros if none)."""
-    lanes = _vector(_I32, LANES * count)
+    lanes = vector(I32, LANES * count)
     if isa == "vnni":
         bits = 256 * count
-        dpbusd = _declare(builder, f"llvm.x86.avx512.vpdpbusd.{bits}", lanes, [lanes] * 3)
+        dpbusd = declare(builder, f"llvm.x86.avx512.vpdpbusd.{bits}", lanes, [lanes] * 3)
         if start is None:
             start = ir.Constant(lanes, [0] * (LANES * count))
         return builder.call(dpbusd, [start, builder.bitcast(unsigned, lanes), builder.bitcast(signed, lanes)])
     assert start is None, "the AVX2 dots start from zero"
-    pairs = _vector(_I16, BLOCK // 2)
-    maddubs = _declare(builder, "llvm.x86.avx2.pmadd.ub.sw", pairs, [_vector(_I8, BLOCK)] * 2)
-    maddwd = _declare(builder, "llvm.x86.avx2.pmadd.wd", _vector(_I32, LANES), [pairs] * 2)
+    pairs = vector(I16, BLOCK // 2)
+    maddubs = declare(builder, "llvm.x86.avx2.pmadd.ub.sw", pairs, [vector(I8, BLOCK)] * 2)
+    maddwd = declare(builder, "llvm.x86.avx2.pmadd.wd", vector(I32, LANES), [pairs] * 2)
     parts = []
     for block in range(count):
-        select = ir.Constant(_vector(_I32, BLOCK), list(range(BLOCK * block, BLOCK * block + BLOCK)))
+        select = ir.Constant(vector(I32, BLOCK), list(range(BLOCK * block, BLOCK * block + BLOCK)))
         u = builder.shuffle_vector(unsigned, unsigned, select) if count > 1 else unsigned
         s = builder.shuffle_vector(signed, signed, select) if count > 1 else signed
         parts.append(builder.call(maddwd, [builder.call(maddubs, [u, s]), ir.Constant(pairs, [1] * (BLOCK // 2))]))
     if count == 1:
         return parts[0]
-    return builder.shuffle_vector(parts[0], parts[1], ir.Constant(_vector(_I32, 2 * LANES), list(range(2 * LANES))))
+    return builder.shuffle_vector(parts[0], parts[1], ir.Constant(vector(I32, 2 * LANES), list(range(2 * LANES))))
 
 
 def _make_ir_row_dot(kind: str, isa: str, rows: int) -> Callable:
@@ -348,23 +323,23 @@ def _make_ir_row_dot(kind: str, isa: str, rows: int) -> Callable:
                                                  for t, a in zip(sig.args[:7], args[:7], strict=True))
             first = context.cast(builder, args[7], sig.args[7], types.intp)
             blocks = builder.extract_value(ws_.shape, 0)
-            weights = builder.bitcast(wq_.data, _I8.as_pointer())
-            at = [builder.add(first, _constant(r, first)) for r in range(rows)]
-            activations = [_row(builder, xq_, m_, _I8) for m_ in at]
-            scales_x = [_row(builder, xd8_, m_, _F32) for m_ in at]
-            sums_x = [_row(builder, xs8_, m_, _F32) for m_ in at]
-            accumulators = {count: [[cgutils.alloca_once_value(builder, ir.Constant(_vector(_F32, LANES * count),
+            weights = builder.bitcast(wq_.data, I8.as_pointer())
+            at = [builder.add(first, constant(r, first)) for r in range(rows)]
+            activations = [row_pointer(builder, xq_, m_, I8) for m_ in at]
+            scales_x = [row_pointer(builder, xd8_, m_, F32) for m_ in at]
+            sums_x = [row_pointer(builder, xs8_, m_, F32) for m_ in at]
+            accumulators = {count: [[cgutils.alloca_once_value(builder, ir.Constant(vector(F32, LANES * count),
                                                                                     [0.0] * (LANES * count)))
                                      for _ in range(chains if count == 2 else 1)] for _ in range(rows)]
                             for count in (1, 2)}
 
             def blocks_at(b: ir.Value, count: int, chain: int) -> None:
-                floats = _vector(_F32, LANES * count)
-                fma = _declare(builder, f"llvm.fma.v{LANES * count}f32", floats, [floats] * 3)
+                floats = vector(F32, LANES * count)
+                fma = declare(builder, f"llvm.fma.v{LANES * count}f32", floats, [floats] * 3)
                 start = None
                 if offset_x:  # the rows' dots start from -128 sum(q), a lane's part of it each
                     unsigned, q = _signed_weights(builder, weights, b, count), None
-                    bytes128 = ir.Constant(_vector(_I8, BLOCK * count), [-128] * (BLOCK * count))
+                    bytes128 = ir.Constant(vector(I8, BLOCK * count), [-128] * (BLOCK * count))
                     start = builder.neg(_dot_lanes(builder, isa, bytes128, unsigned, count))
                 else:
                     unsigned, q = _weights_as_unsigned(builder, kind, weights, b, count)
@@ -374,42 +349,42 @@ def _make_ir_row_dot(kind: str, isa: str, rows: int) -> Callable:
                     correction = _spread_halves(builder, wm_.data, b, count)
                 elif offset:
                     correction = builder.fmul(d, ir.Constant(floats, [offset] * (LANES * count)))
-                lane = builder.mul(b, _constant(LANES, b))
+                lane = builder.mul(b, constant(LANES, b))
                 for r in range(rows):
-                    x = _load_vector(builder, activations[r], builder.mul(b, _constant(BLOCK, b)),
-                                     _vector(_I8, BLOCK * count))
+                    x = load_vector(builder, activations[r], builder.mul(b, constant(BLOCK, b)),
+                                     vector(I8, BLOCK * count))
                     if q is not None:  # x sign q (where q is 0, |q| is too: x may stay)
-                        zeros = ir.Constant(_vector(_I8, BLOCK * count), [0] * (BLOCK * count))
+                        zeros = ir.Constant(vector(I8, BLOCK * count), [0] * (BLOCK * count))
                         negative = builder.icmp_signed("<", q, zeros)
                         x = builder.select(negative, builder.neg(x), x)
                     if offset_x:  # (x + 128) q - 128 q
                         dot = builder.sitofp(_dot_lanes(builder, isa, x, unsigned, count, start), floats)
                     else:
                         dot = builder.sitofp(_dot_lanes(builder, isa, unsigned, x, count), floats)
-                    scale = builder.fmul(d, _load_vector(builder, scales_x[r], lane, floats))
+                    scale = builder.fmul(d, load_vector(builder, scales_x[r], lane, floats))
                     acc = accumulators[count][r][chain]
                     total = builder.call(fma, [dot, scale, builder.load(acc)])
                     if correction is not None:
-                        total = builder.call(fma, [_load_vector(builder, sums_x[r], lane, floats), correction, total])
+                        total = builder.call(fma, [load_vector(builder, sums_x[r], lane, floats), correction, total])
                     builder.store(total, acc)
 
             step = 2 * chains  # blocks a round of the main loop
-            groups = builder.udiv(blocks, _constant(step, blocks))
+            groups = builder.udiv(blocks, constant(step, blocks))
             with cgutils.for_range(builder, groups) as loop:
                 for chain in range(chains):
-                    first_block = builder.mul(loop.index, _constant(step, blocks))
-                    blocks_at(builder.add(first_block, _constant(2 * chain, blocks)), 2, chain)
-            with cgutils.for_range_slice(builder, builder.mul(groups, _constant(step, blocks)), blocks,
-                                         _constant(1, blocks)) as (b, _):
+                    first_block = builder.mul(loop.index, constant(step, blocks))
+                    blocks_at(builder.add(first_block, constant(2 * chain, blocks)), 2, chain)
+            with cgutils.for_range_slice(builder, builder.mul(groups, constant(step, blocks)), blocks,
+                                         constant(1, blocks)) as (b, _):
                 blocks_at(b, 1, 0)
-            reduce16 = _declare(builder, "llvm.vector.reduce.fadd.v16f32", _F32, [_F32, _vector(_F32, 2 * LANES)])
-            reduce8 = _declare(builder, "llvm.vector.reduce.fadd.v8f32", _F32, [_F32, _vector(_F32, LANES)])
+            reduce16 = declare(builder, "llvm.vector.reduce.fadd.v16f32", F32, [F32, vector(F32, 2 * LANES)])
+            reduce8 = declare(builder, "llvm.vector.reduce.fadd.v8f32", F32, [F32, vector(F32, LANES)])
             totals = []
             for r in range(rows):
                 pairs = builder.load(accumulators[2][r][0])
                 for other in accumulators[2][r][1:]:
                     pairs = builder.fadd(pairs, builder.load(other))
-                zero = ir.Constant(_F32, 0.0)
+                zero = ir.Constant(F32, 0.0)
                 totals.append(builder.fadd(builder.call(reduce16, [zero, pairs], fastmath=("reassoc",)),
                                            builder.call(reduce8, [zero, builder.load(accumulators[1][r][0])],
                                                         fastmath=("reassoc",))))
@@ -434,28 +409,28 @@ def _make_ir_dequantize_row(kind: str) -> Callable:
             wq_, ws_, wm_, out_ = (context.make_array(t)(context, builder, a)
                                    for t, a in zip(sig.args, args, strict=True))
             blocks = builder.extract_value(ws_.shape, 0)
-            weights = builder.bitcast(wq_.data, _I8.as_pointer())
-            floats = _vector(_F32, BLOCK)
+            weights = builder.bitcast(wq_.data, I8.as_pointer())
+            floats = vector(F32, BLOCK)
             with cgutils.for_range(builder, blocks) as loop:
                 b = loop.index
                 d = builder.shuffle_vector(_spread_halves(builder, ws_.data, b, 1),
-                                           ir.Constant(_vector(_F32, LANES), None),
-                                           ir.Constant(_vector(_I32, BLOCK), [0] * BLOCK))
+                                           ir.Constant(vector(F32, LANES), None),
+                                           ir.Constant(vector(I32, BLOCK), [0] * BLOCK))
                 if kind == "Q8_0":
-                    q = _load_vector(builder, weights, builder.mul(b, _constant(BLOCK, b)), _vector(_I8, BLOCK))
+                    q = load_vector(builder, weights, builder.mul(b, constant(BLOCK, b)), vector(I8, BLOCK))
                     values = builder.fmul(builder.sitofp(q, floats), d)
                 else:
                     u = builder.uitofp(_weights_as_unsigned(builder, kind, weights, b, 1)[0], floats)
                     if kind == "Q4_0":
-                        fma = _declare(builder, "llvm.fma.v32f32", floats, [floats] * 3)
+                        fma = declare(builder, "llvm.fma.v32f32", floats, [floats] * 3)
                         values = builder.call(fma, [u, d, builder.fmul(d, ir.Constant(floats, [-8.0] * BLOCK))])
                     else:
                         m = builder.shuffle_vector(_spread_halves(builder, wm_.data, b, 1),
-                                                   ir.Constant(_vector(_F32, LANES), None),
-                                                   ir.Constant(_vector(_I32, BLOCK), [0] * BLOCK))
+                                                   ir.Constant(vector(F32, LANES), None),
+                                                   ir.Constant(vector(I32, BLOCK), [0] * BLOCK))
                         values = builder.fadd(builder.fmul(u, d), m)
-                target = builder.gep(builder.bitcast(out_.data, _F32.as_pointer()),
-                                     [builder.mul(b, _constant(BLOCK, b))])
+                target = builder.gep(builder.bitcast(out_.data, F32.as_pointer()),
+                                     [builder.mul(b, constant(BLOCK, b))])
                 builder.store(values, builder.bitcast(target, floats.as_pointer()), align=4)
             return context.get_dummy_value()
 
