@@ -17,22 +17,20 @@ once per sublayer.
 """
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping
 
 import numpy as np
 
 from engines.runtime.model.backend import (Activations, Array, Backend, CpuBackend, CudaBackend, StepInputs, Workspace,
                                            select_backend)
 from engines.runtime.model.cpu_step import CpuDecodeStep
-from engines.runtime.model.config import CheckpointError, ModelConfig, expected_tensor_shapes
+from engines.runtime.model.config import ModelConfig
 from engines.runtime.model.forward_batch import ForwardBatch
-from engines.runtime.model.kernels.rope_kv import rope_tables
-from engines.runtime.model.layer_weights import LayerWeights
-from engines.runtime.model.quant.quantized_weight import HostWeight, QuantizedWeight
+from engines.runtime.model.quant.quantized_weight import HostWeight
 from engines.runtime.model.kv_storage import PagedKVCache
 from engines.runtime.model.step_inputs import IdentityRows, step_inputs
+from engines.runtime.model.weight_placement import check_weights, place_weights
 
 if TYPE_CHECKING:
     from engines.runtime.model.checkpoint import Checkpoint
@@ -131,90 +129,34 @@ class LlamaModel:
         Raises :class:`CheckpointError` naming the first missing or misshapen tensor, and
         ``ValueError`` for a backend/dtype that cannot run.
         """
-        _check_weights(config, weights)
+        check_weights(config, weights)
         self.config = config
         self.backend: Backend = select_backend(backend, dtype)
         self.backend_name = self.backend.name
         self.dtype = dtype
-        quantized = {name: w.ggml_type + (f" from {w.converted_from}" if w.converted_from else "")
-                     for name, w in weights.items() if isinstance(w, QuantizedWeight)}
-        #: The weights' storage: ``dtype``, or the ggml types kept quantized and how many
-        #: matrices each ("Q4_1 x210, Q8_0 x1"; "Q4_1 from Q4_K x.." where the loader converted the
-        #: file's type; the others in ``dtype``).
-        self.weights_format = ", ".join(f"{kind} x{n}" for kind, n in sorted(Counter(quantized.values()).items())) \
-            or dtype
-        itemsize = np.dtype(dtype).itemsize
-        #: The stored weights' bytes (a tied LM head counted once; the norms, kept float32, as ``dtype``;
-        #: a quantized weight's own bytes).
-        self.weight_bytes = sum(w.nbytes if isinstance(w, QuantizedWeight) else int(w.size) * itemsize
-                                for name, w in weights.items()
-                                if not (name == "lm_head.weight" and config.tie_word_embeddings))
         #: K and V bytes one token takes in every layer of the KV cache.
-        self.kv_bytes_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * itemsize
+        self.kv_bytes_per_token = (2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+                                   * np.dtype(dtype).itemsize)
         if isinstance(self.backend, CudaBackend):
             # Fail at load, not at the first step, if the attention kernel cannot fit this shape.
             self.backend.attention_threads(config.num_attention_heads // config.num_key_value_heads, config.head_dim)
         be, c = self.backend, config
-
-        def store(array: HostWeight) -> Array:
-            return be.to_storage(array, dtype)
-
-        def norm(name: str) -> Array:
-            return be.to_storage(weights[name], "float32")  # tiny: kept float32 whatever the dtype (layers' too)
-
-        no_bias = store(np.zeros(0, np.float32))
-        cos, sin = rope_tables(c.head_dim, c.rope_theta, c.max_position_embeddings)
-        rope = (be.to_storage(cos, "float32"), be.to_storage(sin, "float32"))
-        self.eps = np.float32(c.rms_norm_eps)
-        self.embed_tokens = store(weights["model.embed_tokens.weight"])
-
-        def layers(make: Callable[[int], HostWeight], linear: bool = False, kind: str = dtype) -> Sequence[Array]:
-            # (The CPU's is one [layers, ...] array: a sequence of layers, if not a typing.Sequence.)
-            return be.store_layers(make, c.num_hidden_layers, kind, linear)
-
-        def tensor(i: int, name: str) -> HostWeight:
-            return weights[f"model.layers.{i}.{name}"]
-
-        def fused(i: int, names: list[str]) -> HostWeight:
-            # HF's [out, in] matrices (or biases), concatenated along out: one matmul for q/k/v, one for gate/up
-            # (quantized ones stay quantized, as Q8_0 where their types differ; a float with a quantized
-            # one is dequantized).
-            parts = [tensor(i, name) for name in names]
-            kept = [p for p in parts if isinstance(p, QuantizedWeight)]
-            if len(kept) == len(parts):
-                return QuantizedWeight.concatenate(kept)
-            return np.concatenate([p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts], axis=0)
-
-        qkv = [f"self_attn.{n}_proj" for n in "qkv"]
-        # A kept-quantized matmul adds a float32 bias whatever the dtype (quantized_matmul's
-        # signatures; a float one's is in dtype): a float16 bias there would be read as float32.
-        # (Every layer's q/k/v are of the same types in the files met: layer 0 decides.)
-        qkv_kept = all(isinstance(tensor(0, f"{n}.weight"), QuantizedWeight) for n in qkv)
-        self.layer_weights = LayerWeights(
-            input_norm=layers(lambda i: tensor(i, "input_layernorm.weight"), kind="float32"),
-            qkv_w=layers(lambda i: fused(i, [f"{n}.weight" for n in qkv]), linear=True),
-            qkv_bias=layers((lambda i: fused(i, [f"{n}.bias" for n in qkv])) if c.attention_bias
-                            else (lambda i: np.zeros(0, np.float32)), kind="float32" if qkv_kept else dtype),
-            o_w=layers(lambda i: tensor(i, "self_attn.o_proj.weight"), linear=True),
-            post_attention_norm=layers(lambda i: tensor(i, "post_attention_layernorm.weight"), kind="float32"),
-            gate_up_w=layers(lambda i: fused(i, ["mlp.gate_proj.weight", "mlp.up_proj.weight"]), linear=True),
-            down_w=layers(lambda i: tensor(i, "mlp.down_proj.weight"), linear=True),
-        )
-        w = self.layer_weights
-        self.layers: list[DecoderLayer] = []
-        for i in range(c.num_hidden_layers):
-            attention = Attention(be, c, i, qkv_w=w.qkv_w[i], qkv_bias=w.qkv_bias[i], o_w=w.o_w[i],
-                                  no_bias=no_bias, rope=rope)
-            mlp_block = MLP(be, gate_up_w=w.gate_up_w[i], down_w=w.down_w[i], no_bias=no_bias)
-            self.layers.append(DecoderLayer(be, self.eps, w.input_norm[i], attention, w.post_attention_norm[i],
-                                            mlp_block))
-        self.norm = norm("model.norm.weight")
-        head = weights.get("lm_head.weight")
-        # A tied head is the embedding table itself: both backends keep linear weights [out, in],
-        # the table's own layout, so one copy serves the gather and the LM head.
-        self.lm_head_w = (self.embed_tokens if head is None or c.tie_word_embeddings
-                          else be.store_linear(head, dtype))
-        self.no_bias = no_bias
+        placed = place_weights(be, c, weights, dtype)
+        #: The weights' storage ("Q4_1 x210, Q8_0 x1", or ``dtype``) and their bytes
+        #: (``weight_placement.PlacedWeights``).
+        self.weights_format, self.weight_bytes = placed.weights_format, placed.weight_bytes
+        self.eps, self.no_bias = np.float32(c.rms_norm_eps), placed.no_bias
+        self.layer_weights = w = placed.layers
+        self.embed_tokens = placed.embed_tokens
+        self.layers: list[DecoderLayer] = [
+            DecoderLayer(be, self.eps, w.input_norm[i],
+                         Attention(be, c, i, qkv_w=w.qkv_w[i], qkv_bias=w.qkv_bias[i], o_w=w.o_w[i],
+                                   no_bias=self.no_bias, rope=placed.rope),
+                         w.post_attention_norm[i],
+                         MLP(be, gate_up_w=w.gate_up_w[i], down_w=w.down_w[i], no_bias=self.no_bias))
+            for i in range(c.num_hidden_layers)]
+        self.norm = placed.norm
+        self.lm_head_w = placed.lm_head
         q_dim = c.num_attention_heads * c.head_dim
         widths = {
             "hidden": c.hidden_size, "delta": c.hidden_size, "normed": c.hidden_size,
@@ -325,17 +267,3 @@ class LlamaModel:
                 or tuple(kv.k.shape) != shape or tuple(kv.v.shape) != shape):
             raise ValueError("this KV cache was not made by this model's new_kv_cache()")
 
-
-def _check_weights(config: ModelConfig, weights: Mapping[str, HostWeight]) -> None:
-    """Raise :class:`CheckpointError` for the first tensor ``config`` needs that is missing or
-    has the wrong shape (``lm_head.weight`` is optional when embeddings are tied)."""
-    for name, shape in expected_tensor_shapes(config).items():
-        tensor = weights.get(name)
-        if tensor is None:
-            raise CheckpointError(f"weights lack tensor {name}, which the {config.model_type} config requires")
-        if tuple(tensor.shape) != shape:
-            raise CheckpointError(f"tensor {name} has shape {list(tensor.shape)} but the config implies {list(shape)}")
-    head = weights.get("lm_head.weight")
-    if head is not None and tuple(head.shape) != (config.vocab_size, config.hidden_size):
-        raise CheckpointError(f"tensor lm_head.weight has shape {list(head.shape)} but the config implies "
-                              f"{[config.vocab_size, config.hidden_size]}")
