@@ -63,7 +63,7 @@ def test_a_room_imports_only_the_rooms_below_it(path: Path) -> None:
 @pytest.mark.parametrize("path", sorted((RUNTIME / "core").rglob("*.py")), ids=lambda p: str(p.relative_to(RUNTIME)))
 def test_core_asks_the_backend_about_the_device(path: Path) -> None:
     """``core`` serves a model on whatever computes it: device queries (name, bandwidth, the CUDA
-    profiler) are the backend's (``model/backend.py``), so nothing in ``core`` imports numba.cuda."""
+    profiler) are the backend's (``model/backend/``), so nothing in ``core`` imports numba.cuda."""
     offenders = [m for m in imported_modules(path) if m == "numba.cuda" or m.startswith("numba.cuda.")]
     assert not offenders, f"core/{path.name} imports {offenders}: ask the model's backend instead"
 

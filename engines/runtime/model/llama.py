@@ -111,8 +111,8 @@ class DecoderLayer:
         be.add_rmsnorm(act.hidden, residual, step.rows, self.input_norm, self.eps, act.normed)
         self.attention.project(act.normed, act, step, kv)
         if logit_rows is not None:  # only from a backend that compacts_last_layer: the CPU's, which gathers rows
-            be.gather_rows(act.qkv, step.logit_rows, logit_rows.act.qkv)  # type: ignore[union-attr]
-            be.gather_rows(act.hidden, step.logit_rows, logit_rows.act.hidden)  # type: ignore[union-attr]
+            be.gather_rows(act.qkv, step.logit_rows, logit_rows.act.qkv)  # type: ignore[attr-defined]
+            be.gather_rows(act.hidden, step.logit_rows, logit_rows.act.hidden)  # type: ignore[attr-defined]
             act, step = logit_rows.act, logit_rows.step
         self.attention.attend(act, step, kv)
         be.add_rmsnorm(act.hidden, act.delta, step.rows, self.post_attention_norm, self.eps, act.normed)
