@@ -7,7 +7,8 @@ seams of its step (:meth:`StepProfiler.lap`). When no profile runs, the engine h
 and its model the plain backend: one ``is not None`` check per seam, as the trace recorder.
 
 The result, :class:`ProfileResult`, is plain data (it crosses the engine's process boundary):
-a per-kernel table with achieved GB/s and GFLOP/s from each launch's bytes and flops, a
+a per-kernel table with achieved GB/s and GFLOP/s from each launch's bytes and flops (the op's
+``cost``, the napkin math beside its kernel: ``model.kernels.ops``), a
 per-step breakdown, the launches and steps as Chrome-trace spans on the event trace's clock,
 and, when asked, the engine thread's Python stacks (:mod:`.stack_sampler`).
 """
@@ -27,12 +28,9 @@ from engines.runtime.telemetry.trace_recorder import epoch_anchor_ns
 
 install_cache_locators()  # before this module's compiled functions are decorated
 
-__all__ = ["KERNELS", "PHASES", "ProfileResult", "ProfileStatus", "ProfiledBackend", "ProfilerStateError",
+__all__ = ["PHASES", "ProfileResult", "ProfileStatus", "ProfiledBackend", "ProfilerStateError",
            "StepProfiler", "measure_host_bandwidth"]
 
-#: The backend methods that launch kernels (``engines.runtime.model.backend``).
-KERNELS = ("embedding", "add_rmsnorm", "matmul", "rope_kv_append", "attention", "silu_mul", "argmax",
-           "gather_rows")
 #: The seams of an engine step, in order (``Engine.step``); ``kernels`` and ``transfers`` are
 #: the forward pass's launches and copies, ``forward other`` the rest of it (host-side
 #: preparation inside the model, launch overhead).
@@ -143,48 +141,6 @@ def measure_host_bandwidth(nbytes: int = 128 << 20, repeats: int = 5) -> float:
     return nbytes / best / 1e9
 
 
-def _nbytes(array: Any) -> int:
-    if not hasattr(array, "dtype"):  # a quantized weight (model.quant.quantized_weight): its own bytes
-        return int(array.nbytes)
-    return int(np.prod(array.shape)) * np.dtype(array.dtype).itemsize
-
-
-def kernel_cost(name: str, args: tuple[Any, ...], kv_positions: int = 0, attended: int = 0) -> tuple[str, int, int]:
-    """A launch's table name, and the bytes it moves and the flops it does (the minimum its
-    arithmetic needs: each operand read once, each result written once). Attention's depend on
-    the step: ``kv_positions`` cached positions read (all sequences), ``attended`` (query,
-    position) pairs."""
-    if name == "matmul":
-        x, weight, _bias, out = args
-        rows, k, n = x.shape[0], x.shape[1], out.shape[1]
-        return f"matmul {k}x{n}", _nbytes(weight) + _nbytes(x) + _nbytes(out), 2 * rows * k * n
-    if name == "embedding":
-        token_ids, _table, out = args
-        return name, 2 * _nbytes(out) + _nbytes(token_ids), 0
-    if name == "gather_rows":
-        _source, rows, out = args
-        return name, 2 * _nbytes(out) + _nbytes(rows), 0
-    if name == "add_rmsnorm":
-        x, residual, rows, weight, _eps, out = args
-        return name, 2 * _nbytes(x) + _nbytes(residual) + _nbytes(weight) + _nbytes(out), 5 * int(np.prod(x.shape))
-    if name == "silu_mul":
-        gate_up, out = args
-        return name, _nbytes(gate_up) + _nbytes(out), 5 * int(np.prod(out.shape))
-    if name == "argmax":
-        logits, out = args
-        return name, _nbytes(logits) + _nbytes(out), int(np.prod(logits.shape))
-    if name == "rope_kv_append":
-        qkv = args[0]
-        return name, 2 * _nbytes(qkv), 3 * int(np.prod(qkv.shape))
-    if name == "attention":
-        qkv, _step, k_cache, _v, _layer, num_q_heads, _scale, out = args
-        kv_heads, head_dim = k_cache.shape[2], k_cache.shape[4]
-        itemsize = np.dtype(k_cache.dtype).itemsize
-        kv_bytes = 2 * kv_positions * kv_heads * head_dim * itemsize
-        return name, kv_bytes + _nbytes(qkv) + _nbytes(out), 4 * attended * num_q_heads * head_dim
-    return name, 0, 0
-
-
 class ProfiledBackend:
     """A backend whose kernel launches and copies are timed for a :class:`StepProfiler`;
     everything else goes to the backend it wraps.
@@ -209,14 +165,15 @@ class ProfiledBackend:
             else:
                 self._sync = cuda.synchronize
         self._attention_work = (0, 0)
-        for name in KERNELS:
-            if hasattr(backend, name):  # gather_rows: the CPU backend's alone
-                setattr(self, name, self._timed(name, getattr(backend, name)))
+        # The backend's ops (``model.kernels.ops``), each with its cost beside its kernel.
+        for op in backend.ops:
+            setattr(self, op.name, self._timed(op.cost, getattr(backend, op.name)))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._backend, name)
 
-    def _timed(self, name: str, launch: Callable[..., None]) -> Callable[..., None]:
+    def _timed(self, cost: Callable[[tuple[Any, ...], int, int], tuple[str, int, int]],
+               launch: Callable[..., None]) -> Callable[..., None]:
         profiler, sync, event = self._profiler, self._sync, self._event
         if event is not None:
             def timed_by_events(*args: Any) -> None:
@@ -225,7 +182,7 @@ class ProfiledBackend:
                 began.record()
                 launch(*args)
                 ended.record()
-                self._pending.append((kernel_cost(name, args, *self._attention_work), began, ended, host))
+                self._pending.append((cost(args, *self._attention_work), began, ended, host))
             return timed_by_events
 
         def timed(*args: Any) -> None:
@@ -234,7 +191,7 @@ class ProfiledBackend:
             launch(*args)
             sync()
             ended = time.perf_counter_ns()
-            profiler.on_kernel(kernel_cost(name, args, *self._attention_work), began, ended)
+            profiler.on_kernel(cost(args, *self._attention_work), began, ended)
         return timed
 
     def _read_events(self) -> None:

@@ -5,6 +5,7 @@ Array allocation (``to_storage``, ``store_linear``, ``store_layers``, ``empty``)
 of the batch metadata (``upload_step``), the ops (``embedding``, ``add_rmsnorm``, ``matmul``,
 ``rope_kv_append``, ``attention``, ``silu_mul``, ``argmax``), running a step's ops (``run_step``:
 replayed from a CUDA graph on a GPU) and the copy of results back to the host (``to_host``).
+The ops are the table's (``kernels/ops.py``), each a method of the same signature on every backend.
 :class:`~engines.runtime.model.backend.cpu.CpuBackend` and
 :class:`~engines.runtime.model.backend.cuda.CudaBackend` are the two; the profiler's timed wrapper
 of either (``telemetry.profiler.ProfiledBackend``) is a third.
@@ -20,6 +21,7 @@ from engines.runtime.model.quant.quantized_weight import HostWeight
 
 if TYPE_CHECKING:
     from engines.runtime.model.kernels import run_attention
+    from engines.runtime.model.kernels.ops import Op
 
 Array = Any  # numpy.ndarray on the CPU backend, a numba DeviceNDArray on the CUDA backend
 
@@ -63,6 +65,9 @@ class Backend(Protocol):
     @property
     def dtypes(self) -> tuple[str, ...]:
         """The storage dtypes its weights and KV cache may take."""
+    @property
+    def ops(self) -> tuple[Op, ...]:
+        """The ops it launches, each a method of its own (``kernels.ops``: the table's rows for it)."""
     @property
     def compacts_last_layer(self) -> bool:
         """Whether the model may run its last layer past the K/V for the logit rows alone."""

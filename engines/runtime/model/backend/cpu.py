@@ -17,6 +17,7 @@ from engines.runtime.model.quant.interleaved_weight import InterleavedWeight, in
 from engines.runtime.model.quant.quantized_weight import HostWeight, QuantizedWeight
 from engines.runtime.model.kernels import (add_rmsnorm, argmax, attention, embedding, interleaved_dot, matmul,
                                            quantized_matmul, rope_kv, run_attention, silu_mul)
+from engines.runtime.model.kernels.ops import ops_of
 
 #: A weight as the CPU backend keeps it: float, or quantized (interleaved where its rows allow).
 CpuWeight = Union[np.ndarray, QuantizedWeight, InterleavedWeight]
@@ -32,6 +33,7 @@ class CpuBackend:
     """
 
     name = "cpu"
+    ops = ops_of("cpu")
     dtypes = ("float32",)
 
     # Multiply-adds below which attention runs single-threaded: for the smallest decode steps

@@ -16,6 +16,7 @@ from engines.runtime.model.host_memory import available_bytes
 from engines.runtime.model.quant.quantized_weight import BlockArrays, HostWeight, QuantizedWeight
 from engines.runtime.model.kernels import (add_rmsnorm, argmax, attention, embedding, matmul, quantized_matmul,
                                            rope_kv, silu_mul, wide_load)
+from engines.runtime.model.kernels.ops import ops_of
 
 __all__ = ["GPU_LAUNCH_SHAPES", "SIMULATOR_LAUNCH_SHAPES", "CudaBackend", "DeviceQuantizedWeight", "LaunchShapes",
            "cuda_usable"]
@@ -90,6 +91,7 @@ class CudaBackend:
     """
 
     name = "cuda"
+    ops = ops_of("cuda")
     dtypes = ("float32", "float16")
     #: Not yet: the logit rows' own step would need its positions and sequences in the packed
     #: upload (``upload_step``) and a float32 row gather; every row runs every layer here.

@@ -5,6 +5,7 @@ the same thing on the host, and ``CUDA_SIGNATURES``: the signatures the CUDA bac
 launches each kernel with, where ``{dt}`` stands for the weight/KV storage dtype
 (``float32`` or ``float16``), or for what the module's own ``SIGNATURE_DTYPES`` lists (the
 quantized kernels: their quants' dtype). ``compile_check`` compiles every one of them for a real GPU.
+``ops`` is the table of the backend's ops: each op's module, its cost and where it runs.
 
 Conventions shared by all kernels: activations are float32 and C-contiguous; weights and
 KV pages are in the storage dtype and are widened to float32 before any arithmetic, so
@@ -18,19 +19,6 @@ compiles that with a shape check whose error message is formatted in compiled co
 drags in numba's string functions, 5-7 s of a cold start's compile per process that meets one
 (docs/perf-log/serving-and-tools.md#first-start-compile-time); LLVM turns the loops into memcpy.
 """
-from engines.runtime.model.kernels import (
-    argmax,
-    attention,
-    embedding,
-    kv_window,
-    matmul,
-    add_rmsnorm,
-    quantized_matmul,
-    rope_kv,
-    silu_mul,
-)
-
-KERNEL_MODULES = (embedding, add_rmsnorm, matmul, quantized_matmul, rope_kv, attention, silu_mul, argmax, kv_window)
 STORAGE_DTYPES = ("float32", "float16")
 
-__all__ = ["KERNEL_MODULES", "STORAGE_DTYPES"]
+__all__ = ["STORAGE_DTYPES"]

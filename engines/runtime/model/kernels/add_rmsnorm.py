@@ -14,8 +14,12 @@ Arithmetic follows transformers' ``LlamaRMSNorm``: ``weight * (x * rsqrt(mean(x^
 in float32.
 """
 import math
+from typing import Any
 
+import numpy as np
 from numba import cuda, float32, njit
+
+from engines.runtime.model.kernels.launch_cost import LaunchCost, nbytes
 
 # Largest block the kernel is launched with; sizes the reduction scratch.
 NORM_MAX_THREADS = 256
@@ -78,3 +82,9 @@ def add_rmsnorm_cpu(x, residual, rows, weight, eps, out):
 CUDA_SIGNATURES = {
     add_rmsnorm_cuda: "void(float32[:, ::1], float32[:, ::1], int32[::1], float32[::1], float32, float32[:, ::1])",
 }
+
+
+def launch_cost(args: tuple[Any, ...], kv_positions: int, attended: int) -> LaunchCost:
+    """The backend's ``add_rmsnorm(x, residual, rows, weight, eps, out)``."""
+    x, residual, rows, weight, _eps, out = args
+    return "add_rmsnorm", 2 * nbytes(x) + nbytes(residual) + nbytes(weight) + nbytes(out), 5 * int(np.prod(x.shape))

@@ -3,7 +3,12 @@
 Copying ``num_seqs`` int32 ids back instead of ``num_seqs x vocab`` float32 logits is what
 makes greedy decode cheap on the GPU. Ties go to the lowest index (as ``numpy.argmax``).
 """
+from typing import Any
+
+import numpy as np
 from numba import cuda, float32, int32, njit
+
+from engines.runtime.model.kernels.launch_cost import LaunchCost, nbytes
 
 # Largest block the kernel is launched with; sizes the reduction scratch.
 ARGMAX_MAX_THREADS = 256
@@ -60,3 +65,9 @@ def argmax_cpu(logits, out):
 CUDA_SIGNATURES = {
     argmax_cuda: "void(float32[:, ::1], int32[::1])",
 }
+
+
+def launch_cost(args: tuple[Any, ...], kv_positions: int, attended: int) -> LaunchCost:
+    """The backend's ``argmax(logits, out)``."""
+    logits, out = args
+    return "argmax", nbytes(logits) + nbytes(out), int(np.prod(logits.shape))

@@ -10,11 +10,13 @@ q comes from the fused projection buffer ``qkv`` (already rotated), and the outp
 ``h`` reads kv head ``h // (num_q_heads // num_kv_heads)`` (transformers' ``repeat_kv``).
 """
 import math
+from typing import Any
 
 import numpy as np
 from numba import cuda, float32, int32, njit, prange
 
 from engines.runtime.model.kernels.fast_exp import exp_f32, softmax_numerators_and_max
+from engines.runtime.model.kernels.launch_cost import LaunchCost, nbytes
 from engines.runtime.model.kernels.variants import renamed
 
 # Reassociation lets LLVM vectorise the q.k dot products (the hot loop); no flags that
@@ -448,3 +450,13 @@ CUDA_SIGNATURES = {
         " {dt}[:, :, :, :, ::1], int64, int64, float32, float32[:, ::1])"
     ),
 }
+
+
+def launch_cost(args: tuple[Any, ...], kv_positions: int, attended: int) -> LaunchCost:
+    """The backend's ``attention(qkv, step, k_cache, v_cache, layer, num_q_heads, scale, out)``: each
+    sequence's keys and values read once, each new token against every position up to its own."""
+    qkv, _step, k_cache, _v, _layer, num_q_heads, _scale, out = args
+    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[4]
+    itemsize = np.dtype(k_cache.dtype).itemsize
+    kv_bytes = 2 * kv_positions * kv_heads * head_dim * itemsize
+    return "attention", kv_bytes + nbytes(qkv) + nbytes(out), 4 * attended * num_q_heads * head_dim

@@ -36,7 +36,8 @@ def kernel_signatures() -> tuple[list[tuple[str, CUDADispatcher, str]], list[str
     kernels defined in a kernel module but missing from its ``CUDA_SIGNATURES``."""
     from numba.cuda.dispatcher import CUDADispatcher
 
-    from engines.runtime.model.kernels import KERNEL_MODULES, STORAGE_DTYPES
+    from engines.runtime.model.kernels import STORAGE_DTYPES
+    from engines.runtime.model.kernels.ops import KERNEL_MODULES
 
     out: list[tuple[str, CUDADispatcher, str]] = []
     unlisted: list[str] = []

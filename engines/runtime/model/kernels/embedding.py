@@ -1,5 +1,9 @@
 """Embedding gather: each token's hidden state starts as its row of the embedding table."""
+from typing import Any
+
 from numba import cuda, float32, njit
+
+from engines.runtime.model.kernels.launch_cost import LaunchCost, nbytes
 
 
 @cuda.jit(cache=True)
@@ -26,3 +30,9 @@ def embedding_gather_cpu(token_ids, table, out):
 CUDA_SIGNATURES = {
     embedding_gather_cuda: "void(int32[::1], {dt}[:, ::1], float32[:, ::1])",
 }
+
+
+def launch_cost(args: tuple[Any, ...], kv_positions: int, attended: int) -> LaunchCost:
+    """The backend's ``embedding(token_ids, table, out)``: each row read and written once (a gather)."""
+    token_ids, _table, out = args
+    return "embedding", 2 * nbytes(out) + nbytes(token_ids), 0

@@ -23,10 +23,13 @@ rows (prefill), BLAS sgemm. The compiled CPU step
 of one token runs the MLP's gate/up projection as :func:`matmul_swiglu_cpu`, the SwiGLU in its
 epilogue (CPU only: its reference is this product then ``silu_mul``).
 """
+from typing import Any
+
 import numpy as np
 from numba import cuda, float32, njit, prange
 
 from engines.runtime.model.kernels.fast_exp import exp_f32
+from engines.runtime.model.kernels.launch_cost import LaunchCost, nbytes
 from engines.runtime.model.kernels.wide_load import CHUNK, load8, SIMULATED
 from engines.runtime.model.kernels.vector_width import has_512_bit_vectors, prefer_wide_vectors
 
@@ -456,3 +459,10 @@ CUDA_SIGNATURES = {
     matmul_tiled_cuda: _SIGNATURE,
     gemv_cuda: _SIGNATURE,
 }
+
+
+def launch_cost(args: tuple[Any, ...], kv_positions: int, attended: int) -> LaunchCost:
+    """The backend's ``matmul(x, weight, bias, out)``, named by its shape (each a row of a profile)."""
+    x, weight, _bias, out = args
+    rows, k, n = x.shape[0], x.shape[1], out.shape[1]
+    return f"matmul {k}x{n}", nbytes(weight) + nbytes(x) + nbytes(out), 2 * rows * k * n

@@ -11,8 +11,12 @@ Rotation is Llama's "rotate half" form (as transformers' ``apply_rotary_pos_emb`
 ``i < head_dim/2``, ``(x[i], x[i+half]) -> (x[i]*cos - x[i+half]*sin, x[i+half]*cos + x[i]*sin)``.
 q is rotated in place in ``qkv``; attention reads it from there.
 """
+from typing import Any
+
 import numpy as np
 from numba import cuda, njit
+
+from engines.runtime.model.kernels.launch_cost import LaunchCost, nbytes
 
 
 def rope_tables(head_dim: int, rope_theta: float, max_positions: int) -> tuple[np.ndarray, np.ndarray]:
@@ -122,3 +126,9 @@ CUDA_SIGNATURES = {
         " {dt}[:, :, :, :, ::1], {dt}[:, :, :, :, ::1], int64, int64)"
     ),
 }
+
+
+def launch_cost(args: tuple[Any, ...], kv_positions: int, attended: int) -> LaunchCost:
+    """The backend's ``rope_kv_append(qkv, step, cos, sin, k_cache, v_cache, layer, num_q_heads)``."""
+    qkv = args[0]
+    return "rope_kv_append", 2 * nbytes(qkv), 3 * int(np.prod(qkv.shape))

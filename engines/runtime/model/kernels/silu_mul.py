@@ -6,9 +6,11 @@ one matmul (weights concatenated at load time), and this kernel halves the width
 import math
 from typing import Any
 
+import numpy as np
 from numba import cuda, float32, njit, prange
 
 from engines.runtime.model.kernels.fast_exp import exp_f32
+from engines.runtime.model.kernels.launch_cost import LaunchCost, nbytes
 from engines.runtime.model.kernels.variants import renamed
 from engines.runtime.model.kernels.vector_width import prefer_wide_vectors
 
@@ -45,3 +47,9 @@ numba thread pool spinning after its loop would take the cores BLAS's threads ne
 CUDA_SIGNATURES = {
     silu_mul_cuda: "void(float32[:, ::1], float32[:, ::1])",
 }
+
+
+def launch_cost(args: tuple[Any, ...], kv_positions: int, attended: int) -> LaunchCost:
+    """The backend's ``silu_mul(gate_up, out)``."""
+    gate_up, out = args
+    return "silu_mul", nbytes(gate_up) + nbytes(out), 5 * int(np.prod(out.shape))
