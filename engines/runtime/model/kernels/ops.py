@@ -65,10 +65,13 @@ def ops_of(backend: str) -> tuple[Op, ...]:
 
 def kernel_cost(name: str, args: tuple[Any, ...], kv_positions: int = 0, attended: int = 0) -> LaunchCost:
     """A launch of op ``name`` with the method's ``args``: its table name, the bytes it moves and the
-    flops it does (``launch_cost``; attention's depend on the step: ``kv_positions``, ``attended``)."""
+    flops it does (``launch_cost``; attention's depend on the step: ``kv_positions``, ``attended``).
+    A name that is no op's is a ``KeyError``: an op missing from the table would otherwise be
+    profiled as moving nothing."""
     op = _BY_NAME.get(name)
     if op is None:
-        return name, 0, 0
+        raise KeyError(f"no op {name!r} in kernels.ops.OPS (the ops: {', '.join(_BY_NAME)}): "
+                       "add its row there, with its kernel module's launch_cost")
     return op.cost(args, kv_positions, attended)
 
 
