@@ -13,7 +13,7 @@ flipped every round, so neither side always runs first), with a pause between ru
 
 A thread engine is the harder case: the watch thread takes this process's GIL, the engine's own,
 at every poll (with an engine process it takes the server's). The loop-lag probe the watch reads
-(``engines.loop_lag``) predates the watchdog and runs in neither mode. A run's decode tokens/s
+(``engines.server.loop_lag``) predates the watchdog and runs in neither mode. A run's decode tokens/s
 counts the tokens that arrive after every request of the batch has its first one, over the time
 they took: the batch decoding, with no prefill. Figures: the median of the rounds' on/off ratios
 (each round's two runs side by side), the median tokens/s of each mode, and, beside them, the

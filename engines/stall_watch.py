@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from engines.loop_lag import LoopLagMonitor, loop_lag
+from engines.server.loop_lag import LoopLagMonitor, loop_lag
 from engines.registry import registry
 from engines.stack_capture import outside_stacks
 from engines.watchdog import ProgressReading, StallDetector, StallIncident, StallThresholds

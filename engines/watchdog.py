@@ -9,7 +9,7 @@ readings taken every poll into a verdict by three rules, each with a stated thre
   ``no_progress_s``;
 - ``long_step``: the step in flight has run for longer than ``step_s``;
 - ``loop_lag``: the server's event loop ran its timer later than ``loop_lag_s``
-  (:mod:`engines.loop_lag`).
+  (:mod:`engines.server.loop_lag`).
 
 The detector is plain logic over :class:`ProgressReading` values (no clock of its own, no
 process), so each rule is tested on constructed readings; a poller feeds it real ones.

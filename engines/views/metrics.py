@@ -45,7 +45,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
 import engines as engines_package
-from engines.loop_lag import loop_lag
+from engines.server.loop_lag import loop_lag
 from engines.prometheus_names import DEFAULT_METRICS_PREFIX, VLLM_ALIASES, VLLM_MODEL_LABEL
 from engines.registry import registry
 from engines.server_identity import source_commit
@@ -308,7 +308,7 @@ def exposition_registry(readings: list[EngineReading], engines: Iterable[AsyncEn
 
 
 class ServerCollector(Collector):
-    """The serving process's own figures: its event loop's lag (:mod:`engines.loop_lag`), once probed."""
+    """The serving process's own figures: its event loop's lag (:mod:`engines.server.loop_lag`), once probed."""
 
     def __init__(self, prefix: str = DEFAULT_METRICS_PREFIX) -> None:
         self.prefix = prefix

@@ -1,10 +1,10 @@
-"""The event loop's lag monitor (engines.loop_lag): a stalled loop shows in its histogram and summary."""
+"""The event loop's lag monitor (engines.server.loop_lag): a stalled loop shows in its histogram and summary."""
 from __future__ import annotations
 
 import asyncio
 import time
 
-from engines.loop_lag import LoopLagMonitor
+from engines.server.loop_lag import LoopLagMonitor
 
 
 async def test_a_stalled_loop_shows_as_lag() -> None:

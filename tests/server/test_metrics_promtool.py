@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engines.fleet.server_kinds import QUANTITIES, ServerKind
 from engines.fleet.foreign import ForeignReader
-from engines.loop_lag import LoopLagMonitor
+from engines.server.loop_lag import LoopLagMonitor
 from engines.prometheus_names import DEFAULT_METRICS_PREFIX, VLLM_ALIASES
 from engines.registry import RegistryError, configure, registry
 from engines.startup import configure_from_env

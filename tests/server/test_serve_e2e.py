@@ -115,7 +115,7 @@ def test_metrics_parse_as_prometheus_exposition(server: Server) -> None:
         "vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds",
         "vllm:request_time_per_output_token_seconds", "vllm:inter_token_latency_seconds",
         "vllm:time_per_output_token_seconds"}
-    # The server's own event loop, probed since it started listening (engines.loop_lag).
+    # The server's own event loop, probed since it started listening (engines.server.loop_lag).
     assert families[p + "event_loop_lag_seconds"].type == "histogram"
     assert _value(families[p + "event_loop_lag_seconds"], p + "event_loop_lag_seconds_count") > 0
     lag = server.http.get("/stats").json()["event_loop_lag"]

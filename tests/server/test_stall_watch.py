@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from engines.loop_lag import LoopLagMonitor
+from engines.server.loop_lag import LoopLagMonitor
 from engines.registry import registry
 from engines.stall_watch import StallWatch, stall_watch
 from engines.watchdog import StallThresholds

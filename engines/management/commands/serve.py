@@ -42,7 +42,7 @@ from engines.fleet import service as fleet
 from engines.fleet.service import fleet_service
 from engines.history.autosave import HistoryAutosave
 from engines.history.capture import start_digest_process, stop_digest_process
-from engines.loop_lag import loop_lag
+from engines.server.loop_lag import loop_lag
 from engines.history.incidents import incident_recorder
 from engines.stall_watch import stall_watch
 from engines.watchdog import LOOP_LAG_S, NO_PROGRESS_S, STEP_S, StallThresholds
