@@ -32,7 +32,7 @@ from engines.history.analysis import RequestStats
 from engines.history.digest import DigestProcess, digest_trace
 from engines.history.outage import HistoryUnavailableError, database_reason
 from engines.history.retention import apply_retention, prune_metrics_snapshots
-from engines.malloc_tuning import trim_malloc
+from engines.server.malloc_tuning import trim_malloc
 from engines.models import MetricsSnapshot, RequestSummary, TraceRecord
 from engines.registry import registry
 from engines.server_identity import fleet_name, server_id
@@ -167,7 +167,7 @@ async def asave_trace(
 ) -> TraceRecord:
     """:func:`save_trace` on a worker thread with its own database connection, so the
     event loop keeps serving while a large trace is parsed, compressed and inserted; the freed
-    parse is handed back to the OS there too (:func:`~engines.malloc_tuning.trim_malloc`)."""
+    parse is handed back to the OS there too (:func:`~engines.server.malloc_tuning.trim_malloc`)."""
     save = in_db_thread(_trimming(save_trace))
     return await save(trace, engine=engine, model=model, backend=backend, source=source, note=note, tags=tags,
                       captured_at=captured_at, retention=retention, server=server, fleet=fleet)

@@ -1,4 +1,4 @@
-"""glibc's allocator settings for the server (engines.malloc_tuning): taken (the project runs on
+"""glibc's allocator settings for the server (engines.server.malloc_tuning): taken (the project runs on
 Linux, with glibc), harmless twice."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import ctypes
 
 import pytest
 
-from engines import malloc_tuning
+from engines.server import malloc_tuning
 
 
 def test_glibc_takes_the_settings_and_trims() -> None:

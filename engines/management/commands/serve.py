@@ -46,7 +46,7 @@ from engines.server.loop_lag import loop_lag
 from engines.history.incidents import incident_recorder
 from engines.stall_watch import stall_watch
 from engines.watchdog import LOOP_LAG_S, NO_PROGRESS_S, STEP_S, StallThresholds
-from engines.malloc_tuning import tune_malloc
+from engines.server.malloc_tuning import tune_malloc
 from engines.prometheus_names import DEFAULT_METRICS_PREFIX, check_prefix
 from engines import otel, server_identity
 from engines.registry import RegistryError, configure, registry
@@ -252,7 +252,7 @@ class Command(BaseCommand):
         sizing.add_argument("--prefill-chunk-size", type=int, help="per-step token budget (prefill + decode)")
 
     def handle(self, *args: Any, **options: Any) -> None:
-        tune_malloc()  # before Daphne's and the savers' threads exist: see engines.malloc_tuning
+        tune_malloc()  # before Daphne's and the savers' threads exist: see engines.server.malloc_tuning
         host, port, api_key = options["host"], options["port"], options["api_key"]
         server_identity.configure(port)  # before anything names this server (fleet, snapshots, history)
         if api_key is not None and not api_key.strip():
