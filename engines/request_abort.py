@@ -14,7 +14,7 @@ import logging
 from django.db import DatabaseError
 from django.utils import timezone
 
-from engines.db_calls import in_db_thread
+from engines.server.db_calls import in_db_thread
 from engines.runtime import AsyncEngine
 from engines.server_identity import server_id
 

@@ -24,7 +24,7 @@ from engines.fleet.service import fleet_service
 from engines.history.downloads import gzip_json_response, read_payload
 from engines.history.payload import PayloadError, compress_json, decompress_json
 from engines.views.api import InvalidBody, json_body
-from engines.db_calls import in_db_thread
+from engines.server.db_calls import in_db_thread
 
 __all__ = ["fleet_attach", "fleet_detach", "fleet_job", "fleet_job_submit", "fleet_job_timeline", "fleet_job_trace",
            "fleet_page"]

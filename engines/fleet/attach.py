@@ -9,7 +9,7 @@ import httpx
 
 from engines.fleet.server_kinds import ServerKind
 from engines.fleet.foreign import ForeignReader, PollError, fetch_metrics, probe_kind
-from engines.db_calls import in_db_thread
+from engines.server.db_calls import in_db_thread
 
 __all__ = ["AttachError", "Attached", "attach_server", "check_url"]
 

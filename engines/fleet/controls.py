@@ -35,7 +35,7 @@ from engines.fleet.server_kinds import KINDS, Action, ServerKind
 from engines.fleet.board import ForeignTarget
 from engines.fleet.clock import ClockOffset
 from engines.fleet.store import FleetStore
-from engines.db_calls import in_db_thread
+from engines.server.db_calls import in_db_thread
 from engines.engine_actions import EXPECTED_FAILURES, ActionRequest, run_action
 from engines.server_identity import url_server_id
 

@@ -34,7 +34,7 @@ from engines.fleet.outage_log import OutageLog
 from engines.fleet.quantiles import Buckets, fleet_quantile, window_delta
 from engines.fleet.rows import EngineRow, WindowHistogram
 from engines.fleet.store import FleetStore
-from engines.db_calls import in_db_thread
+from engines.server.db_calls import in_db_thread
 from engines.server_identity import fleet_name
 
 

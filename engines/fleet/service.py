@@ -30,7 +30,7 @@ from engines.fleet.rollups import RollupWriter
 from engines.fleet.rows import EngineRow
 from engines.fleet.store import FleetStore, LocalFleetStore, RedisFleetStore
 from engines.registry import registry
-from engines.db_calls import in_db_thread
+from engines.server.db_calls import in_db_thread
 
 
 __all__ = ["FleetService", "configure", "fleet_service", "foreign_targets"]

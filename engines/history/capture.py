@@ -27,7 +27,7 @@ from django.db import connections, transaction
 from django.db.models import CharField, Model
 from django.utils import timezone
 
-from engines.db_calls import in_db_thread
+from engines.server.db_calls import in_db_thread
 from engines.history.analysis import RequestStats
 from engines.history.digest import DigestProcess, digest_trace
 from engines.history.outage import HistoryUnavailableError, database_reason

@@ -16,7 +16,7 @@ from engines.history.capture import _finite_json, server_fields, validate_note
 from engines.history.payload import compress_json
 from engines.history.retention import apply_profile_retention
 from engines.models import ProfileRecord
-from engines.db_calls import in_db_thread
+from engines.server.db_calls import in_db_thread
 
 __all__ = ["asave_profile", "aset_profile_note", "save_profile"]
 

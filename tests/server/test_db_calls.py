@@ -1,4 +1,4 @@
-"""Database calls from async code leave no connection on their worker thread (engines.db_calls):
+"""Database calls from async code leave no connection on their worker thread (engines.server.db_calls):
 a connection left there goes stale when PostgreSQL restarts and fails the next call on that thread."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 import pytest
 from django.db import connections
 
-from engines import db_calls
+from engines.server import db_calls
 
 
 async def test_every_call_closes_its_threads_connections(monkeypatch: pytest.MonkeyPatch) -> None:
