@@ -28,7 +28,7 @@ from engines.stall_watch import stall_watch
 from engines.profiling import profile_state
 from engines.registry import EngineRegistry, registry as served_engines
 from engines.runtime import AsyncEngine, EngineDeadError
-from engines.cancellation import check_cancelled, within
+from engines.server.cancellation import check_cancelled, within
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ class EngineSampler:
         :data:`IDLE_INTERVAL_S` or as soon as a viewer comes."""
         layer_down = False
         while True:
-            check_cancelled()  # a callee may have swallowed our cancel (engines.cancellation)
+            check_cancelled()  # a callee may have swallowed our cancel (engines.server.cancellation)
             self._wake.clear()
             try:
                 await self.publish()

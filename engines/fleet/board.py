@@ -19,7 +19,7 @@ from typing import Literal
 
 from django.urls import NoReverseMatch, reverse
 
-from engines.cancellation import check_cancelled
+from engines.server.cancellation import check_cancelled
 from engines.fleet.outage_log import OutageLog
 from engines.fleet.server_kinds import KINDS, ServerKind
 from engines.fleet.quantiles import fleet_quantile
@@ -213,7 +213,7 @@ class FleetBoard:
         try:
             next_view = 0.0
             while self.viewers:
-                check_cancelled()  # a callee may have swallowed our cancel (engines.cancellation)
+                check_cancelled()  # a callee may have swallowed our cancel (engines.server.cancellation)
                 now = time.monotonic()
                 if now >= next_view:
                     next_view = now + self.interval_s

@@ -29,7 +29,7 @@ import httpx
 from django.utils import timezone
 from pydantic import BaseModel, Field, StrictBool, StrictInt, StrictStr
 
-from engines.cancellation import check_cancelled
+from engines.server.cancellation import check_cancelled
 from engines.fleet.outage_log import OutageLog
 from engines.fleet.server_kinds import KINDS, Action, ServerKind
 from engines.fleet.board import ForeignTarget
@@ -279,7 +279,7 @@ class ControlListener:
 
     async def run(self) -> None:
         while True:
-            check_cancelled()  # a callee may have swallowed our cancel (engines.cancellation)
+            check_cancelled()  # a callee may have swallowed our cancel (engines.server.cancellation)
             try:
                 raw = await self.store.pop_control(self.server, timeout_s=1.0)
                 self._outage.worked()

@@ -24,7 +24,7 @@ from engines.fleet.exposition import Exposition, ExpositionError, Sample, parse_
 from engines.fleet.quantiles import Buckets, bucket_quantile, buckets_from_samples
 from engines.fleet.rows import FLEET_WINDOW_QUANTITIES, EngineRow, ServerRows, WindowHistogram
 from engines.fleet.windows import CounterRate, HistogramWindow
-from engines.cancellation import within
+from engines.server.cancellation import within
 from engines.prometheus_names import our_prefix
 
 __all__ = ["MAX_METRICS_BYTES", "ForeignReader", "ForeignReading", "PollError", "detect_kind", "fetch_metrics",

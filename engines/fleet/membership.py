@@ -21,7 +21,7 @@ from typing import Any, Literal
 import orjson
 from pydantic import BaseModel
 
-from engines.cancellation import check_cancelled
+from engines.server.cancellation import check_cancelled
 from engines.fleet.keys import FleetKeys
 from engines.fleet.outage_log import OutageLog
 from engines.server_identity import host_of
@@ -181,7 +181,7 @@ class Membership:
         logged once per outage and tried again at the next beat."""
         outage = OutageLog(f"announcing this server to fleet {self.fleet}")
         while True:
-            check_cancelled()  # a callee may have swallowed our cancel (engines.cancellation)
+            check_cancelled()  # a callee may have swallowed our cancel (engines.server.cancellation)
             try:
                 await self.announce(card())
                 outage.worked()

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 import httpx
 
-from engines.cancellation import check_cancelled
+from engines.server.cancellation import check_cancelled
 from engines.fleet.outage_log import OutageLog
 from engines.fleet.server_kinds import ServerKind
 from engines.fleet.board import ForeignTarget
@@ -54,7 +54,7 @@ class ForeignPoller:
     async def run(self) -> None:
         interval = max(0.5, self.target.interval_s)
         while True:
-            check_cancelled()  # a callee may have swallowed our cancel (engines.cancellation)
+            check_cancelled()  # a callee may have swallowed our cancel (engines.server.cancellation)
             started = time.monotonic()
             try:
                 if await self.store.take_lease(f"poll:{self.target.id}", self.holder, ttl_s=3 * interval):
@@ -90,7 +90,7 @@ class ForeignPolling:
     async def run(self) -> None:
         try:
             while True:
-                check_cancelled()  # a callee may have swallowed our cancel (engines.cancellation)
+                check_cancelled()  # a callee may have swallowed our cancel (engines.server.cancellation)
                 self.refresh()
                 await asyncio.sleep(TARGETS_REFRESH_S)
         finally:

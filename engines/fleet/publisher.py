@@ -22,7 +22,7 @@ from engines.fleet.quantiles import bucket_quantile
 from engines.fleet.rows import FLEET_WINDOW_QUANTITIES, EngineRow, ServerRows, WindowHistogram
 from engines.fleet.store import FleetStore
 from engines.fleet.windows import CounterRate, HistogramWindow
-from engines.cancellation import check_cancelled, within
+from engines.server.cancellation import check_cancelled, within
 
 logger = logging.getLogger("engines.fleet")
 
@@ -147,7 +147,7 @@ class FleetPublisher:
     async def run(self) -> None:
         last_beat = -float("inf")
         while True:
-            check_cancelled()  # a callee may have swallowed our cancel (engines.cancellation)
+            check_cancelled()  # a callee may have swallowed our cancel (engines.server.cancellation)
             started = time.monotonic()
             # Half a rows interval early rather than a whole interval late: a loop woken a hair
             # early must not leave 3 s between beats, which is when a member is gone.

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-from engines.cancellation import check_cancelled
+from engines.server.cancellation import check_cancelled
 from engines.fleet.outage_log import OutageLog
 from engines.fleet.quantiles import Buckets, fleet_quantile, window_delta
 from engines.fleet.rows import EngineRow, WindowHistogram
@@ -253,7 +253,7 @@ class RollupWriter:
     async def run(self) -> None:
         outage = OutageLog("sampling the fleet's rollups")
         while True:
-            check_cancelled()  # a callee may have swallowed our cancel (engines.cancellation)
+            check_cancelled()  # a callee may have swallowed our cancel (engines.server.cancellation)
             try:
                 if await self.store.take_lease("rollup", self.holder, ttl_s=3 * self.sample_s):
                     await self.sample()

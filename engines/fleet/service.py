@@ -17,7 +17,7 @@ from typing import Any
 from django.conf import settings
 
 import engines
-from engines.cancellation import check_cancelled
+from engines.server.cancellation import check_cancelled
 from engines.server_identity import server_id, url_server_id
 from engines.fleet.outage_log import OutageLog
 from engines.fleet.board import FleetBoard, ForeignTarget
@@ -137,7 +137,7 @@ class FleetService:
     async def _refresh_targets(self) -> None:
         outage = OutageLog("reading the attached servers")
         while True:
-            check_cancelled()  # a callee may have swallowed our cancel (engines.cancellation)
+            check_cancelled()  # a callee may have swallowed our cancel (engines.server.cancellation)
             try:
                 await self.refresh_targets()
                 outage.worked()

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from engines.fleet.membership import GRACE_SHARE, HEARTBEAT_S, KEY_TTL_S, Member, Membership, ServerCard
 from engines.fleet.rows import ServerRows
-from engines.cancellation import within
+from engines.server.cancellation import within
 
 __all__ = ["FleetStore", "LocalFleetStore", "RedisFleetStore"]
 

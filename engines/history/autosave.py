@@ -38,7 +38,7 @@ from django.db import DatabaseError
 
 from engines.history.capture import HistoryUnavailableError, asave_engine_trace, asave_metrics_snapshot
 from engines.models import MetricsSnapshot, TraceRecord
-from engines.cancellation import within
+from engines.server.cancellation import within
 
 if TYPE_CHECKING:  # the runtime (numba and all) loads only where engines are built
     from engines.runtime import AsyncEngine

@@ -52,7 +52,7 @@ from engines.server_identity import source_commit
 from engines.stall_watch import stall_watch
 from engines.runtime import AsyncEngine, EngineDeadError, HistogramSnapshot
 from engines.views.api import api_view, json_response
-from engines.cancellation import within
+from engines.server.cancellation import within
 
 logger = logging.getLogger(__name__)
 

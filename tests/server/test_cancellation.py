@@ -1,4 +1,4 @@
-"""engines.cancellation: a bound in time that keeps a cancellation, and a loop that ends though a
+"""engines.server.cancellation: a bound in time that keeps a cancellation, and a loop that ends though a
 callee swallowed its cancellation."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from engines.cancellation import check_cancelled, within
+from engines.server.cancellation import check_cancelled, within
 
 
 async def test_a_cancel_that_comes_as_the_awaited_thing_finishes_is_not_lost() -> None:
