@@ -22,7 +22,7 @@ from typing import Any
 
 import orjson
 
-from engines.child_lifetime import start_django_child
+from engines.server.child_lifetime import start_django_child
 from engines.history.analysis import TraceAnalysis, TraceFormatError, analyze_trace, trace_events
 from engines.history.payload import StoredPayload, compress_json
 
