@@ -227,10 +227,10 @@ def test_serve_on_a_port_in_use_says_so_before_loading_models(tmp_path) -> None:
 
 def test_serve_gives_daphne_the_body_only_request_class(monkeypatch, any_port) -> None:
     """Daphne builds each connection's requests from ``BodyOnlyRequest`` under ``serve``
-    (engines/daphne_requests.py: Twisted's form parsing off)."""
+    (engines/server/daphne_requests.py: Twisted's form parsing off)."""
     from daphne import http_protocol
 
-    from engines import daphne_requests
+    from engines.server import daphne_requests
     from engines.management.commands import serve
 
     monkeypatch.setattr(http_protocol, "WebRequest", http_protocol.WebRequest)  # restored after the test

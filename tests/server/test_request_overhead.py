@@ -14,7 +14,7 @@ from daphne import http_protocol
 from django.core import signals
 from twisted.web.test.requesthelper import DummyChannel
 
-from engines import daphne_requests
+from engines.server import daphne_requests
 from tests.server.conftest import TRACED
 
 

@@ -439,7 +439,7 @@ class Command(BaseCommand):
         """Serve until a signal; ``listening()`` runs once the port is bound (the links printed
         then answer; on a port in use Daphne never calls it and this raises)."""
         from debugsite.asgi import application
-        from engines import daphne_requests
+        from engines.server import daphne_requests
 
         daphne_requests.install()
 
