@@ -141,7 +141,7 @@ STATIC_ROOT = VAR_DIR / "staticfiles"
 LOGIN_URL = "admin:login"
 # Named per port (debugsite/cookies.py says why): ``serve`` sets them from --port before it loads
 # the ASGI app, whose websocket session middleware reads the name once; a bare Daphne from
-# ENGINES_PORT, as engines.server_identity names the server.
+# ENGINES_PORT, as engines.server.server_identity names the server.
 _PORT = os.environ.get("ENGINES_PORT", "")
 SESSION_COOKIE_NAME, CSRF_COOKIE_NAME = cookie_names(int(_PORT) if _PORT.isdigit() else None)
 

@@ -2,7 +2,7 @@
 one request, save the flight recorder as a workload): one definition for the dashboard's engine
 socket (``engines.dashboard.consumers``) and the fleet's control jobs (``engines.fleet.controls``).
 
-Below both the dashboard and the fleet, as the server's identity is (``engines.server_identity``):
+Below both the dashboard and the fleet, as the server's identity is (``engines.server.server_identity``):
 each carries an action out the same way and neither imports the other for it.
 
 :func:`run_action` carries one out on an engine of this server and returns what the page shows;

@@ -30,7 +30,7 @@ def fleet_field() -> models.CharField:
 
 
 class ServerRecord(models.Model):
-    """A history row that names the server that wrote it (``engines.server_identity``): ``host:port``
+    """A history row that names the server that wrote it (``engines.server.server_identity``): ``host:port``
     and its fleet. The same engine name on three servers is three engines: a list filters by
     server, a chart draws one server's engine."""
 

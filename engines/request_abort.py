@@ -16,7 +16,7 @@ from django.utils import timezone
 
 from engines.server.db_calls import in_db_thread
 from engines.runtime import AsyncEngine
-from engines.server_identity import server_id
+from engines.server.server_identity import server_id
 
 logger = logging.getLogger(__name__)
 

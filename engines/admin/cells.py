@@ -12,7 +12,7 @@ from django.utils.text import Truncator
 
 from engines.models import ServerRecord
 from engines.registry import registry
-from engines.server_identity import server_id
+from engines.server.server_identity import server_id
 
 __all__ = ["LIST_NOTE_CHARS", "capture_window_text", "engine_dashboard_link", "ms_text", "note_cell", "one_line_cell",
            "when_cell"]

@@ -40,7 +40,7 @@ from pydantic import BaseModel, ValidationError
 from engines.engine_actions import EXPECTED_FAILURES, ActionRequest, run_action
 from engines.dashboard.feed import RETRY_S, FeedWatch, layer_reason
 from engines.dashboard.messages import ActionEvent, ActionEventType, engine_group
-from engines.server_identity import server_id
+from engines.server.server_identity import server_id
 from engines.dashboard.sampler import LAYER_ERRORS, LayerUnavailableError, hub_for
 from engines.dashboard.socket_auth import database_away
 from engines.dashboard.timeline_messages import (TimelineError, TimelineHello, TimelineRequest, TimelineRestarted,

@@ -16,7 +16,7 @@ from engines.dashboard.frame import data_error, page_context
 from pydantic import ValidationError
 
 from engines.dashboard.consumers import validation_message
-from engines.server_identity import server_id
+from engines.server.server_identity import server_id
 from engines.fleet.attach import AttachError, attach_server
 from engines.fleet.controls import JobRequest, job_state, submit_job
 from engines.fleet.merged_trace import TracePart, merge_traces

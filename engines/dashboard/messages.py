@@ -11,7 +11,7 @@ Server to browser, each a JSON object with a ``type``:
   change (``interrupted`` while the channel layer does not carry them, ``live`` when they come again).
 
 Browser to server: :class:`engines.engine_actions.ActionRequest`. Every snapshot names the server process it came from
-(:func:`engines.server_identity.server_id`), so that servers sharing a Redis channel layer can feed
+(:func:`engines.server.server_identity.server_id`), so that servers sharing a Redis channel layer can feed
 one fleet-wide view.
 """
 from __future__ import annotations

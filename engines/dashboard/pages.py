@@ -23,7 +23,7 @@ from engines.dashboard.frame import page_context
 from engines.dashboard.local_login import LOCAL_USERNAME
 from engines.history.outage import OUTAGE_ERRORS
 from engines.registry import registry
-from engines.server_identity import server_id
+from engines.server.server_identity import server_id
 from engines.views.api import AsyncView, database_unavailable
 
 __all__ = ["engine_facts", "engine_page", "local_login", "overview", "playground", "playground_endpoint"]

@@ -23,7 +23,7 @@ from engines.history.downloads import PAYLOAD_ERROR_STATUS, gzip_json_response, 
 from engines.history.payload import PayloadError, compress_json, decompress_json
 from engines.models import ProfileRecord
 from engines.registry import registry
-from engines.server_identity import server_id
+from engines.server.server_identity import server_id
 
 #: A kernel slower (or faster) by more than this share is highlighted on the compare page.
 CHANGE_THRESHOLD = 0.10

@@ -23,7 +23,7 @@ from engines.dashboard.waterfall import waterfall
 from engines.history.outage import OUTAGE_ERRORS
 from engines.models import RequestSummary
 from engines.registry import registry
-from engines.server_identity import server_id
+from engines.server.server_identity import server_id
 
 __all__ = ["request_page"]
 

@@ -37,7 +37,7 @@ from engines.fleet.clock import ClockOffset
 from engines.fleet.store import FleetStore
 from engines.server.db_calls import in_db_thread
 from engines.engine_actions import EXPECTED_FAILURES, ActionRequest, run_action
-from engines.server_identity import url_server_id
+from engines.server.server_identity import url_server_id
 
 logger = logging.getLogger("engines.fleet")
 

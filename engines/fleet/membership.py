@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from engines.server.cancellation import check_cancelled
 from engines.fleet.keys import FleetKeys
 from engines.fleet.outage_log import OutageLog
-from engines.server_identity import host_of
+from engines.server.server_identity import host_of
 
 logger = logging.getLogger("engines.fleet")
 
@@ -60,7 +60,7 @@ class EngineCard(BaseModel):
 class ServerCard(BaseModel):
     """A server of ours as it announces itself."""
 
-    server: str                      # engines.server_identity.server_id(), "host:port"
+    server: str                      # engines.server.server_identity.server_id(), "host:port"
     url: str                         # where its pages and API answer
     version: str
     roles: list[str]                 # "engines", "router", "prefill", "decode"

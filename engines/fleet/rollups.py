@@ -35,7 +35,7 @@ from engines.fleet.quantiles import Buckets, fleet_quantile, window_delta
 from engines.fleet.rows import EngineRow, WindowHistogram
 from engines.fleet.store import FleetStore
 from engines.server.db_calls import in_db_thread
-from engines.server_identity import fleet_name
+from engines.server.server_identity import fleet_name
 
 
 __all__ = ["RollupWriter", "SloFigures", "share_within", "slo_figures", "sum_histograms"]

@@ -12,7 +12,7 @@ serialised once with orjson, gzip on a worker thread overlapping the walk over t
 summaries and statistics; in a server, in a process of its own); then one transaction inserts
 the record and bulk-inserts its request summaries; then retention for that engine runs.
 
-Every record names the server that wrote it and its fleet (``engines.server_identity``: this
+Every record names the server that wrote it and its fleet (``engines.server.server_identity``: this
 server, unless the caller names the one the trace came from), and a trace's summaries name its.
 """
 from __future__ import annotations
@@ -35,7 +35,7 @@ from engines.history.retention import apply_retention, prune_metrics_snapshots
 from engines.server.malloc_tuning import trim_malloc
 from engines.models import MetricsSnapshot, RequestSummary, TraceRecord
 from engines.registry import registry
-from engines.server_identity import fleet_name, server_id
+from engines.server.server_identity import fleet_name, server_id
 
 if TYPE_CHECKING:  # the runtime (numba and all) loads only where engines are built
     from engines.runtime import AsyncEngine

@@ -18,7 +18,7 @@ from django.db import connection
 
 from engines.history.outage import OUTAGE_ERRORS
 from engines.models import StallIncidentRecord
-from engines.server_identity import fleet_name, server_id
+from engines.server.server_identity import fleet_name, server_id
 from engines.watchdog import StallIncident
 
 __all__ = ["IncidentRecorder", "incident_recorder"]

@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from engines.db_calls import in_db_thread
+from engines.server.db_calls import in_db_thread
 from engines.history.capture import acheck_database, validate_note
 from engines.history.downloads import read_payload
 from engines.history.payload import compress_json
 from engines.models import ReplayRunRecord, RequestSummary, TraceRecord, WorkloadRecord
-from engines.server_identity import fleet_name, server_id
+from engines.server.server_identity import fleet_name, server_id
 from engines.workloads.from_trace import workload_from_summaries
 
 if TYPE_CHECKING:

@@ -40,7 +40,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from engines import server_identity
+from engines.server import server_identity
 from engines.protocol import ChatCompletionRequest, CompletionRequest
 from engines.runtime import (
     EngineDeadError,

@@ -48,7 +48,7 @@ import engines as engines_package
 from engines.server.loop_lag import loop_lag
 from engines.prometheus_names import DEFAULT_METRICS_PREFIX, VLLM_ALIASES, VLLM_MODEL_LABEL
 from engines.registry import registry
-from engines.server_identity import source_commit
+from engines.server.server_identity import source_commit
 from engines.stall_watch import stall_watch
 from engines.runtime import AsyncEngine, EngineDeadError, HistogramSnapshot
 from engines.views.api import api_view, json_response

@@ -31,13 +31,13 @@ import httpx
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
-from engines.db_calls import in_db_thread
+from engines.server.db_calls import in_db_thread
 from engines.fleet.attach import AttachError, check_url, detect
 from engines.history.capture import asave_trace
 from engines.history.payload import compress_json
 from engines.history.workloads import read_json_payload
 from engines.models import ProfileRecord, ReplayRunRecord, WorkloadRecord
-from engines.server_identity import url_server_id
+from engines.server.server_identity import url_server_id
 from engines.workloads.replay import Run, WorkloadError, replay, summarize
 
 __all__ = ["ReplayJob", "run_replay", "start_replay", "wait_for_run"]

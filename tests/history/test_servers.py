@@ -17,7 +17,7 @@ from django.db.migrations.executor import MigrationExecutor
 from django.urls import reverse
 from django.utils import timezone
 
-from engines import server_identity
+from engines.server import server_identity
 from engines.admin.servers import UNRECORDED_PARAMETER
 from engines.history import save_metrics_snapshot, save_trace
 from engines.history.profiles import save_profile

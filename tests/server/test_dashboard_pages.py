@@ -7,7 +7,7 @@ from asgiref.sync import sync_to_async
 from django.test import Client
 from django.utils.http import urlencode
 
-from engines.server_identity import server_id
+from engines.server.server_identity import server_id
 from tests.server.conftest import TRACED, UNTRACED
 
 pytestmark = pytest.mark.django_db(transaction=True)

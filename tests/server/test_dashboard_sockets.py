@@ -18,7 +18,7 @@ from django.test import Client
 from debugsite.asgi import application
 from engines.dashboard.consumers import CLOSE_FORBIDDEN, CLOSE_NOT_FOUND
 from engines.dashboard.messages import engine_group
-from engines.server_identity import server_id
+from engines.server.server_identity import server_id
 from engines.dashboard.sampler import hub_for
 from engines.models import ProfileRecord, TraceRecord
 from engines.registry import registry

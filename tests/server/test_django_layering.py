@@ -4,7 +4,7 @@
   dashboard, the views or the admin (which show it);
 - ``engines.fleet``, ``engines.serving`` and ``engines.disagg`` import nothing from the dashboard,
   the views or the admin either: what they share with the dashboard (the server's identity, the
-  engine actions) sits below both (``engines.server_identity``, ``engines.engine_actions``);
+  engine actions) sits below both (``engines.server.server_identity``, ``engines.engine_actions``);
 - a view module imports no other view module, except the API views' base (``engines.views.api``):
   what two views share lives in a module of its own (``engines.serving``, the dashboard's ``frame``);
 - ``engines.protocol``, ``engines.serving`` and ``engines.api_routes`` import no Django: the

@@ -15,7 +15,7 @@ from asgiref.sync import sync_to_async
 from django.core.management import CommandError, call_command
 
 from engines.dashboard.consumers import CLOSE_FORBIDDEN
-from engines.server_identity import server_id
+from engines.server.server_identity import server_id
 from engines.fleet import service as fleet
 from engines.fleet.membership import ServerCard
 from engines.fleet.rows import EngineRow, ServerRows

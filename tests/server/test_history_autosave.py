@@ -19,7 +19,7 @@ from django.core.management import CommandError, call_command
 from engines.history.autosave import HistoryAutosave
 from engines.models import MetricsSnapshot, RequestSummary, TraceRecord
 from engines.registry import registry
-from engines.server_identity import server_id
+from engines.server.server_identity import server_id
 from tests.server.conftest import TRACED, UNTRACED
 
 REPO = Path(__file__).resolve().parents[2]

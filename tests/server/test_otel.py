@@ -26,7 +26,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
-from engines import otel, server_identity
+from engines import otel
+from engines.server import server_identity
 from engines.registry import registry
 from tests.server.conftest import TRACED
 from tests.server.test_openai_api import leave_when, streamed_a_chunk

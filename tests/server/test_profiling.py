@@ -11,7 +11,7 @@ from asgiref.sync import sync_to_async
 from engines.models import ProfileRecord
 from engines.profiling import profile_state
 from engines.registry import registry
-from engines.server_identity import server_id
+from engines.server.server_identity import server_id
 from tests.server.conftest import TRACED, UNTRACED, assert_error
 
 pytestmark = pytest.mark.django_db(transaction=True)

@@ -16,7 +16,7 @@ from engines.registry import registry
 from engines.startup import ModelSpec, build_engines
 from engines.runtime.core.engine import EngineConfig
 from engines.runtime.frontend.async_engine import AsyncEngine
-from engines.server_identity import server_id
+from engines.server.server_identity import server_id
 from tests.server.conftest import SMALL_ENGINE, TRACED, UNTRACED, assert_error, assert_invalid_request
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("async_db_connections_closed")]

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from engines import server_identity
+from engines.server import server_identity
 
 
 @pytest.fixture
@@ -30,7 +30,7 @@ def test_without_a_port_it_names_its_process(restored_port) -> None:
 
 
 def test_a_bare_asgi_server_names_its_port_in_the_environment() -> None:
-    code = ("import django; django.setup(); from engines.server_identity import server_id, fleet_name; "
+    code = ("import django; django.setup(); from engines.server.server_identity import server_id, fleet_name; "
             "print(server_id(), fleet_name())")
     env = {**os.environ, "ENGINES_PORT": "9001", "FLEET_NAME": "blue", "DJANGO_SETTINGS_MODULE": "debugsite.settings"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout

@@ -48,7 +48,8 @@ from engines.stall_watch import stall_watch
 from engines.watchdog import LOOP_LAG_S, NO_PROGRESS_S, STEP_S, StallThresholds
 from engines.server.malloc_tuning import tune_malloc
 from engines.prometheus_names import DEFAULT_METRICS_PREFIX, check_prefix
-from engines import otel, server_identity
+from engines import otel
+from engines.server import server_identity
 from engines.registry import RegistryError, configure, registry
 from engines.startup import (
     ENGINE_MODES,
