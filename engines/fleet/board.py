@@ -20,7 +20,7 @@ from typing import Literal
 from django.urls import NoReverseMatch, reverse
 
 from engines.server.cancellation import check_cancelled
-from engines.fleet.outage_log import OutageLog
+from engines.server.outage_log import OutageLog
 from engines.fleet.server_kinds import KINDS, ServerKind
 from engines.fleet.quantiles import fleet_quantile
 from engines.fleet.rows import (FLEET_WINDOW_QUANTITIES, EngineRow, EngineWeights, FleetRowsUpdate, FleetServer,

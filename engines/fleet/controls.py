@@ -30,7 +30,7 @@ from django.utils import timezone
 from pydantic import BaseModel, Field, StrictBool, StrictInt, StrictStr
 
 from engines.server.cancellation import check_cancelled
-from engines.fleet.outage_log import OutageLog
+from engines.server.outage_log import OutageLog
 from engines.fleet.server_kinds import KINDS, Action, ServerKind
 from engines.fleet.board import ForeignTarget
 from engines.fleet.clock import ClockOffset

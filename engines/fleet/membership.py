@@ -23,7 +23,7 @@ from pydantic import BaseModel
 
 from engines.server.cancellation import check_cancelled
 from engines.fleet.keys import FleetKeys
-from engines.fleet.outage_log import OutageLog
+from engines.server.outage_log import OutageLog
 from engines.server.server_identity import host_of
 
 logger = logging.getLogger("engines.fleet")

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import httpx
 
 from engines.server.cancellation import check_cancelled
-from engines.fleet.outage_log import OutageLog
+from engines.server.outage_log import OutageLog
 from engines.fleet.server_kinds import ServerKind
 from engines.fleet.board import ForeignTarget
 from engines.fleet.foreign import ForeignReader, ForeignReading, PollError, fetch_metrics, reading_rows

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from engines.fleet.outage_log import OutageLog
+from engines.server.outage_log import OutageLog
 from engines.fleet.clock import ClockTracker, measure_offset
 from engines.fleet.membership import HEARTBEAT_S, ServerCard
 from engines.fleet.quantiles import bucket_quantile

@@ -30,7 +30,7 @@ from typing import Any
 
 
 from engines.server.cancellation import check_cancelled
-from engines.fleet.outage_log import OutageLog
+from engines.server.outage_log import OutageLog
 from engines.fleet.quantiles import Buckets, fleet_quantile, window_delta
 from engines.fleet.rows import EngineRow, WindowHistogram
 from engines.fleet.store import FleetStore

@@ -19,7 +19,7 @@ from django.conf import settings
 import engines
 from engines.server.cancellation import check_cancelled
 from engines.server.server_identity import server_id, url_server_id
-from engines.fleet.outage_log import OutageLog
+from engines.server.outage_log import OutageLog
 from engines.fleet.board import FleetBoard, ForeignTarget
 from engines.fleet.server_kinds import QUANTITIES
 from engines.fleet.controls import ROUTER_ENGINE, ControlListener

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from engines.fleet.outage_log import OutageLog
+from engines.server.outage_log import OutageLog
 from engines.fleet.rollups import RollupWriter
 from engines.fleet.store import LocalFleetStore
 
