@@ -29,6 +29,7 @@ from engines.profiling import profile_state
 from engines.registry import EngineRegistry, registry as served_engines
 from engines.runtime import AsyncEngine, EngineDeadError
 from engines.server.cancellation import check_cancelled, within
+from engines.server.outage_log import OutageLog
 
 logger = logging.getLogger(__name__)
 
@@ -116,20 +117,16 @@ class EngineSampler:
     async def run(self) -> None:
         """Publish until cancelled: every :data:`WATCHED_INTERVAL_S` while watched, else every
         :data:`IDLE_INTERVAL_S` or as soon as a viewer comes."""
-        layer_down = False
+        layer = OutageLog(logger, f"dashboard: engine {self.engine.name}'s channel layer", down="does not answer",
+                          meanwhile="its pages are not live until it does", back="answers again")
         while True:
             check_cancelled()  # a callee may have swallowed our cancel (engines.server.cancellation)
             self._wake.clear()
             try:
                 await self.publish()
-                if layer_down:
-                    logger.info("dashboard: the channel layer answers again; engine %s is live", self.engine.name)
-                layer_down = False
+                layer.worked()
             except LayerUnavailableError as exc:  # Redis away: said once an outage, tried every sample
-                if not layer_down:
-                    logger.warning("dashboard: the channel layer does not answer (%s); engine %s's pages are "
-                                   "not live until it does", exc, self.engine.name)
-                layer_down = True
+                layer.failed(exc)
             except Exception:  # noqa: BLE001 - one failed read or send must not end the engine's dashboard
                 logger.exception("dashboard: sampling engine %s failed", self.engine.name)
             interval = WATCHED_INTERVAL_S if self.viewers else IDLE_INTERVAL_S

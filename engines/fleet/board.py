@@ -165,7 +165,7 @@ class FleetBoard:
         #: it has run past a rows interval, whole views use these rather than read them again.
         self._held: dict[str, ServerRows] = {}
         self._feed_since: float | None = None
-        self._outage = OutageLog(f"reading fleet {store.name}")
+        self._outage = OutageLog(logger, f"fleet: reading fleet {store.name}")
 
     def watch(self, viewer: object, send: Callable[[str], Awaitable[None]]) -> None:
         """Send ``viewer`` every view (starting with the latest, if any) until :meth:`unwatch`."""

@@ -275,7 +275,7 @@ class ControlListener:
     def __init__(self, store: FleetStore, server: str,
                  clock: Callable[[], ClockOffset | None] = lambda: None) -> None:
         self.store, self.server, self.clock = store, server, clock
-        self._outage = OutageLog("reading this server's control queue")
+        self._outage = OutageLog(logger, "fleet: reading this server's control queue")
 
     async def run(self) -> None:
         while True:

@@ -179,7 +179,7 @@ class Membership:
     async def run(self, card: Any) -> None:
         """Announce ``card()`` every heartbeat until cancelled; a Redis that does not answer is
         logged once per outage and tried again at the next beat."""
-        outage = OutageLog(f"announcing this server to fleet {self.fleet}")
+        outage = OutageLog(logger, f"fleet: announcing this server to fleet {self.fleet}")
         while True:
             check_cancelled()  # a callee may have swallowed our cancel (engines.server.cancellation)
             try:

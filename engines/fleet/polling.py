@@ -9,6 +9,7 @@ and so never slows another server's poll or the page.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Sequence
 
@@ -24,6 +25,8 @@ from engines.fleet.store import FleetStore
 
 __all__ = ["ForeignPoller", "ForeignPolling"]
 
+logger = logging.getLogger("engines.fleet")
+
 #: Seconds between re-reading the list of attached servers.
 TARGETS_REFRESH_S = 5.0
 
@@ -35,7 +38,7 @@ class ForeignPoller:
         self.store, self.holder, self.target, self.client = store, holder, target, client
         kind = ServerKind.parse(target.kind)
         self.reader = ForeignReader(kind if kind is not ServerKind.UNKNOWN else None)
-        self._outage = OutageLog(f"polling {target.name}")
+        self._outage = OutageLog(logger, f"fleet: polling {target.name}")
 
     async def poll_once(self) -> ForeignReading:
         """Read ``/metrics`` once and store what it says (or why it said nothing)."""

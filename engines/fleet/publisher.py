@@ -116,7 +116,7 @@ class FleetPublisher:
         self.rows_interval_s = rows_interval_s
         self.heartbeat_s = heartbeat_s
         self._readers: dict[str, EngineRowReader] = {}
-        self._outage = OutageLog(f"publishing this server to fleet {store.name}")
+        self._outage = OutageLog(logger, f"fleet: publishing this server to fleet {store.name}")
         #: This server's clock against the fleet's reference, measured every heartbeat.
         self.clock = ClockTracker()
 

@@ -21,6 +21,7 @@ share of requests within a target from the same piecewise-linear CDFs.
 from __future__ import annotations
 
 import asyncio
+import logging
 import datetime as dt
 import math
 import time
@@ -39,6 +40,8 @@ from engines.server.server_identity import fleet_name
 
 
 __all__ = ["RollupWriter", "SloFigures", "share_within", "slo_figures", "sum_histograms"]
+
+logger = logging.getLogger("engines.fleet")
 
 #: Seconds between samples of the fleet's rows.
 SAMPLE_S = 5.0
@@ -251,7 +254,7 @@ class RollupWriter:
         return WindowHistogram.of(buckets, change_sum)
 
     async def run(self) -> None:
-        outage = OutageLog("sampling the fleet's rollups")
+        outage = OutageLog(logger, "fleet: sampling the fleet's rollups")
         while True:
             check_cancelled()  # a callee may have swallowed our cancel (engines.server.cancellation)
             try:

@@ -10,6 +10,7 @@ keys outlive its last member's last beat; a day).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -34,6 +35,8 @@ from engines.server.db_calls import in_db_thread
 
 
 __all__ = ["FleetService", "configure", "fleet_service", "foreign_targets"]
+
+logger = logging.getLogger("engines.fleet")
 
 _STARTED_AT = time.time()
 #: What ``serve`` says of this server: its URL and roles (``configure``).
@@ -135,7 +138,7 @@ class FleetService:
         self.polling.refresh()
 
     async def _refresh_targets(self) -> None:
-        outage = OutageLog("reading the attached servers")
+        outage = OutageLog(logger, "fleet: reading the attached servers")
         while True:
             check_cancelled()  # a callee may have swallowed our cancel (engines.server.cancellation)
             try:

@@ -12,12 +12,13 @@ restart (Django opens a connection per request: ``CONN_MAX_AGE`` is 0).
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any
 
 from django.db import InterfaceError, OperationalError
 from django.db.backends.signals import connection_created
 from django.http import HttpResponseBase
+
+from engines.server.outage_log import OutageLog
 
 __all__ = ["OUTAGE_ERRORS", "HistoryOutage", "HistoryUnavailableError", "database_reason", "history_outage",
            "page_message", "request_message", "said_once"]
@@ -59,31 +60,19 @@ def database_reason(exc: BaseException) -> str:
     return lines[0].rstrip(".") if lines else type(exc).__name__
 
 
-class HistoryOutage:
-    """Whether the history's database is away, as the last request that needed it found it: what
-    each request that fails is told, said in the log once an outage (requests fail on many
-    threads at once; the lock keeps it to one line)."""
+class HistoryOutage(OutageLog):
+    """The history's database, away or not, as the last request that needed it found it: each
+    request that fails is told the driver's reason, and the log says the outage once (an
+    :class:`~engines.server.outage_log.OutageLog`) and its end at the next connection."""
 
     def __init__(self) -> None:
-        self.reason: str | None = None
-        self._lock = threading.Lock()
-
-    def failed(self, exc: BaseException) -> str:
-        """A request found the database away: its reason (for the answer), logged once an outage."""
-        reason = database_reason(exc)
-        with self._lock:
-            first, self.reason = self.reason is None, reason
-        if first:
-            logger.warning("history: the database does not answer (%s); history pages and sign-ins answer 503 "
-                           "until it does, live pages and the API serve on", reason)
-        return reason
+        super().__init__(logger, "history: the database", down="does not answer", back="answers again",
+                         meanwhile="history pages and sign-ins answer 503 until it does, live pages and the API "
+                                   "serve on", describe=database_reason)
 
     def answered(self, **_: Any) -> None:
         """A connection opened (``connection_created``): the outage, if there was one, is over."""
-        with self._lock:
-            was, self.reason = self.reason, None
-        if was is not None:
-            logger.info("history: the database answers again")
+        self.worked()
 
 
 #: The server process's one view of its history database.

@@ -1,5 +1,6 @@
 """A fleet loop that retries says an outage once and its end once, however long it lasts: a
-server kept open all day must not log a line every sample while Redis or the database is down."""
+server kept open all day must not log a line every sample while Redis or the database is down.
+The log itself: tests/server/test_outage_log.py."""
 from __future__ import annotations
 
 import asyncio
@@ -7,30 +8,12 @@ import logging
 
 import pytest
 
-from engines.server.outage_log import OutageLog
 from engines.fleet.rollups import RollupWriter
 from engines.fleet.store import LocalFleetStore
 
 
 def fleet_lines(caplog: pytest.LogCaptureFixture) -> list[tuple[int, str]]:
     return [(r.levelno, r.getMessage()) for r in caplog.records if r.name == "engines.fleet"]
-
-
-def test_one_warning_an_outage_and_one_line_when_it_ends(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="engines.fleet")
-    outage = OutageLog("reading the attached servers")
-    outage.worked()  # no outage yet: nothing to say
-    for _ in range(5):
-        outage.failed(ConnectionError("refused"))
-    assert outage.failing
-    outage.worked()
-    outage.worked()
-    outage.failed(TimeoutError("slow"))  # a second outage is said again
-    lines = fleet_lines(caplog)
-    assert [level for level, _ in lines] == [logging.WARNING, logging.INFO, logging.WARNING]
-    assert lines[0][1] == "fleet: reading the attached servers failed (refused); retrying, quietly until it works again"
-    assert lines[1][1].startswith("fleet: reading the attached servers works again after ")
-    assert lines[1][1].endswith("(5 failed tries)")
 
 
 class FlakyStore(LocalFleetStore):
