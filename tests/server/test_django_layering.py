@@ -8,7 +8,10 @@
 - a view module imports no other view module, except the API views' base (``engines.views.api``):
   what two views share lives in a module of its own (``engines.serving``, the dashboard's ``frame``);
 - ``engines.protocol``, ``engines.serving`` and ``engines.api_routes`` import no Django: the
-  request models, the request mapping and the route table stand apart from HTTP.
+  request models, the request mapping and the route table stand apart from HTTP;
+- ``engines.server`` (the serving process itself: its name, its health, its outage log) imports
+  nothing of the project but the runtime's face: the dashboard, the fleet, the history and the
+  views all stand on it.
 
 Imports inside functions count: a function-local import hides a layering, it does not make one.
 """
@@ -34,6 +37,10 @@ SHOWING = ("engines.dashboard", "engines.views", "engines.admin")
 #: Django and what comes with it.
 DJANGO = ("django", "channels", "daphne", "engines.models", "engines.views", "engines.dashboard", "engines.admin",
           "engines.history")
+
+
+#: What ``engines.server`` may import of the project: itself and the runtime's face.
+BESIDE_THE_SERVER = ("engines.server", "engines.runtime")
 
 
 def module_of(path: Path) -> str:
@@ -85,6 +92,18 @@ def test_the_protocol_the_serving_layer_and_the_route_table_import_no_django(pat
     assert not imports_from(path, DJANGO), f"{relative(path)} imports {imports_from(path, DJANGO)}"
 
 
+def above_the_server(path: Path) -> list[str]:
+    """The project's modules ``path`` imports that ``engines.server`` may not."""
+    return sorted(m for m in imports_from(path, ("engines",)) if m != "engines"
+                  and not any(m == p or m.startswith(p + ".") for p in BESIDE_THE_SERVER))
+
+
+@pytest.mark.parametrize("path", python_files(ENGINES / "server"), ids=relative)
+def test_the_server_package_imports_nothing_that_stands_on_it(path: Path) -> None:
+    assert not above_the_server(path), \
+        f"{relative(path)} imports {above_the_server(path)}: engines/server/ sits below all but the runtime"
+
+
 def test_the_checks_see_a_bad_import(tmp_path: Path) -> None:
     """Each rule fails on the import it forbids, at the top of a module or inside a function."""
     bad = tmp_path / "bad.py"
@@ -95,6 +114,7 @@ def test_the_checks_see_a_bad_import(tmp_path: Path) -> None:
     assert imports_from(bad, ABOVE_THE_HISTORY) == late
     assert imports_from(bad, SHOWING) == late
     assert "django.http" in imports_from(bad, DJANGO)
+    assert above_the_server(bad) == late
     view = ENGINES / "views" / "debug.py"
     assert module_of(view) == "engines.views.debug" and view in VIEW_MODULES
     copied = tmp_path / "debug.py"
