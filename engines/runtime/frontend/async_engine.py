@@ -53,6 +53,7 @@ from engines.runtime.frontend.messages import (
     MetricsCall,
     PrepareReceiveCall,
     ProfileCall,
+    ProfileStatusCall,
     DashboardCall,
     DumpWorkloadCall,
     ReceiveKVCall,
@@ -448,7 +449,7 @@ class AsyncEngine:
 
     async def profile_status(self) -> ProfileStatus:
         """Where the profiler stands (answered at once, even mid-step)."""
-        return await self._acall(ProfileCall("status"))
+        return await self._acall(ProfileStatusCall())
 
     async def cuda_profiler(self, start: bool) -> None:
         """``cudaProfilerStart`` (or ``Stop``) in the engine's process, between two steps."""

@@ -50,7 +50,8 @@ __all__ = [
     "AbortCall", "AbortRequest", "AddRequest", "Aborted", "KVCacheDumpCall", "LiveRequestsCall", "Call",
     "CoreCommand", "CoreMessage", "CudaProfilerCall", "Dead", "DumpWorkloadCall",
     "DumpTraceCall", "EngineCall", "EngineInfo", "DashboardReading", "EngineSpec", "Failed", "LocalCall",
-    "MessageConnection", "MetricsCall", "PrepareReceiveCall", "ProfileCall", "DashboardCall", "Ready", "ReceiveKVCall",
+    "MessageConnection", "MetricsCall", "PrepareReceiveCall", "ProfileCall", "ProfileStatusCall", "DashboardCall",
+    "Ready", "ReceiveKVCall",
     "Rejected", "ReleaseReceiveCall", "Reply", "ResetCall", "ResetPrefixCacheCall", "Send", "ServerTraceEvent",
     "ServerTraceEvents", "Shutdown", "StepOutputs", "TraceSinceCall",
 ]
@@ -267,12 +268,11 @@ def _tracer(engine: "Engine") -> Any:
 
 @dataclass(frozen=True)
 class ProfileCall(EngineCall):
-    """The built-in profiler (``Engine.start_profile`` / ``stop_profile``,
-    ``ProfilerControl.status``): ``start`` replies a ``ProfileStatus``, ``stop`` a
-    ``ProfileResult``, ``status`` a ``ProfileStatus`` (answered at once, even mid-step). A start
-    while one runs, or a stop with none, is a ``ProfilerStateError``."""
+    """Start or stop the built-in profiler (``Engine.start_profile`` / ``stop_profile``): ``start``
+    replies a ``ProfileStatus``, ``stop`` a ``ProfileResult``. A start while one runs, or a stop
+    with none, is a ``ProfilerStateError``. Where it stands: :class:`ProfileStatusCall`."""
 
-    action: Literal["start", "stop", "status"]
+    action: Literal["start", "stop"]
     max_steps: int | None = None
     max_seconds: float = 60.0
     stack_sampling: bool = False
@@ -281,15 +281,19 @@ class ProfileCall(EngineCall):
     #: ``start`` arms a profile that starts itself when this fires (``core.profile_trigger``).
     trigger: ProfileTrigger | None = None
 
-    @property
-    def immediate(self) -> bool:  # type: ignore[override]
-        return self.action == "status"
-
     def run(self, engine: "Engine", send: "Send") -> Any:
         if self.action == "start":
             return engine.start_profile(self.max_steps, self.max_seconds, self.stack_sampling, self.trigger)
-        if self.action == "stop":
-            return engine.stop_profile(self.engine_name)
+        return engine.stop_profile(self.engine_name)
+
+
+@dataclass(frozen=True)
+class ProfileStatusCall(EngineCall):
+    """Where the built-in profiler stands (``ProfilerControl.status``); replies a ``ProfileStatus``."""
+
+    immediate: ClassVar[bool] = True
+
+    def run(self, engine: "Engine", send: "Send") -> Any:
         return engine.profiling.status()
 
 

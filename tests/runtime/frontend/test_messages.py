@@ -34,7 +34,7 @@ SAMPLES = [
     m.Call(10, m.CudaProfilerCall(start=False)),
     m.Call(12, m.TraceSinceCall(cursor=42)),
     m.Call(13, m.ProfileCall("start", max_steps=5, max_seconds=2.5, stack_sampling=True)),
-    m.Call(14, m.ProfileCall("status")),
+    m.Call(14, m.ProfileStatusCall()),
     m.Call(15, m.PrepareReceiveCall("r1", (5, 6, 7, 8), end=-1, timeout_s=5.0)),
     m.Call(16, m.ReceiveKVCall(KVBlock("r1", "ticket", 0, 3, ModelIdentity("ab" * 16, "float32", 16, 2, 1, 4),
                                        np.arange(24, dtype=np.float32).reshape(2, 1, 3, 4),
@@ -83,7 +83,7 @@ def test_every_message_class_is_covered_by_the_samples() -> None:
 def test_every_call_carries_its_own_handler() -> None:
     calls = [c for name in m.__all__ if isinstance(c := getattr(m, name), type) and issubclass(c, m.EngineCall)
              and c is not m.EngineCall]
-    assert len(calls) == 15
+    assert len(calls) == 16
     for call in calls:
         assert call.run is not m.EngineCall.run, f"{call.__name__} has no handler"
 
@@ -97,7 +97,7 @@ def test_error_messages_keep_their_exception() -> None:
 def test_only_metrics_calls_are_answered_mid_step() -> None:
     immediate = [s for s in SAMPLES if EngineCore.is_immediate(s)]
     assert immediate == [m.Call(8, m.MetricsCall(with_histograms=True)), m.Call(11, m.DashboardCall()),
-                         m.Call(12, m.TraceSinceCall(cursor=42)), m.Call(14, m.ProfileCall("status")),
+                         m.Call(12, m.TraceSinceCall(cursor=42)), m.Call(14, m.ProfileStatusCall()),
                          m.Call(18, m.LiveRequestsCall(limit=5)), m.Call(19, m.KVCacheDumpCall(max_entries=3)),
                          m.Call(21, m.DumpWorkloadCall("demo"))]
     assert EngineCore.is_immediate(m.Call(1, m.MetricsCall()))
@@ -106,7 +106,7 @@ def test_only_metrics_calls_are_answered_mid_step() -> None:
 def test_profile_calls_start_stop_and_report(make_engine) -> None:
     core = EngineCore(make_engine(), "demo")
     sent: list[m.CoreMessage] = []
-    for call_id, call in enumerate([m.ProfileCall("start", max_steps=2), m.ProfileCall("status"),
+    for call_id, call in enumerate([m.ProfileCall("start", max_steps=2), m.ProfileStatusCall(),
                                     m.ProfileCall("start"), m.ProfileCall("stop", engine_name="demo"),
                                     m.ProfileCall("stop")]):
         core.handle(m.Call(call_id, call), sent.append)
