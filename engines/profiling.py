@@ -20,6 +20,7 @@ from pydantic import BaseModel
 from engines.history.capture import acheck_database
 from engines.history.outage import HistoryUnavailableError
 from engines.history.profiles import asave_profile, aset_profile_note
+from engines.protocol.limits import DEFAULT_MAX_SECONDS
 from engines.runtime import AsyncEngine, ProfilerStateError, ProfileStatus, ProfileTrigger
 
 __all__ = ["ProfileSaved", "ProfileState", "profile_state", "start_profile", "stop_profile"]
@@ -30,8 +31,6 @@ logger = logging.getLogger("engines.profiling")
 WATCH_INTERVAL_S = 0.5
 #: Seconds between asks while the database is away and a profile that stopped by itself waits for it.
 DATABASE_RETRY_S = 5.0
-#: A profile nobody stops ends after this long (seconds), and is saved.
-DEFAULT_MAX_SECONDS = 60.0
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from engines.history.outage import HistoryUnavailableError, database_reason
 from engines.history.retention import apply_retention, prune_metrics_snapshots
 from engines.server.malloc_tuning import trim_malloc
 from engines.models import MetricsSnapshot, RequestSummary, TraceRecord
+from engines.protocol.limits import MAX_NOTE_CHARS, MAX_TAGS
 from engines.registry import registry
 from engines.server.server_identity import fleet_name, server_id
 
@@ -75,10 +76,6 @@ _MAX_BACKEND = _max_chars(TraceRecord, "backend")
 _MAX_TAGS = _max_chars(TraceRecord, "tags")
 _MAX_SERVER = _max_chars(TraceRecord, "server")
 _MAX_FLEET = _max_chars(TraceRecord, "fleet")
-#: A note is a sentence or a paragraph about the capture, not a document.
-MAX_NOTE_CHARS = 4000
-#: Tags in one save (their joined text is bounded by the column too).
-MAX_TAGS = 32
 _MAX_REQUEST_ID = _max_chars(RequestSummary, "request_id")
 _MAX_FINISH_REASON = _max_chars(RequestSummary, "finish_reason")
 
