@@ -24,141 +24,41 @@ from typing import Any, TypeVar
 
 from django.http import HttpRequest, HttpResponse
 from django.urls import reverse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError, model_validator
+from pydantic import BaseModel, ValidationError
 
 from engines.history import (
-    MAX_NOTE_CHARS,
     EmptyTraceError,
     HistoryUnavailableError,
-    MAX_TAGS,
     TraceUnavailableError,
     asave_engine_trace,
     normalize_tags,
     traced_engine,
     validate_note,
 )
-from engines.history.workloads import EmptyWorkloadError, asave_engine_workload
-from engines.models import TraceRecord, WorkloadRecord
-from engines.profiling import DEFAULT_MAX_SECONDS, ProfileSaved, start_profile, stop_profile
+from engines.models import TraceRecord
+from engines.profiling import ProfileSaved, start_profile, stop_profile
+from engines.protocol.debug_routes import (
+    PROFILE_HINT,
+    AbortOptions,
+    DebugRequest,
+    DumpWorkloadOptions,
+    KVDumpOptions,
+    ListRequestsOptions,
+    ProfileOptions,
+    ProfileStopOptions,
+    SaveTraceOptions,
+)
 from engines.protocol.errors import ProtocolError
 from engines.registry import registry
 from engines.request_abort import RequestNotLiveError, abort_live_request
-from engines.runtime import DEFAULT_KV_ENTRIES, DEFAULT_LIVE_LIMIT, REQUEST_LIMITS, AsyncEngine, ProfilerStateError, \
-    ProfileTrigger
+from engines.runtime import AsyncEngine, ProfilerStateError
 from engines.views.api import InvalidBody, debug_gated, json_body, json_response
 
 NOT_MOUNTED = ("Not found: the /debug endpoints (and vLLM's /reset_prefix_cache, /start_profile and /stop_profile) "
                "exist only when the server runs with --enable-debug.")
 
 
-class DebugRequest(BaseModel):
-    """The body every debug route accepts. Keys MLC does not know are ignored, as MLC does."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    model: StrictStr | None = None
-    clear_trace: StrictBool = False  # reset_engine only: also empty the event trace
-
-
-class SaveTraceOptions(BaseModel):
-    """What ``save_event_trace`` takes besides ``model``: the record's note and tags, and whether to
-    empty the engine's trace in the same step that takes it."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    note: StrictStr = Field(default="", max_length=MAX_NOTE_CHARS)
-    tags: list[StrictStr] = Field(default=[], max_length=MAX_TAGS)
-    clear: StrictBool = False
-
-
-class TriggerOptions(BaseModel):
-    """``profile_start``'s ``trigger``: what starts an armed profile (any one of these, after
-    ``delay_steps``; ``core.profile_trigger``)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    step_over_ms: float | None = Field(default=None, gt=0, le=3_600_000)
-    ttft_p99_over_ms: float | None = Field(default=None, gt=0, le=3_600_000)
-    ttft_window_s: float = Field(default=60.0, gt=0, le=3600)
-    request_id: StrictStr | None = Field(default=None, min_length=1, max_length=REQUEST_LIMITS.max_request_id_chars)
-    user: StrictStr | None = Field(default=None, min_length=1, max_length=256)
-
-    @model_validator(mode="after")
-    def _one_condition(self) -> "TriggerOptions":
-        if all(v is None for v in (self.step_over_ms, self.ttft_p99_over_ms, self.request_id, self.user)):
-            raise ValueError("a trigger needs a condition")
-        return self
-
-
-class ProfileOptions(BaseModel):
-    """What ``profile_start`` (and ``cuda_profiler_start``) take besides ``model``."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    max_steps: StrictInt | None = Field(default=None, ge=1, le=1_000_000)
-    max_seconds: float = Field(default=DEFAULT_MAX_SECONDS, gt=0, le=3600)
-    stack_sampling: StrictBool = False
-    delay_steps: StrictInt = Field(default=0, ge=0, le=1_000_000)
-    trigger: TriggerOptions | None = None
-
-    def profile_trigger(self) -> ProfileTrigger | None:
-        """The engine's trigger for these options; None to start at once."""
-        t = self.trigger
-        if t is None:
-            return ProfileTrigger(delay_steps=self.delay_steps) if self.delay_steps else None
-        ms = 1e-3
-        return ProfileTrigger(delay_steps=self.delay_steps,
-                              step_over_s=t.step_over_ms * ms if t.step_over_ms is not None else None,
-                              ttft_p99_over_s=t.ttft_p99_over_ms * ms if t.ttft_p99_over_ms is not None else None,
-                              ttft_window_s=t.ttft_window_s, request_id=t.request_id, user=t.user)
-
-
-class ProfileStopOptions(BaseModel):
-    """What ``profile_stop`` takes besides ``model``: the saved profile's note."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    note: StrictStr = Field(default="", max_length=MAX_NOTE_CHARS)
-
-
-class ListRequestsOptions(BaseModel):
-    """What ``list_requests`` takes besides ``model``: how many rows at most (oldest first)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    limit: StrictInt = Field(default=DEFAULT_LIVE_LIMIT, ge=1, le=4096)
-
-
-class AbortOptions(BaseModel):
-    """What ``abort_request`` takes besides ``model``: the id of the request to end."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    request_id: StrictStr = Field(min_length=1, max_length=REQUEST_LIMITS.max_request_id_chars)
-
-
-class DumpWorkloadOptions(BaseModel):
-    """What ``dump_workload`` takes besides ``model``: whether to save it into the history, with a note."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    save: StrictBool = False
-    note: StrictStr = Field(default="", max_length=MAX_NOTE_CHARS)
-
-
-class KVDumpOptions(BaseModel):
-    """What ``dump_kv_cache`` takes besides ``model``: how many prefix-cache entries at most."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    max_entries: StrictInt = Field(default=DEFAULT_KV_ENTRIES, ge=0, le=4096)
-
-
 Options = TypeVar("Options", bound=BaseModel)
-PROFILE_HINT = ('Send "max_steps" as a whole number >= 1, "max_seconds" as a number of seconds (at most 3600), '
-                '"stack_sampling" as true or false, "delay_steps" as a whole number >= 0 and "trigger" as an object '
-                'with at least one of "step_over_ms", "ttft_p99_over_ms" (with "ttft_window_s"), "request_id", "user".')
-
 
 debug_view = debug_gated(NOT_MOUNTED)
 
