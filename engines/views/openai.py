@@ -24,7 +24,10 @@ refuses; 422 for MLC's two special-request rules (MLC's status for them);
 """
 from __future__ import annotations
 
-from typing import Any
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from django.http import HttpRequest, HttpResponseBase
 
@@ -76,51 +79,83 @@ async def retrieve_model(request: HttpRequest, model: str) -> HttpResponseBase:
 async def completions(request: HttpRequest) -> HttpResponseBase:
     """``/v1/completions``: a text (or token-id) prompt continued, or each of a list of them;
     ``echo`` returns the prompt too (with its logprobs)."""
-    if registry.router is not None:
-        return await routed_generation(registry.router, request)
-    body = validate_body(json_body(request), CompletionRequest)
-    engine = lookup_engine(body.model)
-    request_id = new_request_id(engine, body.user, "cmpl", client_request_id(request))
-    use_request_id(request, request_id)
-    shaper = CompletionShaper(request_id, engine, body)
-    if is_metrics_query(body):
-        return reply_response(await metrics_events(engine, shaper))
-    arrival = arrival_of(request)
-    # One engine request per prompt of a list (each its own trace lane); the reply is one.
-    generations = []
-    for rid, prompt in zip(prompt_request_ids(engine, request_id, len(body.prompts)), body.prompts, strict=True):
-        _trace(engine, rid, "receive request", at=arrival)
-        _trace(engine, rid, "start tokenization")
-        ids = prompt_ids(engine.tokenizer, prompt)
-        _trace(engine, rid, "finish tokenization", {"prompt_tokens": len(ids)})
-        generations.append(make_generation_request(rid, ids, body, arrival, client_request_id(request)))
-        shaper.add_prompt(rid, prompt, ids)
-    # One span for the reply, named by its first prompt's request (a list's usage is summed).
-    span = otel.begin(request, body, generations[0], engine.name)  # None unless spans are exported
-    return reply_response(await generate(engine, body, generations, shaper, span))
+    return await _generation(request, CompletionRequest, "cmpl", CompletionShaper, _completion_prompts)
 
 
 @api_view("POST")
 async def chat_completions(request: HttpRequest) -> HttpResponseBase:
     """``/v1/chat/completions``: messages rendered with the checkpoint's chat template, then continued."""
+    return await _generation(request, ChatCompletionRequest, "chatcmpl", ChatShaper, _chat_prompt)
+
+
+#: A prompt as token ids, and how many of them are the system prompt (for pinning; None: none).
+Tokenized = tuple[list[int], int | None]
+BodyT = TypeVar("BodyT", CompletionRequest, ChatCompletionRequest)
+ShaperT = TypeVar("ShaperT", CompletionShaper, ChatShaper)
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    """One engine request of a reply: its id, its prompt's tokenizing (traced as the request's
+    tokenization) and what the reply's shaper keeps of the ids (a completion's ``echo``)."""
+
+    request_id: str
+    tokenize: Callable[[], Tokenized]
+    tokenized: Callable[[list[int]], None] | None = None
+
+
+async def _generation(request: HttpRequest, schema: type[BodyT], prefix: str,
+                      shaper_type: Callable[[str, AsyncEngine, BodyT], ShaperT],
+                      prompts: Callable[[AsyncEngine, BodyT, str, ShaperT], list[_Prompt]]) -> HttpResponseBase:
+    """The one recipe of both generation routes: validate the body as ``schema``, name the request
+    (``prefix``-<uuid> unless the client or ``user`` named it), answer MLC's metrics query at once,
+    or tokenize each of ``prompts``' engine requests (each traced on its lane) and run them as one
+    reply, shaped by ``shaper_type``; under a router, relay instead."""
     if registry.router is not None:
         return await routed_generation(registry.router, request)
-    body = validate_body(json_body(request), ChatCompletionRequest)
+    body = validate_body(json_body(request), schema)
     engine = lookup_engine(body.model)
-    request_id = new_request_id(engine, body.user, "chatcmpl", client_request_id(request))
+    client_id = client_request_id(request)
+    request_id = new_request_id(engine, body.user, prefix, client_id)
     use_request_id(request, request_id)
-    shaper = ChatShaper(request_id, engine, body)
+    shaper = shaper_type(request_id, engine, body)
     if is_metrics_query(body):
         return reply_response(await metrics_events(engine, shaper))
     arrival = arrival_of(request)
-    _trace(engine, request_id, "receive request", at=arrival)
-    _trace(engine, request_id, "start tokenization")
-    prompt, system_tokens = tokenize_chat(engine.tokenizer, body)
-    _trace(engine, request_id, "finish tokenization", {"prompt_tokens": len(prompt)})
-    generation = make_generation_request(request_id, prompt, body, arrival, client_request_id(request))
-    generation.system_prompt_tokens = system_tokens
-    span = otel.begin(request, body, generation, engine.name)  # None unless spans are exported
-    return reply_response(await generate(engine, body, generation, shaper, span))
+    generations = []
+    for prompt in prompts(engine, body, request_id, shaper):
+        _trace(engine, prompt.request_id, "receive request", at=arrival)
+        _trace(engine, prompt.request_id, "start tokenization")
+        ids, system_tokens = prompt.tokenize()
+        _trace(engine, prompt.request_id, "finish tokenization", {"prompt_tokens": len(ids)})
+        generation = make_generation_request(prompt.request_id, ids, body, arrival, client_id)
+        generation.system_prompt_tokens = system_tokens
+        generations.append(generation)
+        if prompt.tokenized is not None:
+            prompt.tokenized(ids)
+    # One span for the reply, named by its first engine request (a completion list's usage is summed).
+    span = otel.begin(request, body, generations[0], engine.name)  # None unless spans are exported
+    return reply_response(await generate(engine, body, generations, shaper, span))
+
+
+def _completion_prompts(engine: AsyncEngine, body: CompletionRequest, request_id: str,
+                        shaper: CompletionShaper) -> list[_Prompt]:
+    """One engine request per prompt of a list (each its own trace lane); the reply is one."""
+    request_ids = prompt_request_ids(engine, request_id, len(body.prompts))
+    return [_Prompt(rid, functools.partial(_prompt_ids, engine, prompt),
+                    tokenized=functools.partial(shaper.add_prompt, rid, prompt))
+            for rid, prompt in zip(request_ids, body.prompts, strict=True)]
+
+
+def _prompt_ids(engine: AsyncEngine, prompt: str | list[int]) -> Tokenized:
+    """A completion's prompt as token ids (no system prompt to pin)."""
+    return prompt_ids(engine.tokenizer, prompt), None
+
+
+def _chat_prompt(engine: AsyncEngine, body: ChatCompletionRequest, request_id: str,
+                 shaper: ChatShaper) -> list[_Prompt]:
+    """The messages, rendered with the chat template: one engine request."""
+    return [_Prompt(request_id, functools.partial(tokenize_chat, engine.tokenizer, body))]
 
 
 def _trace(engine: AsyncEngine, request_id: str, event: str, args: dict[str, Any] | None = None,
