@@ -6,7 +6,9 @@ used here, not restated: import it from ``engines.runtime``. Import the models f
 from the submodules: ``openai`` (the OpenAI API's requests and replies), ``debug`` (MLC's
 ``debug_config``), ``microserving`` (MicroServing's bodies and ``kv_append_metadata``), ``vllm``
 (vLLM's ``/tokenize``, ``/detokenize`` and ``/version``), ``errors`` (the error reply, the exception
-views raise, a validation error in one line) and ``json_body`` (a client's JSON, its depth bounded).
+views raise, a validation error in one line), ``json_body`` (a client's JSON, its depth bounded),
+``debug_routes`` (the ``/debug/*`` bodies besides ``model``) and ``limits`` (the bounds the bodies
+and the history share: a note's length, a record's tags, a profile's length).
 """
 from .debug import DebugConfig, DisaggConfig, DisaggKind
 from .errors import (

@@ -12,7 +12,8 @@ from engines.runtime import DEFAULT_KV_ENTRIES, DEFAULT_LIVE_LIMIT, REQUEST_LIMI
 
 from .limits import DEFAULT_MAX_SECONDS, MAX_NOTE_CHARS, MAX_TAGS
 
-__all__ = ["PROFILE_HINT", "AbortOptions", "DebugRequest", "DumpWorkloadOptions", "KVDumpOptions", "ListRequestsOptions", "ProfileOptions",
+__all__ = ["PROFILE_HINT", "AbortOptions", "DebugRequest", "DumpWorkloadOptions", "KVDumpOptions",
+           "ListRequestsOptions", "ProfileOptions",
            "ProfileStopOptions", "SaveTraceOptions", "TriggerOptions"]
 
 #: What a refused ``profile_start`` body is told to send.

@@ -35,7 +35,8 @@ from engines.history import (
     traced_engine,
     validate_note,
 )
-from engines.models import TraceRecord
+from engines.history.workloads import EmptyWorkloadError, asave_engine_workload
+from engines.models import TraceRecord, WorkloadRecord
 from engines.profiling import ProfileSaved, start_profile, stop_profile
 from engines.protocol.debug_routes import (
     PROFILE_HINT,
