@@ -24,8 +24,8 @@ import orjson
 
 from engines.runtime import WORKLOAD_FORMAT, WORKLOAD_VERSION
 
-__all__ = ["RUN_FORMAT", "RUN_VERSION", "ReplayedRequest", "Run", "WorkloadError", "check_workload", "prompt_for",
-           "replay", "summarize"]
+__all__ = ["PROMPT_FORMS", "RUN_FORMAT", "RUN_VERSION", "ReplayedRequest", "Run", "WorkloadError", "check_workload",
+           "prompt_for", "replay", "summarize"]
 
 RUN_FORMAT = "llm-debugsite.run"
 RUN_VERSION = 1
@@ -113,16 +113,29 @@ def check_workload(value: Any) -> list[dict[str, Any]]:
     return sorted(requests, key=lambda r: r["offset_s"])
 
 
+#: How a prompt is sent: as token ids (the completions API's other prompt form; every server of
+#: ours, vLLM and SGLang take it), or as text for a server that takes text only (llama.cpp's
+#: Python server): a recorded prompt's ids are then sent as words, one " the" a token, which
+#: Llama-family tokenizers split into about as many tokens.
+PROMPT_FORMS = ("ids", "text")
+
+
 def prompt_for(index: int, length: int) -> list[int]:
     """A prompt of ``length`` token ids, different per request (no prefix shared by accident)."""
     ids = PROMPT_TOKEN_IDS
     return [ids[(index * 7919 + i) % len(ids)] for i in range(length)]
 
 
-def _body(index: int, recorded: dict[str, Any], model: str) -> dict[str, Any]:
+def _prompt(index: int, recorded: dict[str, Any], form: str) -> list[int] | str:
+    if form == "text":
+        return f"{index}:" + " the" * (recorded["prompt_tokens"] - 1)
+    return recorded.get("prompt_token_ids") or prompt_for(index, recorded["prompt_tokens"])
+
+
+def _body(index: int, recorded: dict[str, Any], model: str, prompt_form: str = "ids") -> dict[str, Any]:
     completion = recorded.get("completion_tokens") or 1
     body: dict[str, Any] = {
-        "model": model, "prompt": recorded.get("prompt_token_ids") or prompt_for(index, recorded["prompt_tokens"]),
+        "model": model, "prompt": _prompt(index, recorded, prompt_form),
         "max_tokens": completion,
         "temperature": recorded.get("temperature", 1.0), "top_p": recorded.get("top_p", 1.0), "stream": True,
         # Its recorded length either way: the replay does the same work (vLLM's extension, as ours).
@@ -136,14 +149,14 @@ def _body(index: int, recorded: dict[str, Any], model: str) -> dict[str, Any]:
 
 
 async def _one(client: httpx.AsyncClient, index: int, recorded: dict[str, Any], model: str, start: float,
-               speed: float, deadline: float, tag: str) -> ReplayedRequest:
+               speed: float, deadline: float, tag: str, prompt_form: str) -> ReplayedRequest:
     await asyncio.sleep(max(0.0, start + recorded["offset_s"] / speed - time.perf_counter()))
     sent = time.perf_counter()
     out = ReplayedRequest(str(recorded.get("request_id", index)), recorded["offset_s"], sent - start,
                           sent_id=f"replay-{tag}-{index}")
     last = None
     try:
-        async with client.stream("POST", "/v1/completions", json=_body(index, recorded, model),
+        async with client.stream("POST", "/v1/completions", json=_body(index, recorded, model, prompt_form),
                                  headers={"X-Request-Id": out.sent_id},
                                  timeout=max(1.0, deadline - sent)) as response:
             out.status = response.status_code
@@ -174,18 +187,22 @@ async def _one(client: httpx.AsyncClient, index: int, recorded: dict[str, Any], 
 
 
 async def replay(workload: dict[str, Any], client: httpx.AsyncClient, model: str, target: str, speed: float = 1.0,
-                 max_requests: int | None = None, max_seconds: float = 600.0, tag: str | None = None) -> Run:
+                 max_requests: int | None = None, max_seconds: float = 600.0, tag: str | None = None,
+                 prompt_form: str = "ids") -> Run:
     """Send ``workload``'s requests through ``client`` (its base URL the server) to ``model``, at their
     offsets divided by ``speed``; at most ``max_requests`` of them, and none after ``max_seconds``.
-    ``tag`` names the requests (``replay-<tag>-<index>``; default: a fresh one)."""
+    ``tag`` names the requests (``replay-<tag>-<index>``; default: a fresh one); ``prompt_form``
+    is one of :data:`PROMPT_FORMS`."""
     if not speed > 0:
         raise WorkloadError(f"speed must be > 0, not {speed}")
+    if prompt_form not in PROMPT_FORMS:
+        raise WorkloadError(f"prompt_form must be one of {', '.join(PROMPT_FORMS)}, not {prompt_form!r}")
     requests = check_workload(workload)[:max_requests]
     requests = [r for r in requests if r["offset_s"] / speed <= max_seconds]
     tag = tag or uuid.uuid4().hex[:8]
     started_unix, start = time.time(), time.perf_counter()
     deadline = start + max_seconds
-    done = await asyncio.gather(*(_one(client, i, r, model, start, speed, deadline, tag)
+    done = await asyncio.gather(*(_one(client, i, r, model, start, speed, deadline, tag, prompt_form)
                                   for i, r in enumerate(requests)))
     return Run(target, model, str(workload.get("engine", "")), speed, started_unix, list(done),
                duration_s=time.perf_counter() - start, tag=tag)

@@ -9,7 +9,7 @@ import httpx
 import orjson
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from engines.workloads.replay import WorkloadError, replay
+from engines.workloads.replay import PROMPT_FORMS, WorkloadError, replay
 
 
 class Command(BaseCommand):
@@ -26,6 +26,8 @@ class Command(BaseCommand):
         parser.add_argument("--max-requests", type=int, default=None, help="replay at most this many")
         parser.add_argument("--max-seconds", type=float, default=600.0,
                             help="send nothing after this many seconds, and give up on a request then (default 600)")
+        parser.add_argument("--prompt-form", choices=PROMPT_FORMS, default="ids",
+                            help="prompts as token ids (default) or as text, for a server that takes text only")
         parser.add_argument("--output", type=Path, required=True, help="where the run's JSON goes")
 
     def handle(self, *args: Any, **options: Any) -> None:
@@ -41,7 +43,8 @@ class Command(BaseCommand):
         async def run() -> Any:
             async with httpx.AsyncClient(base_url=options["target"], headers=headers) as client:
                 return await replay(workload, client, model, options["target"], options["speed"],
-                                    options["max_requests"], options["max_seconds"])
+                                    options["max_requests"], options["max_seconds"],
+                                    prompt_form=options["prompt_form"])
 
         try:
             result = asyncio.run(run())
