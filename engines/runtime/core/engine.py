@@ -4,8 +4,8 @@
 
 1. ``_schedule``: the scheduler picks this step's chunks (``SchedulerOutput``); the
    engine stamps admissions, pins system prompts, ends what can never fit.
-2. ``_execute``: one forward pass over those chunks (``ModelOutput``: greedy token
-   ids computed on the device, or logits rows).
+2. execute: ``runner.execute`` (``core.model_runner``), one forward pass over those chunks
+   (``ModelOutput``: greedy token ids computed on the device, or logits rows).
 3. ``_update``: commit the K/V written, apply grammar masks and sample, run the stop
    rules and the detokenizer (and jump-forward); ``step`` then turns what changed into
    one ``RequestOutput`` per touched request.
@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -30,6 +30,7 @@ from engines.runtime.core.disagg.transfer import KVBlock, KVReceipt, KVTransferE
 from engines.runtime.core.grammar import GrammarCompiler, GrammarError
 from engines.runtime.core.kv_pool import KVCachePool
 from engines.runtime.core.kv_sizing import resolve_kv_cache_size
+from engines.runtime.core.model_runner import ModelOutput, ModelRunner
 from engines.runtime.core.live_view import (DEFAULT_KV_ENTRIES, DEFAULT_LIVE_LIMIT, KVCacheDump, LiveRequests,
                                             dump_kv_cache, live_requests)
 from engines.runtime.core.output_processor import OutputProcessor
@@ -37,7 +38,6 @@ from engines.runtime.core.profiler_control import ProfilerControl
 from engines.runtime.core.prompt_logprobs import prompt_logprobs
 from engines.runtime.telemetry.flight_recorder import Workload
 from engines.runtime.telemetry.metrics import EngineMetrics
-from engines.runtime.model.forward_batch import ForwardBatch
 from engines.runtime.model.llama import LlamaModel
 from engines.runtime.core.request import (
     EngineRequestError,
@@ -78,27 +78,11 @@ class EngineConfig:
     enable_prefix_cache: bool = True
 
 
-@dataclass
-class ModelOutput:
-    """What ``Engine._execute`` hands ``Engine._update``: one row per chunk that samples.
-
-    Exactly one of ``token_ids`` (int32 ``[len(sampled)]``: every row was greedy, so the
-    argmax ran on the device and only ids came back) and ``logits`` (``[len(sampled),
-    vocab_size]``, for the sampler) is set. ``prompt_rows``: the chunks that gather prompt
-    logprobs, each with the logits of its every row (views of the step's logits, dropped
-    with this output at the end of the step).
-    """
-
-    sampled: list[ScheduledChunk]
-    token_ids: np.ndarray | None = None
-    logits: np.ndarray | None = None
-    prompt_rows: list[tuple[ScheduledChunk, np.ndarray]] = field(default_factory=list)
-
-
 class Engine:
     """One model's continuous-batching engine; single-threaded (the AsyncEngine thread owns it).
 
-    Its jobs besides the step live in collaborators: ``outputs`` (``OutputProcessor``: outputs,
+    Its jobs besides the step live in collaborators: ``runner`` (``ModelRunner``: the forward
+    pass), ``outputs`` (``OutputProcessor``: outputs,
     finished requests, gauges), ``profiling`` (``ProfilerControl``), ``kv_sender`` and
     ``kv_receiver`` (disaggregated serving, ``core.disagg``); ``observer`` (``StepObserver``)
     watches the step's seams while tracing is on or a profile runs, and is None otherwise.
@@ -127,6 +111,7 @@ class Engine:
         num_pages = self.kv_size.num_pages
         self.kv = model.new_kv_cache(num_pages, c.page_size)
         self.kv_pool = KVCachePool(num_pages, c.page_size, c.enable_prefix_cache)
+        self.runner = ModelRunner(model, self.kv, self.kv_pool)
         self.scheduler = Scheduler(self.kv_pool, c.max_num_seqs, c.prefill_chunk_size)
         self.queue_clock = QueueClock()  # why the waiting queue waits (core.anatomy)
         self.sampler = Sampler(self.vocab_size)
@@ -364,7 +349,8 @@ class Engine:
         if sched.chunks:
             t0 = time.perf_counter()
             self._generated_tokens = 0
-            output = self._execute(sched)
+            self.num_steps += 1
+            output = self.runner.execute(sched, obs)
             self._charge_anatomy(sched, t0, time.perf_counter())
             touched += self._update(sched, output)
             step_s = time.perf_counter() - t0
@@ -448,68 +434,6 @@ class Engine:
             seq.request.anatomy.charge_step(
                 step, start, end, c.num_tokens, prefills, c.start + c.num_tokens >= seq.num_prompt_tokens,
                 total, prefill_tokens, second if seq.seq_id == top_id else top)
-
-    # ------------------------------------------------------------------- execute
-
-    def _execute(self, sched: SchedulerOutput) -> ModelOutput:
-        """The forward pass over every scheduled chunk: writes their K/V and returns a row per
-        chunk that samples (token ids when every such row is greedy, else logits)."""
-        self.num_steps += 1
-        chunks = sched.chunks
-        # Plain lists, then one array each: right after a step has streamed the weights through
-        # the caches every NumPy call is slow
-        # (docs/perf-log/cpu-anchors.md#2026-11-26-cycle-counter-pages-in-runs-key-halves).
-        token_ids: list[int] = []
-        starts = [0]
-        for c in chunks:
-            token_ids += c.seq.token_ids[c.start:c.start + c.num_tokens]
-            starts.append(starts[-1] + c.num_tokens)
-        # Chunks whose every row returns logits: a prompt whose logprobs are wanted (rare: the
-        # flag's absence keeps every other step as it was).
-        every = [self._scores_prompt(c) for c in chunks]
-        scoring = any(every)
-        batch = ForwardBatch(
-            token_ids=np.array(token_ids, dtype=np.int32),
-            query_starts=np.array(starts, dtype=np.int32),
-            cached_lens=np.array([c.start for c in chunks], dtype=np.int32),
-            page_table=self.kv_pool.page_table([c.seq.seq_id for c in chunks]),
-            seq_all_logits=np.array(every, dtype=np.bool_) if scoring else None,
-        )
-        rows = [i for i, c in enumerate(chunks) if c.samples]
-        sampled = [chunks[i] for i in rows]
-        # Argmax on the device when no row needs its logits: only token ids come back.
-        greedy = not scoring and not any(
-            c.seq.grammar is not None or not c.seq.request.params.is_greedy or c.seq.request.params.logprobs
-            or c.seq.sampling.modifies_logits or c.seq.stop_checker.banned_tokens() for c in sampled)
-        obs = self.observer
-        if obs is not None:
-            obs.forward_starting(sched)
-        result = (self.model.forward_greedy if greedy else self.model.forward)(batch, self.kv)
-        if obs is not None:
-            obs.forward_done(sched)
-        prompt_rows: list[tuple[ScheduledChunk, np.ndarray]] = []
-        if scoring:
-            # A row per token of the scoring chunks, one (their last) per other chunk.
-            ends = np.cumsum([c.num_tokens if e else 1 for c, e in zip(chunks, every, strict=True)])
-            prompt_rows = [(c, result[ends[i] - c.num_tokens:ends[i]]) for i, c in enumerate(chunks) if every[i]]
-            result = result[ends[rows] - 1]
-        elif len(rows) < len(chunks):  # some chunks end mid-prompt: keep the sampling rows
-            result = result[rows]
-        if greedy:
-            return ModelOutput(sampled, token_ids=result)
-        return ModelOutput(sampled, logits=result, prompt_rows=prompt_rows)
-
-    @staticmethod
-    def _scores_prompt(chunk: ScheduledChunk) -> bool:
-        """Whether ``chunk`` computes positions whose logits score a prompt token still missing a
-        logprob (its choice gathers them, and it reaches past the ones it has)."""
-        seq = chunk.seq
-        if not seq.gathers_prompt_logprobs:
-            return False
-        got = seq.request.prompt_logprobs
-        assert got is not None  # gathers_prompt_logprobs: the request asked for them
-        # Position p scores prompt token p + 1: the positions len(got) - 1 .. prompt - 2 are due.
-        return chunk.start < seq.num_prompt_tokens - 1 and chunk.start + chunk.num_tokens >= len(got)
 
     # -------------------------------------------------------------------- update
 
