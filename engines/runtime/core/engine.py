@@ -6,9 +6,10 @@
    engine stamps admissions, pins system prompts, ends what can never fit.
 2. execute: ``runner.execute`` (``core.model_runner``), one forward pass over those chunks
    (``ModelOutput``: greedy token ids computed on the device, or logits rows).
-3. ``_update``: commit the K/V written, apply grammar masks and sample, run the stop
-   rules and the detokenizer (and jump-forward); ``step`` then turns what changed into
-   one ``RequestOutput`` per touched request.
+3. ``_update``: commit the K/V written, pick the tokens (``picker``, ``core.token_picker``:
+   grammar masks and the sampler), run the stop rules and the detokenizer (and
+   jump-forward); ``step`` then turns what changed into one ``RequestOutput`` per touched
+   request.
 
 Trace events and metrics hang off those seams. The engine is single-threaded:
 ``frontend.engine_core.EngineCore`` runs the loop and ``frontend.async_engine.AsyncEngine``
@@ -49,12 +50,13 @@ from engines.runtime.core.request import (
     Sequence,
     validate_request,
 )
-from engines.runtime.core.sampler import Sampler, SamplingParams, SamplingState, TokenLogprob
+from engines.runtime.core.sampler import SamplingParams, SamplingState, TokenLogprob
 from engines.runtime.core.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from engines.runtime.core.profile_trigger import ProfileTrigger
 from engines.runtime.core.anatomy import QueueClock
 from engines.runtime.core.step_observer import StepObserver
 from engines.runtime.core.stop_checker import StopChecker
+from engines.runtime.core.token_picker import Pick, TokenPicker
 from engines.runtime.telemetry.profiler import ProfileResult, ProfileStatus
 from engines.runtime.telemetry.trace_recorder import TraceRecorder
 
@@ -82,7 +84,7 @@ class Engine:
     """One model's continuous-batching engine; single-threaded (the AsyncEngine thread owns it).
 
     Its jobs besides the step live in collaborators: ``runner`` (``ModelRunner``: the forward
-    pass), ``outputs`` (``OutputProcessor``: outputs,
+    pass), ``picker`` (``TokenPicker``: grammar masks and sampling), ``outputs`` (``OutputProcessor``: outputs,
     finished requests, gauges), ``profiling`` (``ProfilerControl``), ``kv_sender`` and
     ``kv_receiver`` (disaggregated serving, ``core.disagg``); ``observer`` (``StepObserver``)
     watches the step's seams while tracing is on or a profile runs, and is None otherwise.
@@ -114,7 +116,7 @@ class Engine:
         self.runner = ModelRunner(model, self.kv, self.kv_pool)
         self.scheduler = Scheduler(self.kv_pool, c.max_num_seqs, c.prefill_chunk_size)
         self.queue_clock = QueueClock()  # why the waiting queue waits (core.anatomy)
-        self.sampler = Sampler(self.vocab_size)
+        self.picker = TokenPicker(self.vocab_size)
         self.grammars = GrammarCompiler(self.tokenizer.tokenizer_json, self.vocab_size, checkpoint.eos_token_ids)
         self.metrics = EngineMetrics()
         self.requests: dict[str, RequestState] = {}
@@ -454,7 +456,7 @@ class Engine:
         self._score_prompts(output.prompt_rows)
         for seq in scored:
             self._finish_sequence(seq, FinishReason.LENGTH)
-        picks = self._pick_tokens(output)
+        picks = self.picker.pick(output, obs)
         if obs is not None:
             obs.lap("sampling")
         self._append_picks(output.sampled, picks)
@@ -506,77 +508,8 @@ class Engine:
                 tokens += seq.num_prompt_tokens
         return tokens
 
-    def _pick_tokens(self, output: ModelOutput) -> list[tuple[int, TokenLogprob | None] | Exception]:
-        """(token, logprob) per sampling row: the device's argmax, or the sampler's draw under the
-        row's grammar mask.
-
-        A row whose grammar failed to give a mask gets the exception instead: that request fails
-        alone (``_update``), the rest of the batch samples as usual.
-        """
-        if output.token_ids is not None:
-            return [(int(t), None) for t in output.token_ids]
-        sampled, logits = output.sampled, output.logits
-        assert logits is not None, "a step's output holds token ids or logits"
-        masks, failures = self._grammar_masks(sampled)
-        self._ban_early_stops(sampled, masks)
-        obs = self.observer
-        if obs is not None:
-            obs.lap("grammar")
-            sample_ids = [c.seq.request.request_id for c in sampled]
-            obs.event(sample_ids, "start sampling")
-        picked = self.sampler.sample(logits, [c.seq.sampling for c in sampled], masks)
-        if obs is not None:
-            obs.event(sample_ids, "finish sampling")
-        return [failures[i] if i in failures
-                else (int(picked.token_ids[i]), picked.logprobs[i] if picked.logprobs else None)
-                for i in range(len(sampled))]
-
-    def _grammar_masks(self, sampled: list[ScheduledChunk]) -> tuple[list[np.ndarray | None], dict[int, Exception]]:
-        """Each row's allowed next tokens (``None``: no grammar), and the rows whose grammar failed."""
-        masks: list[np.ndarray | None] = [None] * len(sampled)
-        failures: dict[int, Exception] = {}
-        grammars = {i: c.seq.grammar for i, c in enumerate(sampled) if c.seq.grammar is not None}
-        grammar_rows = list(grammars)
-        if not grammar_rows:
-            return masks, failures
-        obs = self.observer
-        if obs is not None:
-            grammar_ids = [sampled[i].seq.request.request_id for i in grammar_rows]
-            obs.event(grammar_ids, "start apply logit mask")
-        rows_mask = np.empty((len(grammar_rows), self.vocab_size), dtype=np.bool_)
-        for j, i in enumerate(grammar_rows):
-            t0 = time.perf_counter()
-            try:
-                grammars[i].fill_mask(rows_mask[j])
-                if not rows_mask[j].any():  # the sampler would fail the whole batch on this row
-                    raise GrammarError("the grammar allows no next token")
-            except Exception as e:  # noqa: BLE001 - fails this request alone; its row samples unmasked, unused
-                failures[i] = e
-                continue
-            masks[i] = rows_mask[j]
-            sampled[i].seq.request.anatomy.grammar_pending += time.perf_counter() - t0
-        if obs is not None:
-            obs.event(grammar_ids, "finish apply logit mask")
-        return masks, failures
-
-    def _ban_early_stops(self, sampled: list[ScheduledChunk], masks: list[np.ndarray | None]) -> None:
-        """``min_tokens``: no EOS or stop token among a choice's first ``min_tokens`` tokens (vLLM
-        bans them from sampling too). A grammar that allows nothing else keeps its mask: its end wins."""
-        for i, chunk in enumerate(sampled):
-            banned = chunk.seq.stop_checker.banned_tokens()
-            if not banned:
-                continue
-            ids = np.fromiter((t for t in banned if t < self.vocab_size), dtype=np.int64)
-            mask = masks[i]
-            if mask is None:
-                mask = masks[i] = np.ones(self.vocab_size, dtype=np.bool_)
-            allowed = mask[ids].copy()
-            mask[ids] = False
-            if not mask.any():
-                mask[ids] = allowed
-
     def _append_picks(self, sampled: list[ScheduledChunk],
-                      picks: list[tuple[int, TokenLogprob | None] | Exception]) -> None:
+                      picks: list[Pick]) -> None:
         """Give each sampling choice its token: stop rules, detokenization, jump-forward, failures."""
         now = time.perf_counter()
         gaps = []
