@@ -212,7 +212,7 @@ class Engine:
             return None
         for seq in state.sequences:
             if not seq.finished:
-                self._finish_sequence(seq, FinishReason.ABORT)
+                self.outputs.finish(seq, FinishReason.ABORT)
         out = self.outputs.collect(state)
         self.outputs.update_gauges()
         return out
@@ -307,7 +307,7 @@ class Engine:
             self.observer.event(seq.request.request_id, "kv send", {
                 "begin": block.begin, "end": block.end, "bytes": block.nbytes,
                 "device": not isinstance(block.k, np.ndarray)})
-        self._finish_sequence(seq, FinishReason.STOP, flush=False)
+        self.outputs.finish(seq, FinishReason.STOP, flush=False)
 
     # ------------------------------------------------------------------- profiling
 
@@ -397,14 +397,14 @@ class Engine:
             seq.request.anatomy.was_preempted()
             if seq.kv_send is not None or seq.request.request.kv_window_begin is not None:
                 # As MLC: a disaggregated request is not recomputed here; the router retries it.
-                self._finish_sequence(seq, FinishReason.PREEMPT)
+                self.outputs.finish(seq, FinishReason.PREEMPT)
         for seq in sched.out_of_pages:
             # As at the context limit: the pool, less its pinned pages, is this sequence's limit.
             logger.warning("request %s: the KV cache, less its %d pinned pages, cannot hold the %d tokens of "
                            "choice %d; it ends with 'length'. Reset the engine to unpin system prompts, or "
                            "start it with more pages.", seq.request.request_id, self.kv_pool.num_pinned_pages,
                            len(seq.token_ids), seq.index)
-            self._finish_sequence(seq, FinishReason.LENGTH)
+            self.outputs.finish(seq, FinishReason.LENGTH)
         return sched
 
     def _charge_anatomy(self, sched: SchedulerOutput, start: float, end: float) -> None:
@@ -455,7 +455,7 @@ class Engine:
             obs.lap("commit")
         self._score_prompts(output.prompt_rows)
         for seq in scored:
-            self._finish_sequence(seq, FinishReason.LENGTH)
+            self.outputs.finish(seq, FinishReason.LENGTH)
         picks = self.picker.pick(output, obs)
         if obs is not None:
             obs.lap("sampling")
@@ -595,15 +595,15 @@ class Engine:
         seq.pending_text += check.text
         if check.finish_reason is FinishReason.STOP:
             # Nothing to flush: the stop token took the rest, and what follows a stop string is dropped.
-            self._finish_sequence(seq, FinishReason.STOP, flush=False)
+            self.outputs.finish(seq, FinishReason.STOP, flush=False)
             return True
         # Before the length limit: output the grammar completes on its last allowed
         # token is whole, and "length" would tell the client it was cut.
         if seq.grammar is not None and seq.grammar.is_finished():
-            self._finish_sequence(seq, FinishReason.STOP)
+            self.outputs.finish(seq, FinishReason.STOP)
             return True
         if check.finish_reason is not None:
-            self._finish_sequence(seq, check.finish_reason)  # the last token: what the detokenizer holds is whole
+            self.outputs.finish(seq, check.finish_reason)  # the last token: what the detokenizer holds is whole
             return True
         return False
 
@@ -616,18 +616,4 @@ class Engine:
         # No flush: the detokenizer or stop checker may be what failed.
         if not any(s.finished for s in seq.request.sequences):  # a request fails once, whatever its choices
             self.metrics.on_request_failed()
-        self._finish_sequence(seq, FinishReason.ABORT, flush=False)
-
-    def _finish_sequence(self, seq: Sequence, reason: FinishReason, flush: bool = True) -> None:
-        """End a choice. ``flush``: no stop rule cut the text (grammar done, length, abort), so
-        held-back text is output."""
-        if seq.finished:
-            return
-        if flush:
-            seq.pending_text += seq.stop_checker.flush() + seq.detokenizer.finish()
-        seq.finish_reason = reason
-        self.scheduler.remove(seq)
-        state = seq.request
-        if state.finished:
-            state.finish_time = time.perf_counter()
-            del self.requests[state.request_id]
+        self.outputs.finish(seq, FinishReason.ABORT, flush=False)

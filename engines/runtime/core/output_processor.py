@@ -1,10 +1,11 @@
 """What a step's changes report, and the records they leave: the engine's outputs side.
 
-:class:`OutputProcessor` turns what each touched request's choices produced since its last
-output into one ``RequestOutput`` (text deltas, token ids, logprobs, finish reasons), accounts
-for a request whose every choice ended (usage, metrics, the recent-requests record, the trace's
-``finish``), and keeps the running/waiting and KV gauges current. Engine thread only (the
-requests in the engine now, for the dashboard, are ``live_view``'s).
+:class:`OutputProcessor` ends choices (``finish``), turns what each touched request's choices
+produced since its last output into one ``RequestOutput`` (text deltas, token ids, logprobs,
+finish reasons), accounts for a request whose every choice ended (usage, metrics, the
+recent-requests record, the trace's ``finish``), and keeps the running/waiting and KV gauges
+current. Engine thread only (the requests in the engine now, for the dashboard, are
+``live_view``'s).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from engines.runtime.core.diagnosis import AnatomyFacts, diagnose
 from engines.runtime.core.disagg.sender import describe_half
-from engines.runtime.core.request import ChoiceDelta, FinishReason, RequestOutput, RequestState
+from engines.runtime.core.request import ChoiceDelta, FinishReason, RequestOutput, RequestState, Sequence
 from engines.runtime.telemetry.flight_recorder import FlightRecorder, WorkloadRequest
 from engines.runtime.telemetry.metrics import EngineMetrics, RecentRequest, RequestMetrics
 
@@ -26,10 +27,10 @@ __all__ = ["OutputProcessor"]
 
 
 class OutputProcessor:
-    """The engine's outputs, finished requests' accounting and gauges.
+    """The engine's outputs, ending choices, finished requests' accounting and gauges.
 
     Args:
-        requests: the engine's live requests by id (shared: the engine adds and removes them).
+        requests: the engine's live requests by id (shared: the engine adds them, ``finish`` drops them).
         scheduler: whose running sequences the gauges count.
         kv_pool: whose usage the gauges show.
         metrics: the engine's metrics.
@@ -156,6 +157,21 @@ class OutputProcessor:
             "prompt_tokens_details": {"cached_tokens": state.cached_prompt_tokens},
             "extra": extra,
         }
+
+    def finish(self, seq: Sequence, reason: FinishReason, flush: bool = True) -> None:
+        """End a choice: out of the scheduler, and its request out of the engine once its every
+        choice has ended (``collect`` then accounts for it). ``flush``: no stop rule cut the text
+        (grammar done, length, abort), so held-back text is output."""
+        if seq.finished:
+            return
+        if flush:
+            seq.pending_text += seq.stop_checker.flush() + seq.detokenizer.finish()
+        seq.finish_reason = reason
+        self.scheduler.remove(seq)
+        state = seq.request
+        if state.finished:
+            state.finish_time = time.perf_counter()
+            del self.requests[state.request_id]
 
     def update_gauges(self) -> None:
         """Refresh the running/waiting and KV gauges after anything that may change them."""
