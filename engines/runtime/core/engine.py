@@ -7,9 +7,9 @@
 2. execute: ``runner.execute`` (``core.model_runner``), one forward pass over those chunks
    (``ModelOutput``: greedy token ids computed on the device, or logits rows).
 3. ``_update``: commit the K/V written, pick the tokens (``picker``, ``core.token_picker``:
-   grammar masks and the sampler), run the stop rules and the detokenizer (and
-   jump-forward); ``step`` then turns what changed into one ``RequestOutput`` per touched
-   request.
+   grammar masks and the sampler), append them (``appender``, ``core.token_appender``: the
+   stop rules, the detokenizer, jump-forward); ``step`` then turns what changed into one
+   ``RequestOutput`` per touched request (``outputs``, ``core.output_processor``).
 
 Trace events and metrics hang off those seams. The engine is single-threaded:
 ``frontend.engine_core.EngineCore`` runs the loop and ``frontend.async_engine.AsyncEngine``
@@ -44,19 +44,19 @@ from engines.runtime.core.request import (
     EngineRequestError,
     FinishReason,
     GenerationRequest,
-    GrammarMode,
     RequestOutput,
     RequestState,
     Sequence,
     validate_request,
 )
-from engines.runtime.core.sampler import SamplingParams, SamplingState, TokenLogprob
+from engines.runtime.core.sampler import SamplingParams, SamplingState
 from engines.runtime.core.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
 from engines.runtime.core.profile_trigger import ProfileTrigger
 from engines.runtime.core.anatomy import QueueClock
 from engines.runtime.core.step_observer import StepObserver
 from engines.runtime.core.stop_checker import StopChecker
-from engines.runtime.core.token_picker import Pick, TokenPicker
+from engines.runtime.core.token_appender import TokenAppender
+from engines.runtime.core.token_picker import TokenPicker
 from engines.runtime.telemetry.profiler import ProfileResult, ProfileStatus
 from engines.runtime.telemetry.trace_recorder import TraceRecorder
 
@@ -84,10 +84,12 @@ class Engine:
     """One model's continuous-batching engine; single-threaded (the AsyncEngine thread owns it).
 
     Its jobs besides the step live in collaborators: ``runner`` (``ModelRunner``: the forward
-    pass), ``picker`` (``TokenPicker``: grammar masks and sampling), ``outputs`` (``OutputProcessor``: outputs,
-    finished requests, gauges), ``profiling`` (``ProfilerControl``), ``kv_sender`` and
-    ``kv_receiver`` (disaggregated serving, ``core.disagg``); ``observer`` (``StepObserver``)
-    watches the step's seams while tracing is on or a profile runs, and is None otherwise.
+    pass), ``picker`` (``TokenPicker``: grammar masks and sampling), ``appender``
+    (``TokenAppender``: stop rules, detokenization, jump-forward), ``outputs``
+    (``OutputProcessor``: ending choices, outputs, finished requests, gauges), ``profiling``
+    (``ProfilerControl``), ``kv_sender`` and ``kv_receiver`` (disaggregated serving,
+    ``core.disagg``); ``observer`` (``StepObserver``) watches the step's seams while tracing is
+    on or a profile runs, and is None otherwise.
 
     Args:
         model: the model, weights already on its backend.
@@ -123,9 +125,9 @@ class Engine:
         # A sequence can never hold more tokens than the pool or the position table.
         self.max_seq_len = min(num_pages * c.page_size, model.config.max_position_embeddings)
         self.num_steps = 0
-        self._generated_tokens = 0  # output tokens appended in the step under way
         self.outputs = OutputProcessor(self.requests, self.scheduler, self.kv_pool, self.metrics, tracer)
         self.profiling = ProfilerControl(model, checkpoint.name, c)
+        self.appender = TokenAppender(self.eos_token_ids, self.max_seq_len, self.metrics, self.profiling, self.outputs)
         self.observer = StepObserver.watching(tracer, None)
         self.kv_sender = KVSender(self.kv, self.kv_pool, lambda: self.model_identity, model.backend_name == "cuda")
         self.kv_receiver = KVReceiver(self.kv_pool, self.kv, lambda: self.model_identity, tracer)
@@ -350,7 +352,6 @@ class Engine:
         touched = [seq.request for seq in sched.out_of_pages + sched.preempted if seq.finished]
         if sched.chunks:
             t0 = time.perf_counter()
-            self._generated_tokens = 0
             self.num_steps += 1
             output = self.runner.execute(sched, obs)
             self._charge_anatomy(sched, t0, time.perf_counter())
@@ -359,7 +360,7 @@ class Engine:
             if (armed := self.profiling.armed) is not None:
                 armed.on_step(step_s)
             self.metrics.on_step(step_s, prefill_tokens=sched.num_prefill_tokens,
-                                 decode_seqs=sched.num_decode_seqs, generated_tokens=self._generated_tokens,
+                                 decode_seqs=sched.num_decode_seqs, generated_tokens=self.appender.appended,
                                  prompt_tokens=self._prompts_completed(sched.chunks))
         outputs = self.outputs.outputs(touched)
         if obs is not None:
@@ -459,7 +460,7 @@ class Engine:
         picks = self.picker.pick(output, obs)
         if obs is not None:
             obs.lap("sampling")
-        self._append_picks(output.sampled, picks)
+        self.appender.append(output.sampled, picks, obs)
         if obs is not None:
             obs.lap("detokenization")
         return ([c.seq.request for c in output.sampled] + [seq.request for seq in sent]
@@ -507,113 +508,3 @@ class Engine:
                 state.prompt_counted = True
                 tokens += seq.num_prompt_tokens
         return tokens
-
-    def _append_picks(self, sampled: list[ScheduledChunk],
-                      picks: list[Pick]) -> None:
-        """Give each sampling choice its token: stop rules, detokenization, jump-forward, failures."""
-        now = time.perf_counter()
-        gaps = []
-        obs = self.observer
-        if obs is not None and sampled:
-            # MLC's name for the streamer's work: text deltas, stop strings, grammar state.
-            sampled_ids = [c.seq.request.request_id for c in sampled]
-            obs.event(sampled_ids, "start detokenization")
-        for chunk, picked in zip(sampled, picks, strict=True):
-            seq = chunk.seq
-            if isinstance(picked, Exception):
-                self._fail_sequence(seq, picked)
-                continue
-            if seq.last_token_time is not None:
-                gaps.append(now - seq.last_token_time)
-            seq.last_token_time = now
-            try:
-                self._append_sampled(seq, *picked)
-            except Exception as e:  # noqa: BLE001 - a grammar or tokenizer error fails its request, not the engine
-                self._fail_sequence(seq, e)
-        if obs is not None and sampled:
-            obs.event(sampled_ids, "finish detokenization")
-        self.metrics.on_token_gaps(gaps)
-
-    def _append_sampled(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> None:
-        """Add a sampled token (and any tokens the grammar then forces) and check every stop rule."""
-        state = seq.request
-        now = time.perf_counter()
-        if state.first_token_time is None:
-            state.first_token_time = now
-            self.metrics.on_first_token(now - state.arrival_time)
-            if (armed := self.profiling.armed) is not None:
-                armed.on_first_token(now - state.arrival_time, now)
-            if self.observer is not None:
-                self.observer.event(state.request_id, "first token")
-        if self._accept_token(seq, token, logprob) or seq.grammar is None:
-            return
-        # As MLC: jump-forward only when asked (the default) and no logprobs are wanted,
-        # since forced tokens are never sampled and so have none.
-        if state.request.grammar_mode is GrammarMode.CONSTRAINT or state.params.logprobs:
-            return
-        forced = seq.grammar.forced_tokens()
-        if not forced:
-            return
-        t0 = time.perf_counter()
-        budget = self._remaining_tokens(seq)
-        forced = forced[:budget]
-        seq.sampling.record_output(forced)
-        accepted = 0
-        for t in forced:
-            accepted += 1
-            if self._accept_token(seq, t, None):
-                break  # a stop rule fired: the rest of the run is never output, so not counted
-        state.jump_forward_tokens += accepted
-        self.metrics.on_jump_forward(time.perf_counter() - t0, accepted)
-        if self.observer is not None:
-            self.observer.event(state.request_id, "jump forward", {"tokens": accepted})
-
-    def _remaining_tokens(self, seq: Sequence) -> int:
-        """Output tokens the choice may still add before max_tokens or the context ends it."""
-        limit = self.max_seq_len - len(seq.token_ids)
-        max_tokens = seq.request.params.max_tokens
-        if max_tokens is not None:
-            limit = min(limit, max_tokens - seq.num_output_tokens)
-        return max(limit, 0)
-
-    def _accept_token(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> bool:
-        """Append one output token; finish the choice if a stop rule fires. Returns True if finished."""
-        self._generated_tokens += 1
-        seq.token_ids.append(token)
-        seq.pending_ids.append(token)
-        if logprob is not None:
-            seq.pending_logprobs.append(logprob)
-        if seq.grammar is not None and token not in self.eos_token_ids:
-            seq.grammar.consume([token])
-        if seq.stop_checker.is_stop_token(token):
-            # Its own text is never output, so the detokenizer never sees it; what the
-            # tokens before it held back (an unfinished byte-fallback run) is complete now.
-            text = seq.detokenizer.finish()
-        else:
-            text = seq.detokenizer.add(token)
-        check = seq.stop_checker.step(token, text)
-        seq.pending_text += check.text
-        if check.finish_reason is FinishReason.STOP:
-            # Nothing to flush: the stop token took the rest, and what follows a stop string is dropped.
-            self.outputs.finish(seq, FinishReason.STOP, flush=False)
-            return True
-        # Before the length limit: output the grammar completes on its last allowed
-        # token is whole, and "length" would tell the client it was cut.
-        if seq.grammar is not None and seq.grammar.is_finished():
-            self.outputs.finish(seq, FinishReason.STOP)
-            return True
-        if check.finish_reason is not None:
-            self.outputs.finish(seq, check.finish_reason)  # the last token: what the detokenizer holds is whole
-            return True
-        return False
-
-    def _fail_sequence(self, seq: Sequence, error: Exception) -> None:
-        """Abort a choice whose update raised (grammar, tokenizer); the engine serves on."""
-        rid = seq.request.request_id
-        logger.error("request %s (choice %d) failed and is aborted: %r", rid, seq.index, error, exc_info=error)
-        if self.observer is not None:
-            self.observer.event(rid, "request error", {"error": f"{type(error).__name__}: {error}"})
-        # No flush: the detokenizer or stop checker may be what failed.
-        if not any(s.finished for s in seq.request.sequences):  # a request fails once, whatever its choices
-            self.metrics.on_request_failed()
-        self.outputs.finish(seq, FinishReason.ABORT, flush=False)
