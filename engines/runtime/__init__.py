@@ -108,8 +108,8 @@ _EXPORTS: dict[str, str] = {
     "measure_host_bandwidth": "telemetry.profiler",
     "epoch_anchor_ns": "telemetry.trace_recorder",
     "EngineMetrics": "telemetry.metrics",
-    "HistogramSnapshot": "telemetry.metrics",
-    "LatencyDistribution": "telemetry.metrics",
+    "HistogramSnapshot": "telemetry.latency_distribution",
+    "LatencyDistribution": "telemetry.latency_distribution",
     "NOW_WINDOW_S": "telemetry.metrics",
     "WORKLOAD_FORMAT": "telemetry.flight_recorder",
     "WORKLOAD_VERSION": "telemetry.flight_recorder",
@@ -168,7 +168,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time the names resolve l
     from engines.runtime.model.llama import LlamaModel
     from engines.runtime.model.tokenizer import ChatTemplateError, Tokenizer
     from engines.runtime.telemetry.flight_recorder import WORKLOAD_FORMAT, WORKLOAD_VERSION
-    from engines.runtime.telemetry.metrics import NOW_WINDOW_S, EngineMetrics, HistogramSnapshot, LatencyDistribution
+    from engines.runtime.telemetry.latency_distribution import HistogramSnapshot, LatencyDistribution
+    from engines.runtime.telemetry.metrics import NOW_WINDOW_S, EngineMetrics
     from engines.runtime.telemetry.profiler import ProfiledBackend, ProfileResult, ProfilerStateError, \
         ProfileStatus, StepProfiler, measure_host_bandwidth
     from engines.runtime.telemetry.trace_recorder import TraceDelta, TraceRecorder, epoch_anchor_ns

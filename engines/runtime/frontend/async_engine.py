@@ -73,7 +73,7 @@ from engines.runtime.frontend.transports import ProcessTransport, ThreadTranspor
 from engines.runtime.model.checkpoint import Checkpoint
 from engines.runtime.telemetry import trace_recorder as trace_clock
 from engines.runtime.telemetry.flight_recorder import Workload
-from engines.runtime.telemetry.metrics import HistogramSnapshot
+from engines.runtime.telemetry.latency_distribution import HistogramSnapshot
 from engines.runtime.telemetry.trace_recorder import TraceDelta
 from engines.runtime.telemetry.profiler import ProfileResult, ProfileStatus
 

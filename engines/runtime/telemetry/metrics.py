@@ -27,15 +27,11 @@ MLC semantics kept on purpose (``docs/reference.md``, "Engine metrics"):
 
 Fixed: a reset zeroes every field of ``last_finished_request`` (MLC left some stale).
 
-Latency distributions (TTFT, inter-token latency, end-to-end, queue time) take bounded memory:
-count, sum, min and max are exact since the last reset; p50/p90/p99 are over the most recent
-``latency_window`` requests (a ring buffer: a live server's "now" matters more than its first
-hour), and ``last_60s`` / ``last_300s`` over those of them observed in the last minute and five
-minutes (what the dashboard shows: an outage an hour ago no longer holds a p99 up); and bucket
-counts with vLLM's boundaries (:data:`TTFT_BUCKETS`, ...) are exact since the reset, so the server
-can expose real Prometheus histograms (:meth:`EngineMetrics.histograms`). A request's TTFT is
-observed when its first token comes (:meth:`EngineMetrics.on_first_token`), as vLLM's histogram
-is, not when it finishes: a burst's TTFTs count while its streams still run.
+Latency distributions (TTFT, inter-token latency, end-to-end, queue time) take bounded memory
+(``telemetry.latency_distribution``), with vLLM's bucket boundaries (:data:`TTFT_BUCKETS`, ...), so
+the server can expose real Prometheus histograms (:meth:`EngineMetrics.histograms`). A request's
+TTFT is observed when its first token comes (:meth:`EngineMetrics.on_first_token`), as vLLM's
+histogram is, not when it finishes: a burst's TTFTs count while its streams still run.
 
 Times are ``time.perf_counter()`` seconds. Updates come from the engine thread and reads from
 server threads; one lock, held for a few attribute updates, makes that safe.
@@ -46,16 +42,16 @@ import dataclasses
 import math
 import threading
 import time
-from bisect import bisect_left
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
+from engines.runtime.telemetry.latency_distribution import (DEFAULT_LATENCY_WINDOW, HistogramSnapshot,
+                                                            LatencyDistribution, summarize)
 
 __all__ = [
-    "RequestMetrics", "EngineMetrics", "TimeCost", "LatencyDistribution", "HistogramSnapshot", "StepRecord",
+    "RequestMetrics", "EngineMetrics", "TimeCost", "StepRecord",
     "NOW_WINDOW_S", "now_rates", "TTFT_BUCKETS", "INTER_TOKEN_LATENCY_BUCKETS", "REQUEST_LATENCY_BUCKETS",
 ]
 
@@ -74,7 +70,6 @@ REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
     240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 DEFAULT_MAX_TRACKED_BATCH_SIZE = 64
-DEFAULT_LATENCY_WINDOW = 4096
 #: Seconds of steps the ``now`` rates are over: a step takes 0.01-3 s, so a window of a few steps
 #: would jump by a step's worth (a 0.5 s sample of 0.26 s steps read 0, 15 or 31 tok/s).
 NOW_WINDOW_S = 5.0
@@ -228,117 +223,6 @@ class TimeCost:
         if self.count:
             out["mean"] = _finite(self.sum / self.count)
         return out
-
-
-@dataclass(frozen=True)
-class HistogramSnapshot:
-    """Bucket counts of one distribution, ready for a Prometheus histogram.
-
-    ``bucket_counts[i]`` counts observations ``<= bounds[i]`` and ``> bounds[i-1]``; the last
-    entry counts those above every bound (the ``+Inf`` bucket's own share).
-    """
-
-    bounds: tuple[float, ...]
-    bucket_counts: tuple[int, ...]
-    sum: float
-    count: int
-
-    def cumulative(self) -> list[tuple[float, int]]:
-        """Prometheus ``(le, cumulative count)`` pairs, ending with ``(math.inf, count)``."""
-        out = []
-        total = 0
-        for le, n in zip((*self.bounds, math.inf), self.bucket_counts, strict=True):
-            total += n
-            out.append((le, total))
-        return out
-
-    def as_dict(self) -> dict[str, Any]:
-        """JSON-ready: ``le`` of the last bucket is the string ``"+Inf"`` (JSON has no inf)."""
-        return {
-            "buckets": [["+Inf" if math.isinf(le) else le, n] for le, n in self.cumulative()],
-            "sum": self.sum,
-            "count": self.count,
-        }
-
-
-class LatencyDistribution:
-    """One latency's distribution in bounded memory.
-
-    Exact since the last reset: count, sum, min, max and bucket counts over ``bounds``.
-    Percentiles: over the most recent ``window`` observations (ring buffer). Not thread-safe
-    on its own: :class:`EngineMetrics` guards it with its lock.
-    """
-
-    __slots__ = ("bounds", "window", "count", "sum", "min", "max", "_buckets", "_recent", "_recent_at")
-
-    def __init__(self, bounds: Sequence[float], window: int = DEFAULT_LATENCY_WINDOW) -> None:
-        if list(bounds) != sorted(bounds) or not all(math.isfinite(b) for b in bounds):
-            raise ValueError(f"histogram bounds must be finite and increasing, got {bounds!r}")
-        if window < 1:
-            raise ValueError(f"latency window must be at least 1, got {window}")
-        self.bounds = tuple(float(b) for b in bounds)
-        self.window = window
-        self._recent = np.zeros(window, np.float64)
-        self._recent_at = np.zeros(window, np.float64)  # when each was observed (perf_counter seconds)
-        self.reset()
-
-    def reset(self) -> None:
-        self.count = 0
-        self.sum = 0.0
-        self.min = 0.0
-        self.max = 0.0
-        self._buckets = [0] * (len(self.bounds) + 1)
-
-    def observe(self, seconds: float, at: float | None = None) -> None:
-        """Add one observation, made at ``at`` (``time.perf_counter()``, default now); non-finite
-        values are ignored (they'd poison every statistic)."""
-        if not math.isfinite(seconds):
-            return
-        if self.count == 0 or seconds < self.min:
-            self.min = seconds
-        if self.count == 0 or seconds > self.max:
-            self.max = seconds
-        self._recent[self.count % self.window] = seconds
-        self._recent_at[self.count % self.window] = time.perf_counter() if at is None else at
-        self.count += 1
-        self.sum += seconds
-        self._buckets[bisect_left(self.bounds, seconds)] += 1
-
-    def snapshot(self) -> tuple[int, float, float, float, np.ndarray, np.ndarray]:
-        """``(count, sum, min, max, recent, recent_at)``, copies of the (at most ``window``)
-        observations the percentiles are over and of when each was made: cheap, under a lock."""
-        held = min(self.count, self.window)
-        return self.count, self.sum, self.min, self.max, self._recent[:held].copy(), self._recent_at[:held].copy()
-
-    def summary(self, now: float | None = None) -> dict[str, Any]:
-        """``count``, ``sum``, ``mean``, ``min``, ``max`` (since reset), ``p50``/``p90``/``p99``
-        (numpy's linear interpolation over the recent window; 0.0 when empty), and ``last_60s`` /
-        ``last_300s``: ``count``, ``p50``, ``p99`` of the observations made in the last minute and
-        five minutes before ``now`` (``time.perf_counter()``, default now)."""
-        return _summary(*self.snapshot(), now=now)
-
-    def histogram(self) -> HistogramSnapshot:
-        return HistogramSnapshot(self.bounds, tuple(self._buckets), self.sum, self.count)
-
-
-#: The recent windows a distribution's summary gives percentiles over (seconds).
-RECENT_WINDOWS_S = (60, 300)
-
-
-def _summary(count: int, total: float, lo: float, hi: float, recent: np.ndarray, recent_at: np.ndarray,
-             now: float | None = None) -> dict[str, Any]:
-    if recent.size:
-        p50, p90, p99 = (float(v) for v in np.percentile(recent, (50.0, 90.0, 99.0)))
-    else:
-        p50 = p90 = p99 = 0.0
-    out: dict[str, Any] = {"count": count, "sum": total, "mean": total / count if count else 0.0,
-                           "min": lo, "max": hi, "p50": p50, "p90": p90, "p99": p99}
-    now = time.perf_counter() if now is None else now
-    for seconds in RECENT_WINDOWS_S:
-        window = recent[recent_at >= now - seconds]
-        p50_w, p99_w = (float(v) for v in np.percentile(window, (50.0, 99.0))) if window.size else (0.0, 0.0)
-        out[f"last_{seconds}s"] = {"count": int(window.size), "p50": p50_w, "p99": p99_w}
-    return out
 
 
 # ---------------------------------------------------------------------- engine-wide
@@ -644,10 +528,11 @@ class EngineMetrics:
             })
             snapshots = {key: d.snapshot() for key, d in self._distributions.items()}
             steps, since = list(self._steps), self._counting_since
-        out["now"] = now_rates(steps, time.perf_counter(), since=since)
+        now = time.perf_counter()
+        out["now"] = now_rates(steps, now, since=since)
         # Percentiles outside the lock: the engine thread shouldn't wait on numpy.
         for key, snap in snapshots.items():
-            out[key] = _summary(*snap)
+            out[key] = summarize(*snap, now=now)
         return _sanitize(out)
 
     def histograms(self) -> dict[str, HistogramSnapshot]:

@@ -9,9 +9,9 @@ import numpy as np
 import orjson
 import pytest
 
+from engines.runtime.telemetry.latency_distribution import LatencyDistribution
 from engines.runtime.telemetry.metrics import (
-    INTER_TOKEN_LATENCY_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, EngineMetrics,
-    LatencyDistribution, RequestMetrics, TimeCost,
+    INTER_TOKEN_LATENCY_BUCKETS, REQUEST_LATENCY_BUCKETS, TTFT_BUCKETS, EngineMetrics, RequestMetrics, TimeCost,
 )
 
 MLC_REQUEST_KEYS = ["prompt_tokens", "completion_tokens", "prefill_tokens", "decode_tokens",
