@@ -21,14 +21,14 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from typing import Any
 
 from engines.runtime.core.engine import Engine, EngineConfig
 from engines.runtime.core.kv_sizing import KVCacheSize
 from engines.runtime.core.disagg.kv_http import KVListenSpec
 from engines.runtime.core.disagg.transfer import KVBlock, KVReceipt
-from engines.runtime.core.request import ChoiceDelta, EngineRequestError, GenerationRequest, RequestOutput, \
+from engines.runtime.core.request import EngineRequestError, GenerationRequest, RequestOutput, \
     validate_request
 from engines.runtime.frontend.engine_core import EngineCore, create_engine, engine_info, shorten_gil_switch
 from engines.runtime.core.live_view import DEFAULT_KV_ENTRIES, DEFAULT_LIVE_LIMIT, KVCacheDump, LiveRequests
@@ -67,6 +67,7 @@ from engines.runtime.frontend.messages import (
     StepOutputs,
     TraceSinceCall,
 )
+from engines.runtime.frontend.output_streams import OutputStreams
 from engines.runtime.frontend.progress_board import ProgressBoard, ProgressCounts
 from engines.runtime.frontend.supervision import EngineState, EngineStatus, RestartPolicy, Supervisor
 from engines.runtime.frontend.transports import ProcessTransport, ThreadTransport
@@ -79,7 +80,7 @@ from engines.runtime.telemetry.profiler import ProfileResult, ProfileStatus
 
 logger = logging.getLogger("engines.runtime")
 
-__all__ = ["AsyncEngine", "EngineDeadError", "merge_outputs"]
+__all__ = ["AsyncEngine", "EngineDeadError"]
 
 # How long a request waits for the abort of an abandoned request with the same id.
 ABORT_WAIT_S = 10.0
@@ -120,7 +121,7 @@ class AsyncEngine:
         self.config = config or EngineConfig()
         self.process = process
         self.error: BaseException | None = None
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams = OutputStreams()
         # Ids of abandoned streams whose abort the engine has not confirmed yet: a new request with
         # the same id waits, or the old request's last output would land in its stream.
         self._aborting: set[str] = set()
@@ -236,7 +237,7 @@ class AsyncEngine:
 
     def stream_ids(self) -> list[str]:
         """The ids of the requests whose outputs this server waits on (from any thread)."""
-        return list(self._streams)
+        return self._streams.ids()
 
     def progress(self) -> ProgressCounts:
         """How far the engine loop got (its board), from any thread, whatever state the engine
@@ -294,7 +295,6 @@ class AsyncEngine:
         if request.arrival_time is None:  # a caller without a server's stamp: it arrives now
             request.arrival_time = time.perf_counter()
         loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue = asyncio.Queue()
         rid = request.request_id
         deadline = loop.time() + ABORT_WAIT_S
         while rid in self._aborting and self.is_alive and loop.time() < deadline:
@@ -304,12 +304,12 @@ class AsyncEngine:
             raise EngineRequestError(f"request id {rid!r} is still being aborted")
         if rid in self._streams:
             raise EngineRequestError(f"request id {rid!r} is already running")
-        self._streams[rid] = (loop, outputs)
+        outputs = self._streams.open(rid)
         try:
             # Again, now that a dying engine would see this stream and fail it.
             self._check_alive()
         except EngineDeadError:
-            self._streams.pop(rid, None)
+            self._streams.release(rid, outputs)
             raise
         finished = False
         try:
@@ -317,19 +317,15 @@ class AsyncEngine:
             # dying, so the caller can never wait on an add that will not happen.
             self._send(AddRequest(request))
             while True:
-                batch = [await outputs.get()]
                 # A consumer that fell behind (a busy event loop, a slow client) gets what is
                 # waiting as one merged output: one SSE chunk instead of one per token.
-                while not outputs.empty() and not isinstance(batch[-1], BaseException):
-                    batch.append(outputs.get_nowait())
-                error = batch.pop() if isinstance(batch[-1], BaseException) else None
-                if batch:
-                    item = merge_outputs(batch)
+                item, error = await self._streams.next_batch(outputs)
+                if item is not None:
                     if item.finished:
                         # The id is free once the request is over, not only once the
                         # consumer closes this generator (it may hold it for a while).
                         finished = True
-                        self._release_stream(rid, outputs)
+                        self._streams.release(rid, outputs)
                     yield item
                     if finished:
                         return
@@ -337,16 +333,10 @@ class AsyncEngine:
                     finished = True
                     raise error
         finally:
-            self._release_stream(rid, outputs)
+            self._streams.release(rid, outputs)
             if not finished:
                 self._aborting.add(rid)
                 self._abort_quietly(rid)
-
-    def _release_stream(self, rid: str, outputs: asyncio.Queue) -> None:
-        """Forget the stream of ``rid`` if it is still this one (a later request may reuse the id)."""
-        stream = self._streams.get(rid)
-        if stream is not None and stream[1] is outputs:
-            del self._streams[rid]
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its stream ends with finish reason ``abort``. A no-op on a dead engine."""
@@ -549,7 +539,7 @@ class AsyncEngine:
             return  # from a transport already replaced: its streams and calls were failed then
         match message:
             case StepOutputs(outputs):
-                self._deliver(outputs)
+                self._streams.deliver(outputs)
             case Reply(call_id, ok, value):
                 future = self._calls.pop(call_id, None)
                 if future is not None and not future.done():
@@ -560,9 +550,7 @@ class AsyncEngine:
             case Aborted(request_id):
                 self._aborting.discard(request_id)
             case Rejected(request_id, error):
-                stream = self._streams.get(request_id)
-                if stream is not None:
-                    _put_threadsafe(stream[0], [(stream[1], error)])
+                self._streams.fail(request_id, error)
             case Dead(reason):
                 self._die(reason)
             case _:
@@ -578,8 +566,7 @@ class AsyncEngine:
 
     def _fail_pending(self, err: EngineDeadError) -> None:
         """End every open stream and pending call with ``err``."""
-        for loop, q in list(self._streams.values()):
-            _put_threadsafe(loop, [(q, err)])
+        self._streams.fail_all(err)
         self._fail_calls(err)
 
     def _fail_calls(self, err: EngineDeadError | None = None) -> None:
@@ -588,48 +575,3 @@ class AsyncEngine:
             future = self._calls.pop(call_id, None)
             if future is not None and not future.done():
                 future.set_exception(err)
-
-    def _deliver(self, outputs: Iterable[RequestOutput]) -> None:
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is not None:
-                by_loop.setdefault(stream[0], []).append((stream[1], out))
-        # One wake-up per event loop per step, not one per request.
-        for loop, items in by_loop.items():
-            _put_threadsafe(loop, items)
-
-
-def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
-    """Join consecutive outputs of one request into one (texts, tokens and logprobs appended)."""
-    if len(outputs) == 1:
-        return outputs[0]
-    merged: dict[int, ChoiceDelta] = {}
-    for out in outputs:
-        for c in out.choices:
-            m = merged.get(c.index)
-            if m is None:
-                merged[c.index] = ChoiceDelta(c.index, c.text, list(c.token_ids),
-                                              None if c.logprobs is None else list(c.logprobs), c.finish_reason)
-                continue
-            m.text += c.text
-            m.token_ids.extend(c.token_ids)
-            if c.logprobs is not None:
-                m.logprobs = (m.logprobs or []) + list(c.logprobs)
-            m.finish_reason = c.finish_reason or m.finish_reason
-    last = outputs[-1]
-    prompt_logprobs = next((out.prompt_logprobs for out in outputs if out.prompt_logprobs is not None), None)
-    return RequestOutput(last.request_id, [merged[i] for i in sorted(merged)], last.usage, last.kv_block,
-                         last.kv_delivery, last.cached_prompt_tokens, prompt_logprobs, last.times)
-
-
-def _put_threadsafe(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, Any]]) -> None:
-    try:
-        loop.call_soon_threadsafe(_put_all, items)
-    except RuntimeError:  # the caller's loop closed; nobody is listening
-        pass
-
-
-def _put_all(items: list[tuple[asyncio.Queue, Any]]) -> None:
-    for q, item in items:
-        q.put_nowait(item)

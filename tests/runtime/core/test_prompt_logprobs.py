@@ -200,7 +200,7 @@ def test_merged_outputs_keep_the_prompt_logprobs() -> None:
     on the first of them, survive."""
     from engines.runtime.core.request import ChoiceDelta, RequestOutput
     from engines.runtime.core.sampler import TokenLogprob
-    from engines.runtime.frontend.async_engine import merge_outputs
+    from engines.runtime.frontend.output_streams import merge_outputs
 
     scores = [None, TokenLogprob(7, -1.5)]
     first = RequestOutput("r", [ChoiceDelta(0, "a", [1], None, None)], prompt_logprobs=scores)
