@@ -37,6 +37,28 @@ BENCHMARKS = REPO / "BENCHMARKS.md"
 BLOCK = re.compile(r"(<!-- bench_report: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /bench_report -->)", re.S)
 
 
+#: The short name each machine goes by in the tables and their lists of runs, by the name it was
+#: recorded under (``Result.machine_name``): the long names, a row each, made the page a third
+#: longer. BENCHMARKS.md's machines table gives both. A machine not listed shows its recorded name.
+MACHINE_LABELS: dict[str, str] = {
+    "AMD EPYC (Zen 5, family 26 model 2)": "Zen 5",
+    "AMD EPYC (Zen 5, family 26)": "Zen 5 (family 26)",
+    "AMD EPYC (Zen 4, family 25 model 17)": "Zen 4",
+    "AMD EPYC (Zen 3, family 25 model 1)": "Zen 3",
+    "Intel Xeon (Emerald Rapids, family 6 model 207)": "Emerald Rapids",
+    "Intel Xeon (AMX, family 6 model 167)": "Xeon AMX",
+    "Intel Xeon (family 6 model 167)": "Xeon (model 167)",
+    "2-core x86-64 (model not recorded)": "2-core x86-64",
+    "NVIDIA H100 80GB HBM3": "H100",
+    "NVIDIA H200": "H200",
+}
+
+
+def machine_label(name: str) -> str:
+    """What the tables call the machine recorded as ``name``."""
+    return MACHINE_LABELS.get(name, name)
+
+
 @dataclass(frozen=True, eq=False)
 class Result:
     """One figure of a results file, and its place among all the figures read (later is newer on a tie)."""
@@ -68,11 +90,12 @@ class Result:
         return self.machine_name, self.date, self.commit, self.command
 
     def field(self, name: str) -> str:
-        """A field as a table shows it: ``metric``, ``machine``, or a parameter (empty when absent)."""
+        """A field as a table shows it: ``metric``, ``machine`` (its label), or a parameter (empty
+        when absent)."""
         if name == "metric":
             return self.metric
         if name == "machine":
-            return self.machine_name
+            return machine_label(self.machine_name)
         value = self.params.get(name)
         if isinstance(value, bool):
             return "yes" if value else "no"
@@ -136,11 +159,12 @@ class View:
         return self.metrics if name == "metric" else tuple(self.where.get(name, ()))
 
 
-ZEN5 = "AMD EPYC (Zen 5, family 26)"
-ZEN4 = "AMD EPYC (Zen 4, family 25 model 17)"
-ZEN3 = "AMD EPYC (Zen 3, family 25 model 1)"
-EMERALD_RAPIDS = "Intel Xeon (Emerald Rapids, family 6 model 207)"
-XEON_AMX = "Intel Xeon (AMX, family 6 model 167)"
+ZEN5 = machine_label("AMD EPYC (Zen 5, family 26)")
+ZEN5_2 = machine_label("AMD EPYC (Zen 5, family 26 model 2)")
+ZEN4 = machine_label("AMD EPYC (Zen 4, family 25 model 17)")
+ZEN3 = machine_label("AMD EPYC (Zen 3, family 25 model 1)")
+EMERALD_RAPIDS = machine_label("Intel Xeon (Emerald Rapids, family 6 model 207)")
+XEON_AMX = machine_label("Intel Xeon (AMX, family 6 model 167)")
 ANCHOR_COLUMNS = ("ours", "CTranslate2", "transformers", "ours/CT2")
 
 VIEWS = (
@@ -181,7 +205,7 @@ VIEWS = (
          metrics=("requests/s", "vs off", "off path a request", "span work a request")),
     View("watchdog", "watchdog_overhead", ("machine", "threads", "watchdog"),
          metrics=("decode", "on/off", "board writes a step", "a poll", "cost from the parts")),
-    View("metrics-truth", "metrics_truth", ("machine", "model", "source", "metric"), columns=("concurrency",)),
+    View("metrics-truth", "metrics_truth", ("model", "source", "metric"), columns=("machine", "concurrency")),
     View("tools", "tools", ("machine", "tool", "metric"), columns=(),
          metrics=("ttft mean", "ttft p99", "itl mean", "request latency mean", "output tokens/s", "requests/s",
                   "output tokens per request", "acc", "acc_norm")),
@@ -205,9 +229,13 @@ VIEWS = (
                   "quantized of read")),
     View("quantized-matmul", "quantized_matmul", ("machine", "weights", "batch", "new_tokens"),
          metrics=("engine decode",)),
-    View("gguf-vs-llamacpp", "gguf_vs_llamacpp", ("machine", "threads", "file", "cell"),
-         metrics=("ours", "llama.cpp", "ours/llama.cpp")),
-    View("gguf-vs-llamacpp", "gguf_vs_llamacpp", ("machine", "threads", "file", "prompt", "new_tokens"),
+    # Ours/llama.cpp on each machine, then the tok/s and the accuracy on one (as the CPU anchors').
+    View("gguf-vs-llamacpp", "gguf_vs_llamacpp", ("threads", "file", "cell"), columns=("machine",),
+         metrics=("ours/llama.cpp",), where={"machine": (ZEN5_2, ZEN4, ZEN3, EMERALD_RAPIDS, XEON_AMX)}),
+    View("gguf-vs-llamacpp", "gguf_vs_llamacpp", ("threads", "file", "cell"),
+         metrics=("ours", "llama.cpp", "ours/llama.cpp"), where={"machine": (ZEN5_2,)}),
+    View("gguf-vs-llamacpp", "gguf_vs_llamacpp", ("threads", "file", "prompt", "new_tokens"),
+         where={"machine": (ZEN5_2,)},
          metrics=("quantized vs float32: same prefix", "quantized vs float32: same tokens",
                   "quantized vs float32: max abs logit diff", "quantized vs float32: mean abs logit diff",
                   "quantized vs float32: same argmax, forced", "vs llama.cpp: first divergence",
@@ -304,7 +332,7 @@ def render(block: str, results: list[Result]) -> str:
         view_lines, figures = table(view, results)
         lines += [*(view_lines if not lines else ["", *view_lines])]
         shown += figures
-    runs = [f"`{command}` ({date[:10]}, {machine}{f', {commit}' if commit else ''})"
+    runs = [f"`{command}` ({date[:10]}, {machine_label(machine)}{f', {commit}' if commit else ''})"
             for machine, date, commit, command in dict.fromkeys(r.run for r in shown)]
     if runs:
         lines += ["", "Measured by " + "; ".join(runs) + "."]

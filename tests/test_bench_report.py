@@ -24,6 +24,9 @@ def _load_script():
 
 report = _load_script()
 ZEN5 = "AMD EPYC (Zen 5, family 26 model 2)"
+XEON = "Intel Xeon (AMX, family 6 model 167)"
+# What the tables call them (scripts/bench_report.py's MACHINE_LABELS).
+ZEN5_LABEL, XEON_LABEL = "Zen 5", "Xeon AMX"
 DECODE = report.View("decode-test", "decode", ("machine", "batch"),
                      metrics=("ours", "transformers", "ours/transformers"))
 
@@ -46,7 +49,7 @@ def test_every_bench_writes_a_results_file():
 def test_current_is_the_latest_figure_and_on_a_tie_the_later_line():
     current = report.current(report.load([FIXTURES / "baseline.jsonl", FIXTURES / "new.jsonl"]))
     ours = {(r.machine_name, r.params["batch"]): r.value for r in current if r.metric == "ours"}
-    assert ours == {(ZEN5, 1): 120, (ZEN5, 8): 410, ("Intel Xeon (AMX, family 6 model 167)", 1): 90}
+    assert ours == {(ZEN5, 1): 120, (ZEN5, 8): 410, (XEON, 1): 90}
 
 
 def test_a_table_shows_each_figure_with_its_unit_and_its_run():
@@ -54,18 +57,35 @@ def test_a_table_shows_each_figure_with_its_unit_and_its_run():
     assert lines == [
         "| machine | batch | ours (tok/s) | transformers (tok/s) | ours/transformers |",
         "|---|---|---|---|---|",
-        f"| {ZEN5} | 1 | 100 | 50 | 2.00 |",
-        f"| {ZEN5} | 8 | 400 | 300 | 1.33 |",
-        "| Intel Xeon (AMX, family 6 model 167) | 1 | 90 |  |  |",
+        f"| {ZEN5_LABEL} | 1 | 100 | 50 | 2.00 |",
+        f"| {ZEN5_LABEL} | 8 | 400 | 300 | 1.33 |",
+        f"| {XEON_LABEL} | 1 | 90 |  |  |",
     ]
     assert {r.commit for r in shown} == {"aaaa111"}
+
+
+def test_a_machine_goes_by_its_label_or_else_its_recorded_name():
+    assert report.machine_label(ZEN5) == ZEN5_LABEL and report.machine_label(XEON) == XEON_LABEL
+    assert report.machine_label("RISC-V (model not recorded)") == "RISC-V (model not recorded)"
+    labels = list(report.MACHINE_LABELS.values())
+    assert len(set(labels)) == len(labels), "two machines with one label would share a table's rows"
+    assert not set(labels) & set(report.MACHINE_LABELS), "a label that is another machine's recorded name"
+
+
+def test_every_machine_a_table_names_is_in_the_machines_table():
+    text = (REPO / "BENCHMARKS.md").read_text()
+    machines = text.split("## Machines", 1)[1].split("\n## ", 1)[0]
+    named = {r.field("machine") for r in report.current(report.load([REPO / "bench" / "results"]))
+             if any(view.shows(r) for view in report.VIEWS)}
+    missing = [label for label in sorted(named) if f"| {label} |" not in machines]
+    assert not missing, f"BENCHMARKS.md's machines table has no row for {missing}"
 
 
 def test_a_row_never_mixes_two_runs():
     lines, _ = report.table(DECODE, report.load([FIXTURES / "baseline.jsonl", FIXTURES / "new.jsonl"]))
     # Batch 1's latest run measured no ratio, batch 8's latest only ours: the older figures stay out
     # of those rows (and with them the ratio's column).
-    assert lines[2:4] == [f"| {ZEN5} | 1 | 120 | 48 |", f"| {ZEN5} | 8 | 410 |  |"]
+    assert lines[2:4] == [f"| {ZEN5_LABEL} | 1 | 120 | 48 |", f"| {ZEN5_LABEL} | 8 | 410 |  |"]
 
 
 def test_update_remakes_the_blocks_and_says_which_are_stale(monkeypatch):
@@ -75,8 +95,8 @@ def test_update_remakes_the_blocks_and_says_which_are_stale(monkeypatch):
     assert report.stale_blocks(text, results) == ["decode-test"]
     updated = report.update(text, results)
     assert updated.startswith("# Page\n\n<!-- bench_report: decode-test -->\n| machine | batch |")
-    assert updated.endswith(f"\n\nMeasured by `python bench/decode.py` (2026-11-20, {ZEN5}, aaaa111); "
-                            "`python bench/decode.py` (2026-11-20, Intel Xeon (AMX, family 6 model 167), aaaa111)."
+    assert updated.endswith(f"\n\nMeasured by `python bench/decode.py` (2026-11-20, {ZEN5_LABEL}, aaaa111); "
+                            f"`python bench/decode.py` (2026-11-20, {XEON_LABEL}, aaaa111)."
                             "\n<!-- /bench_report -->\nafter\n")
     assert report.stale_blocks(updated, results) == []
     assert report.stale_blocks("no blocks", results) == ["decode-test"]
