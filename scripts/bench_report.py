@@ -332,8 +332,12 @@ def render(block: str, results: list[Result]) -> str:
         view_lines, figures = table(view, results)
         lines += [*(view_lines if not lines else ["", *view_lines])]
         shown += figures
-    runs = [f"`{command}` ({date[:10]}, {machine_label(machine)}{f', {commit}' if commit else ''})"
-            for machine, date, commit, command in dict.fromkeys(r.run for r in shown)]
+    # The runs of one day, machine and commit share their parenthesis.
+    commands: dict[tuple[str, str, str | None], list[str]] = {}
+    for machine, date, commit, command in dict.fromkeys(r.run for r in shown):
+        commands.setdefault((date[:10], machine_label(machine), commit), []).append(f"`{command}`")
+    runs = [f"{', '.join(listed)} ({day}, {machine}{f', {commit}' if commit else ''})"
+            for (day, machine, commit), listed in commands.items()]
     if runs:
         lines += ["", "Measured by " + "; ".join(runs) + "."]
     return "\n".join(lines) + "\n"

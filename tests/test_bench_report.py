@@ -81,6 +81,17 @@ def test_every_machine_a_table_names_is_in_the_machines_table():
     assert not missing, f"BENCHMARKS.md's machines table has no row for {missing}"
 
 
+def test_the_runs_of_one_day_machine_and_commit_share_their_parenthesis(monkeypatch):
+    monkeypatch.setattr(report, "BLOCKS", {"decode-test": [DECODE]})
+    results = report.load([FIXTURES / "baseline.jsonl"])
+    twice = [report.Result(r.bench, r.metric, r.value, r.unit, {**r.params, "batch": 16}, r.machine, r.commit, r.date,
+                           "python bench/decode.py --batch 16", len(results) + i)
+             for i, r in enumerate(results) if r.machine_name == ZEN5]
+    runs = report.render("decode-test", results + twice).rsplit("\n\n", 1)[1]
+    assert runs == (f"Measured by `python bench/decode.py`, `python bench/decode.py --batch 16` (2026-11-20, "
+                    f"{ZEN5_LABEL}, aaaa111); `python bench/decode.py` (2026-11-20, {XEON_LABEL}, aaaa111).\n")
+
+
 def test_a_row_never_mixes_two_runs():
     lines, _ = report.table(DECODE, report.load([FIXTURES / "baseline.jsonl", FIXTURES / "new.jsonl"]))
     # Batch 1's latest run measured no ratio, batch 8's latest only ours: the older figures stay out
