@@ -7,7 +7,7 @@ value is the latest recorded for its bench, metric, parameters and machine; a ta
 figures of the latest run that measured it, so a row never mixes two runs. ``VIEWS`` says what each
 table of BENCHMARKS.md shows; the tables sit between ``<!-- bench_report: NAME -->`` and
 ``<!-- /bench_report -->``, and ``tests/test_bench_report.py`` fails when they differ from what this
-script makes of ``bench/results/``.
+script makes of ``bench/results/``, or when the page is over ``MAX_PAGE_BYTES`` (``check`` says so too).
 
     .venv/bin/python scripts/bench_report.py tables           # print every table
     .venv/bin/python scripts/bench_report.py update           # write them into BENCHMARKS.md
@@ -34,6 +34,9 @@ import orjson
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "bench" / "results"
 BENCHMARKS = REPO / "BENCHMARKS.md"
+#: The most BENCHMARKS.md may hold (``check`` fails past it): the current tables and how each is
+#: measured; what runs showed, and how the figures came about, go to docs/perf-log/.
+MAX_PAGE_BYTES = 40_000
 BLOCK = re.compile(r"(<!-- bench_report: (?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /bench_report -->)", re.S)
 
 
@@ -206,7 +209,7 @@ VIEWS = (
     View("watchdog", "watchdog_overhead", ("machine", "threads", "watchdog"),
          metrics=("decode", "on/off", "board writes a step", "a poll", "cost from the parts")),
     View("metrics-truth", "metrics_truth", ("model", "source", "metric"), columns=("machine", "concurrency")),
-    View("tools", "tools", ("machine", "tool", "metric"), columns=(),
+    View("tools", "tools", ("machine", "metric"), columns=("tool",),
          metrics=("ttft mean", "ttft p99", "itl mean", "request latency mean", "output tokens/s", "requests/s",
                   "output tokens per request", "acc", "acc_norm")),
     View("cpu-anchors", "cpu_anchors", ("cell",), columns=("threads", "machine"), metrics=("ours/CT2",),
@@ -361,6 +364,15 @@ def stale_blocks(text: str, results: list[Result]) -> list[str]:
     return [name for name in BLOCKS if bodies.get(name) != render(name, results)]
 
 
+def oversize(text: str) -> str | None:
+    """Why the page is too long, or None when it is within :data:`MAX_PAGE_BYTES`."""
+    size = len(text.encode())
+    if size <= MAX_PAGE_BYTES:
+        return None
+    return (f"is {size:,} bytes, over {MAX_PAGE_BYTES:,}: it holds the current tables and how each is measured; "
+            "move what the runs showed, and the history, to docs/perf-log/ and link it")
+
+
 def compare(baseline: list[Result], new: list[Result], with_machine: bool = True) -> str:
     """A markdown table of every figure both sides hold (each side's latest), new over baseline."""
     base = {r.key(with_machine): r for r in current(baseline, with_machine)}
@@ -395,7 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     for name, text in (("tables", "print every table of current figures"),
                        ("update", "write the tables into BENCHMARKS.md's bench_report blocks"),
-                       ("check", "exit 1 if BENCHMARKS.md's tables differ from the results'")):
+                       ("check", "exit 1 if BENCHMARKS.md's tables differ from the results', or it is "
+                                 "over MAX_PAGE_BYTES")):
         sub = commands.add_parser(name, help=text)
         sub.add_argument("--results", type=Path, nargs="+", default=[RESULTS], help="results files or folders")
         sub.add_argument("--file", type=Path, default=BENCHMARKS, help="the page (default: BENCHMARKS.md)")
@@ -423,17 +436,19 @@ def main(argv: list[str] | None = None) -> int:
     text = args.file.read_text()
     if args.command == "update":
         args.file.write_text(update(text, results))
-        stale = stale_blocks(args.file.read_text(), results)
+        text = args.file.read_text()
+        stale = stale_blocks(text, results)
         if stale:
             print(f"{args.file} has no block for: {', '.join(stale)}", file=sys.stderr)
-            return 1
-        return 0
-    stale = stale_blocks(text, results)
-    if stale:
-        print(f"{args.file}'s tables differ from the results for: {', '.join(stale)}; run "
-              f"scripts/bench_report.py update", file=sys.stderr)
-        return 1
-    return 0
+    else:
+        stale = stale_blocks(text, results)
+        if stale:
+            print(f"{args.file}'s tables differ from the results for: {', '.join(stale)}; run "
+                  f"scripts/bench_report.py update", file=sys.stderr)
+    too_long = oversize(text)
+    if too_long:
+        print(f"{args.file} {too_long}", file=sys.stderr)
+    return 1 if stale or too_long else 0
 
 
 if __name__ == "__main__":

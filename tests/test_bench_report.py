@@ -38,6 +38,24 @@ def test_benchmarks_md_tables_are_what_the_results_make():
                          ".venv/bin/python scripts/bench_report.py update")
 
 
+def test_benchmarks_md_holds_the_current_figures_only():
+    text = (REPO / "BENCHMARKS.md").read_text()
+    assert report.oversize(text) is None, f"BENCHMARKS.md {report.oversize(text)}"
+    assert report.MAX_PAGE_BYTES <= 40_000  # issue 63: the current figures; the log in docs/perf-log/
+
+
+def test_check_fails_on_a_page_over_its_size(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(report, "BLOCKS", {})  # no tables: only the size is checked
+    page, empty = tmp_path / "BENCHMARKS.md", tmp_path / "empty.jsonl"
+    empty.write_text("")
+    args = ["check", "--file", str(page), "--results", str(empty)]
+    page.write_text("x" * report.MAX_PAGE_BYTES)
+    assert report.main(args) == 0
+    page.write_text("x" * (report.MAX_PAGE_BYTES + 1))
+    assert report.main(args) == 1
+    assert f"over {report.MAX_PAGE_BYTES:,}" in capsys.readouterr().err
+
+
 def test_every_bench_writes_a_results_file():
     benches = [path for path in sorted((REPO / "bench").glob("*.py")) if '__name__ == "__main__"' in path.read_text()]
     assert len(benches) >= 17
