@@ -3,7 +3,8 @@
 Pure pydantic, no Django: the views validate bodies with these models and map them onto the
 runtime's requests. The runtime's own vocabulary (``FinishReason``, ``REQUEST_LIMITS``) is
 used here, not restated: import it from ``engines.runtime``. Import the models from here or
-from the submodules: ``openai`` (the OpenAI API's requests and replies), ``debug`` (MLC's
+from the submodules: ``openai`` (the OpenAI API's requests),
+``openai_responses`` (its responses, whole and streamed, and ``/v1/models``), ``debug`` (MLC's
 ``debug_config``), ``microserving`` (MicroServing's bodies and ``kv_append_metadata``), ``vllm``
 (vLLM's ``/tokenize``, ``/detokenize`` and ``/version``), ``errors`` (the error reply, the exception
 views raise, a validation error in one line), ``json_body`` (a client's JSON, its depth bounded),
