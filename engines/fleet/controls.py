@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import httpx
+import orjson
 from django.utils import timezone
 from pydantic import BaseModel, Field, StrictBool, StrictInt, StrictStr
 
@@ -210,7 +211,24 @@ async def run_foreign(command: ControlCommand, server: ForeignTarget, client: ht
                                    server=url_server_id(server.url))
         result |= {"record_id": record.pk, "event_count": record.event_count}
         message = f"saved {record.event_count} events from {server.name}"
+    elif command.action == "save_workload":  # one of ours outside the fleet: its recorder kept here
+        from engines.history.workloads import EmptyWorkloadError
+
+        try:
+            workload = await _keep_workload(response.content, command, server)
+        except EmptyWorkloadError as exc:
+            await update_target(command.target, "error", str(exc))
+            return
+        result |= {"record_id": workload.pk, "requests": workload.request_count}
+        message = f"saved a workload of {workload.request_count} requests from {server.name}"
     await update_target(command.target, "done", message, result)
+
+
+async def _keep_workload(body: bytes, command: ControlCommand, server: ForeignTarget) -> Any:
+    from engines.history.workloads import save_workload
+
+    return await in_db_thread(save_workload)(orjson.loads(body), engine=command.engine, source="dashboard",
+                                             note=command.note, server=url_server_id(server.url), fleet="")
 
 
 async def submit_job(store: FleetStore, here: str, request: JobRequest, user: str,

@@ -43,7 +43,7 @@ QUANTITIES: tuple[str, ...] = (
 
 #: What a fleet job may do to an engine (``controls.JobRequest``): each kind's record offers a
 #: call for it or says why not.
-Action = Literal["reset", "save_trace", "clear_trace", "profile_start", "profile_stop"]
+Action = Literal["reset", "save_trace", "clear_trace", "profile_start", "profile_stop", "save_workload"]
 
 
 class ServerKind(StrEnum):
@@ -154,6 +154,8 @@ def _h(name: str, note: str = "") -> Source:
 
 
 _NO_PROFILER = "no profiler on this server"
+#: Every kind but ours: a workload is our flight recorder's (issue 62).
+_NO_RECORDER = "no flight recorder on this server: workloads are saved from our servers (replay onto any)"
 _VLLM_PREFIXES = ("vllm:", "vllm_")
 _SGLANG_PREFIXES = ("sglang:", "sglang_")
 _LLAMA_CPP_PREFIXES = ("llamacpp:", "llamacpp_")
@@ -192,7 +194,7 @@ KINDS: dict[ServerKind, KindRecord] = {
             "profile_stop": Control("POST", "/debug/cuda_profiler_stop"),
         },
         body_names_engine=True,
-        missing_controls={"clear_trace": "MLC clears its trace only by dumping it"}),
+        missing_controls={"clear_trace": "MLC clears its trace only by dumping it", "save_workload": _NO_RECORDER}),
     # Ours name every family <prefix><name> (engines.prometheus_names): the reader takes the prefix
     # a body has (``--metrics-prefix``), and a server from before the prefix has none.
     ServerKind.OURS: KindRecord(
@@ -217,6 +219,7 @@ KINDS: dict[ServerKind, KindRecord] = {
             "save_trace": Control("POST", "/debug/dump_event_trace", "with --enable-debug --enable-tracing"),
             "profile_start": Control("POST", "/debug/profile_start", "with --enable-debug"),
             "profile_stop": Control("POST", "/debug/profile_stop", "with --enable-debug"),
+            "save_workload": Control("POST", "/debug/dump_workload", "with --enable-debug; kept here"),
         },
         body_names_engine=True),
     ServerKind.VLLM_ROUTER: KindRecord(
@@ -250,7 +253,7 @@ KINDS: dict[ServerKind, KindRecord] = {
             "profile_stop": Control("POST", "/stop_profile", "the trace stays on that server"),
         },
         missing_controls={"save_trace": "SGLang records no event trace here (OpenTelemetry only)",
-                          "clear_trace": "SGLang records no event trace here"}),
+                          "clear_trace": "SGLang records no event trace here", "save_workload": _NO_RECORDER}),
     ServerKind.VLLM: KindRecord(
         prefixes=_VLLM_PREFIXES, model_label="model_name",
         detect=_named(_VLLM_PREFIXES), probes=(Probe("/version", ("version",), "version"),), owned_by=("vllm",),
@@ -281,7 +284,8 @@ KINDS: dict[ServerKind, KindRecord] = {
             "profile_start": Control("POST", "/start_profile", "with --profiler-config"),
             "profile_stop": Control("POST", "/stop_profile", "with --profiler-config; the trace stays on that server"),
         },
-        missing_controls={"save_trace": "vLLM records no event trace", "clear_trace": "vLLM records no event trace"}),
+        missing_controls={"save_trace": "vLLM records no event trace", "clear_trace": "vLLM records no event trace",
+                          "save_workload": _NO_RECORDER}),
     ServerKind.LLAMA_CPP: KindRecord(
         prefixes=_LLAMA_CPP_PREFIXES, model_label=None, metrics_flag="--metrics",
         detect=_named(_LLAMA_CPP_PREFIXES), owned_by=("llamacpp",),
@@ -295,7 +299,7 @@ KINDS: dict[ServerKind, KindRecord] = {
         },
         missing_controls={"reset": "llama.cpp has no cache reset over HTTP", "profile_start": _NO_PROFILER,
                           "profile_stop": _NO_PROFILER, "save_trace": "llama.cpp records no event trace",
-                          "clear_trace": "llama.cpp records no event trace"}),
+                          "clear_trace": "llama.cpp records no event trace", "save_workload": _NO_RECORDER}),
     ServerKind.UNKNOWN: KindRecord(
         prefixes=("",), model_label=None, sources={},
         missing_controls=dict.fromkeys(get_args(Action), "this server's kind is not known, nor so its controls")),

@@ -1,7 +1,8 @@
 """The replay job: a saved workload sent to a server by URL, its run kept in the history.
 
 Started from the workload's admin page (and by ``start_replay`` from code): a
-:class:`~engines.models.ReplayRunRecord` is made at once in state ``running`` and the replay goes
+:class:`~engines.models.ReplayRunRecord` is made at once in state ``running``, with its line in
+the fleet's job audit (action ``replay``: who replayed what onto which server), and the replay goes
 on in a thread of its own, with its own event loop (the admin's views are synchronous, and a
 replay must not share the serving loop's time: its client measures), while the page links the
 run, which reads "running" until it ends. The job
@@ -29,15 +30,18 @@ from urllib.parse import urlsplit
 
 import httpx
 import orjson
+from django.db import transaction
+from django.urls import reverse
+from django.utils import timezone
 from pydantic import BaseModel, ConfigDict, Field, StrictStr
 
-from engines.server.db_calls import in_db_thread
+from engines.server.db_calls import closing_connections, in_db_thread
 from engines.fleet.attach import AttachError, check_url, detect
 from engines.history.capture import asave_trace
 from engines.history.payload import compress_json
 from engines.history.workloads import read_json_payload
-from engines.models import ProfileRecord, ReplayRunRecord, WorkloadRecord
-from engines.server.server_identity import url_server_id
+from engines.models import FleetJob, FleetJobTarget, ProfileRecord, ReplayRunRecord, WorkloadRecord
+from engines.server.server_identity import server_id, url_server_id
 from engines.workloads.replay import Run, WorkloadError, replay, summarize
 
 __all__ = ["ReplayJob", "run_replay", "start_replay", "wait_for_run"]
@@ -67,23 +71,47 @@ class ReplayJob(BaseModel):
 
 
 def start_replay(job: ReplayJob, requested_by: str = "") -> ReplayRunRecord:
-    """The run's record, made now (``running``); the replay goes on in a thread. Raises
-    :class:`AttachError` (a bad URL) or ``WorkloadRecord.DoesNotExist``."""
+    """The run's record, made now (``running``), and its line in the fleet's job audit (a
+    ``FleetJob`` of action ``replay``, its one target the server replayed onto); the replay goes
+    on in a thread. Raises :class:`AttachError` (a bad URL) or ``WorkloadRecord.DoesNotExist``."""
     target = check_url(job.target)
     workload = WorkloadRecord.objects.get(pk=job.workload_id)
-    record = ReplayRunRecord.objects.create(
-        workload=workload, engine=job.model or workload.engine, target=target, speed=job.speed,
-        requested_by=requested_by, note=job.note)
+    model = job.model or workload.engine
+    with transaction.atomic():
+        record = ReplayRunRecord.objects.create(
+            workload=workload, engine=model, target=target, speed=job.speed, requested_by=requested_by,
+            note=job.note)
+        audit = FleetJob.objects.create(action="replay", requested_by=requested_by, requested_on=server_id(),
+                                        options={"workload_id": workload.pk, "run_id": record.pk, "target": target,
+                                                 "speed": job.speed, "max_requests": job.max_requests})
+        line = FleetJobTarget.objects.create(
+            job=audit, server=url_server_id(target), server_name=target, engine=model,
+            state=FleetJobTarget.State.PROGRESS, message=f"replaying {workload.request_count} requests",
+            result={"run_id": record.pk, "url": reverse("admin:engines_replayrunrecord_change", args=[record.pk])})
     job = job.model_copy(update={"target": target})
-    thread = threading.Thread(target=_run_in_thread, args=(record.pk, job), name=f"replay-{record.pk}", daemon=True)
+    thread = threading.Thread(target=_run_in_thread, args=(record.pk, job, line.pk), name=f"replay-{record.pk}",
+                              daemon=True)
     _threads[record.pk] = thread
     thread.start()
     return record
 
 
-def _run_in_thread(pk: int, job: ReplayJob) -> None:
+@closing_connections
+def _close_audit(pk: int, line: int) -> None:
+    """The run's outcome into its line of the fleet's job audit."""
+    run = ReplayRunRecord.objects.only("state", "message", "succeeded", "request_count").get(pk=pk)
+    done = run.state == ReplayRunRecord.State.DONE
+    message = f"{run.succeeded} of {run.request_count} requests succeeded" if done else run.message
+    FleetJobTarget.objects.filter(pk=line).update(
+        state=FleetJobTarget.State.DONE if done else FleetJobTarget.State.ERROR, message=message[:2000],
+        updated_at=timezone.now())
+    FleetJob.objects.filter(targets__pk=line).update(finished_at=timezone.now())
+
+
+def _run_in_thread(pk: int, job: ReplayJob, line: int) -> None:
     try:
         asyncio.run(run_replay(pk, job))
+        _close_audit(pk, line)
     finally:
         _threads.pop(pk, None)
 

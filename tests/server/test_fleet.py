@@ -20,6 +20,7 @@ from engines.fleet import service as fleet
 from engines.fleet.membership import ServerCard
 from engines.fleet.rows import EngineRow, ServerRows
 from engines.fleet.store import RedisFleetStore
+from engines.registry import registry
 from tests.fleet.conftest import REDIS_URL
 from tests.fleet.fake_server import FakeServer
 from tests.fleet.history_rows import make_history
@@ -281,6 +282,21 @@ async def test_a_save_trace_job_opens_as_one_timeline(page: httpx.AsyncClient) -
     assert (await page.get(f"/dashboard/fleet/jobs/{reset['id']}/trace.json")).json()["error"] == \
         "this job saved no trace"
     assert (await page.get("/dashboard/fleet/jobs/999999/timeline/")).status_code == 404
+
+
+async def test_a_save_workload_job_keeps_the_engines_flight_recorder(page: httpx.AsyncClient) -> None:
+    from engines.models import WorkloadRecord
+
+    headers = await csrf(page)
+    done = await page.post("/v1/completions", json={"model": TRACED, "prompt": "Hi", "max_tokens": 3})
+    assert done.status_code == 200
+    state = await job(page, headers, {"action": "save_workload", "targets": [{"server": server_id(), "engine": TRACED}],
+                                      "note": "before the upgrade"})
+    (target,) = state["targets"]
+    assert target["state"] == "done", target
+    record = await WorkloadRecord.objects.aget(pk=target["result"]["record_id"])
+    assert (record.engine, record.note, record.request_count) == (TRACED, "before the upgrade", 1)
+    await registry.get(TRACED).reset()
 
 
 async def test_our_own_metrics_read_as_a_foreign_server_export_every_quantity(page: httpx.AsyncClient) -> None:

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from engines.history.workloads import save_workload
-from engines.models import ReplayRunRecord, TraceRecord
+from engines.models import FleetJobTarget, ReplayRunRecord, TraceRecord
 from engines.runtime import WORKLOAD_FORMAT, WORKLOAD_VERSION
 from engines.workloads.run_job import wait_for_run
 from engines.workloads.run_report import run_records_report
@@ -74,6 +74,10 @@ def test_max_num_seqs_1_against_16_is_slower_beyond_noise_and_the_report_says_wh
     b = replay_from_the_page(admin_client, workload.pk, narrow.base)
     for run in (a, b):
         assert (run.request_count, run.succeeded, run.target_kind) == (BURSTS * BURST, BURSTS * BURST, "ours")
+        # ... and a line in the fleet's job audit: who replayed what onto which server, and how it went.
+        line = FleetJobTarget.objects.get(job__action="replay", result__run_id=run.pk)
+        assert (line.state, line.server_name, line.job.requested_by) == ("done", run.target, "admin")
+        assert line.message == f"{BURSTS * BURST} of {BURSTS * BURST} requests succeeded"
         assert run.trace_id is not None and TraceRecord.objects.get(pk=run.trace_id).request_count >= BURSTS * BURST
     assert b.target_config["engine"]["config"]["max_num_seqs"] == 1
 
