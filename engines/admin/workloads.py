@@ -135,6 +135,8 @@ class WorkloadAdmin(ServerColumn, _JsonPayloadAdmin[WorkloadRecord]):
             raise PermissionDenied
         form: dict[str, Any] = {key: request.POST.get(key, "").strip()
                                 for key in ("target", "model", "api_key", "note")}
+        if request.POST.get("prompt_form"):
+            form["prompt_form"] = request.POST["prompt_form"]
         for key in _NUMBERS:
             if request.POST.get(key, "").strip():
                 form[key] = request.POST[key].strip()

@@ -25,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import httpx
@@ -67,6 +67,7 @@ class ReplayJob(BaseModel):
     max_requests: int | None = Field(default=None, ge=1, le=100_000)
     max_seconds: float = Field(default=600.0, gt=0, le=24 * 3600)
     profile: bool = True
+    prompt_form: Literal["ids", "text"] = "ids"
     note: StrictStr = Field(default="", max_length=2000)
 
 
@@ -208,7 +209,7 @@ async def run_replay(pk: int, job: ReplayJob) -> None:
                 if problem:
                     notes.append(problem)
             run: Run = await replay(workload, client, model, job.target, job.speed, job.max_requests,
-                                    job.max_seconds, tag=f"r{pk}")
+                                    job.max_seconds, tag=f"r{pk}", prompt_form=job.prompt_form)
             profile_id = trace_id = None
             profile_kernels: list[dict[str, Any]] = []
             if profiling:

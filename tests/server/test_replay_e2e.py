@@ -5,11 +5,14 @@ names the flag in its configuration diff, and carries both runs' phases (from th
 kernels (from their profiles). The same server twice says "no change" for TTFT p50."""
 from __future__ import annotations
 
+import io
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+import orjson
 import pytest
+from django.core.management import call_command
 
 from engines.history.workloads import save_workload
 from engines.models import FleetJobTarget, ReplayRunRecord, TraceRecord
@@ -99,6 +102,17 @@ def test_max_num_seqs_1_against_16_is_slower_beyond_noise_and_the_report_says_wh
     assert md.status_code == 200 and b"| TTFT p90 |" in md.content and b"slower beyond noise" in md.content
     as_json = admin_client.get(f"/admin/engines/replayrunrecord/compare/?a={a.pk}&b={b.pk}&format=json").json()
     assert {"ci_low", "ci_high", "verdict"} <= set(as_json["figures"][0])
+
+    # The command line says the same of the saved runs, and replays a saved workload into the history.
+    out = io.StringIO()
+    call_command("compare_runs", str(a.pk), str(b.pk), "--json", stdout=out)
+    from_command = orjson.loads(out.getvalue())
+    assert from_command["figures"] == report["figures"] and from_command["kernels"] == report["kernels"]
+    before = ReplayRunRecord.objects.count()
+    call_command("replay", str(workload.pk), "--target", wide.base, "--save", "--max-requests", "4",
+                 stdout=io.StringIO())
+    saved = ReplayRunRecord.objects.order_by("-id").first()
+    assert ReplayRunRecord.objects.count() == before + 1 and (saved.state, saved.succeeded) == ("done", 4)
 
     again = replay_from_the_page(admin_client, workload.pk, wide.base)
     same = {(r["figure"], r["stat"]): r["verdict"] for r in run_records_report(a, again)["figures"]}
