@@ -81,3 +81,33 @@ def test_a_stopped_engine_process_is_a_stall_with_its_evidence(tmp_path) -> None
         assert json.loads(evidence_json)["thresholds"]["no_progress_s"] == 2.0
     finally:
         srv.stop()
+
+
+def test_a_step_held_for_20_s_is_a_long_step_stall_with_the_engines_stack(tmp_path) -> None:
+    """The engine process holds its third step 20 s (``ENGINES_TEST_STEP_HOLD``, a test-only hook):
+    a long-step incident at 5 s, the engine's own stacks showing where it is (it answers from its
+    receiver thread meanwhile), closed with its duration when the step ends."""
+    srv = start_server(["--model", "demo", "--enable-debug", "--backend", "cpu", "--max-num-seqs", "4",
+                        "--max-total-tokens", "4096", "--stall-step-s", "5", "--stall-no-progress-s", "60"], tmp_path,
+                       env={"ENGINES_TEST_STEP_HOLD": "3:20"})
+    done: dict[str, httpx.Response] = {}
+    try:
+        body = {"model": "demo", "prompt": "tides", "max_tokens": 8, "debug_config": {"ignore_eos": True}}
+        began = time.monotonic()
+        worker = threading.Thread(target=lambda: done.setdefault("reply", httpx.post(
+            f"{srv.base}/v1/completions", json=body, timeout=120)), daemon=True)
+        worker.start()
+        health = wait_for(lambda: (r := srv.http.get("/health")).status_code == 503 and r, 30, "/health 503")
+        assert health.json()["stalled"]["demo"]["reason"] == "long_step"
+        incident = wait_for(lambda: (i := srv.http.post("/debug/list_incidents", json={}).json()["incidents"])
+                            and i[0]["evidence"] and i[0], 30, "the evidence")
+        assert incident["reason"] == "long_step" and incident["open"]
+        assert "_held_for_a_test" in incident["evidence"]["engine_stacks"]  # taken from inside: it answers
+        wait_for(lambda: srv.http.get("/health").status_code == 200, 40, "/health 200 again")
+        closed = srv.http.post("/debug/list_incidents", json={"model": "demo"}).json()["incidents"][0]
+        assert not closed["open"] and 14.0 <= closed["duration_s"] <= 25.0, closed["duration_s"]
+        worker.join(60)
+        assert done["reply"].status_code == 200 and done["reply"].json()["usage"]["completion_tokens"] == 8
+        assert time.monotonic() - began >= 20.0  # the step was held
+    finally:
+        srv.stop()

@@ -29,6 +29,7 @@ from engines.runtime.core.engine import Engine, EngineConfig
 from engines.runtime.core.request import RequestOutput
 from engines.runtime.core.warm_up import warm_up
 from engines.runtime.frontend.progress_board import ProgressBoard
+from engines.runtime.frontend.step_hold import StepHold
 from engines.runtime.frontend.messages import (
     MessageConnection,
     AbortRequest,
@@ -126,6 +127,7 @@ class EngineCore:
         self.name = name
         #: Where the loop says how far it got, for a watchdog that cannot ask (``progress_board``).
         self.board = board or ProgressBoard()
+        self._hold = StepHold()  # a test's held step; none unless ENGINES_TEST_STEP_HOLD is set
         self._posts: dict[str, KVSend] = {}  # request id -> where its block goes (engine thread only)
         self._posting: dict[str, bool] = {}  # request id -> an abort waits for its post (under the lock)
         self._posting_lock = threading.Lock()
@@ -151,6 +153,8 @@ class EngineCore:
                 if engine.has_work:
                     board = self.board
                     board.step_started(len(engine.requests))
+                    if self._hold.armed:
+                        self._hold.before_step()
                     outputs = engine.step()
                     board.step_finished(len(engine.requests))
                     self._send_outputs(outputs, send)
