@@ -111,6 +111,26 @@ async def test_abort_of_an_unknown_or_ended_request_is_a_404(client: httpx.Async
     assert not await FleetJob.objects.filter(action="abort_request").aexists()
 
 
+async def test_abort_of_a_request_waiting_for_its_kv_frees_its_reservation(client: httpx.AsyncClient) -> None:
+    """A disaggregated request that prep_recv reserved pages for, whose K/V never came: the live
+    table's "kv_transfer" row; aborting it frees the pages (before, it was a 404 while its row
+    stayed and held them until the reservation expired)."""
+    decode = registry.get(UNTRACED)
+    await decode.reset()
+    prep = await client.post("/microserving/prep_recv", json={
+        "model": UNTRACED, "prompt": list(range(300, 340)), "user": "waits-for-kv", "max_tokens": 4, "end": 30})
+    assert prep.status_code == 200, prep.text
+    (row,) = (await client.post("/debug/list_requests", json={"model": UNTRACED})).json()["requests"]
+    assert (row["request_id"], row["state"]) == ("waits-for-kv", "kv_transfer") and row["kv_pages"] == 2
+    aborted = await client.post("/debug/abort_request", json={"model": UNTRACED, "request_id": "waits-for-kv"})
+    assert aborted.status_code == 200, aborted.text
+    assert (await client.post("/debug/list_requests", json={"model": UNTRACED})).json()["total"] == 0
+    assert (await decode.metrics())["kv_pages_used"] == 0
+    assert await FleetJob.objects.filter(action="abort_request", options__request_id="waits-for-kv").aexists()
+    again = await client.post("/debug/abort_request", json={"model": UNTRACED, "request_id": "waits-for-kv"})
+    assert again.status_code == 404
+
+
 async def test_dump_kv_cache_counts_pages_and_the_prefix_cache(client: httpx.AsyncClient) -> None:
     empty = (await client.post("/debug/dump_kv_cache", content=b"")).json()
     assert empty["model"] == registry.first().name

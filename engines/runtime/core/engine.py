@@ -289,10 +289,10 @@ class Engine:
         finally:
             self.outputs.update_gauges()
 
-    def release_receive(self, request_id: str, ticket: str | None = None) -> bool:
-        """Give up a reservation (its transfer failed elsewhere); False when there was none, or
-        ``ticket`` names another one."""
-        released = self.kv_receiver.release(request_id, "released", ticket)
+    def release_receive(self, request_id: str, ticket: str | None = None, why: str = "released") -> bool:
+        """Give up a reservation (its transfer failed elsewhere, or it was aborted: ``why``, in the
+        trace); False when there was none, or ``ticket`` names another one."""
+        released = self.kv_receiver.release(request_id, why, ticket)
         self.outputs.update_gauges()
         return released
 

@@ -221,7 +221,9 @@ class KVCacheDumpCall(EngineCall):
 @dataclass(frozen=True)
 class AbortCall(EngineCall):
     """Abort one request by id, between two steps (``Engine.abort_request``, the path a client's
-    disconnect takes): its last outputs (finish reason ``abort``) go to its stream first; replies
+    disconnect takes): its last outputs (finish reason ``abort``) go to its stream first. A
+    disaggregated request still waiting for its K/V (``prep_recv``'s reservation: the live table's
+    "kv_transfer" row) has no stream yet: its reservation is released, its pages freed. Replies
     whether it was in the engine (False: unknown, or already ended)."""
 
     request_id: str
@@ -230,7 +232,8 @@ class AbortCall(EngineCall):
         output = engine.abort_request(self.request_id)
         if output is not None:
             send(StepOutputs([output]))
-        return output is not None
+            return True
+        return engine.release_receive(self.request_id, why="aborted")
 
 
 @dataclass(frozen=True)
