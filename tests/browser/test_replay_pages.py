@@ -50,11 +50,12 @@ async def replay(page, target: str) -> str:
     await page.click("#replay-submit")
     await page.wait_for_url("**/replayrunrecord/*/change/")
     run_url = page.url
-    for _ in range(120):  # the page reloads itself while the run is running
+    for _ in range(180):  # the page reloads itself while the run is running; load it afresh meanwhile
+        await page.goto(run_url)
         if await page.locator("#run-running").count() == 0:
             break
         await page.wait_for_timeout(1000)
-    assert await page.locator("#run-compare-form, #run-config").count() >= 1, await page.content()
+    assert await page.locator("#run-config").count() == 1, await page.text_content("#content")
     return run_url
 
 

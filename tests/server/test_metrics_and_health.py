@@ -3,6 +3,7 @@ series; ``GET /health``."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import httpx
 import pytest
@@ -155,6 +156,7 @@ async def test_debug_routes_on_a_dead_engine_are_503_not_500(serve, stopped_engi
         kv = stats.pop("kv_cache")  # what it had allocated, still said
         assert kv["tokens"] == stopped_engine.kv_cache.tokens and kv["rule"] == "max_total_tokens"
         assert stats == {"backend": "cpu", "weights": "safetensors", "weights_in_memory": "float32",
+                         "model": "demo", "config": dataclasses.asdict(stopped_engine.config),
                          "alive": False, "state": "stopped",
                          "reason": None, "restarts": 0}
         exposition = (await http.get("/metrics")).text
