@@ -48,7 +48,8 @@ from engines import otel  # noqa: E402
 from engines.registry import registry  # noqa: E402
 from engines.startup import configure_from_env  # noqa: E402
 from engines.api_routes import api_route  # noqa: E402
-from engines.auth import APIKeyMiddleware, ASGIApp, Receive, Scope, Send, routed_path  # noqa: E402
+from engines.auth import APIKeyMiddleware, routed_path  # noqa: E402
+from engines.server.asgi_types import ASGIApp, Receive, Scope, Send  # noqa: E402
 from engines.dashboard.routing import websocket_urlpatterns  # noqa: E402
 from engines.dashboard.same_origin import SameOriginValidator  # noqa: E402
 from engines.dashboard.socket_auth import socket_auth_stack  # noqa: E402

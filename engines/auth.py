@@ -12,7 +12,6 @@ The key is read from the registry's options on every request, so tests (and
 from __future__ import annotations
 
 import hmac
-from typing import Any, Awaitable, Callable, Mapping
 
 import orjson
 from django.core.handlers.asgi import get_script_prefix
@@ -20,13 +19,8 @@ from django.core.handlers.asgi import get_script_prefix
 from engines.api_routes import api_route
 from engines.protocol.errors import ErrorResponse
 from engines.registry import registry
+from engines.server.asgi_types import ASGIApp, Receive, Scope, Send
 
-# ASGI's callables as Django's handlers take them (messages are mappings), so that one of them
-# may stand where an ``ASGIApp`` goes.
-Scope = dict[str, Any]
-Receive = Callable[[], Awaitable[Mapping[str, Any]]]
-Send = Callable[[Mapping[str, Any]], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 INVALID_KEY_MESSAGE = "Invalid API key: send it as the header 'Authorization: Bearer <key>'."
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from django.http import HttpRequest
 
-from engines.auth import ASGIApp, Receive, Scope, Send
+from engines.server.asgi_types import ASGIApp, Receive, Scope, Send
 
 __all__ = ["AGE_HEADER", "MAX_AGE_S", "StampArrival", "age_headers", "age_of", "arrival_of"]
 

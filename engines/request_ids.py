@@ -18,7 +18,7 @@ from typing import Any
 
 from django.http import HttpRequest
 
-from engines.auth import ASGIApp, Receive, Scope, Send
+from engines.server.asgi_types import ASGIApp, Receive, Scope, Send
 from engines.runtime import REQUEST_LIMITS
 
 __all__ = ["EchoRequestId", "MAX_REQUEST_ID_CHARS", "REQUEST_ID_HEADER", "client_request_id", "use_request_id",
