@@ -21,7 +21,8 @@ columns, declared once), ``payload`` (gzip storage with a CRC, for traces and pr
 ``downloads`` (reading a stored payload back, checked: the one download), ``capture`` (saving),
 ``digest`` (a trace's bytes checked, compressed and analysed; under ``manage.py serve`` in a
 process of its own), ``profiles`` (saving profiles), ``incidents`` (the watchdog's stall incidents
-kept), ``workloads`` (workloads and replay runs kept, a trace's requests made a workload),
+kept), ``workloads`` (workloads and replay runs kept, a trace's requests made a workload, with
+``trace_workload``: the request summaries in the workload format),
 ``retention``, ``report`` (detail and compare tables), ``metrics_charts`` (the metrics
 snapshots as the admin's chart series), ``autosave`` (the periodic trace windows and metrics
 snapshots of ``manage.py serve``), ``outage`` (the database going away, said once) with

@@ -2,7 +2,7 @@
 
 A workload is saved from an engine's flight recorder (``POST /debug/dump_workload`` with ``save``,
 the dashboard's "Save workload", a fleet job) or converted from a saved trace's request summaries
-(``engines.workloads.from_trace``); a run is written by the replay job (``engines.workloads.run_job``)
+(``engines.history.trace_workload``); a run is written by the replay job (``engines.workloads.run_job``)
 when it starts (state ``running``) and again when it ends. Both store their JSON as every payload
 record does: gzip with a CRC (``history.payload``), read back checked (``history.downloads``).
 """
@@ -20,7 +20,7 @@ from engines.history.downloads import read_payload
 from engines.history.payload import compress_json
 from engines.models import ReplayRunRecord, RequestSummary, TraceRecord, WorkloadRecord
 from engines.server.server_identity import fleet_name, server_id
-from engines.workloads.from_trace import workload_from_summaries
+from engines.history.trace_workload import workload_from_summaries
 
 if TYPE_CHECKING:
     from engines.runtime import AsyncEngine
@@ -68,7 +68,7 @@ async def asave_engine_workload(engine: "AsyncEngine", *, source: str = Workload
 
 
 def workload_from_trace(trace: TraceRecord, note: str = "") -> WorkloadRecord:
-    """``trace``'s request summaries saved as a workload (``engines.workloads.from_trace``), naming
+    """``trace``'s request summaries saved as a workload (``engines.history.trace_workload``), naming
     the trace's server and engine."""
     rows = list(RequestSummary.objects.filter(trace=trace).order_by("added_ts", "id").values(*_SUMMARY_FIELDS))
     workload = workload_from_summaries(trace.engine, rows)

@@ -3,7 +3,6 @@ again to any OpenAI-compatible server, and two such runs compared.
 
 - ``replay``: a workload (``engines.runtime.telemetry.flight_recorder``) sent to a server at its
   recorded arrival times; what its client saw is a run.
-- ``from_trace``: a saved trace's request summaries in the workload format.
 - ``run_job``: the replay job the admin starts: a run record, the target's configuration, and for
   our servers a profile and the trace of the run.
 - ``run_compare``: two runs compared, figure by figure, with bootstrap intervals and verdicts,
