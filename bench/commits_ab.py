@@ -5,12 +5,13 @@ repository's virtualenv linked in), and the bench runs there ``--rounds`` times 
 sides taking turns (which goes first alternates by round), each run appending its figures to that
 side's results file (``bench/results_file.py``'s format; ``--results`` is added to the bench's own
 arguments). Then, for every figure both sides measured (bench, metric, parameters), the median of
-each side's rounds, their ratio (new / baseline), and each side's range: **beyond noise** where the
-two sides' ranges do not overlap (every round of one side above every round of the other), else
-"within noise" (with one round a side there is no spread to judge by). The table is Markdown, for
-a commit message or a pull request.
+each side's rounds and the ratio of the two runs of each round (new / baseline, side by side in
+time: a load that came and went slowed both), their median and range: **beyond noise** where every
+round's ratio lies on the same side of 1 (with 5 rounds, a chance of 1 in 16 when nothing changed),
+else "within noise" (one round has no spread to judge by). The table is Markdown, for a commit
+message or a pull request.
 
-    .venv/bin/python bench/commits_ab.py ad0fff1 HEAD --rounds 3 -- bench/decode.py --batch-sizes 1,8
+    .venv/bin/python bench/commits_ab.py ad0fff1 HEAD --rounds 5 -- bench/decode.py --batch-sizes 1,8
     .venv/bin/python bench/commits_ab.py ad0fff1 HEAD -- bench/engine_throughput.py
 """
 from __future__ import annotations
@@ -74,17 +75,20 @@ def figures(results: Path) -> dict[tuple[str, str, str], list[float]]:
 
 
 def table(baseline: dict[tuple[str, str, str], list[float]], new: dict[tuple[str, str, str], list[float]]) -> str:
-    """Markdown: each figure both sides hold, medians, ratio, ranges, verdict."""
-    lines = ["| bench | metric | parameters | baseline (median) | new (median) | new/baseline | ranges | verdict |",
-             "|---|---|---|---:|---:|---:|---|---|"]
+    """Markdown: each figure both sides hold, each side's median, and the rounds' paired ratios
+    (new / baseline of the same round: a load that came and went slowed both sides of its round)."""
+    lines = ["| bench | metric | parameters | baseline (median) | new (median) | new/baseline (median of rounds) "
+             "| rounds' ratios | verdict |", "|---|---|---|---:|---:|---:|---|---|"]
     for key in sorted(set(baseline) & set(new)):
         a, b = baseline[key], new[key]
-        ma, mb = statistics.median(a), statistics.median(b)
-        apart = min(a) > max(b) or min(b) > max(a)
-        ranges = f"{min(a):.4g}-{max(a):.4g} / {min(b):.4g}-{max(b):.4g}"
-        verdict = "one round: no spread" if min(len(a), len(b)) < 2 else "beyond noise" if apart else "within noise"
-        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {ma:.4g} | {mb:.4g} | "
-                     f"{mb / ma if ma else float('nan'):.3f} | {ranges} | {verdict} |")
+        ratios = [y / x for x, y in zip(a, b, strict=False) if x]
+        if not ratios:
+            continue
+        spread = f"{min(ratios):.3f} .. {max(ratios):.3f}"
+        verdict = ("one round: no spread" if len(ratios) < 2 else
+                   "beyond noise" if min(ratios) > 1 or max(ratios) < 1 else "within noise")
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {statistics.median(a):.4g} | {statistics.median(b):.4g} | "
+                     f"{statistics.median(ratios):.3f} | {spread} | {verdict} |")
     return "\n".join(lines)
 
 
@@ -93,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("baseline", help="the commit before")
     parser.add_argument("new", help="the commit after")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     argv = sys.argv[1:] if argv is None else argv
     cut = argv.index("--") if "--" in argv else len(argv)
     args, bench = parser.parse_args(argv[:cut]), argv[cut + 1:]
