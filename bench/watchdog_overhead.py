@@ -43,7 +43,7 @@ from bench.results_file import ResultsFile, add_results_option, this_machine  # 
 
 if TYPE_CHECKING:
     from engines.runtime import AsyncEngine
-    from engines.stall_watch import StallWatch
+    from engines.watchdog.stall_watch import StallWatch
 
 MODES = ("off", "on")
 #: Seconds between two runs: the engine's kernel threads that spun for the last one settle.
@@ -113,7 +113,7 @@ def poll_us(watch: StallWatch) -> float:
 
 async def measure(args: argparse.Namespace) -> dict[str, object]:
     from engines.runtime import AsyncEngine, EngineConfig, demo_checkpoint_path, load_checkpoint
-    from engines.stall_watch import POLL_S, StallWatch
+    from engines.watchdog.stall_watch import POLL_S, StallWatch
 
     config = EngineConfig(max_num_seqs=args.requests, max_total_tokens=args.requests * 256,
                           prefill_chunk_size=256, enable_prefix_cache=False)
@@ -173,7 +173,7 @@ def main() -> None:
     add_results_option(parser, "watchdog_overhead")
     args = parser.parse_args()
     use_threads(args.threads)  # before numpy and numba load
-    from engines.stall_watch import POLL_S
+    from engines.watchdog.stall_watch import POLL_S
 
     cpu = this_machine()["cpu"]
     print(f"CPU: {cpu}, {this_machine()['cores']} cores; {args.threads} engine thread(s)")

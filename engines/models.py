@@ -243,7 +243,7 @@ class ProfileRecord(PayloadRecord):
 
 
 class StallIncidentRecord(ServerRecord):
-    """One stall the watchdog saw (``engines.stall_watch``): an engine up but not progressing,
+    """One stall the watchdog saw (``engines.watchdog.stall_watch``): an engine up but not progressing,
     from the poll that saw it to the one that saw progress again, with the evidence taken when it
     opened (stacks, requests in flight, KV pool, metrics, trace events; ``missing`` says what
     could not be taken, and why). Kept as it happens: open rows are stalls that last, or whose

@@ -78,7 +78,7 @@ class EngineSnapshot(BaseModel):
     #: numbers are left out, the page says "slow to answer".
     slow: bool = False
     profile: ProfileState = ProfileState()
-    #: The watchdog's open incident (``engines.stall_watch``): the page's banner; None while none.
+    #: The watchdog's open incident (``engines.watchdog.stall_watch``): the page's banner; None while none.
     stall: StallBanner | None = None
 
 

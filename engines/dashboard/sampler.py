@@ -24,7 +24,7 @@ from django.urls import reverse
 from engines.dashboard.messages import EngineHistory, EngineSnapshot, StallBanner, chart_values, engine_group
 from engines.history.incidents import incident_recorder
 from engines.server.server_identity import server_id
-from engines.stall_watch import stall_watch
+from engines.watchdog.stall_watch import stall_watch
 from engines.profiling import profile_state
 from engines.registry import EngineRegistry, registry as served_engines
 from engines.runtime import AsyncEngine, EngineDeadError

@@ -1,6 +1,6 @@
 """The watchdog's stall incidents kept in the history (``models.StallIncidentRecord``).
 
-:class:`IncidentRecorder` listens to ``engines.stall_watch``: it is called on the watch's threads
+:class:`IncidentRecorder` listens to ``engines.watchdog.stall_watch``: it is called on the watch's threads
 when an incident's evidence has been taken and when the incident closes, in either order (a
 py-spy read of a stopped process may outlast a short stall). Each call writes the incident's
 whole state, so the row ends up as the incident ended whatever the order. A database that does
@@ -19,7 +19,7 @@ from django.db import connection
 from engines.history.outage import OUTAGE_ERRORS
 from engines.models import StallIncidentRecord
 from engines.server.server_identity import fleet_name, server_id
-from engines.watchdog import StallIncident
+from engines.watchdog.detector import StallIncident
 
 __all__ = ["IncidentRecorder", "incident_recorder"]
 

@@ -217,8 +217,8 @@ async def dump_workload(request: HttpRequest) -> HttpResponse:
 async def list_incidents(request: HttpRequest) -> HttpResponse:
     """The engine's stalls this server saw (``StallIncident`` fields, evidence included), newest
     first, the open one among them; ``model`` optional (the first engine). Read from the
-    watchdog (``engines.stall_watch``), never from the engine: it answers while the engine cannot."""
-    from engines.stall_watch import stall_watch
+    watchdog (``engines.watchdog.stall_watch``), never from the engine: it answers while the engine cannot."""
+    from engines.watchdog.stall_watch import stall_watch
 
     body = parse_body(request)
     engine = lookup(body.model)

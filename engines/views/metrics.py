@@ -49,7 +49,7 @@ from engines.server.loop_lag import loop_lag
 from engines.prometheus_names import DEFAULT_METRICS_PREFIX, VLLM_ALIASES, VLLM_MODEL_LABEL
 from engines.registry import registry
 from engines.server.server_identity import source_commit
-from engines.stall_watch import stall_watch
+from engines.watchdog.stall_watch import stall_watch
 from engines.runtime import AsyncEngine, EngineDeadError, HistogramSnapshot
 from engines.views.api import api_view, json_response
 from engines.server.cancellation import within
@@ -200,7 +200,7 @@ class EngineCollector(Collector):
                                labels=["model", "state"])
         restarts = CounterMetricFamily(self.prefix + "restarts", "Times the engine was restarted after it died.",
                                        labels=["model"])
-        # The watchdog's (engines.stall_watch): incidents opened, and whether one is open now.
+        # The watchdog's (engines.watchdog.stall_watch): incidents opened, and whether one is open now.
         stalls = CounterMetricFamily(self.prefix + "stalls", "Times the engine was seen up but not progressing "
                                      "(the watchdog's incidents).", labels=["model"])
         stalled = GaugeMetricFamily(self.prefix + "stalled", "1 while a stall incident of the engine is open.",
@@ -349,7 +349,7 @@ async def health(request: HttpRequest) -> HttpResponse:
     dead = [engine.name for engine in registry if not engine.is_alive]
     if dead:
         return json_response({"status": "unhealthy", "dead_engines": dead, "engines": statuses}, status=503)
-    # Up but not progressing (the watchdog, engines.stall_watch): 503 so a load balancer moves
+    # Up but not progressing (the watchdog, engines.watchdog.stall_watch): 503 so a load balancer moves
     # traffic, unless serve --stall-health-ok keeps 200; the reason either way.
     stalled = {engine.name: {"reason": i.reason, "detail": i.detail, "since": i.opened_wall}
                for engine in registry if (i := stall_watch.open_incident(engine.name)) is not None}

@@ -10,7 +10,7 @@ from django.urls import reverse
 
 from engines.history.incidents import IncidentRecorder
 from engines.models import StallIncidentRecord
-from engines.watchdog import StallIncident
+from engines.watchdog.detector import StallIncident
 
 pytestmark = pytest.mark.django_db
 

@@ -11,8 +11,8 @@ import pytest
 
 from engines.server.loop_lag import LoopLagMonitor
 from engines.registry import registry
-from engines.stall_watch import StallWatch, stall_watch
-from engines.watchdog import StallThresholds
+from engines.watchdog.stall_watch import StallWatch, stall_watch
+from engines.watchdog.detector import StallThresholds
 from tests.server.conftest import TRACED
 
 HELD_S = 2.0

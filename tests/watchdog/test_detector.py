@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from engines.watchdog import ProgressReading as R
-from engines.watchdog import StallDetector, StallThresholds
+from engines.watchdog.detector import ProgressReading as R
+from engines.watchdog.detector import StallDetector, StallThresholds
 
 T = StallThresholds(no_progress_s=1.0, step_s=2.0, loop_lag_s=0.5)
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from engines.stack_capture import outside_stacks
+from engines.watchdog.stack_capture import outside_stacks
 
 SLEEPER = "import time\ndef parked_here():\n    time.sleep(120)\nparked_here()\n"
 

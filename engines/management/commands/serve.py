@@ -44,8 +44,8 @@ from engines.history.autosave import HistoryAutosave
 from engines.history.capture import start_digest_process, stop_digest_process
 from engines.server.loop_lag import loop_lag
 from engines.history.incidents import incident_recorder
-from engines.stall_watch import stall_watch
-from engines.watchdog import LOOP_LAG_S, NO_PROGRESS_S, STEP_S, StallThresholds
+from engines.watchdog.stall_watch import stall_watch
+from engines.watchdog.detector import LOOP_LAG_S, NO_PROGRESS_S, STEP_S, StallThresholds
 from engines.server.malloc_tuning import tune_malloc
 from engines.prometheus_names import DEFAULT_METRICS_PREFIX, check_prefix
 from engines import otel

@@ -1,6 +1,6 @@
 """A test-only hook: one engine step held for a while, as a device that hangs in a kernel would.
 
-The watchdog's long-step rule (``engines.stall_watch``) is tested against a real server whose
+The watchdog's long-step rule (``engines.watchdog.stall_watch``) is tested against a real server whose
 engine process holds one step: ``ENGINES_TEST_STEP_HOLD="N:S"`` holds the N-th step that has work
 for S seconds (``tests/watchdog/test_stall_e2e.py``). Unset, as everywhere but that test, the
 loop pays one attribute read a step. Read once, when the engine's loop is made.

@@ -1,5 +1,5 @@
 """The watchdog at work: polls every engine's progress board from a thread of its own, feeds
-each engine's :class:`~engines.watchdog.StallDetector`, and captures the evidence of an
+each engine's :class:`~engines.watchdog.detector.StallDetector`, and captures the evidence of an
 incident the moment one opens, before anyone restarts anything.
 
 A thread, not a task of the event loop: the loop may be what is stuck (one of the three rules).
@@ -32,8 +32,8 @@ import orjson
 
 from engines.server.loop_lag import LoopLagMonitor, loop_lag
 from engines.registry import registry
-from engines.stack_capture import outside_stacks
-from engines.watchdog import ProgressReading, StallDetector, StallIncident, StallThresholds
+from engines.watchdog.stack_capture import outside_stacks
+from engines.watchdog.detector import ProgressReading, StallDetector, StallIncident, StallThresholds
 
 if TYPE_CHECKING:
     from engines.runtime import AsyncEngine
