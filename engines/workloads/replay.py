@@ -5,7 +5,8 @@ Each recorded request is sent at its arrival offset (divided by ``speed``) to ``
 streamed, with its recorded prompt where the workload holds one (``prompt_token_ids``: recorded
 with ``serve --capture-text``), else a prompt of its recorded token length (token ids, the
 completions API's other prompt form), and its recorded sampling parameters; ``max_tokens`` is its
-recorded output length with ``ignore_eos``, so the two runs do the same work. Each carries
+recorded output length with ``ignore_eos`` and as many ``min_tokens`` (for a server without
+``ignore_eos``: llama.cpp's Python server stops at EOS), so the two runs do the same work. Each carries
 ``X-Request-Id: replay-<tag>-<index>``, which names its trace lane and history rows on our servers.
 The client measures TTFT (first token chunk), the gaps between token chunks (ITL) and E2E, as an
 OpenAI client does. A run is bounded by ``max_requests`` and ``max_seconds``.
@@ -138,8 +139,9 @@ def _body(index: int, recorded: dict[str, Any], model: str, prompt_form: str = "
         "model": model, "prompt": _prompt(index, recorded, prompt_form),
         "max_tokens": completion,
         "temperature": recorded.get("temperature", 1.0), "top_p": recorded.get("top_p", 1.0), "stream": True,
-        # Its recorded length either way: the replay does the same work (vLLM's extension, as ours).
-        "ignore_eos": True,
+        # Its recorded length either way: the replay does the same work (vLLM's extensions, as ours;
+        # llama-cpp-python's server ignores ignore_eos, and honours min_tokens).
+        "ignore_eos": True, "min_tokens": completion,
         # The last chunk's usage: the output tokens as the server counts them.
         "stream_options": {"include_usage": True},
     }

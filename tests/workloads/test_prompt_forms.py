@@ -27,6 +27,11 @@ def test_text_is_about_as_many_tokens_of_a_llama_tokenizer() -> None:
     assert abs(tokens - ROW["prompt_tokens"]) <= 3, tokens
 
 
+def test_the_recorded_output_length_is_asked_for_with_and_without_ignore_eos() -> None:
+    body = _body(0, ROW, "m", "text")
+    assert body["max_tokens"] == body["min_tokens"] == 3 and body["ignore_eos"] is True
+
+
 def test_an_unknown_prompt_form_is_refused() -> None:
     workload = {"format": "llm-debugsite.workload", "version": 1, "requests": [ROW]}
     with pytest.raises(WorkloadError, match="prompt_form"):
