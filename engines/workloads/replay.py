@@ -7,7 +7,8 @@ with ``serve --capture-text``), else a prompt of its recorded token length (toke
 completions API's other prompt form), and its recorded sampling parameters; ``max_tokens`` is its
 recorded output length with ``ignore_eos`` and as many ``min_tokens`` (for a server without
 ``ignore_eos``: llama.cpp's Python server stops at EOS), so the two runs do the same work. Each carries
-``X-Request-Id: replay-<tag>-<index>``, which names its trace lane and history rows on our servers.
+``X-Request-Id: replay-<tag>-<index>``, which names its trace lane and history rows on our servers
+(unless ``request_ids`` is false: llama-cpp-python's server refuses an id that is not a UUID).
 The client measures TTFT (first token chunk), the gaps between token chunks (ITL) and E2E, as an
 OpenAI client does. A run is bounded by ``max_requests`` and ``max_seconds``.
 """
@@ -45,7 +46,7 @@ class ReplayedRequest:
     request_id: str
     offset_s: float
     sent_offset_s: float
-    #: The ``X-Request-Id`` it was sent with (the target's name for it).
+    #: The ``X-Request-Id`` it was sent with (the target's name for it; empty: sent without one).
     sent_id: str = ""
     status: int | None = None
     ttft_s: float | None = None
@@ -151,19 +152,20 @@ def _body(index: int, recorded: dict[str, Any], model: str, prompt_form: str = "
 
 
 async def _one(client: httpx.AsyncClient, index: int, recorded: dict[str, Any], model: str, start: float,
-               speed: float, deadline: float, tag: str, prompt_form: str) -> ReplayedRequest:
+               speed: float, deadline: float, tag: str, prompt_form: str, request_ids: bool) -> ReplayedRequest:
     await asyncio.sleep(max(0.0, start + recorded["offset_s"] / speed - time.perf_counter()))
     sent = time.perf_counter()
     out = ReplayedRequest(str(recorded.get("request_id", index)), recorded["offset_s"], sent - start,
-                          sent_id=f"replay-{tag}-{index}")
+                          sent_id=f"replay-{tag}-{index}" if request_ids else "")
     last = None
     try:
         async with client.stream("POST", "/v1/completions", json=_body(index, recorded, model, prompt_form),
-                                 headers={"X-Request-Id": out.sent_id},
+                                 headers={"X-Request-Id": out.sent_id} if out.sent_id else {},
                                  timeout=max(1.0, deadline - sent)) as response:
             out.status = response.status_code
             if response.status_code != 200:
-                out.error = (await response.aread()).decode("utf-8", "replace")[:500]
+                body = (await response.aread()).decode("utf-8", "replace")[:500]
+                out.error = body or f"HTTP {response.status_code} with no body"
                 return out
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -190,11 +192,12 @@ async def _one(client: httpx.AsyncClient, index: int, recorded: dict[str, Any], 
 
 async def replay(workload: dict[str, Any], client: httpx.AsyncClient, model: str, target: str, speed: float = 1.0,
                  max_requests: int | None = None, max_seconds: float = 600.0, tag: str | None = None,
-                 prompt_form: str = "ids") -> Run:
+                 prompt_form: str = "ids", request_ids: bool = True) -> Run:
     """Send ``workload``'s requests through ``client`` (its base URL the server) to ``model``, at their
     offsets divided by ``speed``; at most ``max_requests`` of them, and none after ``max_seconds``.
     ``tag`` names the requests (``replay-<tag>-<index>``; default: a fresh one); ``prompt_form``
-    is one of :data:`PROMPT_FORMS`."""
+    is one of :data:`PROMPT_FORMS`; ``request_ids`` false sends no ``X-Request-Id`` (for a server
+    that refuses ours: llama-cpp-python's takes UUIDs only, and answers any other with a bare 400)."""
     if not speed > 0:
         raise WorkloadError(f"speed must be > 0, not {speed}")
     if prompt_form not in PROMPT_FORMS:
@@ -204,7 +207,7 @@ async def replay(workload: dict[str, Any], client: httpx.AsyncClient, model: str
     tag = tag or uuid.uuid4().hex[:8]
     started_unix, start = time.time(), time.perf_counter()
     deadline = start + max_seconds
-    done = await asyncio.gather(*(_one(client, i, r, model, start, speed, deadline, tag, prompt_form)
+    done = await asyncio.gather(*(_one(client, i, r, model, start, speed, deadline, tag, prompt_form, request_ids)
                                   for i, r in enumerate(requests)))
     return Run(target, model, str(workload.get("engine", "")), speed, started_unix, list(done),
                duration_s=time.perf_counter() - start, tag=tag)

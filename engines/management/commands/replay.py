@@ -38,6 +38,8 @@ class Command(BaseCommand):
                             help="send nothing after this many seconds, and give up on a request then (default 600)")
         parser.add_argument("--prompt-form", choices=PROMPT_FORMS, default="ids",
                             help="prompts as token ids (default) or as text, for a server that takes text only")
+        parser.add_argument("--no-request-ids", action="store_true",
+                            help="send no X-Request-Id (llama-cpp-python's server refuses any that is not a UUID)")
         parser.add_argument("--save", action="store_true",
                             help="keep the run in the history (the admin's Replay runs), with the target's "
                                  "configuration, and on our servers a profile and the trace of the run")
@@ -78,7 +80,7 @@ class Command(BaseCommand):
             async with httpx.AsyncClient(base_url=options["target"], headers=headers) as client:
                 return await replay(workload, client, model, options["target"], options["speed"],
                                     options["max_requests"], options["max_seconds"],
-                                    prompt_form=options["prompt_form"])
+                                    prompt_form=options["prompt_form"], request_ids=not options["no_request_ids"])
 
         try:
             return asyncio.run(run()).as_dict()
