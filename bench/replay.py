@@ -343,7 +343,8 @@ def replay_rounds(targets: list[Target], workload: dict[str, Any],
             runs[target.name].append(run)
             failed = sum(r["error"] is not None for r in run["requests"])
             short = ended_short(run, workload)
-            print(f"round {round_ + 1}: {target.name} in {run['duration_s']:.1f} s"
+            rate = medians(run)["tokens/s"] or 0.0
+            print(f"round {round_ + 1}: {target.name} in {run['duration_s']:.1f} s, {rate:,.1f} output tokens/s"
                   f"{f', {failed} request(s) failed' if failed else ''}"
                   f"{f', {short} ended before their recorded length' if short else ''}", flush=True)
         for target in [t for t in live if t.name != "ours" and t.process.poll() is not None]:
