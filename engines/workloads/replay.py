@@ -18,6 +18,7 @@ import asyncio
 import statistics
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -151,21 +152,20 @@ def _body(index: int, recorded: dict[str, Any], model: str, prompt_form: str = "
     return body
 
 
-async def _one(client: httpx.AsyncClient, index: int, recorded: dict[str, Any], model: str, start: float,
-               speed: float, deadline: float, tag: str, prompt_form: str, request_ids: bool) -> ReplayedRequest:
+async def _one(client: httpx.AsyncClient, index: int, recorded: dict[str, Any], body: dict[str, Any], sent_id: str,
+               start: float, speed: float, deadline: float) -> ReplayedRequest:
     await asyncio.sleep(max(0.0, start + recorded["offset_s"] / speed - time.perf_counter()))
     sent = time.perf_counter()
-    out = ReplayedRequest(str(recorded.get("request_id", index)), recorded["offset_s"], sent - start,
-                          sent_id=f"replay-{tag}-{index}" if request_ids else "")
+    out = ReplayedRequest(str(recorded.get("request_id", index)), recorded["offset_s"], sent - start, sent_id=sent_id)
     last = None
     try:
-        async with client.stream("POST", "/v1/completions", json=_body(index, recorded, model, prompt_form),
+        async with client.stream("POST", "/v1/completions", json=body,
                                  headers={"X-Request-Id": out.sent_id} if out.sent_id else {},
                                  timeout=max(1.0, deadline - sent)) as response:
             out.status = response.status_code
             if response.status_code != 200:
-                body = (await response.aread()).decode("utf-8", "replace")[:500]
-                out.error = body or f"HTTP {response.status_code} with no body"
+                reply = (await response.aread()).decode("utf-8", "replace")[:500]
+                out.error = reply or f"HTTP {response.status_code} with no body"
                 return out
             async for line in response.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -192,12 +192,15 @@ async def _one(client: httpx.AsyncClient, index: int, recorded: dict[str, Any], 
 
 async def replay(workload: dict[str, Any], client: httpx.AsyncClient, model: str, target: str, speed: float = 1.0,
                  max_requests: int | None = None, max_seconds: float = 600.0, tag: str | None = None,
-                 prompt_form: str = "ids", request_ids: bool = True) -> Run:
+                 prompt_form: str = "ids", request_ids: bool = True,
+                 extra_body: Mapping[str, Any] | None = None) -> Run:
     """Send ``workload``'s requests through ``client`` (its base URL the server) to ``model``, at their
     offsets divided by ``speed``; at most ``max_requests`` of them, and none after ``max_seconds``.
     ``tag`` names the requests (``replay-<tag>-<index>``; default: a fresh one); ``prompt_form``
     is one of :data:`PROMPT_FORMS`; ``request_ids`` false sends no ``X-Request-Id`` (for a server
-    that refuses ours: llama-cpp-python's takes UUIDs only, and answers any other with a bare 400)."""
+    that refuses ours: llama-cpp-python's takes UUIDs only, and answers any other with a bare 400);
+    ``extra_body``'s keys go into every request's body (a server's own settings: llama-cpp-python's
+    server applies ``repeat_penalty`` 1.1 unless a request says 1.0, where ours and vLLM apply none)."""
     if not speed > 0:
         raise WorkloadError(f"speed must be > 0, not {speed}")
     if prompt_form not in PROMPT_FORMS:
@@ -207,7 +210,8 @@ async def replay(workload: dict[str, Any], client: httpx.AsyncClient, model: str
     tag = tag or uuid.uuid4().hex[:8]
     started_unix, start = time.time(), time.perf_counter()
     deadline = start + max_seconds
-    done = await asyncio.gather(*(_one(client, i, r, model, start, speed, deadline, tag, prompt_form, request_ids)
+    done = await asyncio.gather(*(_one(client, i, r, {**_body(i, r, model, prompt_form), **(extra_body or {})},
+                                       f"replay-{tag}-{i}" if request_ids else "", start, speed, deadline)
                                   for i, r in enumerate(requests)))
     return Run(target, model, str(workload.get("engine", "")), speed, started_unix, list(done),
                duration_s=time.perf_counter() - start, tag=tag)
