@@ -11,7 +11,8 @@ tiny generation first: the build without AMX where the default one dies in its f
 request at a time (one ``Llama`` behind a lock, no batching), in the environment the bench started
 with, and with ``--interrupt_requests False``: by default a request that waits cuts the running
 one's stream short; it answers an ``X-Request-Id`` that is not a UUID with a bare 400
-(starlette-context's check), so the replay names no request there.
+(starlette-context's check), so the replay names no request there, and applies a repeat penalty
+of 1.1 unless a request says otherwise, so each says ``repeat_penalty: 1.0`` (``LLAMACPP_BODY``).
 
 The workload is recorded on ours: ``--bursts`` bursts ``--burst-gap`` seconds apart, each of 4 to 8
 requests sent at once, prompts of 64 to 256 tokens and 64 to 128 output tokens (a seeded draw,
@@ -44,7 +45,7 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,9 @@ PROMPT_TOKENS = (64, 256)
 OUTPUT_TOKENS = (64, 128)
 #: llama.cpp's context: the longest request (256 + 128 tokens, and a few of the text prompt's index) fits.
 LLAMACPP_CONTEXT = 1024
+#: What every request to llama.cpp's server adds: its server applies a repeat penalty of 1.1 unless a
+#: request says otherwise (ours and vLLM none), which would make its greedy replay another sampler's.
+LLAMACPP_BODY = {"repeat_penalty": 1.0}
 PROMPT_FORM = "text"
 
 
@@ -230,12 +234,14 @@ async def warm_up(base: str, model: str) -> None:
         answer.raise_for_status()
 
 
-async def replay_onto(workload: dict[str, Any], base: str, model: str, target: str, speed: float,
-                      max_seconds: float, tag: str, request_ids: bool) -> dict[str, Any]:
-    """``workload`` replayed onto ``base`` with text prompts: the run as its JSON."""
-    async with httpx.AsyncClient(base_url=base) as client:
-        run = await replay(workload, client, model, target, speed, max_seconds=max_seconds, tag=tag,
-                           prompt_form=PROMPT_FORM, request_ids=request_ids)
+async def replay_onto(workload: dict[str, Any], target: Target, speed: float, max_seconds: float,
+                      tag: str) -> dict[str, Any]:
+    """``workload`` replayed onto ``target`` with text prompts: the run as its JSON. llama.cpp's server
+    refuses an ``X-Request-Id`` that is not a UUID: only ours gets the requests' names."""
+    async with httpx.AsyncClient(base_url=target.base) as client:
+        run = await replay(workload, client, target.model, target.name, speed, max_seconds=max_seconds, tag=tag,
+                           prompt_form=PROMPT_FORM, request_ids=target.name == "ours",
+                           extra_body=target.extra_body)
     return run.as_dict()
 
 
@@ -306,6 +312,8 @@ class Target:
     config: dict[str, Any]
     process: subprocess.Popen
     log: Path | None = None
+    #: Added to each request's body (``replay``'s ``extra_body``).
+    extra_body: dict[str, Any] = field(default_factory=dict)
 
     def failure(self, what: str) -> str:
         """``what`` went wrong, with the server's exit status (None: still running) and its log's tail."""
@@ -336,9 +344,7 @@ def replay_rounds(targets: list[Target], workload: dict[str, Any],
     for round_ in range(args.rounds):
         for target in (live if round_ % 2 == 0 else live[::-1]):
             tag = f"{stamp}-{'ours' if target.name == 'ours' else 'llamacpp'}-{round_}"
-            # llama.cpp's server refuses an X-Request-Id that is not a UUID: its requests go unnamed.
-            run = asyncio.run(replay_onto(workload, target.base, target.model, target.name, args.speed,
-                                          args.max_seconds, tag, request_ids=target.name == "ours"))
+            run = asyncio.run(replay_onto(workload, target, args.speed, args.max_seconds, tag))
             run["target_config"] = target.config
             runs[target.name].append(run)
             failed = sum(r["error"] is not None for r in run["requests"])
@@ -417,8 +423,8 @@ def main() -> None:
                 listed = httpx.get(f"{llama_base}/v1/models", timeout=30).json()["data"][0]["id"]
                 version = f"llama-cpp-python {LLAMA_CPP_VERSION} ({build.name} build: {build.flags})"
                 targets.append(Target("llama.cpp", llama_base, listed, {
-                    "kind": "llama.cpp", "version": version, "flags": " ".join(flags), "threads": args.threads},
-                    llama, log))
+                    "kind": "llama.cpp", "version": version, "flags": " ".join(flags), "threads": args.threads,
+                    "request_body": LLAMACPP_BODY}, llama, log, LLAMACPP_BODY))
 
         workload = asyncio.run(record(ours_base, plan))
         write_json(folder / "workload.json", workload)
