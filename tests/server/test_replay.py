@@ -52,3 +52,12 @@ def test_a_value_that_is_not_a_workload_this_version_replays_is_refused(tmp_path
         with pytest.raises(CommandError, match=words):
             call_command("replay", str(path), "--target", "http://127.0.0.1:9", "--output", str(tmp_path / "r.json"))
     assert len(prompt_for(3, 40)) == 40 and prompt_for(3, 40) != prompt_for(4, 40)
+
+
+def test_an_extra_body_that_is_not_a_json_object_is_refused(tmp_path) -> None:
+    path = tmp_path / "w.json"
+    path.write_bytes(orjson.dumps({"format": "llm-debugsite.workload", "version": 1, "engine": "demo", "requests": []}))
+    for bad, words in (("[1]", "must be a JSON object"), ("{nope", "--extra-body")):
+        with pytest.raises(CommandError, match=words):
+            call_command("replay", str(path), "--target", "http://127.0.0.1:9", "--extra-body", bad,
+                         "--output", str(tmp_path / "r.json"))

@@ -40,6 +40,9 @@ class Command(BaseCommand):
                             help="prompts as token ids (default) or as text, for a server that takes text only")
         parser.add_argument("--no-request-ids", action="store_true",
                             help="send no X-Request-Id (llama-cpp-python's server refuses any that is not a UUID)")
+        parser.add_argument("--extra-body", default=None, metavar="JSON",
+                            help="a JSON object whose keys go into every request's body (llama-cpp-python's server: "
+                                 "'{\"repeat_penalty\": 1.0}', or it applies 1.1)")
         parser.add_argument("--save", action="store_true",
                             help="keep the run in the history (the admin's Replay runs), with the target's "
                                  "configuration, and on our servers a profile and the trace of the run")
@@ -75,12 +78,19 @@ class Command(BaseCommand):
         if not model:
             raise CommandError("name the model: --model NAME (the workload names no engine)")
         headers = {"Authorization": f"Bearer {options['api_key']}"} if options["api_key"] else {}
+        try:
+            extra_body = orjson.loads(options["extra_body"]) if options["extra_body"] else None
+        except orjson.JSONDecodeError as exc:
+            raise CommandError(f"--extra-body: {exc}") from None
+        if extra_body is not None and not isinstance(extra_body, dict):
+            raise CommandError("--extra-body must be a JSON object")
 
         async def run() -> Any:
             async with httpx.AsyncClient(base_url=options["target"], headers=headers) as client:
                 return await replay(workload, client, model, options["target"], options["speed"],
                                     options["max_requests"], options["max_seconds"],
-                                    prompt_form=options["prompt_form"], request_ids=not options["no_request_ids"])
+                                    prompt_form=options["prompt_form"], request_ids=not options["no_request_ids"],
+                                    extra_body=extra_body)
 
         try:
             return asyncio.run(run()).as_dict()
