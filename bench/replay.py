@@ -176,7 +176,9 @@ def llamacpp_server_python(choice: str) -> tuple[LlamaBuild, Path]:
         print(f"llama.cpp {ready['version']} ({build.name} build: {build.flags}): {ready['system']}", flush=True)
         tool_venv(build.venv.relative_to(REPO / "var").as_posix(), SERVER_REQUIREMENTS)
     except (SystemExit, subprocess.CalledProcessError) as exc:
-        raise LlamaCppUnavailable(f"llama-cpp-python {LLAMA_CPP_VERSION} is not usable here: {exc}") from None
+        # A build chosen by hand is not replaced when its probe dies (-11, SIGSEGV: AMX's on some Xeons).
+        hint = "" if choice == "auto" else f" (the {choice} build, chosen by --llamacpp-build; auto falls back)"
+        raise LlamaCppUnavailable(f"llama-cpp-python {LLAMA_CPP_VERSION} is not usable here{hint}: {exc}") from None
     return build, build.python
 
 
