@@ -137,6 +137,13 @@ class WorkloadAdmin(ServerColumn, _JsonPayloadAdmin[WorkloadRecord]):
                                 for key in ("target", "model", "api_key", "note")}
         if request.POST.get("prompt_form"):
             form["prompt_form"] = request.POST["prompt_form"]
+        form["request_ids"] = request.POST.get("no_request_ids") != "on"
+        if request.POST.get("extra_body", "").strip():
+            try:
+                form["extra_body"] = orjson.loads(request.POST["extra_body"])
+            except orjson.JSONDecodeError as exc:
+                self.message_user(request, f"The replay was not started: extra body: {exc}.", messages.ERROR)
+                return HttpResponseRedirect(reverse("admin:engines_workloadrecord_change", args=[record.pk]))
         for key in _NUMBERS:
             if request.POST.get(key, "").strip():
                 form[key] = request.POST[key].strip()

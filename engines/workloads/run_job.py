@@ -68,6 +68,10 @@ class ReplayJob(BaseModel):
     max_seconds: float = Field(default=600.0, gt=0, le=24 * 3600)
     profile: bool = True
     prompt_form: Literal["ids", "text"] = "ids"
+    #: False for a server that refuses our X-Request-Id (llama-cpp-python's takes UUIDs only).
+    request_ids: bool = True
+    #: A server's own settings in every body (llama-cpp-python's: {"repeat_penalty": 1.0}).
+    extra_body: dict[str, Any] = Field(default_factory=dict)
     note: StrictStr = Field(default="", max_length=2000)
 
 
@@ -209,7 +213,8 @@ async def run_replay(pk: int, job: ReplayJob) -> None:
                 if problem:
                     notes.append(problem)
             run: Run = await replay(workload, client, model, job.target, job.speed, job.max_requests,
-                                    job.max_seconds, tag=f"r{pk}", prompt_form=job.prompt_form)
+                                    job.max_seconds, tag=f"r{pk}", prompt_form=job.prompt_form,
+                                    request_ids=job.request_ids, extra_body=job.extra_body or None)
             profile_id = trace_id = None
             profile_kernels: list[dict[str, Any]] = []
             if profiling:

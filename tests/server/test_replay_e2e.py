@@ -14,7 +14,7 @@ import orjson
 import pytest
 from django.core.management import call_command
 
-from engines.history.workloads import save_workload
+from engines.history.workloads import read_json_payload, save_workload
 from engines.models import FleetJobTarget, ReplayRunRecord, TraceRecord
 from engines.runtime import WORKLOAD_FORMAT, WORKLOAD_VERSION
 from engines.workloads.run_job import wait_for_run
@@ -123,10 +123,16 @@ def test_a_replay_onto_nothing_fails_its_run_with_the_reason(admin_client) -> No
     workload = save_workload(bursty_workload(), engine="demo")
     bad = admin_client.post(f"/admin/engines/workloadrecord/{workload.pk}/replay/", {"target": "not a url"})
     assert bad.status_code == 302 and not ReplayRunRecord.objects.exists()
+    bad_body = admin_client.post(f"/admin/engines/workloadrecord/{workload.pk}/replay/",
+                                 {"target": "http://127.0.0.1:9", "extra_body": "{not json"})
+    assert bad_body.status_code == 302 and not ReplayRunRecord.objects.exists()
     reply = admin_client.post(f"/admin/engines/workloadrecord/{workload.pk}/replay/",
-                              {"target": "http://127.0.0.1:9", "max_requests": "2", "max_seconds": "5"})
+                              {"target": "http://127.0.0.1:9", "max_requests": "2", "max_seconds": "5",
+                               "no_request_ids": "on", "extra_body": '{"repeat_penalty": 1.0}'})
     run = ReplayRunRecord.objects.get()
     assert reply.status_code == 302 and wait_for_run(run.pk, timeout=60)
     run.refresh_from_db()
     # Nothing answers: the run ends, each request an error the run keeps (not a crash, not "running").
     assert run.state == "done" and run.succeeded == 0 and run.request_count == 2
+    sent = read_json_payload(run)["requests"]
+    assert [r["sent_id"] for r in sent] == ["", ""] and all(r["error"] for r in sent)  # no X-Request-Id

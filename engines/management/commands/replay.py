@@ -78,12 +78,7 @@ class Command(BaseCommand):
         if not model:
             raise CommandError("name the model: --model NAME (the workload names no engine)")
         headers = {"Authorization": f"Bearer {options['api_key']}"} if options["api_key"] else {}
-        try:
-            extra_body = orjson.loads(options["extra_body"]) if options["extra_body"] else None
-        except orjson.JSONDecodeError as exc:
-            raise CommandError(f"--extra-body: {exc}") from None
-        if extra_body is not None and not isinstance(extra_body, dict):
-            raise CommandError("--extra-body must be a JSON object")
+        extra_body = self._extra_body(options)
 
         async def run() -> Any:
             async with httpx.AsyncClient(base_url=options["target"], headers=headers) as client:
@@ -96,6 +91,16 @@ class Command(BaseCommand):
             return asyncio.run(run()).as_dict()
         except WorkloadError as exc:
             raise CommandError(str(exc)) from None
+
+    @staticmethod
+    def _extra_body(options: dict[str, Any]) -> dict[str, Any] | None:
+        try:
+            extra_body = orjson.loads(options["extra_body"]) if options["extra_body"] else None
+        except orjson.JSONDecodeError as exc:
+            raise CommandError(f"--extra-body: {exc}") from None
+        if extra_body is not None and not isinstance(extra_body, dict):
+            raise CommandError("--extra-body must be a JSON object")
+        return extra_body
 
     def _saved_run(self, options: dict[str, Any]) -> dict[str, Any]:
         name = options["workload"]
@@ -113,7 +118,8 @@ class Command(BaseCommand):
             job = ReplayJob(workload_id=workload_id, target=options["target"], model=options["model"] or "",
                             speed=options["speed"], api_key=options["api_key"] or "",
                             max_requests=options["max_requests"], max_seconds=options["max_seconds"],
-                            prompt_form=options["prompt_form"])
+                            prompt_form=options["prompt_form"], request_ids=not options["no_request_ids"],
+                            extra_body=self._extra_body(options) or {})
             record = start_replay(job, requested_by="manage.py replay")
         except (ValidationError, AttachError, WorkloadRecord.DoesNotExist) as exc:
             raise CommandError(str(exc)) from None
