@@ -1,10 +1,25 @@
-"""bench/commits_ab.py's verdicts: every round's paired ratio on one side of 1 is beyond noise,
+"""scripts/commits_ab.py's verdicts: every round's paired ratio on one side of 1 is beyond noise,
 ratios on both sides are not, and one round has no spread to judge by."""
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import orjson
 
-from bench.commits_ab import figures, table
+
+def _load_script():
+    path = Path(__file__).resolve().parents[1] / "scripts" / "commits_ab.py"
+    spec = importlib.util.spec_from_file_location("commits_ab", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+commits_ab = _load_script()
+figures, table = commits_ab.figures, commits_ab.table
 
 
 def rows(path, values, metric="ours") -> None:

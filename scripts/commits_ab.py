@@ -11,8 +11,8 @@ round's ratio lies on the same side of 1 (with 5 rounds, a chance of 1 in 16 whe
 else "within noise" (one round has no spread to judge by). The table is Markdown, for a commit
 message or a pull request.
 
-    .venv/bin/python bench/commits_ab.py ad0fff1 HEAD --rounds 5 -- bench/decode.py --batch-sizes 1,8
-    .venv/bin/python bench/commits_ab.py ad0fff1 HEAD -- bench/engine_throughput.py
+    .venv/bin/python scripts/commits_ab.py ad0fff1 HEAD --rounds 5 -- bench/decode.py --batch-sizes 1,8
+    .venv/bin/python scripts/commits_ab.py ad0fff1 HEAD -- bench/engine_throughput.py
 """
 from __future__ import annotations
 
