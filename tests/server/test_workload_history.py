@@ -112,3 +112,16 @@ def test_the_recorder_keeps_token_ids_within_its_budget_oldest_first() -> None:
     assert ["prompt_token_ids" in r for r in rows] == [False, True, True]  # the budget
     assert rows[2]["output_text"] == "[4,5]"
     assert all("prompt_token_ids" not in r for r in recorder.dump("e").requests)  # no text without decode
+
+
+async def test_the_trace_lists_action_makes_a_workload_and_opens_it(client: httpx.AsyncClient, admin_client) -> None:
+    await _send(client, ["one two", "three four five"])
+    saved = (await client.post("/debug/save_event_trace", json={"model": TRACED})).json()
+    post = sync_to_async(admin_client.post)
+    reply = await post("/admin/engines/tracerecord/", {"action": "make_workloads", "_selected_action": [saved["id"]]})
+    record = await WorkloadRecord.objects.aget(trace_id=saved["id"])
+    assert reply.status_code == 302 and reply["Location"].endswith(f"/workloadrecord/{record.pk}/change/")
+    assert (record.source, record.request_count) == ("trace", 2)
+    page = await sync_to_async(admin_client.get)(reply["Location"])
+    assert page.status_code == 200 and b'id="replay-form"' in page.content and b"from trace #" in page.content
+    await registry.get(TRACED).reset(clear_trace=True)
