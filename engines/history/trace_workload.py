@@ -26,8 +26,8 @@ def workload_from_summaries(engine: str, summaries: Iterable[Mapping[str, Any]])
     """A workload (docs/interfaces.md, "Workload") from request summaries: mappings with
     ``request_id``, ``added_ts`` (µs since the epoch), ``prompt_tokens``, ``completion_tokens``,
     ``finish_reason``, ``queue_us``, ``ttft_us`` and ``e2e_us``."""
-    timed = [s for s in summaries if s.get("added_ts") is not None and (s.get("prompt_tokens") or 0) >= 1]
-    rows = list(summaries) if not isinstance(summaries, list) else summaries
+    rows = list(summaries)
+    timed = [s for s in rows if s.get("added_ts") is not None and (s.get("prompt_tokens") or 0) >= 1]
     dropped = len(rows) - len(timed)
     timed.sort(key=lambda s: s["added_ts"])
     first = timed[0]["added_ts"] if timed else None
