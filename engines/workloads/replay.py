@@ -28,7 +28,7 @@ import orjson
 from engines.runtime import WORKLOAD_FORMAT, WORKLOAD_VERSION
 
 __all__ = ["PROMPT_FORMS", "RUN_FORMAT", "RUN_VERSION", "ReplayedRequest", "Run", "WorkloadError", "check_workload",
-           "prompt_for", "replay", "summarize"]
+           "output_tokens", "prompt_for", "replay", "summarize"]
 
 RUN_FORMAT = "llm-debugsite.run"
 RUN_VERSION = 1
@@ -81,11 +81,17 @@ class Run:
         return out
 
 
+def output_tokens(completion_tokens: int | None, itl_s: list[float]) -> int:
+    """A replayed request's output tokens: as its usage chunk said, else its text chunks counted
+    (docs/metrics.md, "Regression report")."""
+    return completion_tokens or len(itl_s) + 1
+
+
 def summarize(requests: list[ReplayedRequest], duration_s: float) -> dict[str, Any]:
     """A run's headline figures: requests, successes, TTFT p50 and p90, E2E p50, output tokens/s."""
     ok = [r for r in requests if r.error is None and r.ttft_s is not None]
     ttft = sorted(r.ttft_s for r in ok if r.ttft_s is not None)
-    tokens = sum(r.completion_tokens or len(r.itl_s) + 1 for r in ok)
+    tokens = sum(output_tokens(r.completion_tokens, r.itl_s) for r in ok)
     return {
         "requests": len(requests), "succeeded": len(ok),
         "ttft_p50_s": statistics.median(ttft) if ttft else None,

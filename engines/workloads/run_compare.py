@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from engines.workloads.replay import RUN_FORMAT, RUN_VERSION
+from engines.workloads.replay import RUN_FORMAT, RUN_VERSION, output_tokens
 
 __all__ = ["CDF_POINTS", "CONFIDENCE", "FIGURES", "RESAMPLES", "Comparison", "RunError", "cdf_points", "compare_runs",
            "config_diff", "flatten", "kernel_deltas", "markdown", "phase_deltas"]
@@ -85,7 +85,7 @@ def _verdict(low: float, high: float) -> str:
 
 
 def _throughput(run: dict[str, Any]) -> float | None:
-    tokens = sum(r.get("completion_tokens") or len(r.get("itl_s") or ()) + 1 for r in run["requests"]
+    tokens = sum(output_tokens(r.get("completion_tokens"), r.get("itl_s") or []) for r in run["requests"]
                  if r.get("error") is None)
     duration = run.get("duration_s") or 0
     return tokens / duration if duration > 0 else None

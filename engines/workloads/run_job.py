@@ -42,7 +42,7 @@ from engines.history.payload import compress_json
 from engines.history.workloads import read_json_payload
 from engines.models import FleetJob, FleetJobTarget, ProfileRecord, ReplayRunRecord, WorkloadRecord
 from engines.server.server_identity import server_id, url_server_id
-from engines.workloads.replay import Run, WorkloadError, replay, summarize
+from engines.workloads.replay import Run, WorkloadError, replay
 
 __all__ = ["ReplayJob", "run_replay", "start_replay", "wait_for_run"]
 
@@ -240,7 +240,7 @@ def _finish(pk: int, run: Run, config: dict[str, Any], notes: list[str], profile
             trace_id: int | None, profile_kernels: list[dict[str, Any]]) -> None:
     result = run.as_dict()
     result["target_config"], result["notes"], result["profile_kernels"] = config, notes, profile_kernels
-    summary = summarize(run.requests, run.duration_s)
+    summary = result["summary"]
     stored = compress_json(orjson.dumps(result))
     profile = profile_id if profile_id and _is_its_profile(profile_id, run, config) else None
     ReplayRunRecord.objects.filter(pk=pk).update(
