@@ -206,6 +206,8 @@ VIEWS = (
     View("profiler", "profiler_overhead", ("runtime",), metrics=("median total", "off/before", "on/off")),
     View("otel", "otel_overhead", ("machine", "mode"),
          metrics=("requests/s", "vs off", "off path a request", "span work a request")),
+    View("replay", "replay", ("machine", "server"), columns=("metric",),
+         metrics=("output tokens/s", "TTFT p50", "ITL p50", "E2E p50")),
     View("watchdog", "watchdog_overhead", ("machine", "threads", "watchdog"),
          metrics=("decode", "on/off", "board writes a step", "a poll", "cost from the parts")),
     View("metrics-truth", "metrics_truth", ("model", "source", "metric"), columns=("machine", "concurrency")),
